@@ -1,0 +1,357 @@
+//! The job actor: one actix actor per running job attempt.
+//!
+//! It drives the lifecycle from the job's last checkpoint: decide the next
+//! step with [`next_step`] (pure), carry it out, commit the checkpoint, repeat.
+//! Every write is fenced by the lease epoch; a lost lease stops it with no
+//! further side effects. It reports how the attempt ended to its supervisor.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use chrono::Utc;
+use serde_json::Value;
+
+use crate::context::Context;
+use crate::engine::Shared;
+use crate::error::{ErrorEnvelope, StepError};
+use crate::faults::{FailPoint, Injected};
+use crate::keys;
+use crate::lifecycle::{next_step, JobState, Step};
+use crate::outbound::PostError;
+use crate::retry::RetryPolicy;
+use crate::store::journal::{DeliveryStart, FailedSend};
+use crate::store::{Checkpoint, Fence, Leased};
+use crate::supervisor::Supervisor;
+use crate::webhook;
+use crate::workflow::{DeliveryPolicy, DynWorkflow};
+
+/// How one attempt ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The job is acked.
+    Acked,
+    /// The job is dead-lettered.
+    Dead,
+    /// A transient failure; the job runs again later.
+    Rescheduled,
+    /// Another attempt owns the job; nothing more was written.
+    LeaseLost,
+    /// A failpoint crashed the attempt; the lease expires and the supervisor resumes it.
+    Crashed,
+    /// The database failed while settling the attempt; the lease expires and it is resumed.
+    Abandoned(String),
+}
+
+// ---- messages ---------------------------------------------------------------
+
+/// Stop at once: the lease is lost or the node is shutting down.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Abort;
+
+/// An attempt ended (sent to the supervisor).
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct Finished {
+    pub job_id: String,
+    pub epoch: i64,
+    pub outcome: Outcome,
+}
+
+// ---- the actor --------------------------------------------------------------
+
+/// One job attempt.
+pub struct JobActor {
+    run: Option<JobRun>,
+    supervisor: Addr<Supervisor>,
+}
+
+impl JobActor {
+    pub(crate) fn new(run: JobRun, supervisor: Addr<Supervisor>) -> Self {
+        JobActor {
+            run: Some(run),
+            supervisor,
+        }
+    }
+}
+
+impl Actor for JobActor {
+    type Context = actix::Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let run = self.run.take().expect("a job actor starts once");
+        let (job_id, epoch) = (run.fence.job_id.clone(), run.fence.epoch);
+        ctx.spawn(run.execute().into_actor(self).map(move |outcome, act, ctx| {
+            act.supervisor.do_send(Finished { job_id, epoch, outcome });
+            ctx.stop();
+        }));
+    }
+}
+
+impl Handler<Abort> for JobActor {
+    type Result = ();
+    fn handle(&mut self, _: Abort, ctx: &mut Self::Context) {
+        // Dropping the spawned run cancels it at its current await point.
+        ctx.stop();
+    }
+}
+
+// ---- the run ----------------------------------------------------------------
+
+/// One attempt's work, independent of the actor that hosts it.
+pub(crate) struct JobRun {
+    fence: Fence,
+    state: JobState,
+    input: Value,
+    webhook_url: String,
+    workflow: Arc<dyn DynWorkflow>,
+    ctx: Context,
+    shared: Arc<Shared>,
+}
+
+impl JobRun {
+    pub(crate) fn new(leased: Leased, workflow: Arc<dyn DynWorkflow>, shared: Arc<Shared>) -> Self {
+        let ctx = Context {
+            fence: leased.fence.clone(),
+            store: shared.store.clone(),
+            provider: shared.provider.clone(),
+            faults: shared.faults.clone(),
+            wait_poll: shared.config.wait_poll,
+        };
+        JobRun {
+            input: leased.request.get("input").cloned().unwrap_or(Value::Null),
+            webhook_url: leased
+                .request
+                .get("webhook_url")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            fence: leased.fence,
+            state: leased.state,
+            workflow,
+            ctx,
+            shared,
+        }
+    }
+
+    /// Runs the attempt to its end and settles any failure.
+    pub(crate) async fn execute(mut self) -> Outcome {
+        match self.drive().await {
+            Ok(outcome) => outcome,
+            Err(e) => self.settle(e).await,
+        }
+    }
+
+    async fn drive(&mut self) -> Result<Outcome, StepError> {
+        let faults = self.shared.faults.clone();
+        loop {
+            let reached = match next_step(self.state) {
+                Step::RunBody => {
+                    self.workflow.run(&mut self.ctx, self.input.clone()).await?;
+                    let c = self.shared.store.mark_generated(&self.fence, &faults).await?;
+                    settled(c, JobState::Generated, "generated")?
+                }
+                Step::Persist => {
+                    // The body replays from the journal: no model call is repeated.
+                    let output = self.workflow.run(&mut self.ctx, self.input.clone()).await?;
+                    let c = self.shared.store.persist_result(&self.fence, &output, &faults).await?;
+                    settled(c, JobState::Persisted, "persisted")?
+                }
+                Step::Claim => {
+                    let result = self.shared.store.result_of(&self.fence.job_id).await?.ok_or_else(|| {
+                        StepError::permanent("missing_result", "persisted without a result row", "schema invariant broken")
+                    })?;
+                    let body = webhook::completed_body(&self.fence.job_id, &result);
+                    let key = keys::completed(&self.fence.job_id);
+                    let c = self
+                        .shared
+                        .store
+                        .claim_delivery(&self.fence, &key, keys::COMPLETED_EVENT, &self.webhook_url, &body, &faults)
+                        .await?;
+                    settled(c, JobState::Claimed, "claimed")?
+                }
+                Step::Deliver => self.deliver().await?,
+                Step::Ack => {
+                    faults.hit(&self.fence.job_id, FailPoint::Ack).await?;
+                    let c = self.shared.store.ack(&self.fence, &faults).await?;
+                    settled(c, JobState::Acked, "acked")?
+                }
+                Step::Done => {
+                    return Ok(match self.state {
+                        JobState::Dead => Outcome::Dead,
+                        _ => Outcome::Acked,
+                    })
+                }
+            };
+            tracing::debug!(job.id = %self.fence.job_id, from = %self.state, to = %reached, "checkpoint");
+            self.state = reached;
+            faults
+                .hit(&self.fence.job_id, FailPoint::AfterCommit(reached.as_str()))
+                .await?;
+        }
+    }
+
+    /// POSTs the completion webhook until it is delivered, retried later or dead.
+    async fn deliver(&mut self) -> Result<JobState, StepError> {
+        let store = &self.shared.store;
+        let config = &self.shared.config;
+        let key = keys::completed(&self.fence.job_id);
+        let at_most_once = self.workflow.delivery() == DeliveryPolicy::AtMostOnce;
+        let in_flight_ms = (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
+        loop {
+            match store.begin_delivery(&self.fence, &key, at_most_once, in_flight_ms).await? {
+                DeliveryStart::Delivered | DeliveryStart::Closed(_) => return self.current_state().await,
+                DeliveryStart::LeaseLost => return Err(StepError::LeaseLost),
+                DeliveryStart::InFlight { .. } => tokio::time::sleep(config.wait_poll).await,
+                DeliveryStart::Unknown => {
+                    let error = ErrorEnvelope {
+                        code: "delivery_unknown".into(),
+                        message: format!(
+                            "a send of {key} may have reached the consumer but its outcome was never recorded; \
+                             the workflow delivers at most once, so it is not sent again"
+                        ),
+                        retryable: false,
+                    };
+                    let reason = "delivery outcome unknown (at-most-once): needs a human";
+                    let c = store.kill(&self.fence, reason, &error, Some((&key, "unknown"))).await?;
+                    return settled(c, JobState::Dead, "dead");
+                }
+                DeliveryStart::Send { attempt, url, body } => {
+                    let sent = webhook::send(
+                        &self.shared.client,
+                        &url,
+                        &key,
+                        &body,
+                        config.webhook_secret.as_ref(),
+                        config.webhook_timeout,
+                        &self.shared.faults,
+                        &self.fence.job_id,
+                    )
+                    .await;
+                    let failure = match sent {
+                        Ok(status) => {
+                            let c = store
+                                .mark_delivered(&self.fence, &key, i32::from(status), &self.shared.faults)
+                                .await?;
+                            return settled(c, JobState::Delivered, "delivered");
+                        }
+                        Err(PostError::Injected(i)) => return Err(i.into()),
+                        Err(PostError::Failed(f)) => f,
+                    };
+                    let error = failure.envelope();
+                    store
+                        .fail_delivery(
+                            &key,
+                            &FailedSend {
+                                error: error.clone(),
+                                never_sent: failure.never_sent(),
+                                status: failure.status().map(i32::from),
+                            },
+                        )
+                        .await?;
+                    if at_most_once && !failure.never_sent() {
+                        let reason = "delivery outcome unknown (at-most-once): the send failed after it left";
+                        let c = store.kill(&self.fence, reason, &error, Some((&key, "unknown"))).await?;
+                        return settled(c, JobState::Dead, "dead");
+                    }
+                    if !failure.is_retryable() {
+                        let reason = format!("the webhook consumer refused the delivery permanently ({})", error.code);
+                        let c = store.kill(&self.fence, &reason, &error, Some((&key, "dead"))).await?;
+                        return settled(c, JobState::Dead, "dead");
+                    }
+                    let spent = if failure.never_sent() { attempt - 1 } else { attempt };
+                    return Err(StepError::Retry {
+                        error,
+                        attempt: spent.max(1) as u32,
+                        retry_after: failure.retry_after(),
+                    });
+                }
+            }
+        }
+    }
+
+    async fn current_state(&self) -> Result<JobState, StepError> {
+        self.shared
+            .store
+            .state_of(&self.fence.job_id)
+            .await?
+            .ok_or(StepError::LeaseLost)
+    }
+
+    /// Turns a failed step into the job's next durable state.
+    async fn settle(&mut self, error: StepError) -> Outcome {
+        let store = &self.shared.store;
+        let policy = self.policy();
+        let job_id = self.fence.job_id.clone();
+        let result = match &error {
+            StepError::LeaseLost => return Outcome::LeaseLost,
+            StepError::Injected(Injected::Crash(point)) => {
+                tracing::warn!(job.id = %job_id, %point, "attempt crashed (injected)");
+                return Outcome::Crashed;
+            }
+            StepError::Retry { attempt, retry_after, .. } if !policy.exhausted(*attempt) => {
+                let delay = policy.delay(*attempt, *retry_after);
+                self.reschedule(delay, &error).await
+            }
+            StepError::Retry { attempt, .. } => {
+                let reason = format!("retry budget exhausted after {attempt} sends");
+                self.kill(&reason, &error).await
+            }
+            StepError::Injected(Injected::Fail(_)) => self.reschedule(policy.delay(1, None), &error).await,
+            StepError::Store(e) if e.is_retryable() => self.reschedule(policy.delay(1, None), &error).await,
+            StepError::Permanent { reason, .. } => self.kill(reason, &error).await,
+            StepError::Store(_) | StepError::InvalidInput(_) | StepError::Serialize(_) => {
+                let reason = format!("permanent error in state {}", self.state);
+                self.kill(&reason, &error).await
+            }
+        };
+        let _ = store;
+        match result {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                tracing::error!(job.id = %job_id, error = %e, "could not settle the attempt; its lease will expire");
+                Outcome::Abandoned(e.to_string())
+            }
+        }
+    }
+
+    fn policy(&self) -> RetryPolicy {
+        match self.state {
+            JobState::Claimed | JobState::Delivered => self.shared.config.webhook_retry,
+            JobState::Received
+            | JobState::Generated
+            | JobState::Persisted
+            | JobState::Acked
+            | JobState::Dead => self.shared.config.model_retry,
+        }
+    }
+
+    async fn reschedule(&self, delay: std::time::Duration, error: &StepError) -> Result<Outcome, StepError> {
+        let run_at = Utc::now() + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
+        tracing::info!(job.id = %self.fence.job_id, state = %self.state, delay_ms = delay.as_millis() as u64, error = %error, "retrying later");
+        Ok(match self.shared.store.reschedule(&self.fence, run_at, &error.envelope()).await? {
+            Checkpoint::Moved => Outcome::Rescheduled,
+            Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) | Checkpoint::Faulted => Outcome::LeaseLost,
+        })
+    }
+
+    async fn kill(&self, reason: &str, error: &StepError) -> Result<Outcome, StepError> {
+        tracing::warn!(job.id = %self.fence.job_id, state = %self.state, reason, error = %error, "job is dead");
+        let key = keys::completed(&self.fence.job_id);
+        let outbox = (self.state == JobState::Claimed).then_some((key.as_str(), "dead"));
+        Ok(match self.shared.store.kill(&self.fence, reason, &error.envelope(), outbox).await? {
+            Checkpoint::Moved => Outcome::Dead,
+            Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) | Checkpoint::Faulted => Outcome::LeaseLost,
+        })
+    }
+}
+
+/// Maps a checkpoint's outcome to the state the job is in now.
+fn settled(c: Checkpoint, to: JobState, name: &'static str) -> Result<JobState, StepError> {
+    match c {
+        Checkpoint::Moved => Ok(to),
+        Checkpoint::AlreadyAt(now) => Ok(now),
+        Checkpoint::LeaseLost => Err(StepError::LeaseLost),
+        Checkpoint::Faulted => Err(StepError::Injected(Injected::Crash(FailPoint::BeforeCommit(name)))),
+    }
+}

@@ -1,0 +1,146 @@
+//! The connection pool and the migrations.
+//!
+//! A diesel-async connection is driven by a task on the runtime that opened
+//! it. actix-web runs one single-threaded runtime per worker and actors run on
+//! the actix System's; a connection opened on one of those dies with it. So
+//! every connection is opened on one dedicated multi-threaded runtime owned
+//! by [`Db`], and any runtime may then borrow it from the pool.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel_async::pooled_connection::bb8::Pool;
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+use futures_util::FutureExt;
+
+use crate::error::StoreError;
+
+/// The SQL migrations in `migrations/`, embedded at build time.
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
+
+/// A pooled connection.
+pub type Conn<'a> = bb8::PooledConnection<'a, AsyncDieselConnectionManager<AsyncPgConnection>>;
+
+/// The pool plus the runtime that drives its connections.
+#[derive(Clone)]
+pub struct Db {
+    pool: Pool<AsyncPgConnection>,
+    runtime: Arc<DbRuntime>,
+    url: Arc<str>,
+}
+
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Db").field("state", &self.pool.state()).finish()
+    }
+}
+
+/// Owns the connection-driving runtime; shuts it down without blocking when dropped.
+struct DbRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for DbRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Db {
+    /// Opens a pool of at most `max_size` connections to `url`. Fails when the
+    /// database cannot be reached.
+    pub async fn connect(url: &str, max_size: u32) -> Result<Self, StoreError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("onceflow-db")
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Migrate(format!("cannot start the database runtime: {e}")))?;
+        let handle = runtime.handle().clone();
+        let mut config = ManagerConfig::default();
+        config.custom_setup = Box::new(move |url| {
+            let url = url.to_owned();
+            let handle = handle.clone();
+            async move {
+                handle
+                    .spawn(async move { AsyncPgConnection::establish(&url).await })
+                    .await
+                    .unwrap_or_else(|e| Err(diesel::ConnectionError::BadConnection(e.to_string())))
+            }
+            .boxed()
+        });
+        let manager = AsyncDieselConnectionManager::new_with_config(url, config);
+        let pool = Pool::builder()
+            .max_size(max_size)
+            .connection_timeout(Duration::from_secs(10))
+            .build_unchecked(manager);
+        let db = Db {
+            pool,
+            runtime: Arc::new(DbRuntime(Some(runtime))),
+            url: url.into(),
+        };
+        // Fail now, with the real reason, rather than at the first request.
+        drop(db.conn().await?);
+        Ok(db)
+    }
+
+    /// Borrows a connection from the pool.
+    pub async fn conn(&self) -> Result<Conn<'_>, StoreError> {
+        Ok(self.pool.get().await?)
+    }
+
+    /// The URL this pool connects to.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Opens a dedicated connection outside the pool (LISTEN needs one of its own),
+    /// driven by the database runtime like the pooled ones.
+    pub async fn dedicated(&self) -> Result<AsyncPgConnection, StoreError> {
+        let url = self.url.to_string();
+        let handle = self.runtime_handle();
+        handle
+            .spawn(async move { AsyncPgConnection::establish(&url).await })
+            .await
+            .map_err(|e| StoreError::Migrate(e.to_string()))?
+            .map_err(StoreError::from)
+    }
+
+    fn runtime_handle(&self) -> tokio::runtime::Handle {
+        self.runtime
+            .0
+            .as_ref()
+            .expect("the database runtime lives as long as the Db")
+            .handle()
+            .clone()
+    }
+
+    /// Applies every pending migration. Safe to run on every start and from
+    /// several processes at once (an advisory lock serialises them).
+    pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
+        let url = self.url.to_string();
+        // The migration harness blocks; run it on the database runtime's
+        // blocking pool, never on an actix (single-threaded) runtime.
+        self.runtime_handle()
+            .spawn_blocking(move || run_migrations_blocking(&url))
+            .await
+            .map_err(|e| StoreError::Migrate(e.to_string()))?
+    }
+}
+
+fn run_migrations_blocking(url: &str) -> Result<Vec<String>, StoreError> {
+    use diesel::connection::SimpleConnection;
+    use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+    let mut conn: AsyncConnectionWrapper<AsyncPgConnection> =
+        diesel::Connection::establish(url).map_err(StoreError::from)?;
+    conn.batch_execute("SELECT pg_advisory_lock(7310585)")
+        .map_err(StoreError::from)?;
+    let applied = conn
+        .run_pending_migrations(MIGRATIONS)
+        .map(|versions| versions.iter().map(|v| v.to_string()).collect())
+        .map_err(|e| StoreError::Migrate(e.to_string()));
+    let _ = conn.batch_execute("SELECT pg_advisory_unlock(7310585)");
+    applied
+}

@@ -1,0 +1,175 @@
+//! Starting a node: the supervisor, the LISTEN/NOTIFY wake-up, and the shared
+//! parts every job actor uses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use futures_util::StreamExt;
+
+use crate::faults::Faults;
+use crate::provider::{Provider, ProviderConfig};
+use crate::retry::RetryPolicy;
+use crate::store::jobs::NEW_JOB_CHANNEL;
+use crate::store::Store;
+use crate::supervisor::{Counters, InFlight, Poll, Shutdown, Supervisor};
+use crate::webhook::WebhookSecret;
+use crate::workflow::Registry;
+
+/// How a node runs jobs.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// This node's name, recorded as the lease owner and on history rows.
+    pub node_id: String,
+    /// The lease (visibility timeout); renewed every third of it while a job runs.
+    pub lease: Duration,
+    /// How often the supervisor looks for work without being woken.
+    pub poll_interval: Duration,
+    /// Jobs this node runs at once.
+    pub max_in_flight: usize,
+    /// How often a step waiting on a concurrent attempt looks again.
+    pub wait_poll: Duration,
+    pub provider: ProviderConfig,
+    pub webhook_timeout: Duration,
+    pub webhook_secret: Option<WebhookSecret>,
+    pub model_retry: RetryPolicy,
+    pub webhook_retry: RetryPolicy,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            node_id: default_node_id(),
+            lease: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+            max_in_flight: 1000,
+            wait_poll: Duration::from_millis(200),
+            provider: ProviderConfig::default(),
+            webhook_timeout: Duration::from_secs(10),
+            webhook_secret: None,
+            model_retry: RetryPolicy::DEFAULT_MODEL,
+            webhook_retry: RetryPolicy::DEFAULT_WEBHOOK,
+        }
+    }
+}
+
+/// `host:pid`, unique among live processes.
+pub fn default_node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "node".to_owned());
+    format!("{host}:{}", std::process::id())
+}
+
+/// What every actor of a node shares.
+pub(crate) struct Shared {
+    pub(crate) store: Store,
+    pub(crate) registry: Registry,
+    pub(crate) config: EngineConfig,
+    pub(crate) provider: Arc<Provider>,
+    pub(crate) client: reqwest::Client,
+    pub(crate) faults: Faults,
+    pub(crate) counters: Arc<Counters>,
+}
+
+/// A running node. Must be started inside an actix `System`.
+pub struct Engine {
+    supervisor: Addr<Supervisor>,
+    stop_listener: tokio::sync::watch::Sender<bool>,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Starts the supervisor and the new-job listener.
+    pub fn start(store: Store, registry: Registry, faults: Faults, config: EngineConfig) -> Engine {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .expect("the HTTP client builds");
+        let counters = Arc::new(Counters::default());
+        let shared = Arc::new(Shared {
+            provider: Arc::new(Provider::new(client.clone(), config.provider.clone())),
+            store: store.clone(),
+            registry,
+            config,
+            client,
+            faults,
+            counters: counters.clone(),
+        });
+        let supervisor = Supervisor::new(shared).start();
+        let (stop_listener, stopped) = tokio::sync::watch::channel(false);
+        actix::spawn(listen(store, supervisor.clone(), stopped));
+        Engine {
+            supervisor,
+            stop_listener,
+            counters,
+        }
+    }
+
+    /// The supervisor's address.
+    pub fn supervisor(&self) -> &Addr<Supervisor> {
+        &self.supervisor
+    }
+
+    /// Look for work now.
+    pub fn wake(&self) {
+        self.supervisor.do_send(Poll);
+    }
+
+    /// Jobs running on this node.
+    pub async fn in_flight(&self) -> usize {
+        self.supervisor.send(InFlight).await.unwrap_or(0)
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Aborts every attempt (their leases lapse and another node resumes them).
+    pub fn shutdown(&self) {
+        let _ = self.stop_listener.send(true);
+        self.supervisor.do_send(Shutdown);
+    }
+}
+
+/// Wakes the supervisor on every `NOTIFY` of a new job; reconnects on failure.
+async fn listen(store: Store, supervisor: Addr<Supervisor>, mut stopped: tokio::sync::watch::Receiver<bool>) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let attempt = async {
+            match store.db().dedicated().await {
+                Ok(mut conn) => {
+                    if let Err(e) = listen_on(&mut conn, &supervisor).await {
+                        tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot open the LISTEN connection; polling only"),
+            }
+        };
+        tokio::select! {
+            _ = attempt => {}
+            _ = stopped.changed() => return,
+        }
+        if !supervisor.connected() {
+            return;
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+async fn listen_on(conn: &mut AsyncPgConnection, supervisor: &Addr<Supervisor>) -> Result<(), diesel::result::Error> {
+    conn.batch_execute(&format!("LISTEN {NEW_JOB_CHANNEL}")).await?;
+    let mut notifications = std::pin::pin!(conn.notifications_stream());
+    while let Some(n) = notifications.next().await {
+        n?;
+        supervisor.do_send(Poll);
+    }
+    Ok(())
+}

@@ -1,0 +1,199 @@
+//! Errors of the engine. One enum per concern, each keeping its `#[source]`;
+//! retryability is decided exhaustively (no `_ =>` arm), so a new variant
+//! forces a decision. What is stored in the database is the small
+//! [`ErrorEnvelope`].
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Starting, initialising or reaching the embedded PostgreSQL.
+#[derive(Debug, thiserror::Error)]
+pub enum PgError {
+    #[error(
+        "no PostgreSQL server binaries found (initdb, pg_ctl and postgres on PATH or under \
+         /usr/lib/postgresql/*/bin). Install them (Debian/Ubuntu: `apt-get install postgresql`; \
+         Fedora: `dnf install postgresql-server`; macOS: `brew install postgresql`) or set \
+         DATABASE_URL to an existing server"
+    )]
+    NoBinaries,
+    #[error(
+        "running as root, PostgreSQL must run as the unprivileged user `{0}`, which does not \
+         exist. Create it (`useradd --system {0}`) or set DATABASE_URL to an existing server"
+    )]
+    NoServiceUser(&'static str),
+    #[error(
+        "PostgreSQL runs as the user `{user}`, which cannot enter {folder} (mode {mode:o}) on the \
+         way to its data directory {data_dir}. Either put the data elsewhere \
+         (e.g. ONCEFLOW_DATA_DIR=/var/tmp/onceflow) or let it pass through: `chmod o+x {folder}`"
+    )]
+    Unreachable {
+        user: &'static str,
+        folder: PathBuf,
+        data_dir: PathBuf,
+        mode: u32,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("could not run {0}: {1}")]
+    Spawn(String, #[source] std::io::Error),
+    #[error("{step} failed: {detail}")]
+    Failed { step: &'static str, detail: String },
+}
+
+impl PgError {
+    pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
+        PgError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// Talking to Postgres.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database query failed: {0}")]
+    Query(#[from] diesel::result::Error),
+    #[error("could not connect to the database: {0}")]
+    Connect(#[from] diesel::ConnectionError),
+    #[error("database pool: {0}")]
+    Pool(#[from] bb8::RunError<diesel_async::pooled_connection::PoolError>),
+    #[error("migrations failed: {0}")]
+    Migrate(String),
+}
+
+impl StoreError {
+    /// A transient database failure (connection lost, pool timeout, serialization failure)
+    /// is retried by running the job again later; a failing query is a bug.
+    pub fn is_retryable(&self) -> bool {
+        use diesel::result::{DatabaseErrorKind as K, Error as E};
+        match self {
+            StoreError::Connect(_) | StoreError::Pool(_) => true,
+            StoreError::Migrate(_) => false,
+            StoreError::Query(e) => match e {
+                E::DatabaseError(kind, _) => match kind {
+                    K::SerializationFailure | K::UnableToSendCommand | K::ClosedConnection => true,
+                    K::UniqueViolation
+                    | K::ForeignKeyViolation
+                    | K::ReadOnlyTransaction
+                    | K::NotNullViolation
+                    | K::CheckViolation
+                    | K::RestrictViolation
+                    | K::ExclusionViolation
+                    | K::Unknown => false,
+                    // DatabaseErrorKind is non-exhaustive upstream.
+                    _ => false,
+                },
+                E::BrokenTransactionManager => true,
+                E::NotFound
+                | E::InvalidCString(_)
+                | E::QueryBuilderError(_)
+                | E::DeserializationError(_)
+                | E::SerializationError(_)
+                | E::RollbackErrorOnCommit { .. }
+                | E::RollbackTransaction
+                | E::AlreadyInTransaction
+                | E::NotInTransaction
+                | E::IntegerConversion(_) => false,
+                // diesel::result::Error is non-exhaustive upstream.
+                _ => false,
+            },
+        }
+    }
+}
+
+/// The failure record stored with a job, a model call or an outbox row.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorEnvelope {
+    pub code: String,
+    pub message: String,
+    pub retryable: bool,
+}
+
+/// Why a step of a job's run did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// Another attempt owns the job (the epoch moved on): stop, write nothing.
+    #[error("lease lost")]
+    LeaseLost,
+    /// A failpoint crashed the attempt: stop on the spot, keep the lease until it expires.
+    #[error("{0}")]
+    Injected(#[from] crate::faults::Injected),
+    /// Transient: run the job again after a backoff. `attempt` counts the sends
+    /// spent so far on this step (the retry budget), `retry_after` is the
+    /// server's own request.
+    #[error("{}", error.message)]
+    Retry {
+        error: ErrorEnvelope,
+        attempt: u32,
+        retry_after: Option<std::time::Duration>,
+    },
+    /// Permanent: the job goes to `dead` with this reason.
+    #[error("{reason}: {}", error.message)]
+    Permanent { reason: String, error: ErrorEnvelope },
+    /// The stored input no longer matches the workflow's input type.
+    #[error("invalid input: {0}")]
+    InvalidInput(crate::workflow::InvalidInput),
+    /// The workflow's output could not be serialised.
+    #[error("cannot serialise the output: {0}")]
+    Serialize(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl StepError {
+    pub(crate) fn invalid_input(e: crate::workflow::InvalidInput) -> Self {
+        StepError::InvalidInput(e)
+    }
+
+    /// A permanent failure with a code and message.
+    pub fn permanent(code: &str, reason: impl Into<String>, message: impl Into<String>) -> Self {
+        StepError::Permanent {
+            reason: reason.into(),
+            error: ErrorEnvelope {
+                code: code.to_owned(),
+                message: message.into(),
+                retryable: false,
+            },
+        }
+    }
+
+    /// Whether running the job again later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StepError::Retry { .. } => true,
+            StepError::Injected(crate::faults::Injected::Fail(_)) => true,
+            StepError::Injected(crate::faults::Injected::Crash(_)) => false,
+            StepError::Store(e) => e.is_retryable(),
+            StepError::LeaseLost
+            | StepError::Permanent { .. }
+            | StepError::InvalidInput(_)
+            | StepError::Serialize(_) => false,
+        }
+    }
+
+    /// The envelope stored with the job.
+    pub fn envelope(&self) -> ErrorEnvelope {
+        match self {
+            StepError::Retry { error, .. } | StepError::Permanent { error, .. } => error.clone(),
+            other => ErrorEnvelope {
+                code: match other {
+                    StepError::LeaseLost => "lease_lost",
+                    StepError::Injected(_) => "injected",
+                    StepError::InvalidInput(_) => "invalid_input",
+                    StepError::Serialize(_) => "serialize",
+                    StepError::Store(_) => "store",
+                    StepError::Retry { .. } | StepError::Permanent { .. } => unreachable!("matched above"),
+                }
+                .to_owned(),
+                message: other.to_string(),
+                retryable: other.is_retryable(),
+            },
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! Fault injection: named failpoints at every boundary of every workflow.
+//!
+//! A test (or `onceflow demo`) arms a point for a job, or for any job, to
+//! fail once, crash the attempt, or stall it. The engine calls
+//! [`Faults::hit`] at each boundary; with nothing armed that is one atomic
+//! load. A crash stops the attempt where it stands: nothing more is written,
+//! the lease is not released, and recovery is the supervisor's job, exactly as
+//! after a killed process.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A boundary in a job's run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailPoint {
+    /// Inside a checkpoint's transaction, after its writes, before COMMIT.
+    /// Named by the state it moves to (`persisted`, …) or `model_call`.
+    BeforeCommit(&'static str),
+    /// Right after a checkpoint committed, before the next side effect.
+    AfterCommit(&'static str),
+    /// The model request was sent and answered; its response is not read yet.
+    ModelAfterSend,
+    /// The webhook request was sent and answered; its response is not read yet.
+    WebhookAfterSend,
+    /// A tool's side effect happened; its result is not recorded yet.
+    ToolAfterEffect,
+    /// The ack, after delivery, before the `acked` checkpoint.
+    Ack,
+}
+
+impl fmt::Display for FailPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FailPoint::BeforeCommit(s) => write!(f, "before-commit:{s}"),
+            FailPoint::AfterCommit(s) => write!(f, "after-commit:{s}"),
+            FailPoint::ModelAfterSend => f.write_str("model:after-send"),
+            FailPoint::WebhookAfterSend => f.write_str("webhook:after-send"),
+            FailPoint::ToolAfterEffect => f.write_str("tool:after-effect"),
+            FailPoint::Ack => f.write_str("ack"),
+        }
+    }
+}
+
+/// What an armed failpoint does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Return a retryable error from this step (the job is retried later).
+    Fail,
+    /// Stop the attempt on the spot, as a killed process would.
+    Crash,
+    /// Sleep this long, then carry on (stall past the lease, slow a write).
+    Stall(Duration),
+}
+
+/// A failpoint fired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Injected {
+    #[error("injected failure at {0}")]
+    Fail(FailPoint),
+    #[error("injected crash at {0}")]
+    Crash(FailPoint),
+}
+
+#[derive(Debug)]
+struct Armed {
+    job: Option<String>,
+    point: FailPoint,
+    action: Action,
+    remaining: u32,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    any: AtomicBool,
+    armed: Mutex<Vec<Armed>>,
+    recording: AtomicBool,
+    hits: Mutex<Vec<(String, FailPoint)>>,
+}
+
+/// The failpoint registry of one engine. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Faults(Arc<Inner>);
+
+impl Faults {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Arms `point` for `job` (or every job when `None`) to fire `times` times.
+    pub fn arm(&self, job: Option<&str>, point: FailPoint, action: Action, times: u32) {
+        self.0.armed.lock().expect("faults lock").push(Armed {
+            job: job.map(str::to_owned),
+            point,
+            action,
+            remaining: times,
+        });
+        self.0.any.store(true, Ordering::Release);
+    }
+
+    /// Arms `point` for `job` to fire once.
+    pub fn arm_once(&self, job: &str, point: FailPoint, action: Action) {
+        self.arm(Some(job), point, action, 1);
+    }
+
+    /// Records every boundary passed from now on (see [`hits`](Self::hits)).
+    pub fn record(&self) {
+        self.0.recording.store(true, Ordering::Release);
+    }
+
+    /// The boundaries passed while recording, in order.
+    pub fn hits(&self) -> Vec<(String, FailPoint)> {
+        self.0.hits.lock().expect("faults lock").clone()
+    }
+
+    /// Called by the engine at each boundary.
+    pub async fn hit(&self, job: &str, point: FailPoint) -> Result<(), Injected> {
+        if self.0.recording.load(Ordering::Acquire) {
+            self.0.hits.lock().expect("faults lock").push((job.to_owned(), point));
+        }
+        if !self.0.any.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let action = {
+            let mut armed = self.0.armed.lock().expect("faults lock");
+            let found = armed
+                .iter_mut()
+                .find(|a| a.point == point && a.remaining > 0 && a.job.as_deref().is_none_or(|j| j == job));
+            found.map(|a| {
+                a.remaining -= 1;
+                a.action
+            })
+        };
+        match action {
+            None => Ok(()),
+            Some(Action::Fail) => {
+                tracing::warn!(job.id = job, %point, "failpoint: fail");
+                Err(Injected::Fail(point))
+            }
+            Some(Action::Crash) => {
+                tracing::warn!(job.id = job, %point, "failpoint: crash");
+                Err(Injected::Crash(point))
+            }
+            Some(Action::Stall(d)) => {
+                tracing::warn!(job.id = job, %point, stall_ms = d.as_millis() as u64, "failpoint: stall");
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn fires_for_its_job_the_armed_number_of_times() {
+        let f = Faults::new();
+        f.arm(Some("a"), FailPoint::Ack, Action::Crash, 2);
+        assert_eq!(f.hit("b", FailPoint::Ack).await, Ok(()));
+        assert_eq!(f.hit("a", FailPoint::ModelAfterSend).await, Ok(()));
+        assert_eq!(f.hit("a", FailPoint::Ack).await, Err(Injected::Crash(FailPoint::Ack)));
+        assert_eq!(f.hit("a", FailPoint::Ack).await, Err(Injected::Crash(FailPoint::Ack)));
+        assert_eq!(f.hit("a", FailPoint::Ack).await, Ok(()));
+    }
+
+    #[tokio::test]
+    async fn records_boundaries_in_order() {
+        let f = Faults::new();
+        f.record();
+        f.hit("j", FailPoint::AfterCommit("generated")).await.unwrap();
+        f.hit("j", FailPoint::Ack).await.unwrap();
+        assert_eq!(
+            f.hits(),
+            vec![("j".into(), FailPoint::AfterCommit("generated")), ("j".into(), FailPoint::Ack)]
+        );
+    }
+}

@@ -1,0 +1,52 @@
+//! # onceflow-engine
+//!
+//! The runtime of onceflow, a durable, actor-based workflow engine for LLM
+//! jobs. A tour in the order a job travels:
+//!
+//! * [`api`] — `POST /v1/jobs` validates ([`intake`]) and records a job in
+//!   `received`; the job id is the client's business id and the database's
+//!   primary key decides races.
+//! * [`supervisor`] — one actix actor per node: leases runnable jobs
+//!   (`FOR UPDATE SKIP LOCKED`), woken by `LISTEN/NOTIFY`, renews leases in
+//!   one batched statement, and resumes jobs whose lease expired.
+//! * [`actor`] — one actix actor per job attempt, driving the lifecycle
+//!   ([`lifecycle`]: received → generated → persisted → claimed → delivered →
+//!   acked, or dead) from its last checkpoint.
+//! * [`workflow`] + [`context`] — user workflows in Rust; every side effect
+//!   goes through the durable context, journaled under a key from [`keys`].
+//! * [`provider`], [`webhook`], [`outbound`], [`retry`] — the model call, the
+//!   completion webhook, failure classification and backoff.
+//! * [`store`] — all SQL; [`db`] the pool and migrations; [`pg`] the embedded
+//!   PostgreSQL.
+//! * [`faults`] — named failpoints at every boundary, for tests and the demo.
+//!
+//! `LIFECYCLE.md` beside this crate documents states, transitions, guards and
+//! which invariants the schema enforces.
+
+pub mod actor;
+pub mod api;
+pub mod context;
+pub mod db;
+pub mod engine;
+pub mod error;
+pub mod faults;
+pub mod intake;
+pub mod keys;
+pub mod lifecycle;
+pub mod outbound;
+pub mod pg;
+pub mod provider;
+pub mod retry;
+pub mod store;
+pub mod supervisor;
+pub mod webhook;
+pub mod workflow;
+
+pub use context::Context;
+pub use db::Db;
+pub use engine::{Engine, EngineConfig};
+pub use error::{ErrorEnvelope, StepError, StoreError};
+pub use faults::{Action, FailPoint, Faults};
+pub use lifecycle::JobState;
+pub use store::Store;
+pub use workflow::{DeliveryPolicy, InvalidInput, Registry, Workflow};

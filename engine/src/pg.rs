@@ -1,0 +1,422 @@
+//! The embedded PostgreSQL: a real server started from the machine's own
+//! binaries, so `onceflow serve` and the tests need no database set up by hand.
+//!
+//! * [`EmbeddedPg::start`] keeps its data in a directory that outlives the
+//!   process. It is initialised once and reused on every later start: when a
+//!   previous `serve` was SIGKILLed and the server still runs, it is adopted;
+//!   when it crashed, `pg_ctl start` runs crash recovery.
+//! * [`EmbeddedPg::throwaway`] starts a server in a fresh temporary directory
+//!   that is stopped and deleted when the owning process exits (a reaper
+//!   process waits for the end of a pipe held by this process).
+//!
+//! `initdb` and `postgres` refuse to run as root; as root the server runs as
+//! the unprivileged `postgres` user, which must be able to enter every folder
+//! above the data directory. It listens on a loopback TCP port only (Unix
+//! sockets are off) and requires a password generated at `initdb` time.
+
+use std::fs;
+use std::io::Write;
+use std::net::TcpListener;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::error::PgError;
+
+/// The database role initdb creates.
+const SUPERUSER: &str = "onceflow";
+/// The system user the server runs as when we are root.
+const SERVICE_USER: &str = "postgres";
+
+/// A running PostgreSQL server we started (or adopted).
+#[derive(Debug)]
+pub struct EmbeddedPg {
+    bin_dir: PathBuf,
+    data_dir: PathBuf,
+    port: u16,
+    password: String,
+    run_as: Option<RunAs>,
+    /// Keeps the reaper's stdin open; the reaper stops the server when it closes.
+    _reaper: Option<std::process::ChildStdin>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RunAs {
+    uid: u32,
+    gid: u32,
+}
+
+/// Durability of a server: `Durable` for `serve`, `Fast` (fsync off) for throwaway test servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    Durable,
+    Fast,
+}
+
+impl EmbeddedPg {
+    /// Starts (or adopts) the server whose data lives in `root/pg`.
+    pub fn start(root: &Path) -> Result<Self, PgError> {
+        fs::create_dir_all(root).map_err(|e| PgError::io(root, e))?;
+        let root = root.canonicalize().map_err(|e| PgError::io(root, e))?;
+        let bin_dir = find_bin_dir()?;
+        let run_as = service_user()?;
+        let data_dir = root.join("pg");
+        let password_file = root.join("pg.password");
+
+        if !data_dir.join("PG_VERSION").exists() {
+            prepare_dir(&root, &data_dir, run_as)?;
+            let password = random_password();
+            write_private(&password_file, &password)?;
+            initdb(&bin_dir, &data_dir, &password, run_as)?;
+        }
+        let password = fs::read_to_string(&password_file)
+            .map_err(|e| PgError::io(&password_file, e))?
+            .trim()
+            .to_owned();
+
+        let mut pg = EmbeddedPg {
+            bin_dir,
+            data_dir,
+            port: 0,
+            password,
+            run_as,
+            _reaper: None,
+        };
+        match pg.running_port() {
+            Some(port) => {
+                tracing::info!(port, data_dir = %pg.data_dir.display(), "adopting running embedded PostgreSQL");
+                pg.port = port;
+            }
+            None => {
+                pg.port = free_port()?;
+                pg.pg_ctl_start(Durability::Durable)?;
+            }
+        }
+        Ok(pg)
+    }
+
+    /// Starts a fresh server in a temporary directory, stopped and removed when
+    /// this process exits (however it exits).
+    pub fn throwaway() -> Result<Self, PgError> {
+        let bin_dir = find_bin_dir()?;
+        let run_as = service_user()?;
+        let root = tempfile::Builder::new()
+            .prefix("onceflow-pg-")
+            .tempdir_in(std::env::temp_dir())
+            .map_err(|e| PgError::io(&std::env::temp_dir(), e))?
+            .keep();
+        let data_dir = root.join("pg");
+        prepare_dir(&root, &data_dir, run_as)?;
+        let password = random_password();
+        initdb(&bin_dir, &data_dir, &password, run_as)?;
+        let mut pg = EmbeddedPg {
+            bin_dir,
+            data_dir,
+            port: free_port()?,
+            password,
+            run_as,
+            _reaper: None,
+        };
+        pg.pg_ctl_start(Durability::Fast)?;
+
+        // The reaper outlives us by design: it blocks reading its stdin, which
+        // only this process holds; when we exit the pipe closes and it stops
+        // the server and deletes the directory.
+        // pg_ctl refuses root like initdb: as root, the reaper drops to the
+        // service user for `pg_ctl stop` and keeps root only for the final rm.
+        let as_user = run_as
+            .map(|u| format!("setpriv --reuid={} --regid={} --clear-groups ", u.uid, u.gid))
+            .unwrap_or_default();
+        let script = format!(
+            r#"read _ignored; {as_user}"$0" stop -D "$1" -m immediate >/dev/null 2>&1; rm -rf "$2""#
+        );
+        let mut reaper = Command::new("sh");
+        reaper
+            .arg("-c")
+            .arg(script)
+            .arg(pg.bin_dir.join("pg_ctl"))
+            .arg(&pg.data_dir)
+            .arg(&root);
+        let mut child = reaper
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .map_err(|e| PgError::Spawn("sh".into(), e))?;
+        pg._reaper = child.stdin.take();
+        Ok(pg)
+    }
+
+    /// The loopback port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The data directory.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// A connection URL for `database` as the superuser.
+    pub fn url(&self, database: &str) -> String {
+        format!(
+            "postgres://{SUPERUSER}:{}@127.0.0.1:{}/{database}",
+            self.password, self.port
+        )
+    }
+
+    /// Stops the server (fast shutdown: open transactions roll back).
+    pub fn stop(&self) -> Result<(), PgError> {
+        let status = self
+            .command("pg_ctl")
+            .args(["stop", "-w", "-m", "fast", "-D"])
+            .arg(&self.data_dir)
+            .stdout(Stdio::null())
+            .status()
+            .map_err(|e| PgError::Spawn("pg_ctl".into(), e))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(PgError::Failed {
+                step: "pg_ctl stop",
+                detail: format!("exit status {status}"),
+            })
+        }
+    }
+
+    /// Starts the server again on the same port after [`stop`](Self::stop).
+    pub fn restart(&self, durability: Durability) -> Result<(), PgError> {
+        self.pg_ctl_start(durability)
+    }
+
+    /// The port of a server already running on our data directory, if any.
+    fn running_port(&self) -> Option<u16> {
+        let status = self
+            .command("pg_ctl")
+            .arg("status")
+            .arg("-D")
+            .arg(&self.data_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .ok()?;
+        if !status.success() {
+            return None;
+        }
+        // postmaster.pid: pid, data dir, start time, port, ...
+        let pid_file = fs::read_to_string(self.data_dir.join("postmaster.pid")).ok()?;
+        pid_file.lines().nth(3)?.trim().parse().ok()
+    }
+
+    fn pg_ctl_start(&self, durability: Durability) -> Result<(), PgError> {
+        let mut options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories= -c max_connections=200",
+            self.port
+        );
+        if durability == Durability::Fast {
+            options.push_str(" -c fsync=off -c synchronous_commit=off -c full_page_writes=off");
+        }
+        let log = self.data_dir.join("server.log");
+        let output = self
+            .command("pg_ctl")
+            .args(["start", "-w", "-t", "60", "-D"])
+            .arg(&self.data_dir)
+            .arg("-l")
+            .arg(&log)
+            .arg("-o")
+            .arg(options)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .map_err(|e| PgError::Spawn("pg_ctl".into(), e))?;
+        if output.status.success() {
+            return Ok(());
+        }
+        let tail = fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .rev()
+            .take(10)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n");
+        Err(PgError::Failed {
+            step: "pg_ctl start",
+            detail: format!(
+                "{}{}\nserver log ({}):\n{tail}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr),
+                log.display()
+            ),
+        })
+    }
+
+    fn command(&self, program: &str) -> Command {
+        command_as(&self.bin_dir.join(program), self.run_as)
+    }
+}
+
+fn command_as(program: &Path, run_as: Option<RunAs>) -> Command {
+    let mut cmd = Command::new(program);
+    // The service user must be able to read its working directory.
+    cmd.current_dir("/");
+    cmd.env_remove("PGDATA").env_remove("PGPORT");
+    if let Some(u) = run_as {
+        cmd.uid(u.uid).gid(u.gid);
+        // Leave root's supplementary groups behind.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::unistd::setgroups(&[]).map_err(std::io::Error::from)?;
+                Ok(())
+            });
+        }
+    }
+    cmd
+}
+
+fn initdb(bin_dir: &Path, data_dir: &Path, password: &str, run_as: Option<RunAs>) -> Result<(), PgError> {
+    // initdb reads the password from a file the service user can read; it is
+    // removed as soon as initdb is done.
+    let pwfile = data_dir.with_extension("initpw");
+    write_private(&pwfile, password)?;
+    if let Some(u) = run_as {
+        nix::unistd::chown(&pwfile, Some(u.uid.into()), Some(u.gid.into()))
+            .map_err(|e| PgError::io(&pwfile, e.into()))?;
+    }
+    let output = command_as(&bin_dir.join("initdb"), run_as)
+        .arg("-D")
+        .arg(data_dir)
+        .args(["--username", SUPERUSER, "--auth=scram-sha-256", "--encoding=UTF8", "--locale=C"])
+        .arg(format!("--pwfile={}", pwfile.display()))
+        .stdin(Stdio::null())
+        .output();
+    let _ = fs::remove_file(&pwfile);
+    let output = output.map_err(|e| PgError::Spawn("initdb".into(), e))?;
+    if !output.status.success() {
+        return Err(PgError::Failed {
+            step: "initdb",
+            detail: format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Creates `data_dir` (inside `root`) owned by the service user and checks
+/// that the service user can reach it.
+fn prepare_dir(root: &Path, data_dir: &Path, run_as: Option<RunAs>) -> Result<(), PgError> {
+    fs::create_dir_all(data_dir).map_err(|e| PgError::io(data_dir, e))?;
+    fs::set_permissions(data_dir, fs::Permissions::from_mode(0o700))
+        .map_err(|e| PgError::io(data_dir, e))?;
+    if let Some(u) = run_as {
+        // The root folder stays ours; the service user only needs to pass through it.
+        let mode = fs::metadata(root).map_err(|e| PgError::io(root, e))?.mode();
+        fs::set_permissions(root, fs::Permissions::from_mode((mode & 0o7777) | 0o711))
+            .map_err(|e| PgError::io(root, e))?;
+        nix::unistd::chown(data_dir, Some(u.uid.into()), Some(u.gid.into()))
+            .map_err(|e| PgError::io(data_dir, e.into()))?;
+        check_reachable(data_dir, u)?;
+    }
+    Ok(())
+}
+
+/// Fails with a fix-it message when the service user cannot enter some folder above `dir`.
+fn check_reachable(dir: &Path, u: RunAs) -> Result<(), PgError> {
+    for ancestor in dir.ancestors().skip(1) {
+        let meta = fs::metadata(ancestor).map_err(|e| PgError::io(ancestor, e))?;
+        let mode = meta.mode();
+        let can_enter = if meta.uid() == u.uid {
+            mode & 0o100 != 0
+        } else if meta.gid() == u.gid {
+            mode & 0o010 != 0
+        } else {
+            mode & 0o001 != 0
+        };
+        if !can_enter {
+            return Err(PgError::Unreachable {
+                user: SERVICE_USER,
+                folder: ancestor.to_path_buf(),
+                data_dir: dir.to_path_buf(),
+                mode: mode & 0o777,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `None` when we are not root; the `postgres` user when we are.
+fn service_user() -> Result<Option<RunAs>, PgError> {
+    if !nix::unistd::geteuid().is_root() {
+        return Ok(None);
+    }
+    match nix::unistd::User::from_name(SERVICE_USER) {
+        Ok(Some(user)) => Ok(Some(RunAs {
+            uid: user.uid.as_raw(),
+            gid: user.gid.as_raw(),
+        })),
+        _ => Err(PgError::NoServiceUser(SERVICE_USER)),
+    }
+}
+
+/// Finds a folder holding `initdb`, `pg_ctl` and `postgres`: first on PATH,
+/// then the newest under /usr/lib/postgresql/*/bin.
+fn find_bin_dir() -> Result<PathBuf, PgError> {
+    let has_all = |dir: &Path| ["initdb", "pg_ctl", "postgres"].iter().all(|b| dir.join(b).is_file());
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            if has_all(&dir) {
+                // Resolve symlinked wrappers to the real installation folder.
+                let real = dir.join("postgres").canonicalize().ok();
+                if let Some(parent) = real.as_deref().and_then(Path::parent) {
+                    if has_all(parent) {
+                        return Ok(parent.to_path_buf());
+                    }
+                }
+                return Ok(dir);
+            }
+        }
+    }
+    let mut versions: Vec<(u32, PathBuf)> = fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let version = e.file_name().to_str()?.parse().ok()?;
+            let bin = e.path().join("bin");
+            has_all(&bin).then_some((version, bin))
+        })
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, bin)| bin).ok_or(PgError::NoBinaries)
+}
+
+fn free_port() -> Result<u16, PgError> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| PgError::io(Path::new("127.0.0.1:0"), e))?;
+    Ok(listener.local_addr().map_err(|e| PgError::io(Path::new("127.0.0.1:0"), e))?.port())
+}
+
+fn random_password() -> String {
+    use rand::Rng;
+    let bytes: [u8; 24] = rand::rng().random();
+    hex::encode(bytes)
+}
+
+fn write_private(path: &Path, contents: &str) -> Result<(), PgError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| PgError::io(path, e))?;
+    f.write_all(contents.as_bytes()).map_err(|e| PgError::io(path, e))
+}

@@ -1,0 +1,99 @@
+//! The model provider: OpenAI chat-completions wire format over reqwest.
+//! Every request carries an `Idempotency-Key` derived from the job.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::faults::{FailPoint, Faults};
+use crate::outbound::{post, Failure, PostError};
+
+/// Where and how to reach the model.
+#[derive(Debug, Clone)]
+pub struct ProviderConfig {
+    /// `OPENAI_BASE_URL`, e.g. `https://api.openai.com/v1`.
+    pub base_url: String,
+    /// `OPENAI_API_KEY`; sent as a bearer token when set.
+    pub api_key: Option<String>,
+    /// Timeout of one request.
+    pub timeout: Duration,
+}
+
+impl Default for ProviderConfig {
+    fn default() -> Self {
+        ProviderConfig {
+            base_url: "https://api.openai.com/v1".to_owned(),
+            api_key: None,
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Token usage reported by the provider.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input_tokens: Option<i32>,
+    pub output_tokens: Option<i32>,
+}
+
+/// A chat-completions client.
+#[derive(Debug, Clone)]
+pub struct Provider {
+    client: reqwest::Client,
+    config: ProviderConfig,
+}
+
+impl Provider {
+    pub fn new(client: reqwest::Client, config: ProviderConfig) -> Self {
+        Provider { client, config }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.config.timeout
+    }
+
+    /// POSTs `request` to `/chat/completions` with `Idempotency-Key: key`.
+    pub async fn chat(
+        &self,
+        key: &str,
+        request: &Value,
+        faults: &Faults,
+        job_id: &str,
+    ) -> Result<(Value, Usage), PostError> {
+        let url = format!("{}/chat/completions", self.config.base_url.trim_end_matches('/'));
+        let mut headers = vec![("idempotency-key", key.to_owned())];
+        if let Some(api_key) = &self.config.api_key {
+            headers.push(("authorization", format!("Bearer {api_key}")));
+        }
+        let body = serde_json::to_vec(request).expect("a JSON value serialises");
+        let (_, bytes) = post(
+            &self.client,
+            &url,
+            &headers,
+            body,
+            self.config.timeout,
+            faults,
+            job_id,
+            FailPoint::ModelAfterSend,
+        )
+        .await?;
+        let response: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| PostError::Failed(Failure::BadResponse(format!("the response is not JSON: {e}"))))?;
+        if response.pointer("/choices/0/message").is_none() {
+            return Err(PostError::Failed(Failure::BadResponse(
+                "the response has no choices[0].message".to_owned(),
+            )));
+        }
+        let tokens = |name: &str| {
+            response
+                .pointer(&format!("/usage/{name}"))
+                .and_then(Value::as_i64)
+                .and_then(|n| i32::try_from(n).ok())
+        };
+        let usage = Usage {
+            input_tokens: tokens("prompt_tokens"),
+            output_tokens: tokens("completion_tokens"),
+        };
+        Ok((response, usage))
+    }
+}

@@ -1,0 +1,271 @@
+//! Intake and the job view.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, RunQueryDsl};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::Store;
+use crate::error::{ErrorEnvelope, StoreError};
+use crate::intake::NewJob;
+use crate::lifecycle::JobState;
+
+/// The channel new jobs are announced on (payload: the job id).
+pub const NEW_JOB_CHANNEL: &str = "onceflow_new_job";
+
+/// The worker name recorded on the intake history row.
+pub const INTAKE_WORKER: &str = "intake";
+
+/// The outcome of a submission.
+#[derive(Debug)]
+pub enum Intake {
+    /// A new job (201).
+    Created(JobView),
+    /// The same id with the same request (200): the stored job, untouched.
+    Existing(JobView),
+    /// The same id with a different request (409): the stored job, untouched.
+    Conflict(JobView),
+}
+
+/// A job as `GET /v1/jobs/{id}` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobView {
+    pub id: String,
+    pub workflow: String,
+    pub state: JobState,
+    pub attempts: i32,
+    pub input: Value,
+    pub webhook_url: String,
+    pub result: Option<Value>,
+    pub history: Vec<HistoryEntry>,
+    pub delivery: Option<DeliveryView>,
+    pub last_error: Option<ErrorEnvelope>,
+    pub dead_reason: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+/// One transition.
+#[derive(Debug, Clone, Serialize)]
+pub struct HistoryEntry {
+    pub state: JobState,
+    pub at: DateTime<Utc>,
+    pub attempt: i32,
+    pub worker: String,
+}
+
+/// The completion webhook's outbox row.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeliveryView {
+    pub idempotency_key: String,
+    pub status: String,
+    pub attempts: i32,
+    pub last_status: Option<i32>,
+    pub last_error: Option<ErrorEnvelope>,
+    pub delivered_at: Option<DateTime<Utc>>,
+}
+
+#[derive(QueryableByName)]
+struct JobRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Text)]
+    workflow: String,
+    #[diesel(sql_type = Jsonb)]
+    request: Value,
+    #[diesel(sql_type = Text)]
+    request_hash: String,
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    last_error: Option<Value>,
+    #[diesel(sql_type = Nullable<Text>)]
+    dead_reason: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    updated_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    finished_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    result: Option<Value>,
+}
+
+#[derive(QueryableByName)]
+struct HistoryRow {
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = Timestamptz)]
+    at: DateTime<Utc>,
+    #[diesel(sql_type = Integer)]
+    attempt: i32,
+    #[diesel(sql_type = Text)]
+    worker: String,
+}
+
+#[derive(QueryableByName)]
+struct OutboxRow {
+    #[diesel(sql_type = Text)]
+    idempotency_key: String,
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Nullable<Integer>)]
+    last_status: Option<i32>,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    last_error: Option<Value>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    delivered_at: Option<DateTime<Utc>>,
+}
+
+const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.request, j.request_hash, j.state::text AS state, \
+     j.attempts, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result \
+     FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
+
+impl Store {
+    /// Records a new job in `received` with its first history row, or reports
+    /// what is already stored under that id. Race-safe: the primary key
+    /// decides, and a losing concurrent insert waits for the winner to commit.
+    pub async fn submit(&self, job: &NewJob) -> Result<Intake, StoreError> {
+        let hash = job.request_hash();
+        let hash_ref = &hash;
+        let mut conn = self.db.conn().await?;
+        let inserted = conn
+            .transaction::<_, StoreError, _>(async move |conn| {
+                {
+                    let rows = diesel::sql_query(
+                        "INSERT INTO jobs (id, workflow, request, request_hash) VALUES ($1, $2, $3, $4) \
+                         ON CONFLICT (id) DO NOTHING",
+                    )
+                    .bind::<Text, _>(&job.id)
+                    .bind::<Text, _>(&job.workflow)
+                    .bind::<Jsonb, _>(job.request())
+                    .bind::<Text, _>(hash_ref)
+                    .execute(conn)
+                    .await?;
+                    if rows == 1 {
+                        diesel::sql_query(
+                            "INSERT INTO job_history (job_id, state, attempt, worker) VALUES ($1, 'received', 0, $2)",
+                        )
+                        .bind::<Text, _>(&job.id)
+                        .bind::<Text, _>(INTAKE_WORKER)
+                        .execute(conn)
+                        .await?;
+                        diesel::sql_query("SELECT pg_notify($1, $2)")
+                            .bind::<Text, _>(NEW_JOB_CHANNEL)
+                            .bind::<Text, _>(&job.id)
+                            .execute(conn)
+                            .await?;
+                    }
+                    Ok(rows == 1)
+                }
+            })
+            .await?;
+        let (view, stored_hash) = self
+            .load_view(&mut conn, &job.id)
+            .await?
+            .ok_or(StoreError::Query(diesel::result::Error::NotFound))?;
+        Ok(if inserted {
+            Intake::Created(view)
+        } else if stored_hash == hash {
+            Intake::Existing(view)
+        } else {
+            Intake::Conflict(view)
+        })
+    }
+
+    /// The job with its history and delivery, or `None`.
+    pub async fn job(&self, id: &str) -> Result<Option<JobView>, StoreError> {
+        let mut conn = self.db.conn().await?;
+        Ok(self.load_view(&mut conn, id).await?.map(|(view, _)| view))
+    }
+
+    async fn load_view(
+        &self,
+        conn: &mut diesel_async::AsyncPgConnection,
+        id: &str,
+    ) -> Result<Option<(JobView, String)>, StoreError> {
+        let Some(row) = diesel::sql_query(SELECT_JOB)
+            .bind::<Text, _>(id)
+            .get_result::<JobRow>(conn)
+            .await
+            .map(Some)
+            .or_else(not_found_is_none)?
+        else {
+            return Ok(None);
+        };
+        let history = diesel::sql_query(
+            "SELECT state::text AS state, at, attempt, worker FROM job_history WHERE job_id = $1 ORDER BY id",
+        )
+        .bind::<Text, _>(id)
+        .load::<HistoryRow>(conn)
+        .await?
+        .into_iter()
+        .map(|h| {
+            Ok(HistoryEntry {
+                state: parse_state(&h.state)?,
+                at: h.at,
+                attempt: h.attempt,
+                worker: h.worker,
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+        let delivery = diesel::sql_query(
+            "SELECT idempotency_key, status::text AS status, attempts, last_status, last_error, delivered_at \
+             FROM outbox WHERE job_id = $1 AND event = 'job.completed'",
+        )
+        .bind::<Text, _>(id)
+        .get_result::<OutboxRow>(conn)
+        .await
+        .map(Some)
+        .or_else(not_found_is_none)?
+        .map(|o| DeliveryView {
+            idempotency_key: o.idempotency_key,
+            status: o.status,
+            attempts: o.attempts,
+            last_status: o.last_status,
+            last_error: o.last_error.and_then(|e| serde_json::from_value(e).ok()),
+            delivered_at: o.delivered_at,
+        });
+        let request = row.request;
+        let view = JobView {
+            state: parse_state(&row.state)?,
+            id: row.id,
+            workflow: row.workflow,
+            attempts: row.attempts,
+            input: request.get("input").cloned().unwrap_or(Value::Null),
+            webhook_url: request
+                .get("webhook_url")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            result: row.result,
+            history,
+            delivery,
+            last_error: row.last_error.and_then(|e| serde_json::from_value(e).ok()),
+            dead_reason: row.dead_reason,
+            created_at: row.created_at,
+            updated_at: row.updated_at,
+            finished_at: row.finished_at,
+        };
+        Ok(Some((view, row.request_hash)))
+    }
+}
+
+pub(crate) fn parse_state(s: &str) -> Result<JobState, StoreError> {
+    s.parse()
+        .map_err(|e: crate::lifecycle::UnknownState| StoreError::Query(diesel::result::Error::DeserializationError(e.into())))
+}
+
+pub(crate) fn not_found_is_none<T>(e: diesel::result::Error) -> Result<Option<T>, diesel::result::Error> {
+    match e {
+        diesel::result::Error::NotFound => Ok(None),
+        other => Err(other),
+    }
+}

@@ -1,0 +1,518 @@
+//! The journal: model calls, results and the webhook outbox. Each write that
+//! stands for a state commits in one transaction with its checkpoint.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use serde_json::Value;
+
+use super::{Checkpoint, Fence, Store};
+use crate::error::{ErrorEnvelope, StoreError};
+use crate::faults::{FailPoint, Faults};
+use crate::lifecycle::JobState;
+
+/// Where a model call stands when an attempt is about to make it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelCallStart {
+    /// Journaled: return this response, do not call the model.
+    Completed(Value),
+    /// Ours to send; `attempt` counts sends of this key, this one included.
+    Send { attempt: i32 },
+    /// Another attempt has this request in flight until then: wait, do not send.
+    InFlight { until: DateTime<Utc> },
+    /// The key was journaled for a different request: a loud error.
+    KeyConflict { stored_hash: String },
+    /// The lease is gone.
+    LeaseLost,
+}
+
+/// Where a webhook delivery stands when an attempt is about to send it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeliveryStart {
+    /// Already delivered (2xx recorded).
+    Delivered,
+    /// Ours to send.
+    Send { attempt: i32, url: String, body: Value },
+    /// Another attempt has the POST in flight until then.
+    InFlight { until: DateTime<Utc> },
+    /// At-most-once, and an earlier send's outcome was never recorded: the row
+    /// is now `unknown` and must not be sent again.
+    Unknown,
+    /// Dead or unknown already.
+    Closed(String),
+    /// The lease is gone.
+    LeaseLost,
+}
+
+/// An outcome written to a model-call row after a failed send.
+#[derive(Debug, Clone)]
+pub struct FailedSend {
+    pub error: ErrorEnvelope,
+    /// The request never left (connection refused): the send does not count.
+    pub never_sent: bool,
+    pub status: Option<i32>,
+}
+
+enum TxError {
+    Store(StoreError),
+    Abort(Checkpoint),
+}
+
+impl From<diesel::result::Error> for TxError {
+    fn from(e: diesel::result::Error) -> Self {
+        TxError::Store(StoreError::Query(e))
+    }
+}
+
+impl From<StoreError> for TxError {
+    fn from(e: StoreError) -> Self {
+        TxError::Store(e)
+    }
+}
+
+fn finish(result: Result<(), TxError>) -> Result<Checkpoint, StoreError> {
+    match result {
+        Ok(()) => Ok(Checkpoint::Moved),
+        Err(TxError::Abort(c)) => Ok(c),
+        Err(TxError::Store(e)) => Err(e),
+    }
+}
+
+async fn guard(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<(), TxError> {
+    if Store::hold_fence(conn, fence).await? {
+        Ok(())
+    } else {
+        Err(TxError::Abort(Checkpoint::LeaseLost))
+    }
+}
+
+async fn transition(conn: &mut AsyncPgConnection, fence: &Fence, from: JobState, to: JobState) -> Result<(), TxError> {
+    match Store::transition(conn, fence, from, to).await? {
+        Checkpoint::Moved => Ok(()),
+        other => Err(TxError::Abort(other)),
+    }
+}
+
+#[derive(QueryableByName)]
+struct ModelCallRow {
+    #[diesel(sql_type = Text)]
+    request_hash: String,
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    response: Option<Value>,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    in_flight_until: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    in_flight_epoch: Option<i64>,
+    #[diesel(sql_type = Timestamptz)]
+    now: DateTime<Utc>,
+}
+
+#[derive(QueryableByName)]
+struct OutboxRow {
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = Text)]
+    url: String,
+    #[diesel(sql_type = Jsonb)]
+    body: Value,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    in_flight_until: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    in_flight_epoch: Option<i64>,
+    #[diesel(sql_type = Timestamptz)]
+    now: DateTime<Utc>,
+}
+
+#[derive(QueryableByName)]
+struct OutputRow {
+    #[diesel(sql_type = Jsonb)]
+    output: Value,
+}
+
+/// A send in flight that this attempt must wait for: one made under the same
+/// lease epoch (a concurrent attempt sharing the lease) that has not expired.
+/// A send from an earlier epoch belongs to an attempt whose lease was taken
+/// over; the taker resends under the same key.
+fn in_flight(until: Option<DateTime<Utc>>, epoch: Option<i64>, now: DateTime<Utc>, fence: &Fence) -> Option<DateTime<Utc>> {
+    until.filter(|u| *u > now && epoch == Some(fence.epoch))
+}
+
+impl Store {
+    /// Journals the intent to call the model under `key` (before anything is
+    /// sent) and decides whether this attempt sends. Waits for a concurrent
+    /// attempt that is committing this key's response.
+    pub async fn begin_model_call(
+        &self,
+        fence: &Fence,
+        key: &str,
+        request_hash: &str,
+        in_flight_ms: i64,
+    ) -> Result<ModelCallStart, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                {
+                    guard(conn, fence).await?;
+                    diesel::sql_query(
+                        "INSERT INTO model_calls (job_id, idempotency_key, request_hash) VALUES ($1, $2, $3) \
+                         ON CONFLICT (idempotency_key) DO NOTHING",
+                    )
+                    .bind::<Text, _>(&fence.job_id)
+                    .bind::<Text, _>(key)
+                    .bind::<Text, _>(request_hash)
+                    .execute(conn)
+                    .await?;
+                    // FOR UPDATE waits for an attempt that is writing this row.
+                    let row: ModelCallRow = diesel::sql_query(
+                        "SELECT request_hash, status::text AS status, response, attempts, in_flight_until, \
+                             in_flight_epoch, clock_timestamp() AS now \
+                         FROM model_calls WHERE idempotency_key = $1 FOR UPDATE",
+                    )
+                    .bind::<Text, _>(key)
+                    .get_result(conn)
+                    .await?;
+                    Ok(if row.request_hash != request_hash {
+                        ModelCallStart::KeyConflict {
+                            stored_hash: row.request_hash,
+                        }
+                    } else if let (true, Some(response)) = (row.status == "completed", row.response) {
+                        ModelCallStart::Completed(response)
+                    } else if let Some(until) = in_flight(row.in_flight_until, row.in_flight_epoch, row.now, fence) {
+                        ModelCallStart::InFlight { until }
+                    } else {
+                        diesel::sql_query(
+                            "UPDATE model_calls SET attempts = attempts + 1, status = 'pending', \
+                                 in_flight_until = clock_timestamp() + $2 * interval '1 millisecond', \
+                                 in_flight_epoch = $3, updated_at = now() \
+                             WHERE idempotency_key = $1",
+                        )
+                        .bind::<Text, _>(key)
+                        .bind::<BigInt, _>(in_flight_ms)
+                        .bind::<BigInt, _>(fence.epoch)
+                        .execute(conn)
+                        .await?;
+                        ModelCallStart::Send {
+                            attempt: row.attempts + 1,
+                        }
+                    })
+                }
+            })
+            .await;
+        match result {
+            Ok(start) => Ok(start),
+            Err(TxError::Abort(_)) => Ok(ModelCallStart::LeaseLost),
+            Err(TxError::Store(e)) => Err(e),
+        }
+    }
+
+    /// Journals the model's response under `key`.
+    pub async fn complete_model_call(
+        &self,
+        fence: &Fence,
+        key: &str,
+        response: &Value,
+        usage: (Option<i32>, Option<i32>),
+        faults: &Faults,
+    ) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                {
+                    guard(conn, fence).await?;
+                    diesel::sql_query(
+                        "UPDATE model_calls SET status = 'completed', response = $2, input_tokens = $3, \
+                             output_tokens = $4, in_flight_until = NULL, last_error = NULL, updated_at = now() \
+                         WHERE idempotency_key = $1",
+                    )
+                    .bind::<Text, _>(key)
+                    .bind::<Jsonb, _>(response)
+                    .bind::<Nullable<Integer>, _>(usage.0)
+                    .bind::<Nullable<Integer>, _>(usage.1)
+                    .execute(conn)
+                    .await?;
+                    faults
+                        .hit(&fence.job_id, FailPoint::BeforeCommit("model_call"))
+                        .await
+                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
+                    Ok(())
+                }
+            })
+            .await;
+        finish(result)
+    }
+
+    /// Records a failed send of `key` and frees it for the next attempt.
+    pub async fn fail_model_call(&self, key: &str, failed: &FailedSend) -> Result<(), StoreError> {
+        let mut conn = self.db().conn().await?;
+        diesel::sql_query(
+            "UPDATE model_calls SET last_error = $2, in_flight_until = NULL, updated_at = now(), \
+                 attempts = CASE WHEN $3 THEN greatest(attempts - 1, 0) ELSE attempts END \
+             WHERE idempotency_key = $1 AND status <> 'completed'",
+        )
+        .bind::<Text, _>(key)
+        .bind::<Jsonb, _>(serde_json::to_value(&failed.error).expect("envelope serialises"))
+        .bind::<Bool, _>(failed.never_sent)
+        .execute(&mut conn)
+        .await?;
+        Ok(())
+    }
+
+    /// `received → generated`: the workflow body returned; its model calls are journaled.
+    pub async fn mark_generated(&self, fence: &Fence, faults: &Faults) -> Result<Checkpoint, StoreError> {
+        self.plain_transition(fence, JobState::Received, JobState::Generated, faults)
+            .await
+    }
+
+    /// `generated → persisted`: writes the result row (one per job) with the checkpoint.
+    pub async fn persist_result(&self, fence: &Fence, output: &Value, faults: &Faults) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                {
+                    guard(conn, fence).await?;
+                    diesel::sql_query(
+                        "INSERT INTO results (job_id, output) VALUES ($1, $2) ON CONFLICT (job_id) DO NOTHING",
+                    )
+                    .bind::<Text, _>(&fence.job_id)
+                    .bind::<Jsonb, _>(output)
+                    .execute(conn)
+                    .await?;
+                    transition(conn, fence, JobState::Generated, JobState::Persisted).await?;
+                    faults
+                        .hit(&fence.job_id, FailPoint::BeforeCommit("persisted"))
+                        .await
+                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
+                    Ok(())
+                }
+            })
+            .await;
+        finish(result)
+    }
+
+    /// The persisted result of a job.
+    pub async fn result_of(&self, job_id: &str) -> Result<Option<Value>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<OutputRow> = diesel::sql_query("SELECT output FROM results WHERE job_id = $1")
+            .bind::<Text, _>(job_id)
+            .load(&mut conn)
+            .await?;
+        Ok(rows.into_iter().next().map(|r| r.output))
+    }
+
+    /// `persisted → claimed`: inserts the outbox row under its UNIQUE key.
+    pub async fn claim_delivery(
+        &self,
+        fence: &Fence,
+        key: &str,
+        event: &str,
+        url: &str,
+        body: &Value,
+        faults: &Faults,
+    ) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                {
+                    guard(conn, fence).await?;
+                    diesel::sql_query(
+                        "INSERT INTO outbox (job_id, event, idempotency_key, url, body) VALUES ($1, $2, $3, $4, $5) \
+                         ON CONFLICT (idempotency_key) DO NOTHING",
+                    )
+                    .bind::<Text, _>(&fence.job_id)
+                    .bind::<Text, _>(event)
+                    .bind::<Text, _>(key)
+                    .bind::<Text, _>(url)
+                    .bind::<Jsonb, _>(body)
+                    .execute(conn)
+                    .await?;
+                    transition(conn, fence, JobState::Persisted, JobState::Claimed).await?;
+                    faults
+                        .hit(&fence.job_id, FailPoint::BeforeCommit("claimed"))
+                        .await
+                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
+                    Ok(())
+                }
+            })
+            .await;
+        finish(result)
+    }
+
+    /// Decides whether this attempt POSTs the webhook under `key`, and marks
+    /// the send in flight before anything leaves.
+    pub async fn begin_delivery(
+        &self,
+        fence: &Fence,
+        key: &str,
+        at_most_once: bool,
+        in_flight_ms: i64,
+    ) -> Result<DeliveryStart, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                {
+                    guard(conn, fence).await?;
+                    let row: OutboxRow = diesel::sql_query(
+                        "SELECT status::text AS status, url, body, attempts, in_flight_until, in_flight_epoch, clock_timestamp() AS now \
+                         FROM outbox WHERE idempotency_key = $1 FOR UPDATE",
+                    )
+                    .bind::<Text, _>(key)
+                    .get_result(conn)
+                    .await?;
+                    let in_flight = in_flight(row.in_flight_until, row.in_flight_epoch, row.now, fence);
+                    Ok(match (row.status.as_str(), in_flight) {
+                        ("delivered", _) => DeliveryStart::Delivered,
+                        ("claimed", Some(until)) => DeliveryStart::InFlight { until },
+                        ("claimed", None) if at_most_once && row.attempts > 0 => {
+                            diesel::sql_query(
+                                "UPDATE outbox SET status = 'unknown', updated_at = now() WHERE idempotency_key = $1",
+                            )
+                            .bind::<Text, _>(key)
+                            .execute(conn)
+                            .await?;
+                            DeliveryStart::Unknown
+                        }
+                        ("claimed", None) => {
+                            diesel::sql_query(
+                                "UPDATE outbox SET attempts = attempts + 1, updated_at = now(), \
+                                     in_flight_until = clock_timestamp() + $2 * interval '1 millisecond', \
+                                     in_flight_epoch = $3 \
+                                 WHERE idempotency_key = $1",
+                            )
+                            .bind::<Text, _>(key)
+                            .bind::<BigInt, _>(in_flight_ms)
+                            .bind::<BigInt, _>(fence.epoch)
+                            .execute(conn)
+                            .await?;
+                            DeliveryStart::Send {
+                                attempt: row.attempts + 1,
+                                url: row.url,
+                                body: row.body,
+                            }
+                        }
+                        (other, _) => DeliveryStart::Closed(other.to_owned()),
+                    })
+                }
+            })
+            .await;
+        match result {
+            Ok(start) => Ok(start),
+            Err(TxError::Abort(_)) => Ok(DeliveryStart::LeaseLost),
+            Err(TxError::Store(e)) => Err(e),
+        }
+    }
+
+    /// `claimed → delivered`: the webhook answered 2xx.
+    pub async fn mark_delivered(&self, fence: &Fence, key: &str, status: i32, faults: &Faults) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                {
+                    guard(conn, fence).await?;
+                    diesel::sql_query(
+                        "UPDATE outbox SET status = 'delivered', delivered_at = now(), last_status = $2, \
+                             in_flight_until = NULL, updated_at = now() \
+                         WHERE idempotency_key = $1 AND status = 'claimed'",
+                    )
+                    .bind::<Text, _>(key)
+                    .bind::<Integer, _>(status)
+                    .execute(conn)
+                    .await?;
+                    transition(conn, fence, JobState::Claimed, JobState::Delivered).await?;
+                    faults
+                        .hit(&fence.job_id, FailPoint::BeforeCommit("delivered"))
+                        .await
+                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
+                    Ok(())
+                }
+            })
+            .await;
+        finish(result)
+    }
+
+    /// Records a failed POST and frees the row for the next attempt.
+    pub async fn fail_delivery(&self, key: &str, failed: &FailedSend) -> Result<(), StoreError> {
+        let mut conn = self.db().conn().await?;
+        diesel::sql_query(
+            "UPDATE outbox SET last_error = $2, last_status = $3, in_flight_until = NULL, updated_at = now(), \
+                 attempts = CASE WHEN $4 THEN greatest(attempts - 1, 0) ELSE attempts END \
+             WHERE idempotency_key = $1 AND status = 'claimed'",
+        )
+        .bind::<Text, _>(key)
+        .bind::<Jsonb, _>(serde_json::to_value(&failed.error).expect("envelope serialises"))
+        .bind::<Nullable<Integer>, _>(failed.status)
+        .bind::<Bool, _>(failed.never_sent)
+        .execute(&mut conn)
+        .await?;
+        Ok(())
+    }
+
+    /// `delivered → acked`: the job is finished and leaves the runnable set.
+    pub async fn ack(&self, fence: &Fence, faults: &Faults) -> Result<Checkpoint, StoreError> {
+        self.plain_transition(fence, JobState::Delivered, JobState::Acked, faults)
+            .await
+    }
+
+    /// Dead-letters the job (and its outbox row, if `outbox_status` is given).
+    pub async fn kill(
+        &self,
+        fence: &Fence,
+        reason: &str,
+        error: &ErrorEnvelope,
+        outbox: Option<(&str, &str)>,
+    ) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                {
+                    if let Some((key, status)) = outbox {
+                        diesel::sql_query(
+                            "UPDATE outbox SET status = $2::outbox_status, last_error = $3, in_flight_until = NULL, \
+                                 updated_at = now() \
+                             WHERE idempotency_key = $1 AND status IN ('claimed', 'unknown')",
+                        )
+                        .bind::<Text, _>(key)
+                        .bind::<Text, _>(status)
+                        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+                        .execute(conn)
+                        .await?;
+                    }
+                    match Store::kill_in(conn, fence, reason, error).await? {
+                        Checkpoint::Moved => Ok(()),
+                        other => Err(TxError::Abort(other)),
+                    }
+                }
+            })
+            .await;
+        finish(result)
+    }
+
+    async fn plain_transition(
+        &self,
+        fence: &Fence,
+        from: JobState,
+        to: JobState,
+        faults: &Faults,
+    ) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                {
+                    transition(conn, fence, from, to).await?;
+                    faults
+                        .hit(&fence.job_id, FailPoint::BeforeCommit(to.as_str()))
+                        .await
+                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
+                    Ok(())
+                }
+            })
+            .await;
+        finish(result)
+    }
+}

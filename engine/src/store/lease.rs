@@ -1,0 +1,294 @@
+//! Leases, heartbeats and fenced checkpoints.
+//!
+//! A node takes runnable jobs with `FOR UPDATE SKIP LOCKED`, bumping each
+//! job's `lease_epoch` (the fencing token). Every later write of the attempt
+//! is conditional on that epoch: zero rows changed is a typed outcome, never
+//! silently ignored.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde_json::Value;
+
+use super::jobs::parse_state;
+use super::Store;
+use crate::error::{ErrorEnvelope, StoreError};
+use crate::lifecycle::JobState;
+
+/// The identity of one attempt: every write it makes is guarded by it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub job_id: String,
+    pub epoch: i64,
+    pub attempt: i32,
+    pub worker: String,
+}
+
+/// A job leased to this node.
+#[derive(Debug, Clone)]
+pub struct Leased {
+    pub fence: Fence,
+    pub workflow: String,
+    pub request: Value,
+    pub state: JobState,
+    /// The node that held the (expired) lease before us, if any: a takeover.
+    pub previous_owner: Option<String>,
+}
+
+/// The outcome of a guarded transition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Checkpoint {
+    /// The row moved and the history row is written.
+    Moved,
+    /// Another attempt owns the job now (the epoch moved on): stop, write nothing.
+    LeaseLost,
+    /// The job is not in the expected state any more (a concurrent attempt
+    /// with the same lease got there first): continue from `JobState`.
+    AlreadyAt(JobState),
+    /// A failpoint aborted the transaction before it committed (test seam):
+    /// nothing was written; the attempt stops as if it crashed.
+    Faulted,
+}
+
+#[derive(QueryableByName)]
+struct LeasedRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Text)]
+    workflow: String,
+    #[diesel(sql_type = Jsonb)]
+    request: Value,
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = BigInt)]
+    lease_epoch: i64,
+    #[diesel(sql_type = Nullable<Text>)]
+    previous_owner: Option<String>,
+}
+
+#[derive(QueryableByName)]
+struct IdRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+}
+
+#[derive(QueryableByName)]
+struct StateRow {
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = BigInt)]
+    lease_epoch: i64,
+}
+
+impl Store {
+    /// Leases up to `limit` runnable jobs to `node` for `lease_ms`: jobs due
+    /// to run that nobody holds, and jobs whose lease expired (a crashed or
+    /// stalled attempt, on any node). With `reclaim_own`, also jobs still
+    /// leased to `node` itself: a node that just started has nothing in
+    /// flight, so whatever it held belonged to its previous incarnation.
+    pub async fn acquire(
+        &self,
+        node: &str,
+        limit: i64,
+        lease_ms: i64,
+        reclaim_own: bool,
+    ) -> Result<Vec<Leased>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<LeasedRow> = diesel::sql_query(
+            "WITH picked AS ( \
+                 SELECT id, lease_owner FROM jobs \
+                 WHERE state NOT IN ('acked', 'dead') AND run_at <= now() \
+                   AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp() \
+                        OR ($4 AND lease_owner = $1)) \
+                 ORDER BY run_at LIMIT $2 \
+                 FOR UPDATE SKIP LOCKED) \
+             UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
+                 lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \
+                 attempts = j.attempts + 1, updated_at = now() \
+             FROM picked WHERE j.id = picked.id \
+             RETURNING j.id, j.workflow, j.request, j.state::text AS state, j.attempts, j.lease_epoch, \
+                 picked.lease_owner AS previous_owner",
+        )
+        .bind::<Text, _>(node)
+        .bind::<BigInt, _>(limit)
+        .bind::<BigInt, _>(lease_ms)
+        .bind::<Bool, _>(reclaim_own)
+        .load(&mut conn)
+        .await?;
+        rows.into_iter()
+            .map(|r| {
+                Ok(Leased {
+                    state: parse_state(&r.state)?,
+                    fence: Fence {
+                        job_id: r.id,
+                        epoch: r.lease_epoch,
+                        attempt: r.attempts,
+                        worker: node.to_owned(),
+                    },
+                    workflow: r.workflow,
+                    request: r.request,
+                    previous_owner: r.previous_owner,
+                })
+            })
+            .collect()
+    }
+
+    /// Extends the leases `node` holds on `held` (job id, epoch) in one
+    /// statement; returns the ids whose lease is gone (taken over or finished).
+    pub async fn renew(&self, node: &str, held: &[(String, i64)], lease_ms: i64) -> Result<Vec<String>, StoreError> {
+        if held.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = held.iter().map(|(id, _)| id.clone()).collect();
+        let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
+        let mut conn = self.db().conn().await?;
+        let kept: Vec<IdRow> = diesel::sql_query(
+            "UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
+             FROM unnest($2::text[], $3::bigint[]) AS l(id, epoch) \
+             WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
+             RETURNING j.id",
+        )
+        .bind::<Text, _>(node)
+        .bind::<Array<Text>, _>(&ids)
+        .bind::<Array<BigInt>, _>(&epochs)
+        .bind::<BigInt, _>(lease_ms)
+        .load(&mut conn)
+        .await?;
+        let kept: std::collections::HashSet<String> = kept.into_iter().map(|r| r.id).collect();
+        Ok(ids.into_iter().filter(|id| !kept.contains(id)).collect())
+    }
+
+    /// Holds the job row for the rest of `conn`'s transaction if `fence` still
+    /// owns it (shared: concurrent writes of the same attempt proceed, a
+    /// takeover waits for them). False when the lease is lost.
+    pub(crate) async fn hold_fence(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<bool, StoreError> {
+        let rows: Vec<IdRow> =
+            diesel::sql_query("SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 FOR SHARE")
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<BigInt, _>(fence.epoch)
+                .load(conn)
+                .await?;
+        Ok(rows.len() == 1)
+    }
+
+    /// Moves the job `from → to` and appends the history row, guarded by the
+    /// state and the epoch. Call inside the transaction that writes the data
+    /// the new state stands for.
+    pub(crate) async fn transition(
+        conn: &mut AsyncPgConnection,
+        fence: &Fence,
+        from: JobState,
+        to: JobState,
+    ) -> Result<Checkpoint, StoreError> {
+        debug_assert!(from.can_move_to(to), "{from} → {to} is not a transition");
+        let terminal = to.is_terminal();
+        let moved = diesel::sql_query(
+            "UPDATE jobs SET state = $3::job_state, updated_at = now(), \
+                 finished_at = CASE WHEN $5 THEN now() END, \
+                 lease_owner = CASE WHEN $5 THEN NULL ELSE lease_owner END, \
+                 lease_expires_at = CASE WHEN $5 THEN NULL ELSE lease_expires_at END \
+             WHERE id = $1 AND state = $2::job_state AND lease_epoch = $4",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<Text, _>(from.as_str())
+        .bind::<Text, _>(to.as_str())
+        .bind::<BigInt, _>(fence.epoch)
+        .bind::<Bool, _>(terminal)
+        .execute(conn)
+        .await?;
+        if moved == 1 {
+            Self::append_history(conn, fence, to).await?;
+            return Ok(Checkpoint::Moved);
+        }
+        Self::why_not(conn, fence).await
+    }
+
+    /// Dead-letters the job from whatever live state it is in, keeping the reason.
+    pub(crate) async fn kill_in(
+        conn: &mut AsyncPgConnection,
+        fence: &Fence,
+        reason: &str,
+        error: &ErrorEnvelope,
+    ) -> Result<Checkpoint, StoreError> {
+        let moved = diesel::sql_query(
+            "UPDATE jobs SET state = 'dead', dead_reason = $3, last_error = $4, finished_at = now(), \
+                 updated_at = now(), lease_owner = NULL, lease_expires_at = NULL \
+             WHERE id = $1 AND lease_epoch = $2 AND state NOT IN ('acked', 'dead')",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<BigInt, _>(fence.epoch)
+        .bind::<Text, _>(reason)
+        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+        .execute(conn)
+        .await?;
+        if moved == 1 {
+            Self::append_history(conn, fence, JobState::Dead).await?;
+            return Ok(Checkpoint::Moved);
+        }
+        Self::why_not(conn, fence).await
+    }
+
+    /// Releases the lease and schedules the job to run again at `run_at`,
+    /// keeping its state (a retry after a transient failure).
+    pub async fn reschedule(
+        &self,
+        fence: &Fence,
+        run_at: DateTime<Utc>,
+        error: &ErrorEnvelope,
+    ) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let moved = diesel::sql_query(
+            "UPDATE jobs SET run_at = $3, last_error = $4, lease_owner = NULL, lease_expires_at = NULL, \
+                 updated_at = now() \
+             WHERE id = $1 AND lease_epoch = $2 AND state NOT IN ('acked', 'dead')",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<BigInt, _>(fence.epoch)
+        .bind::<Timestamptz, _>(run_at)
+        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+        .execute(&mut conn)
+        .await?;
+        if moved == 1 {
+            return Ok(Checkpoint::Moved);
+        }
+        Self::why_not(&mut conn, fence).await
+    }
+
+    /// The current state of a job (for an attempt that lost a race).
+    pub async fn state_of(&self, job_id: &str) -> Result<Option<JobState>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<StateRow> = diesel::sql_query("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
+            .bind::<Text, _>(job_id)
+            .load(&mut conn)
+            .await?;
+        rows.into_iter().next().map(|r| parse_state(&r.state)).transpose()
+    }
+
+    async fn append_history(conn: &mut AsyncPgConnection, fence: &Fence, state: JobState) -> Result<(), StoreError> {
+        diesel::sql_query(
+            "INSERT INTO job_history (job_id, state, attempt, worker) VALUES ($1, $2::job_state, $3, $4)",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<Text, _>(state.as_str())
+        .bind::<Integer, _>(fence.attempt)
+        .bind::<Text, _>(&fence.worker)
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    /// Why a guarded update changed nothing.
+    async fn why_not(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<Checkpoint, StoreError> {
+        let rows: Vec<StateRow> = diesel::sql_query("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
+            .bind::<Text, _>(&fence.job_id)
+            .load(conn)
+            .await?;
+        match rows.into_iter().next() {
+            Some(row) if row.lease_epoch == fence.epoch => Ok(Checkpoint::AlreadyAt(parse_state(&row.state)?)),
+            Some(_) | None => Ok(Checkpoint::LeaseLost),
+        }
+    }
+}

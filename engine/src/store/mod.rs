@@ -1,0 +1,54 @@
+//! All SQL lives here. Actors, workflows and the API call intention-revealing
+//! methods; every transition is one guarded statement committed together with
+//! its history row and the data it depends on.
+//!
+//! * [`jobs`]: intake (race-safe, decided by `INSERT … ON CONFLICT`) and the job view.
+//! * [`lease`]: taking runnable jobs (`FOR UPDATE SKIP LOCKED`), batched heartbeats,
+//!   fenced checkpoints.
+//! * [`journal`]: model calls, the step journal, results and the webhook outbox.
+
+pub mod jobs;
+pub mod journal;
+pub mod lease;
+
+use diesel::sql_types::{Integer, Text};
+use diesel_async::RunQueryDsl;
+
+use crate::db::Db;
+use crate::error::StoreError;
+
+pub use jobs::{DeliveryView, HistoryEntry, Intake, JobView};
+pub use lease::{Checkpoint, Fence, Leased};
+
+/// The Postgres store.
+#[derive(Debug, Clone)]
+pub struct Store {
+    db: Db,
+}
+
+impl Store {
+    pub fn new(db: Db) -> Self {
+        Store { db }
+    }
+
+    pub fn db(&self) -> &Db {
+        &self.db
+    }
+
+    /// True when the database answers and the schema is migrated.
+    pub async fn healthy(&self) -> Result<bool, StoreError> {
+        #[derive(diesel::QueryableByName)]
+        struct Found {
+            #[diesel(sql_type = Integer)]
+            n: i32,
+        }
+        let mut conn = self.db.conn().await?;
+        let found: Found = diesel::sql_query(
+            "SELECT count(*)::int AS n FROM pg_catalog.pg_tables WHERE tablename = $1",
+        )
+        .bind::<Text, _>("jobs")
+        .get_result(&mut conn)
+        .await?;
+        Ok(found.n == 1)
+    }
+}

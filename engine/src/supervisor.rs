@@ -1,0 +1,223 @@
+//! The supervisor: one actix actor per node. It leases runnable work and
+//! starts a [`JobActor`] per job, renews the leases of everything in flight in
+//! one batched statement, and resumes stalled jobs.
+//!
+//! Resuming is the same query as taking new work: a job whose lease expired
+//! (its actor crashed, its process died, its node is gone) is runnable again,
+//! and the actor started for it continues at its last checkpoint, including a
+//! completion webhook that was claimed but never marked delivered.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use actix::prelude::*;
+
+use crate::actor::{Abort, Finished, JobActor, JobRun, Outcome};
+use crate::engine::Shared;
+
+/// Look for work now (a job was submitted, an attempt ended, or the timer fired).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Poll;
+
+/// Renew the leases of every job in flight.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Heartbeat;
+
+/// How many jobs this node is running.
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct InFlight;
+
+/// Abort every attempt and stop.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+/// Counts of what the supervisor has done, for tests and `/metrics`.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub started: std::sync::atomic::AtomicU64,
+    pub takeovers: std::sync::atomic::AtomicU64,
+    pub lease_lost: std::sync::atomic::AtomicU64,
+}
+
+/// The per-node supervisor.
+pub struct Supervisor {
+    shared: Arc<Shared>,
+    in_flight: HashMap<String, (i64, Addr<JobActor>)>,
+    polling: bool,
+    poll_again: bool,
+    renewing: bool,
+    reclaimed_own: bool,
+    stopping: bool,
+}
+
+impl Supervisor {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        Supervisor {
+            shared,
+            in_flight: HashMap::new(),
+            polling: false,
+            poll_again: false,
+            renewing: false,
+            reclaimed_own: false,
+            stopping: false,
+        }
+    }
+}
+
+impl Actor for Supervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let config = &self.shared.config;
+        ctx.run_interval(config.poll_interval, |_, ctx| ctx.notify(Poll));
+        ctx.run_interval(config.lease / 3, |_, ctx| ctx.notify(Heartbeat));
+        // On start, recover whatever this node's previous incarnation held.
+        ctx.notify(Poll);
+    }
+}
+
+impl Handler<Poll> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: Poll, ctx: &mut Self::Context) {
+        if self.stopping {
+            return;
+        }
+        if self.polling {
+            self.poll_again = true;
+            return;
+        }
+        let capacity = self.shared.config.max_in_flight.saturating_sub(self.in_flight.len());
+        if capacity == 0 {
+            return;
+        }
+        self.polling = true;
+        let shared = self.shared.clone();
+        let reclaim_own = !self.reclaimed_own;
+        let acquire = async move {
+            shared
+                .store
+                .acquire(
+                    &shared.config.node_id,
+                    capacity as i64,
+                    shared.config.lease.as_millis() as i64,
+                    reclaim_own,
+                )
+                .await
+        };
+        ctx.spawn(acquire.into_actor(self).map(move |result, act, ctx| {
+            act.polling = false;
+            match result {
+                Ok(leased) => {
+                    act.reclaimed_own = true;
+                    let full = leased.len() == capacity;
+                    for job in leased {
+                        act.start_job(job, ctx);
+                    }
+                    if full || act.poll_again {
+                        act.poll_again = false;
+                        ctx.notify(Poll);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "could not lease jobs; will retry"),
+            }
+        }));
+    }
+}
+
+impl Supervisor {
+    fn start_job(&mut self, leased: crate::store::Leased, ctx: &mut Context<Self>) {
+        let counters = &self.shared.counters;
+        counters.started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(previous) = &leased.previous_owner {
+            counters.takeovers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(job.id = %leased.fence.job_id, previous_owner = %previous, state = %leased.state, "resuming a stalled job from its last checkpoint");
+        }
+        let Some(workflow) = self.shared.registry.get(&leased.workflow).cloned() else {
+            // Another node may run this workflow; let the lease lapse.
+            tracing::error!(job.id = %leased.fence.job_id, workflow = %leased.workflow, "workflow not registered on this node");
+            return;
+        };
+        let (job_id, epoch) = (leased.fence.job_id.clone(), leased.fence.epoch);
+        let run = JobRun::new(leased, workflow, self.shared.clone());
+        let addr = JobActor::new(run, ctx.address()).start();
+        self.in_flight.insert(job_id, (epoch, addr));
+    }
+}
+
+impl Handler<Finished> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Finished, ctx: &mut Self::Context) {
+        if self.in_flight.get(&msg.job_id).is_some_and(|(e, _)| *e == msg.epoch) {
+            self.in_flight.remove(&msg.job_id);
+        }
+        if msg.outcome == Outcome::LeaseLost {
+            self.shared
+                .counters
+                .lease_lost
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        tracing::debug!(job.id = %msg.job_id, outcome = ?msg.outcome, "attempt ended");
+        ctx.notify(Poll);
+    }
+}
+
+impl Handler<Heartbeat> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: Heartbeat, ctx: &mut Self::Context) {
+        if self.renewing || self.in_flight.is_empty() {
+            return;
+        }
+        self.renewing = true;
+        let held: Vec<(String, i64)> = self.in_flight.iter().map(|(id, (e, _))| (id.clone(), *e)).collect();
+        let shared = self.shared.clone();
+        let renew = async move {
+            let lease_ms = shared.config.lease.as_millis() as i64;
+            let lost = shared.store.renew(&shared.config.node_id, &held, lease_ms).await;
+            (held, lost)
+        };
+        ctx.spawn(renew.into_actor(self).map(|(held, lost), act, _| {
+            act.renewing = false;
+            match lost {
+                Ok(lost) => {
+                    for id in lost {
+                        // Only abort the attempt we asked about, not a newer one.
+                        let asked = held.iter().find(|(h, _)| *h == id).map(|(_, e)| *e);
+                        if let Some((epoch, addr)) = act.in_flight.get(&id) {
+                            if Some(*epoch) == asked {
+                                tracing::warn!(job.id = %id, "lease lost; stopping the attempt");
+                                addr.do_send(Abort);
+                                act.in_flight.remove(&id);
+                            }
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "lease renewal failed; will retry"),
+            }
+        }));
+    }
+}
+
+impl Handler<InFlight> for Supervisor {
+    type Result = usize;
+    fn handle(&mut self, _: InFlight, _: &mut Self::Context) -> usize {
+        self.in_flight.len()
+    }
+}
+
+impl Handler<Shutdown> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, _: Shutdown, ctx: &mut Self::Context) {
+        self.stopping = true;
+        for (_, (_, addr)) in self.in_flight.drain() {
+            addr.do_send(Abort);
+        }
+        ctx.stop();
+    }
+}

@@ -1,0 +1,13 @@
+DROP TABLE steps;
+DROP TABLE tool_calls;
+DROP TABLE outbox;
+DROP TABLE model_calls;
+DROP TABLE results;
+DROP TRIGGER job_history_no_update ON job_history;
+DROP FUNCTION job_history_append_only();
+DROP TABLE job_history;
+DROP TABLE jobs;
+DROP TYPE tool_call_status;
+DROP TYPE outbox_status;
+DROP TYPE model_call_status;
+DROP TYPE job_state;
