@@ -1,1 +1,48 @@
-fn main(){}
+//! # onceflow
+//!
+//! The binary: `serve` runs the HTTP API and a node of the engine on
+//! PostgreSQL (an embedded one when `DATABASE_URL` is unset); `migrate`
+//! applies the schema; `submit` and `status` are clients of a running server.
+
+mod client;
+mod config;
+mod serve;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "onceflow", version, about = "A durable, actor-based workflow engine for LLM jobs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the HTTP API and a worker node (starts an embedded PostgreSQL when DATABASE_URL is unset).
+    Serve(config::ServeArgs),
+    /// Apply pending database migrations and exit.
+    Migrate(config::DbArgs),
+    /// Submit a completion job to a running server and print it.
+    Submit(client::SubmitArgs),
+    /// Print a job's state and history.
+    Status(client::StatusArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    onceflow_observability::init_logging();
+    let result = match cli.command {
+        Command::Serve(args) => serve::run(args),
+        Command::Migrate(args) => serve::migrate(args),
+        Command::Submit(args) => client::submit(args),
+        Command::Status(args) => client::status(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

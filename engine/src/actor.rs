@@ -196,7 +196,7 @@ impl JobRun {
         let store = &self.shared.store;
         let config = &self.shared.config;
         let key = keys::completed(&self.fence.job_id);
-        let at_most_once = self.workflow.delivery() == DeliveryPolicy::AtMostOnce;
+        let at_most_once = self.workflow.delivery_policy() == DeliveryPolicy::AtMostOnce;
         let in_flight_ms = (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
         loop {
             match store.begin_delivery(&self.fence, &key, at_most_once, in_flight_ms).await? {
@@ -244,7 +244,6 @@ impl JobRun {
                             &key,
                             &FailedSend {
                                 error: error.clone(),
-                                never_sent: failure.never_sent(),
                                 status: failure.status().map(i32::from),
                             },
                         )
@@ -259,10 +258,9 @@ impl JobRun {
                         let c = store.kill(&self.fence, &reason, &error, Some((&key, "dead"))).await?;
                         return settled(c, JobState::Dead, "dead");
                     }
-                    let spent = if failure.never_sent() { attempt - 1 } else { attempt };
                     return Err(StepError::Retry {
                         error,
-                        attempt: spent.max(1) as u32,
+                        attempt: attempt.max(1) as u32,
                         retry_after: failure.retry_after(),
                     });
                 }

@@ -111,16 +111,14 @@ impl Context {
                         &key,
                         &FailedSend {
                             error: error.clone(),
-                            never_sent: failure.never_sent(),
                             status: failure.status().map(i32::from),
                         },
                     )
                     .await?;
-                let spent = if failure.never_sent() { attempt - 1 } else { attempt };
                 Err(if failure.is_retryable() {
                     StepError::Retry {
                         error,
-                        attempt: spent.max(1) as u32,
+                        attempt: attempt.max(1) as u32,
                         retry_after: failure.retry_after(),
                     }
                 } else {

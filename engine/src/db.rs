@@ -144,3 +144,35 @@ fn run_migrations_blocking(url: &str) -> Result<Vec<String>, StoreError> {
     let _ = conn.batch_execute("SELECT pg_advisory_unlock(7310585)");
     applied
 }
+
+/// Creates database `name` on the server at `admin_url` unless it exists,
+/// optionally as a copy of `template`.
+pub async fn create_database(admin_url: &str, name: &str, template: Option<&str>) -> Result<bool, StoreError> {
+    use diesel::sql_types::Text;
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+    #[derive(diesel::QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        exists: bool,
+    }
+    let valid = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    assert!(valid(name) && template.is_none_or(valid), "database names are plain identifiers");
+    let mut conn = AsyncPgConnection::establish(admin_url).await?;
+    let found: Exists = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
+        .bind::<Text, _>(name)
+        .get_result(&mut conn)
+        .await?;
+    if found.exists {
+        return Ok(false);
+    }
+    let sql = match template {
+        Some(t) => format!("CREATE DATABASE {name} TEMPLATE {t}"),
+        None => format!("CREATE DATABASE {name}"),
+    };
+    match conn.batch_execute(&sql).await {
+        Ok(()) => Ok(true),
+        // Another process created it between our check and our CREATE.
+        Err(diesel::result::Error::DatabaseError(_, info)) if info.message().contains("already exists") => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}

@@ -37,6 +37,8 @@ pub struct EmbeddedPg {
     port: u16,
     password: String,
     run_as: Option<RunAs>,
+    /// False when we adopted a server that was already running.
+    started_here: bool,
     /// Keeps the reaper's stdin open; the reaper stops the server when it closes.
     _reaper: Option<std::process::ChildStdin>,
 }
@@ -81,6 +83,7 @@ impl EmbeddedPg {
             port: 0,
             password,
             run_as,
+            started_here: false,
             _reaper: None,
         };
         match pg.running_port() {
@@ -91,6 +94,7 @@ impl EmbeddedPg {
             None => {
                 pg.port = free_port()?;
                 pg.pg_ctl_start(Durability::Durable)?;
+                pg.started_here = true;
             }
         }
         Ok(pg)
@@ -116,6 +120,7 @@ impl EmbeddedPg {
             port: free_port()?,
             password,
             run_as,
+            started_here: true,
             _reaper: None,
         };
         pg.pg_ctl_start(Durability::Fast)?;
@@ -152,6 +157,11 @@ impl EmbeddedPg {
     /// The loopback port the server listens on.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// True when this process started the server (false: it adopted a running one).
+    pub fn started_here(&self) -> bool {
+        self.started_here
     }
 
     /// The data directory.
@@ -267,14 +277,8 @@ fn command_as(program: &Path, run_as: Option<RunAs>) -> Command {
     cmd.current_dir("/");
     cmd.env_remove("PGDATA").env_remove("PGPORT");
     if let Some(u) = run_as {
+        // std drops root's supplementary groups when it switches the uid.
         cmd.uid(u.uid).gid(u.gid);
-        // Leave root's supplementary groups behind.
-        unsafe {
-            cmd.pre_exec(|| {
-                nix::unistd::setgroups(&[]).map_err(std::io::Error::from)?;
-                Ok(())
-            });
-        }
     }
     cmd
 }

@@ -56,12 +56,15 @@ pub trait Workflow: Send + Sync + 'static {
     /// The durable name: stored with every job, so never derived from the type name
     /// and never changed once jobs exist.
     const NAME: &'static str;
-    /// Delivery policy of the completion webhook.
-    const DELIVERY: DeliveryPolicy = DeliveryPolicy::AtLeastOnce;
     /// The job's `input`, as submitted.
     type Input: DeserializeOwned + Send + 'static;
     /// What the body returns; persisted and sent as the webhook's `result`.
     type Output: Serialize + Send + 'static;
+
+    /// Delivery policy of the completion webhook (default: at-least-once with a stable key).
+    fn delivery(&self) -> DeliveryPolicy {
+        DeliveryPolicy::AtLeastOnce
+    }
 
     /// Checks an input beyond its type (non-empty lists, ranges). Runs at intake.
     fn validate(_input: &Self::Input) -> Result<(), InvalidInput> {
@@ -79,7 +82,7 @@ pub trait Workflow: Send + Sync + 'static {
 /// A workflow with its types erased, as the engine stores it.
 pub trait DynWorkflow: Send + Sync {
     fn name(&self) -> &'static str;
-    fn delivery(&self) -> DeliveryPolicy;
+    fn delivery_policy(&self) -> DeliveryPolicy;
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
     fn run<'a>(&'a self, ctx: &'a mut Context, input: Value) -> BoxFuture<'a, Result<Value, StepError>>;
 }
@@ -89,8 +92,8 @@ impl<W: Workflow> DynWorkflow for W {
         W::NAME
     }
 
-    fn delivery(&self) -> DeliveryPolicy {
-        W::DELIVERY
+    fn delivery_policy(&self) -> DeliveryPolicy {
+        Workflow::delivery(self)
     }
 
     fn validate(&self, input: &Value) -> Result<(), InvalidInput> {

@@ -79,6 +79,7 @@ CREATE TABLE model_calls (
     input_tokens    INTEGER CHECK (input_tokens >= 0),
     output_tokens   INTEGER CHECK (output_tokens >= 0),
     attempts        INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    last_status     INTEGER,
     -- set while one attempt has the request in flight; a concurrent attempt
     -- with the same lease epoch waits instead of calling the model too. A later
     -- epoch (a takeover) does not wait: it resends under the same key.

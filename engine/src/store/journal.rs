@@ -2,7 +2,7 @@
 //! stands for a state commits in one transaction with its checkpoint.
 
 use chrono::{DateTime, Utc};
-use diesel::sql_types::{BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
@@ -17,7 +17,7 @@ use crate::lifecycle::JobState;
 pub enum ModelCallStart {
     /// Journaled: return this response, do not call the model.
     Completed(Value),
-    /// Ours to send; `attempt` counts sends of this key, this one included.
+    /// Ours to send; `attempt` counts tries of this key, this one included.
     Send { attempt: i32 },
     /// Another attempt has this request in flight until then: wait, do not send.
     InFlight { until: DateTime<Utc> },
@@ -45,12 +45,10 @@ pub enum DeliveryStart {
     LeaseLost,
 }
 
-/// An outcome written to a model-call row after a failed send.
+/// What a failed send records on its model-call or outbox row.
 #[derive(Debug, Clone)]
 pub struct FailedSend {
     pub error: ErrorEnvelope,
-    /// The request never left (connection refused): the send does not count.
-    pub never_sent: bool,
     pub status: Option<i32>,
 }
 
@@ -252,13 +250,13 @@ impl Store {
     pub async fn fail_model_call(&self, key: &str, failed: &FailedSend) -> Result<(), StoreError> {
         let mut conn = self.db().conn().await?;
         diesel::sql_query(
-            "UPDATE model_calls SET last_error = $2, in_flight_until = NULL, updated_at = now(), \
-                 attempts = CASE WHEN $3 THEN greatest(attempts - 1, 0) ELSE attempts END \
+            "UPDATE model_calls SET last_error = $2, last_status = $3, in_flight_until = NULL, \
+                 in_flight_epoch = NULL, updated_at = now() \
              WHERE idempotency_key = $1 AND status <> 'completed'",
         )
         .bind::<Text, _>(key)
         .bind::<Jsonb, _>(serde_json::to_value(&failed.error).expect("envelope serialises"))
-        .bind::<Bool, _>(failed.never_sent)
+        .bind::<Nullable<Integer>, _>(failed.status)
         .execute(&mut conn)
         .await?;
         Ok(())
@@ -369,7 +367,8 @@ impl Store {
                     Ok(match (row.status.as_str(), in_flight) {
                         ("delivered", _) => DeliveryStart::Delivered,
                         ("claimed", Some(until)) => DeliveryStart::InFlight { until },
-                        ("claimed", None) if at_most_once && row.attempts > 0 => {
+                        // A send started and its outcome was never recorded.
+                        ("claimed", None) if at_most_once && row.in_flight_until.is_some() => {
                             diesel::sql_query(
                                 "UPDATE outbox SET status = 'unknown', updated_at = now() WHERE idempotency_key = $1",
                             )
@@ -440,14 +439,13 @@ impl Store {
     pub async fn fail_delivery(&self, key: &str, failed: &FailedSend) -> Result<(), StoreError> {
         let mut conn = self.db().conn().await?;
         diesel::sql_query(
-            "UPDATE outbox SET last_error = $2, last_status = $3, in_flight_until = NULL, updated_at = now(), \
-                 attempts = CASE WHEN $4 THEN greatest(attempts - 1, 0) ELSE attempts END \
+            "UPDATE outbox SET last_error = $2, last_status = $3, in_flight_until = NULL, \
+                 in_flight_epoch = NULL, updated_at = now() \
              WHERE idempotency_key = $1 AND status = 'claimed'",
         )
         .bind::<Text, _>(key)
         .bind::<Jsonb, _>(serde_json::to_value(&failed.error).expect("envelope serialises"))
         .bind::<Nullable<Integer>, _>(failed.status)
-        .bind::<Bool, _>(failed.never_sent)
         .execute(&mut conn)
         .await?;
         Ok(())

@@ -1,0 +1,157 @@
+//! `onceflow submit` and `onceflow status`: clients of a running server.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context as _};
+use clap::Args;
+use serde_json::{json, Value};
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// The job id (your business id: 1–200 of A-Z a-z 0-9 _ . : -).
+    #[arg(long)]
+    pub id: String,
+    /// A single user prompt.
+    #[arg(long, conflicts_with = "messages", required_unless_present = "messages")]
+    pub prompt: Option<String>,
+    /// A JSON file holding the `messages` array.
+    #[arg(long)]
+    pub messages: Option<PathBuf>,
+    /// Where the completion webhook goes.
+    #[arg(long)]
+    pub webhook_url: String,
+    /// The model name sent to the provider.
+    #[arg(long, default_value = "gpt-4o-mini")]
+    pub model: String,
+    /// The workflow to run.
+    #[arg(long, default_value = "completion")]
+    pub workflow: String,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The job id.
+    pub id: String,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// Print the raw JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}
+
+/// Turns an API error body into a readable message.
+fn api_error(status: reqwest::StatusCode, body: &Value) -> anyhow::Error {
+    let e = &body["error"];
+    let field = e["field"].as_str().map(|f| format!(" (field: {f})")).unwrap_or_default();
+    anyhow::anyhow!(
+        "server answered {status}: {}{field}",
+        e["message"].as_str().unwrap_or("no message")
+    )
+}
+
+pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
+    let messages = match (&args.prompt, &args.messages) {
+        (Some(prompt), _) => json!([{ "role": "user", "content": prompt }]),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let value: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+            if !value.is_array() {
+                bail!("{} must hold a JSON array of messages", path.display());
+            }
+            value
+        }
+        (None, None) => bail!("give --prompt or --messages"),
+    };
+    let body = json!({
+        "id": args.id,
+        "workflow": args.workflow,
+        "input": { "model": args.model, "messages": messages },
+        "webhook_url": args.webhook_url,
+    });
+    let url = format!("{}/v1/jobs", args.server.trim_end_matches('/'));
+    runtime()?.block_on(async {
+        let response = reqwest::Client::new()
+            .post(&url)
+            .json(&body)
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the onceflow server at {}", args.server))?;
+        let status = response.status();
+        let value: Value = response.json().await.context("the server's answer is not JSON")?;
+        if !status.is_success() {
+            return Err(api_error(status, &value));
+        }
+        let verb = if status.as_u16() == 201 { "created" } else { "already submitted (identical)" };
+        println!("job {} {verb}: state {}", value["id"].as_str().unwrap_or_default(), value["state"]);
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        Ok(())
+    })
+}
+
+pub fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let url = format!("{}/v1/jobs/{}", args.server.trim_end_matches('/'), args.id);
+    runtime()?.block_on(async {
+        let response = reqwest::Client::new()
+            .get(&url)
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the onceflow server at {}", args.server))?;
+        let status = response.status();
+        let job: Value = response.json().await.context("the server's answer is not JSON")?;
+        if !status.is_success() {
+            return Err(api_error(status, &job));
+        }
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&job)?);
+        } else {
+            print!("{}", render_status(&job));
+        }
+        Ok(())
+    })
+}
+
+/// The job as a readable table.
+pub fn render_status(job: &Value) -> String {
+    let s = |v: &Value| v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
+    let mut out = format!(
+        "job       {}\nworkflow  {}\nstate     {}\nattempts  {}\n",
+        s(&job["id"]),
+        s(&job["workflow"]),
+        s(&job["state"]),
+        job["attempts"]
+    );
+    if let Some(reason) = job["dead_reason"].as_str() {
+        out.push_str(&format!("dead      {reason}\n"));
+    }
+    if let Some(err) = job["last_error"].as_object() {
+        out.push_str(&format!("error     {}: {}\n", s(&err["code"]), s(&err["message"])));
+    }
+    if let Some(d) = job["delivery"].as_object() {
+        out.push_str(&format!(
+            "delivery  {} ({} attempts, key {})\n",
+            s(&d["status"]),
+            d["attempts"],
+            s(&d["idempotency_key"])
+        ));
+    }
+    out.push_str("\n  #  state      attempt  worker                          at\n");
+    for (i, h) in job["history"].as_array().into_iter().flatten().enumerate() {
+        out.push_str(&format!(
+            "{:>3}  {:<10} {:>7}  {:<30}  {}\n",
+            i + 1,
+            s(&h["state"]),
+            h["attempt"],
+            s(&h["worker"]),
+            s(&h["at"])
+        ));
+    }
+    out
+}

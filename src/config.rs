@@ -1,0 +1,140 @@
+//! Flags and environment variables (each flag has its env name; see the README).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Args;
+use onceflow_engine::pg::EmbeddedPg;
+use onceflow_engine::{db, Db};
+
+/// Where the database is.
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// PostgreSQL URL; unset: an embedded server in $ONCEFLOW_DATA_DIR/pg.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Where the embedded PostgreSQL keeps its data.
+    #[arg(long, env = "ONCEFLOW_DATA_DIR", default_value = "./.onceflow")]
+    pub data_dir: PathBuf,
+    /// Largest number of pooled database connections.
+    #[arg(long, env = "ONCEFLOW_DB_POOL", default_value_t = 16)]
+    pub db_pool: u32,
+}
+
+/// `onceflow serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// HTTP API address.
+    #[arg(long, env = "ONCEFLOW_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// OpenAI-compatible provider base URL.
+    #[arg(long, env = "OPENAI_BASE_URL", default_value = "https://api.openai.com/v1")]
+    pub openai_base_url: String,
+    /// Provider API key (sent as a bearer token).
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    pub openai_api_key: Option<String>,
+    /// Standard Webhooks signing secret (`whsec_…`); unset: webhooks are unsigned.
+    #[arg(long, env = "ONCEFLOW_WEBHOOK_SECRET", hide_env_values = true)]
+    pub webhook_secret: Option<String>,
+    /// Lease (visibility timeout) length in milliseconds.
+    #[arg(long, env = "ONCEFLOW_LEASE_MS", default_value_t = 30_000)]
+    pub lease_ms: u64,
+    /// Largest accepted request body in bytes.
+    #[arg(long, env = "ONCEFLOW_BODY_LIMIT", default_value_t = onceflow_engine::api::DEFAULT_BODY_LIMIT)]
+    pub body_limit: usize,
+    /// Jobs this node runs at once.
+    #[arg(long, env = "ONCEFLOW_MAX_IN_FLIGHT", default_value_t = 1000)]
+    pub max_in_flight: usize,
+    /// How often to look for work without a NOTIFY, in milliseconds.
+    #[arg(long, env = "ONCEFLOW_POLL_MS", default_value_t = 1000)]
+    pub poll_ms: u64,
+    /// Timeout of one model request, in milliseconds.
+    #[arg(long, env = "ONCEFLOW_MODEL_TIMEOUT_MS", default_value_t = 120_000)]
+    pub model_timeout_ms: u64,
+    /// Timeout of one webhook request, in milliseconds.
+    #[arg(long, env = "ONCEFLOW_WEBHOOK_TIMEOUT_MS", default_value_t = 10_000)]
+    pub webhook_timeout_ms: u64,
+    /// First retry backoff (upper bound of the jitter), in milliseconds.
+    #[arg(long, env = "ONCEFLOW_RETRY_BASE_MS")]
+    pub retry_base_ms: Option<u64>,
+    /// This node's name (lease owner); default host:pid.
+    #[arg(long, env = "ONCEFLOW_NODE_ID")]
+    pub node_id: Option<String>,
+    /// HTTP worker threads.
+    #[arg(long, env = "ONCEFLOW_HTTP_WORKERS", default_value_t = 2)]
+    pub http_workers: usize,
+}
+
+impl ServeArgs {
+    pub fn engine_config(&self) -> anyhow::Result<onceflow_engine::EngineConfig> {
+        let mut config = onceflow_engine::EngineConfig {
+            lease: Duration::from_millis(self.lease_ms.max(100)),
+            poll_interval: Duration::from_millis(self.poll_ms.max(10)),
+            max_in_flight: self.max_in_flight.max(1),
+            webhook_timeout: Duration::from_millis(self.webhook_timeout_ms),
+            webhook_secret: self
+                .webhook_secret
+                .as_deref()
+                .map(str::parse)
+                .transpose()
+                .context("ONCEFLOW_WEBHOOK_SECRET")?,
+            ..Default::default()
+        };
+        if let Some(node) = &self.node_id {
+            config.node_id = node.clone();
+        }
+        config.provider.base_url = self.openai_base_url.clone();
+        config.provider.api_key = self.openai_api_key.clone();
+        config.provider.timeout = Duration::from_millis(self.model_timeout_ms);
+        if let Some(base) = self.retry_base_ms {
+            config.model_retry.base = Duration::from_millis(base);
+            config.webhook_retry.base = Duration::from_millis(base);
+        }
+        Ok(config)
+    }
+}
+
+/// The database to use: `DATABASE_URL`, or the embedded server (started or adopted).
+pub struct Database {
+    pub url: String,
+    pub embedded: Option<EmbeddedPg>,
+}
+
+impl DbArgs {
+    /// Resolves the database, starting the embedded server when needed. Blocking.
+    pub fn resolve(&self) -> anyhow::Result<Database> {
+        if let Some(url) = &self.database_url {
+            return Ok(Database {
+                url: url.clone(),
+                embedded: None,
+            });
+        }
+        tracing::info!(data_dir = %self.data_dir.display(), "DATABASE_URL is unset; using the embedded PostgreSQL");
+        let pg = EmbeddedPg::start(&self.data_dir).context("starting the embedded PostgreSQL")?;
+        Ok(Database {
+            url: pg.url("onceflow"),
+            embedded: Some(pg),
+        })
+    }
+}
+
+impl Database {
+    /// Creates the embedded `onceflow` database if needed, connects and migrates.
+    pub async fn open(&self, pool: u32) -> anyhow::Result<Db> {
+        if let Some(pg) = &self.embedded {
+            db::create_database(&pg.url("postgres"), "onceflow", None)
+                .await
+                .context("creating the onceflow database")?;
+        }
+        let db = Db::connect(&self.url, pool).await.context("connecting to PostgreSQL")?;
+        let applied = db.migrate().await.context("applying migrations")?;
+        if !applied.is_empty() {
+            tracing::info!(?applied, "migrations applied");
+        }
+        Ok(db)
+    }
+}

@@ -1,0 +1,56 @@
+//! `onceflow serve` and `onceflow migrate`.
+
+use anyhow::Context as _;
+use onceflow_engine::api::{self, ApiState};
+use onceflow_engine::{Engine, Faults, Store};
+
+use crate::config::{DbArgs, ServeArgs};
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = args.engine_config()?;
+    let database = args.db.resolve()?;
+    let result = actix_web::rt::System::new().block_on(async {
+        let db = database.open(args.db.db_pool).await?;
+        let store = Store::new(db);
+        let registry = onceflow_workflows::registry();
+        let engine = Engine::start(store.clone(), registry.clone(), Faults::new(), config);
+        let state = ApiState {
+            store,
+            registry,
+            body_limit: args.body_limit,
+        };
+        let server = actix_web::HttpServer::new(move || actix_web::App::new().configure(api::configure(state.clone())))
+            .workers(args.http_workers.max(1))
+            .shutdown_timeout(5)
+            .bind(args.listen)
+            .with_context(|| format!("binding {}", args.listen))?
+            .run();
+        tracing::info!(listen = %args.listen, "onceflow is serving");
+        // Resolves on SIGINT/SIGTERM once in-flight requests are done.
+        server.await.context("HTTP server")?;
+        tracing::info!("shutting down: in-flight jobs stop here and resume from their last checkpoint");
+        engine.shutdown();
+        anyhow::Ok(())
+    });
+    if let Some(pg) = &database.embedded {
+        if let Err(e) = pg.stop() {
+            tracing::warn!(error = %e, "could not stop the embedded PostgreSQL");
+        }
+    }
+    result
+}
+
+pub fn migrate(args: DbArgs) -> anyhow::Result<()> {
+    let database = args.resolve()?;
+    let result = actix_web::rt::System::new().block_on(async {
+        let db = database.open(1).await?;
+        drop(db);
+        println!("migrations are up to date");
+        anyhow::Ok(())
+    });
+    // Leave a server that was already running (a live `serve`) alone.
+    if let Some(pg) = database.embedded.as_ref().filter(|pg| pg.started_here()) {
+        let _ = pg.stop();
+    }
+    result
+}

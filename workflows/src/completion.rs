@@ -1,0 +1,110 @@
+//! `completion`: call the model once with the job's messages; the answer is the result.
+
+use onceflow_engine::{Context, DeliveryPolicy, InvalidInput, StepError, Workflow};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// The step name of the model call; its key is `job:{id}:generate`.
+pub const GENERATE: &str = "generate";
+
+/// The built-in completion workflow.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion {
+    delivery: DeliveryPolicy,
+}
+
+impl Default for Completion {
+    fn default() -> Self {
+        Completion {
+            delivery: DeliveryPolicy::AtLeastOnce,
+        }
+    }
+}
+
+/// `input` of a completion job: an OpenAI chat request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionInput {
+    pub model: String,
+    pub messages: Vec<Message>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: Role,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+}
+
+/// The result of a completion job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionOutput {
+    /// The assistant message's text.
+    pub content: String,
+    pub model: String,
+    pub finish_reason: Option<String>,
+    pub usage: Option<Value>,
+}
+
+impl Workflow for Completion {
+    const NAME: &'static str = "completion";
+    type Input = CompletionInput;
+    type Output = CompletionOutput;
+
+    fn delivery(&self) -> DeliveryPolicy {
+        self.delivery
+    }
+
+    fn validate(input: &CompletionInput) -> Result<(), InvalidInput> {
+        if input.model.trim().is_empty() {
+            return Err(InvalidInput::new("input.model", "must not be empty"));
+        }
+        if input.messages.is_empty() {
+            return Err(InvalidInput::new("input.messages", "must hold at least one message"));
+        }
+        if let Some(t) = input.temperature {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(InvalidInput::new("input.temperature", "must be between 0 and 2"));
+            }
+        }
+        Ok(())
+    }
+
+    async fn run(&self, ctx: &mut Context, input: CompletionInput) -> Result<CompletionOutput, StepError> {
+        let mut request = json!({ "model": input.model, "messages": input.messages });
+        if let Some(t) = input.temperature {
+            request["temperature"] = json!(t);
+        }
+        if let Some(m) = input.max_tokens {
+            request["max_tokens"] = json!(m);
+        }
+        let response = ctx.generate(GENERATE, &request).await?;
+        let choice = &response["choices"][0];
+        Ok(CompletionOutput {
+            content: choice["message"]["content"].as_str().unwrap_or_default().to_owned(),
+            model: response["model"].as_str().unwrap_or(&input.model).to_owned(),
+            finish_reason: choice["finish_reason"].as_str().map(str::to_owned),
+            usage: response.get("usage").cloned(),
+        })
+    }
+}
+
+impl Completion {
+    /// The completion workflow with a chosen delivery policy (registered under
+    /// another name by whoever needs both).
+    pub fn with_delivery(delivery: DeliveryPolicy) -> Self {
+        Completion { delivery }
+    }
+}
