@@ -73,6 +73,24 @@ pub(crate) struct Shared {
     pub(crate) counters: Arc<Counters>,
 }
 
+impl Shared {
+    pub(crate) fn new(store: Store, registry: Registry, faults: Faults, config: EngineConfig) -> Self {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .expect("the HTTP client builds");
+        Shared {
+            provider: Arc::new(Provider::new(client.clone(), config.provider.clone())),
+            store,
+            registry,
+            config,
+            client,
+            faults,
+            counters: Arc::new(Counters::default()),
+        }
+    }
+}
+
 /// A running node. Must be started inside an actix `System`.
 pub struct Engine {
     supervisor: Addr<Supervisor>,
@@ -89,20 +107,8 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Starts the supervisor and the new-job listener.
     pub fn start(store: Store, registry: Registry, faults: Faults, config: EngineConfig) -> Engine {
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(64)
-            .build()
-            .expect("the HTTP client builds");
-        let counters = Arc::new(Counters::default());
-        let shared = Arc::new(Shared {
-            provider: Arc::new(Provider::new(client.clone(), config.provider.clone())),
-            store: store.clone(),
-            registry,
-            config,
-            client,
-            faults,
-            counters: counters.clone(),
-        });
+        let shared = Arc::new(Shared::new(store.clone(), registry, faults, config));
+        let counters = shared.counters.clone();
         let supervisor = Supervisor::new(shared).start();
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
         actix::spawn(listen(store, supervisor.clone(), stopped));

@@ -76,8 +76,10 @@ impl StoreError {
             StoreError::Connect(_) | StoreError::Pool(_) => true,
             StoreError::Migrate(_) => false,
             StoreError::Query(e) => match e {
-                E::DatabaseError(kind, _) => match kind {
+                E::DatabaseError(kind, info) => match kind {
                     K::SerializationFailure | K::UnableToSendCommand | K::ClosedConnection => true,
+                    // diesel has no kind for 40P01; a deadlock victim may simply run again.
+                    K::Unknown if info.message().contains("deadlock detected") => true,
                     K::UniqueViolation
                     | K::ForeignKeyViolation
                     | K::ReadOnlyTransaction

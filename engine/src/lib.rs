@@ -50,3 +50,6 @@ pub use faults::{Action, FailPoint, Faults};
 pub use lifecycle::JobState;
 pub use store::Store;
 pub use workflow::{DeliveryPolicy, InvalidInput, Registry, Workflow};
+
+#[cfg(feature = "testkit")]
+pub mod testkit;

@@ -10,8 +10,10 @@ use rand::Rng;
 pub struct RetryPolicy {
     /// The first backoff's upper bound.
     pub base: Duration,
-    /// No backoff exceeds this (a server's `Retry-After` is clamped to it too).
+    /// No computed backoff exceeds this.
     pub max: Duration,
+    /// A server's `Retry-After` is honoured up to this long.
+    pub retry_after_cap: Duration,
     /// Sends allowed in all; the job is dead after the last one fails.
     pub budget: u32,
 }
@@ -20,11 +22,13 @@ impl RetryPolicy {
     pub const DEFAULT_MODEL: RetryPolicy = RetryPolicy {
         base: Duration::from_millis(500),
         max: Duration::from_secs(60),
+        retry_after_cap: Duration::from_secs(600),
         budget: 8,
     };
     pub const DEFAULT_WEBHOOK: RetryPolicy = RetryPolicy {
         base: Duration::from_secs(1),
         max: Duration::from_secs(300),
+        retry_after_cap: Duration::from_secs(3600),
         budget: 12,
     };
 
@@ -35,7 +39,7 @@ impl RetryPolicy {
 
     /// How long to wait after the `attempt`-th failed send (1-based): a uniform
     /// draw below `base·2^(attempt-1)` (full jitter), capped at `max`; at
-    /// least the server's `Retry-After` when it sent one (clamped to `max`).
+    /// least the server's `Retry-After` when it sent one (clamped to `retry_after_cap`).
     pub fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
         let exp = self
             .base
@@ -43,7 +47,7 @@ impl RetryPolicy {
             .min(self.max);
         let jittered = Duration::from_secs_f64(rand::rng().random::<f64>() * exp.as_secs_f64());
         match retry_after {
-            Some(ra) => jittered.max(ra.min(self.max)),
+            Some(ra) => jittered.max(ra.min(self.retry_after_cap)),
             None => jittered,
         }
     }
@@ -69,6 +73,7 @@ mod tests {
         let p = RetryPolicy {
             base: Duration::from_millis(100),
             max: Duration::from_secs(1),
+            retry_after_cap: Duration::from_secs(5),
             budget: 5,
         };
         for attempt in 1..40 {
@@ -82,10 +87,11 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_is_a_floor_clamped_to_max() {
+    fn retry_after_is_a_floor_clamped_to_its_cap() {
         let p = RetryPolicy {
             base: Duration::from_millis(1),
-            max: Duration::from_secs(10),
+            max: Duration::from_secs(1),
+            retry_after_cap: Duration::from_secs(10),
             budget: 5,
         };
         assert!(p.delay(1, Some(Duration::from_secs(3))) >= Duration::from_secs(3));

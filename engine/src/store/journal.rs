@@ -469,6 +469,7 @@ impl Store {
         let result = conn
             .transaction::<_, TxError, _>(async move |conn| {
                 {
+                    guard(conn, fence).await?;
                     if let Some((key, status)) = outbox {
                         diesel::sql_query(
                             "UPDATE outbox SET status = $2::outbox_status, last_error = $3, in_flight_until = NULL, \

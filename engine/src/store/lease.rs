@@ -161,12 +161,14 @@ impl Store {
         Ok(ids.into_iter().filter(|id| !kept.contains(id)).collect())
     }
 
-    /// Holds the job row for the rest of `conn`'s transaction if `fence` still
-    /// owns it (shared: concurrent writes of the same attempt proceed, a
-    /// takeover waits for them). False when the lease is lost.
+    /// Locks the job row for the rest of `conn`'s transaction if `fence` still
+    /// owns it; false when the lease is lost. Every journal write takes this
+    /// lock first, so writes of one job are serialised (a takeover, or a
+    /// concurrent attempt sharing the lease, waits for the commit) and always
+    /// lock the job row before any side table, which rules out deadlocks.
     pub(crate) async fn hold_fence(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<bool, StoreError> {
         let rows: Vec<IdRow> =
-            diesel::sql_query("SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 FOR SHARE")
+            diesel::sql_query("SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 FOR NO KEY UPDATE")
                 .bind::<Text, _>(&fence.job_id)
                 .bind::<BigInt, _>(fence.epoch)
                 .load(conn)

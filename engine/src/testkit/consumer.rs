@@ -1,0 +1,140 @@
+//! A fake webhook consumer that treats a repeated `webhook-id` as a no-op, as
+//! the README asks real consumers to: it records every request and marks the
+//! repeats.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde_json::Value;
+
+use super::server::{self, Behaviour, Script};
+
+/// One webhook request received.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub idempotency_key: Option<String>,
+    pub webhook_id: Option<String>,
+    pub timestamp: Option<String>,
+    pub signature: Option<String>,
+    pub traceparent: Option<String>,
+    pub body: Value,
+    pub raw: Vec<u8>,
+    /// The consumer had already processed this `webhook-id`.
+    pub duplicate: bool,
+    /// What the consumer answered (or would have, for a lost response).
+    pub status: u16,
+}
+
+#[derive(Default)]
+struct State {
+    deliveries: Mutex<Vec<Delivery>>,
+    processed: Mutex<HashSet<String>>,
+    script: Script,
+}
+
+/// The fake consumer. Cheap to clone.
+#[derive(Clone)]
+pub struct FakeConsumer {
+    addr: SocketAddr,
+    state: Arc<State>,
+}
+
+impl std::fmt::Debug for FakeConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FakeConsumer({})", self.addr)
+    }
+}
+
+impl FakeConsumer {
+    pub fn start() -> Self {
+        let state = Arc::new(State::default());
+        let data = web::Data::from(state.clone());
+        let addr = server::spawn("fake-consumer", move |cfg| {
+            cfg.app_data(data.clone()).default_service(web::post().to(receive));
+        });
+        FakeConsumer { addr, state }
+    }
+
+    /// A webhook URL on this consumer.
+    pub fn url(&self) -> String {
+        format!("http://{}/hooks/completed", self.addr)
+    }
+
+    /// Scripts the next request.
+    pub fn push(&self, b: Behaviour) {
+        self.state.script.push(b);
+    }
+
+    /// Every request received, in order.
+    pub fn deliveries(&self) -> Vec<Delivery> {
+        self.state.deliveries.lock().expect("lock").clone()
+    }
+
+    /// Requests whose body names `job_id`.
+    pub fn deliveries_for(&self, job_id: &str) -> Vec<Delivery> {
+        self.deliveries()
+            .into_iter()
+            .filter(|d| d.body["job_id"].as_str() == Some(job_id))
+            .collect()
+    }
+
+    /// Events processed (first sight of a `webhook-id` answered 2xx) for `job_id`.
+    pub fn processed_for(&self, job_id: &str) -> usize {
+        self.deliveries_for(job_id)
+            .iter()
+            .filter(|d| !d.duplicate && (200..300).contains(&d.status))
+            .count()
+    }
+
+    /// Distinct `webhook-id`s seen.
+    pub fn distinct_keys(&self) -> usize {
+        self.deliveries()
+            .iter()
+            .filter_map(|d| d.webhook_id.clone())
+            .collect::<HashSet<_>>()
+            .len()
+    }
+}
+
+fn header(req: &HttpRequest, name: &str) -> Option<String> {
+    req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+}
+
+async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> HttpResponse {
+    let behaviour = state.script.next();
+    let webhook_id = header(&req, "webhook-id");
+    let status = match behaviour {
+        Behaviour::Status(code, _) => code,
+        Behaviour::Ok | Behaviour::Slow(_) | Behaviour::LoseResponse(_) => 200,
+    };
+    if let Behaviour::Slow(d) = behaviour {
+        actix_web::rt::time::sleep(d).await;
+    }
+    // Processing happens on a 2xx only; a repeat of a processed id is a no-op.
+    let duplicate = match (&webhook_id, (200..300).contains(&status)) {
+        (Some(id), true) => !state.processed.lock().expect("lock").insert(id.clone()),
+        (Some(id), false) => state.processed.lock().expect("lock").contains(id),
+        (None, _) => false,
+    };
+    state.deliveries.lock().expect("lock").push(Delivery {
+        idempotency_key: header(&req, "idempotency-key"),
+        webhook_id,
+        timestamp: header(&req, "webhook-timestamp"),
+        signature: header(&req, "webhook-signature"),
+        traceparent: header(&req, "traceparent"),
+        body: serde_json::from_slice(&raw).unwrap_or(Value::Null),
+        raw: raw.to_vec(),
+        duplicate,
+        status,
+    });
+    if let Behaviour::LoseResponse(hold) = behaviour {
+        actix_web::rt::time::sleep(hold).await;
+    }
+    let mut response = HttpResponse::build(actix_web::http::StatusCode::from_u16(status).expect("status"));
+    if let Behaviour::Status(_, Some(secs)) = behaviour {
+        response.insert_header(("retry-after", secs.to_string()));
+    }
+    response.finish()
+}

@@ -1,0 +1,194 @@
+//! A fake OpenAI-compatible provider that honours `Idempotency-Key` the way a
+//! careful real one does: the first request under a key does the work; a
+//! repeat returns the stored response without doing it again (and waits for
+//! a request still in progress under that key).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde_json::{json, Value};
+
+use super::server::{self, Behaviour, Script};
+
+/// One request the provider received.
+#[derive(Debug, Clone)]
+pub struct ProviderRequest {
+    pub idempotency_key: Option<String>,
+    pub body: Value,
+    pub traceparent: Option<String>,
+    pub authorization: Option<String>,
+}
+
+/// Builds the response for a request; gets the request and the work number.
+pub type Responder = dyn Fn(&Value, u64) -> Value + Send + Sync;
+
+#[derive(Default)]
+struct State {
+    requests: Mutex<Vec<ProviderRequest>>,
+    /// Work done per key: the count, and the response once finished.
+    work: Mutex<HashMap<String, (u32, Option<Value>)>>,
+    work_total: Mutex<u64>,
+    script: Script,
+    latency: Mutex<Duration>,
+    responder: Mutex<Option<Arc<Responder>>>,
+}
+
+/// The fake provider. Cheap to clone.
+#[derive(Clone)]
+pub struct FakeProvider {
+    addr: SocketAddr,
+    state: Arc<State>,
+}
+
+impl std::fmt::Debug for FakeProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FakeProvider({})", self.addr)
+    }
+}
+
+impl FakeProvider {
+    pub fn start() -> Self {
+        let state = Arc::new(State::default());
+        let data = web::Data::from(state.clone());
+        let addr = server::spawn("fake-provider", move |cfg| {
+            cfg.app_data(data.clone())
+                .route("/v1/chat/completions", web::post().to(chat));
+        });
+        FakeProvider { addr, state }
+    }
+
+    /// The base URL to configure as `OPENAI_BASE_URL`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Scripts the next request.
+    pub fn push(&self, b: Behaviour) {
+        self.state.script.push(b);
+    }
+
+    /// Latency added to every request that does work.
+    pub fn set_latency(&self, d: Duration) {
+        *self.state.latency.lock().expect("lock") = d;
+    }
+
+    /// Replaces the default echo response.
+    pub fn respond_with(&self, f: impl Fn(&Value, u64) -> Value + Send + Sync + 'static) {
+        *self.state.responder.lock().expect("lock") = Some(Arc::new(f));
+    }
+
+    /// Every request received, in order.
+    pub fn requests(&self) -> Vec<ProviderRequest> {
+        self.state.requests.lock().expect("lock").clone()
+    }
+
+    /// Requests received under `key`.
+    pub fn requests_for(&self, key: &str) -> usize {
+        self.requests()
+            .iter()
+            .filter(|r| r.idempotency_key.as_deref() == Some(key))
+            .count()
+    }
+
+    /// How many times the work under `key` was actually done.
+    pub fn work_done(&self, key: &str) -> u32 {
+        self.state.work.lock().expect("lock").get(key).map_or(0, |(n, _)| *n)
+    }
+
+    /// Work done under all keys.
+    pub fn total_work(&self) -> u64 {
+        *self.state.work_total.lock().expect("lock")
+    }
+
+    /// The keys whose work was done more than once.
+    pub fn keys_worked_twice(&self) -> Vec<String> {
+        let work = self.state.work.lock().expect("lock");
+        work.iter().filter(|(_, (n, _))| *n > 1).map(|(k, _)| k.clone()).collect()
+    }
+}
+
+fn header(req: &HttpRequest, name: &str) -> Option<String> {
+    req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+}
+
+fn echo(request: &Value, n: u64) -> Value {
+    let last = request["messages"]
+        .as_array()
+        .and_then(|m| m.last())
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or_default();
+    json!({
+        "id": format!("chatcmpl-{n}"),
+        "object": "chat.completion",
+        "model": request["model"],
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": format!("echo: {last}") },
+            "finish_reason": "stop"
+        }],
+        "usage": { "prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10 }
+    })
+}
+
+async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>) -> HttpResponse {
+    let body = body.into_inner();
+    let key = header(&req, "idempotency-key");
+    state.requests.lock().expect("lock").push(ProviderRequest {
+        idempotency_key: key.clone(),
+        body: body.clone(),
+        traceparent: header(&req, "traceparent"),
+        authorization: header(&req, "authorization"),
+    });
+    let behaviour = state.script.next();
+    if let Behaviour::Status(code, retry_after) = behaviour {
+        let mut r = HttpResponse::build(actix_web::http::StatusCode::from_u16(code).expect("status"));
+        if let Some(s) = retry_after {
+            r.insert_header(("retry-after", s.to_string()));
+        }
+        return r.json(json!({ "error": { "message": format!("scripted {code}") } }));
+    }
+    // Idempotency: a finished key replays; an unfinished one waits.
+    if let Some(key) = &key {
+        loop {
+            let existing = state.work.lock().expect("lock").get(key).cloned();
+            match existing {
+                Some((_, Some(response))) => return HttpResponse::Ok().json(response),
+                Some((_, None)) => actix_web::rt::time::sleep(Duration::from_millis(10)).await,
+                None => break,
+            }
+        }
+    }
+    let n = {
+        let mut total = state.work_total.lock().expect("lock");
+        *total += 1;
+        *total
+    };
+    if let Some(key) = &key {
+        state.work.lock().expect("lock").entry(key.clone()).or_insert((0, None)).0 += 1;
+    }
+    let latency = *state.latency.lock().expect("lock");
+    let extra = match behaviour {
+        Behaviour::Slow(d) => d,
+        _ => Duration::ZERO,
+    };
+    if !(latency + extra).is_zero() {
+        actix_web::rt::time::sleep(latency + extra).await;
+    }
+    let responder = state.responder.lock().expect("lock").clone();
+    let response = match responder {
+        Some(f) => f(&body, n),
+        None => echo(&body, n),
+    };
+    if let Some(key) = &key {
+        if let Some(entry) = state.work.lock().expect("lock").get_mut(key) {
+            entry.1 = Some(response.clone());
+        }
+    }
+    if let Behaviour::LoseResponse(hold) = behaviour {
+        actix_web::rt::time::sleep(hold).await;
+    }
+    HttpResponse::Ok().json(response)
+}

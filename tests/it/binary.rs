@@ -1,0 +1,131 @@
+//! The real `onceflow serve` binary: the embedded PostgreSQL is reused across
+//! runs, and jobs survive SIGKILL.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use onceflow_engine::testkit::{database, wait_until, Behaviour, FakeConsumer, FakeProvider};
+use serde_json::{json, Value};
+
+use crate::support::{alive, get, post_job, postmaster_pid, ServeProcess, StopPostgresOnDrop};
+
+fn job(id: &str, hook: &str) -> Value {
+    json!({
+        "id": id,
+        "workflow": "completion",
+        "input": { "model": "m", "messages": [{ "role": "user", "content": format!("prompt {id}") }] },
+        "webhook_url": hook,
+    })
+}
+
+#[actix_rt::test]
+async fn the_embedded_postgres_is_reused_across_runs_and_after_sigkill() {
+    // A world-traversable temp folder: the server may run as `postgres`.
+    let dir = tempfile::Builder::new().prefix("onceflow-it-").tempdir_in("/tmp").unwrap();
+    let data = dir.path().join("data");
+    let _cleanup = StopPostgresOnDrop(data.clone());
+    let log = dir.path().join("serve.log");
+    let provider = FakeProvider::start();
+    let consumer = FakeConsumer::start();
+    let env = [
+        ("ONCEFLOW_DATA_DIR", data.display().to_string()),
+        ("OPENAI_BASE_URL", provider.base_url()),
+        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+    ];
+
+    // First run: initialise, take a job to acked, then SIGKILL.
+    let mut first = ServeProcess::start(&env, &log).await;
+    let (status, _) = post_job(&first.base, &job("keep-1", &consumer.url())).await;
+    assert_eq!(status, 201);
+    let url = format!("{}/v1/jobs/keep-1", first.base);
+    assert!(wait_until(Duration::from_secs(20), || async { get(&url).await.1["state"] == "acked" }).await);
+    let pg_pid = postmaster_pid(&data).expect("postmaster.pid");
+    first.sigkill();
+    assert!(alive(pg_pid), "PostgreSQL outlives a SIGKILLed serve");
+
+    // Second run adopts the running server: same data.
+    let mut second = ServeProcess::start(&env, &log).await;
+    assert_eq!(postmaster_pid(&data), Some(pg_pid), "the running server was adopted, not replaced");
+    let (status, stored) = get(&format!("{}/v1/jobs/keep-1", second.base)).await;
+    assert_eq!(status, 200);
+    assert_eq!(stored["state"], "acked");
+    let (status, _) = post_job(&second.base, &job("keep-1", &consumer.url())).await;
+    assert_eq!(status, 200, "an identical resubmission finds the stored job");
+    second.sigkill();
+
+    // The server crashes too (SIGKILL of the postmaster): the next run recovers.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pg_pid), nix::sys::signal::SIGKILL).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || async { !alive(pg_pid) }).await);
+    let mut third = ServeProcess::start(&env, &log).await;
+    let (status, stored) = get(&format!("{}/v1/jobs/keep-1", third.base)).await;
+    assert_eq!(status, 200);
+    assert_eq!(stored["state"], "acked");
+    assert_eq!(consumer.processed_for("keep-1"), 1);
+    assert_eq!(provider.work_done("job:keep-1:generate"), 1);
+
+    // A graceful stop stops the embedded server too.
+    let status = third.sigterm();
+    assert!(status.success(), "serve exits cleanly on SIGTERM: {status}");
+    assert!(postmaster_pid(&data).is_none(), "the embedded PostgreSQL was stopped");
+}
+
+#[actix_rt::test]
+async fn a_hundred_jobs_survive_two_sigkills_of_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let db_url = database::fresh().await;
+    let provider = FakeProvider::start();
+    provider.set_latency(Duration::from_millis(40));
+    let consumer = FakeConsumer::start();
+    // A few failures on the way, so retries are in flight when we kill.
+    consumer.push(Behaviour::Status(503, None));
+    provider.push(Behaviour::Status(500, None));
+    let env = [
+        ("DATABASE_URL", db_url),
+        ("OPENAI_BASE_URL", provider.base_url()),
+        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+        ("ONCEFLOW_POLL_MS", "100".to_owned()),
+        ("ONCEFLOW_RETRY_BASE_MS", "20".to_owned()),
+        ("ONCEFLOW_MAX_IN_FLIGHT", "20".to_owned()),
+    ];
+    let ids: Vec<String> = (0..100).map(|i| format!("kill-{i:03}")).collect();
+    let mut serve = ServeProcess::start(&env, &log).await;
+    for id in &ids {
+        let (status, answer) = post_job(&serve.base, &job(id, &consumer.url())).await;
+        assert_eq!(status, 201, "{answer}");
+    }
+    for round in 0..2 {
+        // Kill while work is under way.
+        let target = 20 * (round + 1);
+        assert!(
+            wait_until(Duration::from_secs(30), || async { provider.total_work() >= target }).await,
+            "no progress before kill {round}"
+        );
+        serve.sigkill();
+        serve = ServeProcess::start(&env, &log).await;
+    }
+    let base = serve.base.clone();
+    let all_acked = wait_until(Duration::from_secs(90), || async {
+        let mut done = 0;
+        for id in &ids {
+            if get(&format!("{base}/v1/jobs/{id}")).await.1["state"] == "acked" {
+                done += 1;
+            }
+        }
+        done == ids.len()
+    })
+    .await;
+    assert!(all_acked, "not every job was acked; log:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    for id in &ids {
+        let key = format!("job:{id}:completed");
+        let deliveries = consumer.deliveries_for(id);
+        let keys: HashSet<_> = deliveries.iter().map(|d| d.webhook_id.clone()).collect();
+        assert_eq!(keys.len(), 1, "one distinct delivery key for {id}");
+        assert!(keys.contains(&Some(key)), "{id}: {keys:?}");
+        assert_eq!(consumer.processed_for(id), 1, "{id} processed once");
+        assert_eq!(provider.work_done(&format!("job:{id}:generate")), 1, "{id}: model work done once");
+    }
+    assert!(provider.keys_worked_twice().is_empty());
+    let raw_repeats = consumer.deliveries().iter().filter(|d| d.duplicate).count();
+    println!("100 jobs, 2 SIGKILLs: {raw_repeats} repeated webhook requests (same key, dropped by the consumer)");
+}

@@ -1,0 +1,53 @@
+//! The schema and the embedded PostgreSQL.
+
+use onceflow_engine::testkit::{database, TestEnv};
+use onceflow_engine::{db, Db, Store};
+
+#[actix_rt::test]
+async fn migrations_apply_on_an_empty_database_and_again_without_error() {
+    let pg = database::embedded();
+    let name = format!("empty_{}", std::process::id());
+    assert!(db::create_database(&pg.url("postgres"), &name, None).await.unwrap());
+    let db = Db::connect(&pg.url(&name), 2).await.unwrap();
+    let store = Store::new(db.clone());
+    assert!(!store.healthy().await.unwrap(), "an empty database is not healthy");
+    let applied = db.migrate().await.unwrap();
+    assert_eq!(applied.len(), 1, "{applied:?}");
+    assert!(store.healthy().await.unwrap());
+    // A restart runs them again: nothing to do, no error.
+    assert!(db.migrate().await.unwrap().is_empty());
+}
+
+#[actix_rt::test]
+async fn the_schema_holds_its_invariants() {
+    let env = TestEnv::new().await;
+    env.submit("inv-1", "hi").await;
+    // Each of these must be refused by the database itself.
+    let refused = [
+        "INSERT INTO jobs (id, workflow, request, request_hash) VALUES ('bad id', 'w', '{}', repeat('a', 64))",
+        "UPDATE jobs SET state = 'dead' WHERE id = 'inv-1'",
+        "UPDATE jobs SET state = 'acked' WHERE id = 'inv-1'",
+        "UPDATE jobs SET lease_owner = 'n' WHERE id = 'inv-1'",
+        "UPDATE job_history SET worker = 'x' WHERE job_id = 'inv-1'",
+        "INSERT INTO results (job_id, output) VALUES ('missing', '{}')",
+        "INSERT INTO model_calls (job_id, idempotency_key, request_hash, status) VALUES ('inv-1', 'k', repeat('a', 64), 'completed')",
+    ];
+    for sql in refused {
+        use diesel_async::RunQueryDsl;
+        let mut conn = env.store.db().conn().await.unwrap();
+        let result = diesel::sql_query(sql).execute(&mut conn).await;
+        assert!(result.is_err(), "the schema accepted: {sql}");
+    }
+    env.execute("INSERT INTO model_calls (job_id, idempotency_key, request_hash) VALUES ('inv-1', 'k', repeat('a', 64))")
+        .await;
+    {
+        use diesel_async::RunQueryDsl;
+        let mut conn = env.store.db().conn().await.unwrap();
+        let dup = diesel::sql_query(
+            "INSERT INTO model_calls (job_id, idempotency_key, request_hash) VALUES ('inv-1', 'k', repeat('b', 64))",
+        )
+        .execute(&mut conn)
+        .await;
+        assert!(dup.is_err(), "a duplicate model-call key was accepted");
+    }
+}

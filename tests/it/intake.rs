@@ -1,0 +1,183 @@
+//! Intake through the real HTTP API: idempotent on the job id, decided by the
+//! database, and no bad request changes stored state.
+
+use futures_util::future::join_all;
+use onceflow_engine::testkit::TestEnv;
+use serde_json::{json, Value};
+
+use crate::support::{get, post_job, post_raw, serve_api};
+
+fn job(id: &str, model: &str, webhook: &str) -> Value {
+    json!({
+        "id": id,
+        "workflow": "completion",
+        "input": { "model": model, "messages": [{ "role": "user", "content": "hello" }] },
+        "webhook_url": webhook,
+    })
+}
+
+async fn counts(env: &TestEnv) -> (i64, i64) {
+    let rows = env
+        .sql("SELECT (SELECT count(*) FROM jobs) AS jobs, (SELECT count(*) FROM job_history) AS history")
+        .await;
+    (rows[0]["jobs"].as_i64().unwrap(), rows[0]["history"].as_i64().unwrap())
+}
+
+#[actix_rt::test]
+async fn identical_resubmission_is_200_and_a_different_body_is_409() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let hook = env.consumer.url();
+
+    let (status, created) = post_job(&base, &job("order-1", "m1", &hook)).await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["state"], "received");
+    assert_eq!(created["history"].as_array().unwrap().len(), 1);
+    assert_eq!(created["history"][0]["state"], "received");
+
+    // Same request, other key order and whitespace: the stored job, 200.
+    let reordered = format!(
+        r#"{{ "webhook_url": "{hook}", "input": {{"messages": [{{"content": "hello", "role": "user"}}], "model": "m1"}},
+            "workflow": "completion", "id": "order-1" }}"#
+    );
+    let (status, again) = post_raw(&base, reordered).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["created_at"], created["created_at"]);
+
+    // Same id, different request: 409, and the stored job is untouched.
+    let (status, conflict) = post_job(&base, &job("order-1", "m2", &hook)).await;
+    assert_eq!(status, 409, "{conflict}");
+    assert_eq!(conflict["error"]["code"], "conflict");
+    let (status, stored) = get(&format!("{base}/v1/jobs/order-1")).await;
+    assert_eq!(status, 200);
+    assert_eq!(stored["input"]["model"], "m1");
+    assert_eq!(stored["updated_at"], created["updated_at"]);
+    assert_eq!(counts(&env).await, (1, 1));
+}
+
+#[actix_rt::test]
+async fn concurrent_identical_submissions_create_one_job() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let body = job("race-1", "m", &env.consumer.url());
+    let statuses: Vec<u16> = join_all((0..12).map(|_| post_job(&base, &body)))
+        .await
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 1, "{statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 11, "{statuses:?}");
+    assert_eq!(counts(&env).await, (1, 1));
+}
+
+#[actix_rt::test]
+async fn concurrent_different_submissions_leave_one_job_and_conflicts() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let hook = env.consumer.url();
+    let results = join_all((0..12).map(|i| {
+        let body = job("race-2", &format!("model-{i}"), &hook);
+        let base = base.clone();
+        async move { post_job(&base, &body).await }
+    }))
+    .await;
+    let winners: Vec<&Value> = results.iter().filter(|(s, _)| *s == 201).map(|(_, v)| v).collect();
+    assert_eq!(winners.len(), 1, "{results:?}");
+    assert_eq!(results.iter().filter(|(s, _)| *s == 409).count(), 11, "{results:?}");
+    let (_, stored) = get(&format!("{base}/v1/jobs/race-2")).await;
+    assert_eq!(stored["input"]["model"], winners[0]["input"]["model"]);
+    assert_eq!(counts(&env).await, (1, 1));
+}
+
+#[actix_rt::test]
+async fn every_bad_input_is_refused_and_changes_nothing() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let hook = env.consumer.url();
+    let good = job("ok-1", "m", &hook);
+    let with = |path: &[&str], value: Value| {
+        let mut body = good.clone();
+        let mut target = &mut body;
+        for p in &path[..path.len() - 1] {
+            target = &mut target[*p];
+        }
+        target[path[path.len() - 1]] = value;
+        body
+    };
+    let without = |field: &str| {
+        let mut body = good.clone();
+        body.as_object_mut().unwrap().remove(field);
+        body
+    };
+    let cases: Vec<(&str, Vec<u8>, u16, Option<&str>)> = vec![
+        ("malformed JSON", b"{\"id\": ".to_vec(), 400, None),
+        ("not JSON at all", b"hello".to_vec(), 400, None),
+        ("an array", b"[1,2]".to_vec(), 422, Some("body")),
+        ("missing id", serde_json::to_vec(&without("id")).unwrap(), 422, Some("id")),
+        ("numeric id", serde_json::to_vec(&with(&["id"], json!(42))).unwrap(), 422, Some("id")),
+        ("empty id", serde_json::to_vec(&with(&["id"], json!(""))).unwrap(), 422, Some("id")),
+        ("201-character id", serde_json::to_vec(&with(&["id"], json!("a".repeat(201)))).unwrap(), 422, Some("id")),
+        ("id with a space", serde_json::to_vec(&with(&["id"], json!("a b"))).unwrap(), 422, Some("id")),
+        ("id with a slash", serde_json::to_vec(&with(&["id"], json!("a/b"))).unwrap(), 422, Some("id")),
+        ("unknown workflow", serde_json::to_vec(&with(&["workflow"], json!("nope"))).unwrap(), 422, Some("workflow")),
+        ("missing webhook", serde_json::to_vec(&without("webhook_url")).unwrap(), 422, Some("webhook_url")),
+        ("relative webhook", serde_json::to_vec(&with(&["webhook_url"], json!("/hook"))).unwrap(), 422, Some("webhook_url")),
+        ("ftp webhook", serde_json::to_vec(&with(&["webhook_url"], json!("ftp://example.com/x"))).unwrap(), 422, Some("webhook_url")),
+        ("missing input", serde_json::to_vec(&without("input")).unwrap(), 422, Some("input")),
+        ("input not an object", serde_json::to_vec(&with(&["input"], json!("hi"))).unwrap(), 422, Some("input")),
+        ("missing model", serde_json::to_vec(&with(&["input"], json!({"messages": [{"role": "user", "content": "x"}]}))).unwrap(), 422, Some("input")),
+        ("empty model", serde_json::to_vec(&with(&["input", "model"], json!(" "))).unwrap(), 422, Some("input.model")),
+        ("no messages", serde_json::to_vec(&with(&["input", "messages"], json!([]))).unwrap(), 422, Some("input.messages")),
+        ("bad role", serde_json::to_vec(&with(&["input", "messages"], json!([{"role": "bot", "content": "x"}]))).unwrap(), 422, Some("input.messages[0].role")),
+        ("unknown input field", serde_json::to_vec(&with(&["input", "colour"], json!("red"))).unwrap(), 422, Some("input")),
+        ("unknown top-level field", serde_json::to_vec(&with(&["priority"], json!(1))).unwrap(), 422, Some("priority")),
+        ("over the size limit", {
+            let mut big = good.clone();
+            big["input"]["messages"][0]["content"] = json!("x".repeat(1 << 20));
+            serde_json::to_vec(&big).unwrap()
+        }, 413, None),
+    ];
+    for (name, body, status, field) in cases {
+        let (got, answer) = post_raw(&base, body).await;
+        assert_eq!(got, status, "{name}: {answer}");
+        let code = answer["error"]["code"].as_str();
+        assert!(code.is_some_and(|c| !c.is_empty()), "{name}: no error code in {answer}");
+        assert!(answer["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}: {answer}");
+        if let Some(field) = field {
+            let got_field = answer["error"]["field"].as_str().unwrap_or_default();
+            assert!(got_field.starts_with(field), "{name}: field {got_field:?}, wanted {field:?}");
+        }
+        assert_eq!(counts(&env).await, (0, 0), "{name} changed the database");
+    }
+    // The server is still up and accepts a good request.
+    let (status, _) = post_job(&base, &good).await;
+    assert_eq!(status, 201);
+    assert_eq!(counts(&env).await, (1, 1));
+}
+
+#[actix_rt::test]
+async fn the_body_limit_is_configurable() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), Some(400));
+    let mut body = job("small-1", "m", &env.consumer.url());
+    let (status, _) = post_job(&base, &body).await;
+    assert_eq!(status, 201);
+    body["id"] = json!("small-2");
+    body["input"]["messages"][0]["content"] = json!("x".repeat(500));
+    let (status, answer) = post_job(&base, &body).await;
+    assert_eq!(status, 413, "{answer}");
+    assert_eq!(counts(&env).await, (1, 1));
+}
+
+#[actix_rt::test]
+async fn unknown_jobs_and_routes_are_404_and_healthz_is_200() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let (status, answer) = get(&format!("{base}/v1/jobs/nope")).await;
+    assert_eq!(status, 404);
+    assert_eq!(answer["error"]["code"], "not_found");
+    let (status, answer) = get(&format!("{base}/v2/whatever")).await;
+    assert_eq!(status, 404, "{answer}");
+    let (status, answer) = get(&format!("{base}/healthz")).await;
+    assert_eq!(status, 200, "{answer}");
+}

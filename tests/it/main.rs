@@ -1,0 +1,9 @@
+//! Black-box and engine integration tests, against a real PostgreSQL (a
+//! throwaway server per test run, a fresh database per test) and real HTTP
+//! servers on 127.0.0.1. One binary, one module per concern.
+
+mod binary;
+mod durability;
+mod embedded;
+mod intake;
+mod support;

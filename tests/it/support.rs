@@ -1,0 +1,153 @@
+//! Shared helpers: the real HTTP API in-process, and the real binary as a child.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use onceflow_engine::api::{self, ApiState, DEFAULT_BODY_LIMIT};
+use onceflow_engine::testkit::wait_until;
+use onceflow_engine::{Registry, Store};
+use serde_json::Value;
+
+/// Serves the API on 127.0.0.1:0 inside the current actix System; returns its base URL.
+pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) -> String {
+    let state = ApiState {
+        store,
+        registry,
+        body_limit: body_limit.unwrap_or(DEFAULT_BODY_LIMIT),
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = actix_web::HttpServer::new(move || actix_web::App::new().configure(api::configure(state.clone())))
+        .workers(1)
+        .disable_signals()
+        .listen(listener)
+        .unwrap()
+        .run();
+    actix_web::rt::spawn(server);
+    format!("http://{addr}")
+}
+
+/// POSTs raw bytes to `/v1/jobs`; returns the status and the JSON answer.
+pub async fn post_raw(base: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
+    let response = reqwest::Client::new()
+        .post(format!("{base}/v1/jobs"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("POST /v1/jobs");
+    let status = response.status().as_u16();
+    let value = response.json().await.unwrap_or(Value::Null);
+    (status, value)
+}
+
+pub async fn post_job(base: &str, body: &Value) -> (u16, Value) {
+    post_raw(base, serde_json::to_vec(body).unwrap()).await
+}
+
+pub async fn get(url: &str) -> (u16, Value) {
+    let response = reqwest::get(url).await.expect("GET");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The real `onceflow serve`, killed when dropped.
+pub struct ServeProcess {
+    pub child: Child,
+    pub base: String,
+}
+
+impl ServeProcess {
+    /// Starts `onceflow serve` with `env` and waits until `/healthz` answers 200.
+    pub async fn start(env: &[(&str, String)], log: &Path) -> ServeProcess {
+        let port = free_port();
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceflow"));
+        cmd.arg("serve")
+            .env_remove("DATABASE_URL")
+            .env("ONCEFLOW_LISTEN", format!("127.0.0.1:{port}"))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("spawn onceflow serve");
+        let base = format!("http://127.0.0.1:{port}");
+        let mut serve = ServeProcess { child, base };
+        let healthz = format!("{}/healthz", serve.base);
+        let up = wait_until(Duration::from_secs(60), || async {
+            reqwest::get(&healthz).await.is_ok_and(|r| r.status() == 200)
+        })
+        .await;
+        if !up {
+            let _ = serve.child.kill();
+            panic!(
+                "onceflow serve did not become healthy; log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        if let Ok(Some(status)) = serve.child.try_wait() {
+            panic!("onceflow serve exited early: {status}");
+        }
+        serve
+    }
+
+    pub fn sigkill(&mut self) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::SIGKILL)
+            .unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// SIGTERM, then wait for a clean exit.
+    pub fn sigterm(&mut self) -> std::process::ExitStatus {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::SIGTERM)
+            .unwrap();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The pid in a data directory's `postmaster.pid`, if the file exists.
+pub fn postmaster_pid(data_dir: &Path) -> Option<i32> {
+    std::fs::read_to_string(data_dir.join("pg/postmaster.pid"))
+        .ok()?
+        .lines()
+        .next()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+pub fn alive(pid: i32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+}
+
+/// Stops an embedded server left running in `data_dir` (test clean-up).
+pub struct StopPostgresOnDrop(pub std::path::PathBuf);
+
+impl Drop for StopPostgresOnDrop {
+    fn drop(&mut self) {
+        if let Some(pid) = postmaster_pid(&self.0) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGQUIT);
+        }
+    }
+}
