@@ -12,7 +12,11 @@ pub struct SubmitArgs {
     #[arg(long)]
     pub id: String,
     /// A single user prompt.
-    #[arg(long, conflicts_with = "messages", required_unless_present = "messages")]
+    #[arg(
+        long,
+        conflicts_with = "messages",
+        required_unless_present = "messages"
+    )]
     pub prompt: Option<String>,
     /// A JSON file holding the `messages` array.
     #[arg(long)]
@@ -44,13 +48,18 @@ pub struct StatusArgs {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
 }
 
 /// Turns an API error body into a readable message.
 fn api_error(status: reqwest::StatusCode, body: &Value) -> anyhow::Error {
     let e = &body["error"];
-    let field = e["field"].as_str().map(|f| format!(" (field: {f})")).unwrap_or_default();
+    let field = e["field"]
+        .as_str()
+        .map(|f| format!(" (field: {f})"))
+        .unwrap_or_default();
     anyhow::anyhow!(
         "server answered {status}: {}{field}",
         e["message"].as_str().unwrap_or("no message")
@@ -61,8 +70,10 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
     let messages = match (&args.prompt, &args.messages) {
         (Some(prompt), _) => json!([{ "role": "user", "content": prompt }]),
         (None, Some(path)) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            let value: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let value: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not JSON", path.display()))?;
             if !value.is_array() {
                 bail!("{} must hold a JSON array of messages", path.display());
             }
@@ -85,12 +96,23 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot reach the onceflow server at {}", args.server))?;
         let status = response.status();
-        let value: Value = response.json().await.context("the server's answer is not JSON")?;
+        let value: Value = response
+            .json()
+            .await
+            .context("the server's answer is not JSON")?;
         if !status.is_success() {
             return Err(api_error(status, &value));
         }
-        let verb = if status.as_u16() == 201 { "created" } else { "already submitted (identical)" };
-        println!("job {} {verb}: state {}", value["id"].as_str().unwrap_or_default(), value["state"]);
+        let verb = if status.as_u16() == 201 {
+            "created"
+        } else {
+            "already submitted (identical)"
+        };
+        println!(
+            "job {} {verb}: state {}",
+            value["id"].as_str().unwrap_or_default(),
+            value["state"]
+        );
         println!("{}", serde_json::to_string_pretty(&value)?);
         Ok(())
     })
@@ -105,7 +127,10 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot reach the onceflow server at {}", args.server))?;
         let status = response.status();
-        let job: Value = response.json().await.context("the server's answer is not JSON")?;
+        let job: Value = response
+            .json()
+            .await
+            .context("the server's answer is not JSON")?;
         if !status.is_success() {
             return Err(api_error(status, &job));
         }
@@ -120,7 +145,11 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
 
 /// The job as a readable table.
 pub fn render_status(job: &Value) -> String {
-    let s = |v: &Value| v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
+    let s = |v: &Value| {
+        v.as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| v.to_string())
+    };
     let mut out = format!(
         "job       {}\nworkflow  {}\nstate     {}\nattempts  {}\n",
         s(&job["id"]),
@@ -132,7 +161,11 @@ pub fn render_status(job: &Value) -> String {
         out.push_str(&format!("dead      {reason}\n"));
     }
     if let Some(err) = job["last_error"].as_object() {
-        out.push_str(&format!("error     {}: {}\n", s(&err["code"]), s(&err["message"])));
+        out.push_str(&format!(
+            "error     {}: {}\n",
+            s(&err["code"]),
+            s(&err["message"])
+        ));
     }
     if let Some(d) = job["delivery"].as_object() {
         out.push_str(&format!(

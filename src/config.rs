@@ -32,7 +32,11 @@ pub struct ServeArgs {
     #[arg(long, env = "ONCEFLOW_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// OpenAI-compatible provider base URL.
-    #[arg(long, env = "OPENAI_BASE_URL", default_value = "https://api.openai.com/v1")]
+    #[arg(
+        long,
+        env = "OPENAI_BASE_URL",
+        default_value = "https://api.openai.com/v1"
+    )]
     pub openai_base_url: String,
     /// Provider API key (sent as a bearer token).
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
@@ -130,7 +134,9 @@ impl Database {
                 .await
                 .context("creating the onceflow database")?;
         }
-        let db = Db::connect(&self.url, pool).await.context("connecting to PostgreSQL")?;
+        let db = Db::connect(&self.url, pool)
+            .await
+            .context("connecting to PostgreSQL")?;
         let applied = db.migrate().await.context("applying migrations")?;
         if !applied.is_empty() {
             tracing::info!(?applied, "migrations applied");

@@ -11,7 +11,11 @@ mod serve;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "onceflow", version, about = "A durable, actor-based workflow engine for LLM jobs")]
+#[command(
+    name = "onceflow",
+    version,
+    about = "A durable, actor-based workflow engine for LLM jobs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -19,16 +19,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             registry,
             body_limit: args.body_limit,
         };
-        let server = actix_web::HttpServer::new(move || actix_web::App::new().configure(api::configure(state.clone())))
-            .workers(args.http_workers.max(1))
-            .shutdown_timeout(5)
-            .bind(args.listen)
-            .with_context(|| format!("binding {}", args.listen))?
-            .run();
+        let server = actix_web::HttpServer::new(move || {
+            actix_web::App::new().configure(api::configure(state.clone()))
+        })
+        .workers(args.http_workers.max(1))
+        .shutdown_timeout(5)
+        .bind(args.listen)
+        .with_context(|| format!("binding {}", args.listen))?
+        .run();
         tracing::info!(listen = %args.listen, "onceflow is serving");
         // Resolves on SIGINT/SIGTERM once in-flight requests are done.
         server.await.context("HTTP server")?;
-        tracing::info!("shutting down: in-flight jobs stop here and resume from their last checkpoint");
+        tracing::info!(
+            "shutting down: in-flight jobs stop here and resume from their last checkpoint"
+        );
         engine.shutdown();
         anyhow::Ok(())
     });

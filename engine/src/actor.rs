@@ -81,10 +81,18 @@ impl Actor for JobActor {
     fn started(&mut self, ctx: &mut Self::Context) {
         let run = self.run.take().expect("a job actor starts once");
         let (job_id, epoch) = (run.fence.job_id.clone(), run.fence.epoch);
-        ctx.spawn(run.execute().into_actor(self).map(move |outcome, act, ctx| {
-            act.supervisor.do_send(Finished { job_id, epoch, outcome });
-            ctx.stop();
-        }));
+        ctx.spawn(
+            run.execute()
+                .into_actor(self)
+                .map(move |outcome, act, ctx| {
+                    act.supervisor.do_send(Finished {
+                        job_id,
+                        epoch,
+                        outcome,
+                    });
+                    ctx.stop();
+                }),
+        );
     }
 }
 
@@ -148,25 +156,49 @@ impl JobRun {
             let reached = match next_step(self.state) {
                 Step::RunBody => {
                     self.workflow.run(&mut self.ctx, self.input.clone()).await?;
-                    let c = self.shared.store.mark_generated(&self.fence, &faults).await?;
+                    let c = self
+                        .shared
+                        .store
+                        .mark_generated(&self.fence, &faults)
+                        .await?;
                     settled(c, JobState::Generated, "generated")?
                 }
                 Step::Persist => {
                     // The body replays from the journal: no model call is repeated.
                     let output = self.workflow.run(&mut self.ctx, self.input.clone()).await?;
-                    let c = self.shared.store.persist_result(&self.fence, &output, &faults).await?;
+                    let c = self
+                        .shared
+                        .store
+                        .persist_result(&self.fence, &output, &faults)
+                        .await?;
                     settled(c, JobState::Persisted, "persisted")?
                 }
                 Step::Claim => {
-                    let result = self.shared.store.result_of(&self.fence.job_id).await?.ok_or_else(|| {
-                        StepError::permanent("missing_result", "persisted without a result row", "schema invariant broken")
-                    })?;
+                    let result = self
+                        .shared
+                        .store
+                        .result_of(&self.fence.job_id)
+                        .await?
+                        .ok_or_else(|| {
+                            StepError::permanent(
+                                "missing_result",
+                                "persisted without a result row",
+                                "schema invariant broken",
+                            )
+                        })?;
                     let body = webhook::completed_body(&self.fence.job_id, &result);
                     let key = keys::completed(&self.fence.job_id);
                     let c = self
                         .shared
                         .store
-                        .claim_delivery(&self.fence, &key, keys::COMPLETED_EVENT, &self.webhook_url, &body, &faults)
+                        .claim_delivery(
+                            &self.fence,
+                            &key,
+                            keys::COMPLETED_EVENT,
+                            &self.webhook_url,
+                            &body,
+                            &faults,
+                        )
                         .await?;
                     settled(c, JobState::Claimed, "claimed")?
                 }
@@ -197,10 +229,16 @@ impl JobRun {
         let config = &self.shared.config;
         let key = keys::completed(&self.fence.job_id);
         let at_most_once = self.workflow.delivery_policy() == DeliveryPolicy::AtMostOnce;
-        let in_flight_ms = (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
+        let in_flight_ms =
+            (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
         loop {
-            match store.begin_delivery(&self.fence, &key, at_most_once, in_flight_ms).await? {
-                DeliveryStart::Delivered | DeliveryStart::Closed(_) => return self.current_state().await,
+            match store
+                .begin_delivery(&self.fence, &key, at_most_once, in_flight_ms)
+                .await?
+            {
+                DeliveryStart::Delivered | DeliveryStart::Closed(_) => {
+                    return self.current_state().await
+                }
                 DeliveryStart::LeaseLost => return Err(StepError::LeaseLost),
                 DeliveryStart::InFlight { .. } => tokio::time::sleep(config.wait_poll).await,
                 DeliveryStart::Unknown => {
@@ -213,17 +251,22 @@ impl JobRun {
                         retryable: false,
                     };
                     let reason = "delivery outcome unknown (at-most-once): needs a human";
-                    let c = store.kill(&self.fence, reason, &error, Some((&key, "unknown"))).await?;
+                    let c = store
+                        .kill(&self.fence, reason, &error, Some((&key, "unknown")))
+                        .await?;
                     return settled(c, JobState::Dead, "dead");
                 }
                 DeliveryStart::Send { attempt, url, body } => {
+                    let sender = webhook::Sender {
+                        client: &self.shared.client,
+                        secret: config.webhook_secret.as_ref(),
+                        timeout: config.webhook_timeout,
+                    };
                     let sent = webhook::send(
-                        &self.shared.client,
+                        sender,
                         &url,
                         &key,
                         &body,
-                        config.webhook_secret.as_ref(),
-                        config.webhook_timeout,
                         &self.shared.faults,
                         &self.fence.job_id,
                     )
@@ -231,7 +274,12 @@ impl JobRun {
                     let failure = match sent {
                         Ok(status) => {
                             let c = store
-                                .mark_delivered(&self.fence, &key, i32::from(status), &self.shared.faults)
+                                .mark_delivered(
+                                    &self.fence,
+                                    &key,
+                                    i32::from(status),
+                                    &self.shared.faults,
+                                )
                                 .await?;
                             return settled(c, JobState::Delivered, "delivered");
                         }
@@ -250,12 +298,19 @@ impl JobRun {
                         .await?;
                     if at_most_once && !failure.never_sent() {
                         let reason = "delivery outcome unknown (at-most-once): the send failed after it left";
-                        let c = store.kill(&self.fence, reason, &error, Some((&key, "unknown"))).await?;
+                        let c = store
+                            .kill(&self.fence, reason, &error, Some((&key, "unknown")))
+                            .await?;
                         return settled(c, JobState::Dead, "dead");
                     }
                     if !failure.is_retryable() {
-                        let reason = format!("the webhook consumer refused the delivery permanently ({})", error.code);
-                        let c = store.kill(&self.fence, &reason, &error, Some((&key, "dead"))).await?;
+                        let reason = format!(
+                            "the webhook consumer refused the delivery permanently ({})",
+                            error.code
+                        );
+                        let c = store
+                            .kill(&self.fence, &reason, &error, Some((&key, "dead")))
+                            .await?;
                         return settled(c, JobState::Dead, "dead");
                     }
                     return Err(StepError::Retry {
@@ -278,7 +333,6 @@ impl JobRun {
 
     /// Turns a failed step into the job's next durable state.
     async fn settle(&mut self, error: StepError) -> Outcome {
-        let store = &self.shared.store;
         let policy = self.policy();
         let job_id = self.fence.job_id.clone();
         let result = match &error {
@@ -287,7 +341,11 @@ impl JobRun {
                 tracing::warn!(job.id = %job_id, %point, "attempt crashed (injected)");
                 return Outcome::Crashed;
             }
-            StepError::Retry { attempt, retry_after, .. } if !policy.exhausted(*attempt) => {
+            StepError::Retry {
+                attempt,
+                retry_after,
+                ..
+            } if !policy.exhausted(*attempt) => {
                 let delay = policy.delay(*attempt, *retry_after);
                 self.reschedule(delay, &error).await
             }
@@ -295,15 +353,18 @@ impl JobRun {
                 let reason = format!("retry budget exhausted after {attempt} sends");
                 self.kill(&reason, &error).await
             }
-            StepError::Injected(Injected::Fail(_)) => self.reschedule(policy.delay(1, None), &error).await,
-            StepError::Store(e) if e.is_retryable() => self.reschedule(policy.delay(1, None), &error).await,
+            StepError::Injected(Injected::Fail(_)) => {
+                self.reschedule(policy.delay(1, None), &error).await
+            }
+            StepError::Store(e) if e.is_retryable() => {
+                self.reschedule(policy.delay(1, None), &error).await
+            }
             StepError::Permanent { reason, .. } => self.kill(reason, &error).await,
             StepError::Store(_) | StepError::InvalidInput(_) | StepError::Serialize(_) => {
                 let reason = format!("permanent error in state {}", self.state);
                 self.kill(&reason, &error).await
             }
         };
-        let _ = store;
         match result {
             Ok(outcome) => outcome,
             Err(e) => {
@@ -324,23 +385,46 @@ impl JobRun {
         }
     }
 
-    async fn reschedule(&self, delay: std::time::Duration, error: &StepError) -> Result<Outcome, StepError> {
-        let run_at = Utc::now() + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
+    async fn reschedule(
+        &self,
+        delay: std::time::Duration,
+        error: &StepError,
+    ) -> Result<Outcome, StepError> {
+        let run_at =
+            Utc::now() + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
         tracing::info!(job.id = %self.fence.job_id, state = %self.state, delay_ms = delay.as_millis() as u64, error = %error, "retrying later");
-        Ok(match self.shared.store.reschedule(&self.fence, run_at, &error.envelope()).await? {
-            Checkpoint::Moved => Outcome::Rescheduled,
-            Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) | Checkpoint::Faulted => Outcome::LeaseLost,
-        })
+        Ok(
+            match self
+                .shared
+                .store
+                .reschedule(&self.fence, run_at, &error.envelope())
+                .await?
+            {
+                Checkpoint::Moved => Outcome::Rescheduled,
+                Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) | Checkpoint::Faulted => {
+                    Outcome::LeaseLost
+                }
+            },
+        )
     }
 
     async fn kill(&self, reason: &str, error: &StepError) -> Result<Outcome, StepError> {
         tracing::warn!(job.id = %self.fence.job_id, state = %self.state, reason, error = %error, "job is dead");
         let key = keys::completed(&self.fence.job_id);
         let outbox = (self.state == JobState::Claimed).then_some((key.as_str(), "dead"));
-        Ok(match self.shared.store.kill(&self.fence, reason, &error.envelope(), outbox).await? {
-            Checkpoint::Moved => Outcome::Dead,
-            Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) | Checkpoint::Faulted => Outcome::LeaseLost,
-        })
+        Ok(
+            match self
+                .shared
+                .store
+                .kill(&self.fence, reason, &error.envelope(), outbox)
+                .await?
+            {
+                Checkpoint::Moved => Outcome::Dead,
+                Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) | Checkpoint::Faulted => {
+                    Outcome::LeaseLost
+                }
+            },
+        )
     }
 }
 
@@ -350,6 +434,8 @@ fn settled(c: Checkpoint, to: JobState, name: &'static str) -> Result<JobState, 
         Checkpoint::Moved => Ok(to),
         Checkpoint::AlreadyAt(now) => Ok(now),
         Checkpoint::LeaseLost => Err(StepError::LeaseLost),
-        Checkpoint::Faulted => Err(StepError::Injected(Injected::Crash(FailPoint::BeforeCommit(name)))),
+        Checkpoint::Faulted => Err(StepError::Injected(Injected::Crash(
+            FailPoint::BeforeCommit(name),
+        ))),
     }
 }

@@ -35,7 +35,12 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
     }
 }
 
-fn error(status: StatusCode, code: &str, message: impl Into<String>, field: Option<&str>) -> HttpResponse {
+fn error(
+    status: StatusCode,
+    code: &str,
+    message: impl Into<String>,
+    field: Option<&str>,
+) -> HttpResponse {
     let mut body = json!({ "error": { "code": code, "message": message.into() } });
     if let Some(field) = field {
         body["error"]["field"] = json!(field);
@@ -53,7 +58,11 @@ fn unavailable(e: impl std::fmt::Display) -> HttpResponse {
     )
 }
 
-async fn submit(state: web::Data<ApiState>, req: HttpRequest, mut payload: web::Payload) -> HttpResponse {
+async fn submit(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    mut payload: web::Payload,
+) -> HttpResponse {
     let limit = state.body_limit;
     let too_large = || {
         error(
@@ -74,7 +83,12 @@ async fn submit(state: web::Data<ApiState>, req: HttpRequest, mut payload: web::
     let mut body = web::BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let Ok(chunk) = chunk else {
-            return error(StatusCode::BAD_REQUEST, "bad_body", "could not read the request body", None);
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_body",
+                "could not read the request body",
+                None,
+            );
         };
         if body.len() + chunk.len() > limit {
             return too_large();
@@ -83,7 +97,9 @@ async fn submit(state: web::Data<ApiState>, req: HttpRequest, mut payload: web::
     }
     let job = match intake::parse(&body, &state.registry) {
         Ok(job) => job,
-        Err(IntakeError::Malformed(m)) => return error(StatusCode::BAD_REQUEST, "malformed_json", m, None),
+        Err(IntakeError::Malformed(m)) => {
+            return error(StatusCode::BAD_REQUEST, "malformed_json", m, None)
+        }
         Err(IntakeError::Invalid(e)) => {
             return error(
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -112,7 +128,12 @@ async fn submit(state: web::Data<ApiState>, req: HttpRequest, mut payload: web::
 async fn get_job(state: web::Data<ApiState>, id: web::Path<String>) -> HttpResponse {
     match state.store.job(&id).await {
         Ok(Some(view)) => HttpResponse::Ok().json(view),
-        Ok(None) => error(StatusCode::NOT_FOUND, "not_found", format!("no job {:?}", id.as_str()), None),
+        Ok(None) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no job {:?}", id.as_str()),
+            None,
+        ),
         Err(e) => unavailable(e),
     }
 }
@@ -120,7 +141,12 @@ async fn get_job(state: web::Data<ApiState>, id: web::Path<String>) -> HttpRespo
 async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
     match state.store.healthy().await {
         Ok(true) => HttpResponse::Ok().json(json!({ "status": "ok" })),
-        Ok(false) => error(StatusCode::SERVICE_UNAVAILABLE, "not_migrated", "the schema is not migrated", None),
+        Ok(false) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_migrated",
+            "the schema is not migrated",
+            None,
+        ),
         Err(e) => unavailable(e),
     }
 }

@@ -59,14 +59,22 @@ impl Context {
     }
 
     /// Like [`generate`](Self::generate), also telling whether it was replayed.
-    pub async fn generate_served(&mut self, step: &str, request: &Value) -> Result<(Value, Served), StepError> {
+    pub async fn generate_served(
+        &mut self,
+        step: &str,
+        request: &Value,
+    ) -> Result<(Value, Served), StepError> {
         let key = keys::model_call(self.job_id(), step);
         let hash = canonical_hash(request);
         // The in-flight mark outlives the request timeout a little, so a
         // concurrent attempt does not send while ours may still be answered.
         let in_flight_ms = (self.provider.timeout() + Duration::from_secs(5)).as_millis() as i64;
         let attempt = loop {
-            match self.store.begin_model_call(&self.fence, &key, &hash, in_flight_ms).await? {
+            match self
+                .store
+                .begin_model_call(&self.fence, &key, &hash, in_flight_ms)
+                .await?
+            {
                 ModelCallStart::Completed(response) => return Ok((response, Served::Replayed)),
                 ModelCallStart::Send { attempt } => break attempt,
                 ModelCallStart::InFlight { until } => {
@@ -77,13 +85,19 @@ impl Context {
                     return Err(StepError::permanent(
                         "model_key_conflict",
                         format!("model-call key {key} was journaled for a different request"),
-                        format!("stored request hash {stored_hash}, this request {hash}; nothing was sent"),
+                        format!(
+                        "stored request hash {stored_hash}, this request {hash}; nothing was sent"
+                    ),
                     ))
                 }
                 ModelCallStart::LeaseLost => return Err(StepError::LeaseLost),
             }
         };
-        match self.provider.chat(&key, request, &self.faults, self.job_id()).await {
+        match self
+            .provider
+            .chat(&key, request, &self.faults, self.job_id())
+            .await
+        {
             Ok((response, usage)) => {
                 match self
                     .store
@@ -97,9 +111,11 @@ impl Context {
                     .await?
                 {
                     Checkpoint::Moved => Ok((response, Served::Performed)),
-                    Checkpoint::Faulted => Err(StepError::Injected(crate::faults::Injected::Crash(
-                        crate::faults::FailPoint::BeforeCommit("model_call"),
-                    ))),
+                    Checkpoint::Faulted => {
+                        Err(StepError::Injected(crate::faults::Injected::Crash(
+                            crate::faults::FailPoint::BeforeCommit("model_call"),
+                        )))
+                    }
                     Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) => Err(StepError::LeaseLost),
                 }
             }
@@ -124,7 +140,10 @@ impl Context {
                 } else {
                     StepError::Permanent {
                         reason: format!("the model provider refused the request ({key})"),
-                        error: ErrorEnvelope { retryable: false, ..error },
+                        error: ErrorEnvelope {
+                            retryable: false,
+                            ..error
+                        },
                     }
                 })
             }

@@ -33,7 +33,9 @@ pub struct Db {
 
 impl std::fmt::Debug for Db {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Db").field("state", &self.pool.state()).finish()
+        f.debug_struct("Db")
+            .field("state", &self.pool.state())
+            .finish()
     }
 }
 
@@ -147,7 +149,11 @@ fn run_migrations_blocking(url: &str) -> Result<Vec<String>, StoreError> {
 
 /// Creates database `name` on the server at `admin_url` unless it exists,
 /// optionally as a copy of `template`.
-pub async fn create_database(admin_url: &str, name: &str, template: Option<&str>) -> Result<bool, StoreError> {
+pub async fn create_database(
+    admin_url: &str,
+    name: &str,
+    template: Option<&str>,
+) -> Result<bool, StoreError> {
     use diesel::sql_types::Text;
     use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
     #[derive(diesel::QueryableByName)]
@@ -156,12 +162,16 @@ pub async fn create_database(admin_url: &str, name: &str, template: Option<&str>
         exists: bool,
     }
     let valid = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-    assert!(valid(name) && template.is_none_or(valid), "database names are plain identifiers");
+    assert!(
+        valid(name) && template.is_none_or(valid),
+        "database names are plain identifiers"
+    );
     let mut conn = AsyncPgConnection::establish(admin_url).await?;
-    let found: Exists = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
-        .bind::<Text, _>(name)
-        .get_result(&mut conn)
-        .await?;
+    let found: Exists =
+        diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
+            .bind::<Text, _>(name)
+            .get_result(&mut conn)
+            .await?;
     if found.exists {
         return Ok(false);
     }
@@ -172,7 +182,11 @@ pub async fn create_database(admin_url: &str, name: &str, template: Option<&str>
     match conn.batch_execute(&sql).await {
         Ok(()) => Ok(true),
         // Another process created it between our check and our CREATE.
-        Err(diesel::result::Error::DatabaseError(_, info)) if info.message().contains("already exists") => Ok(false),
+        Err(diesel::result::Error::DatabaseError(_, info))
+            if info.message().contains("already exists") =>
+        {
+            Ok(false)
+        }
         Err(e) => Err(e.into()),
     }
 }

@@ -74,7 +74,12 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn new(store: Store, registry: Registry, faults: Faults, config: EngineConfig) -> Self {
+    pub(crate) fn new(
+        store: Store,
+        registry: Registry,
+        faults: Faults,
+        config: EngineConfig,
+    ) -> Self {
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(64)
             .build()
@@ -146,7 +151,11 @@ impl Engine {
 }
 
 /// Wakes the supervisor on every `NOTIFY` of a new job; reconnects on failure.
-async fn listen(store: Store, supervisor: Addr<Supervisor>, mut stopped: tokio::sync::watch::Receiver<bool>) {
+async fn listen(
+    store: Store,
+    supervisor: Addr<Supervisor>,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) {
     let mut backoff = Duration::from_millis(100);
     loop {
         let attempt = async {
@@ -156,7 +165,9 @@ async fn listen(store: Store, supervisor: Addr<Supervisor>, mut stopped: tokio::
                         tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot open the LISTEN connection; polling only"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open the LISTEN connection; polling only")
+                }
             }
         };
         tokio::select! {
@@ -170,8 +181,12 @@ async fn listen(store: Store, supervisor: Addr<Supervisor>, mut stopped: tokio::
     }
 }
 
-async fn listen_on(conn: &mut AsyncPgConnection, supervisor: &Addr<Supervisor>) -> Result<(), diesel::result::Error> {
-    conn.batch_execute(&format!("LISTEN {NEW_JOB_CHANNEL}")).await?;
+async fn listen_on(
+    conn: &mut AsyncPgConnection,
+    supervisor: &Addr<Supervisor>,
+) -> Result<(), diesel::result::Error> {
+    conn.batch_execute(&format!("LISTEN {NEW_JOB_CHANNEL}"))
+        .await?;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     while let Some(n) = notifications.next().await {
         n?;

@@ -137,7 +137,10 @@ pub enum StepError {
     },
     /// Permanent: the job goes to `dead` with this reason.
     #[error("{reason}: {}", error.message)]
-    Permanent { reason: String, error: ErrorEnvelope },
+    Permanent {
+        reason: String,
+        error: ErrorEnvelope,
+    },
     /// The stored input no longer matches the workflow's input type.
     #[error("invalid input: {0}")]
     InvalidInput(crate::workflow::InvalidInput),
@@ -190,7 +193,9 @@ impl StepError {
                     StepError::InvalidInput(_) => "invalid_input",
                     StepError::Serialize(_) => "serialize",
                     StepError::Store(_) => "store",
-                    StepError::Retry { .. } | StepError::Permanent { .. } => unreachable!("matched above"),
+                    StepError::Retry { .. } | StepError::Permanent { .. } => {
+                        unreachable!("matched above")
+                    }
                 }
                 .to_owned(),
                 message: other.to_string(),

@@ -117,16 +117,20 @@ impl Faults {
     /// Called by the engine at each boundary.
     pub async fn hit(&self, job: &str, point: FailPoint) -> Result<(), Injected> {
         if self.0.recording.load(Ordering::Acquire) {
-            self.0.hits.lock().expect("faults lock").push((job.to_owned(), point));
+            self.0
+                .hits
+                .lock()
+                .expect("faults lock")
+                .push((job.to_owned(), point));
         }
         if !self.0.any.load(Ordering::Acquire) {
             return Ok(());
         }
         let action = {
             let mut armed = self.0.armed.lock().expect("faults lock");
-            let found = armed
-                .iter_mut()
-                .find(|a| a.point == point && a.remaining > 0 && a.job.as_deref().is_none_or(|j| j == job));
+            let found = armed.iter_mut().find(|a| {
+                a.point == point && a.remaining > 0 && a.job.as_deref().is_none_or(|j| j == job)
+            });
             found.map(|a| {
                 a.remaining -= 1;
                 a.action
@@ -161,8 +165,14 @@ mod tests {
         f.arm(Some("a"), FailPoint::Ack, Action::Crash, 2);
         assert_eq!(f.hit("b", FailPoint::Ack).await, Ok(()));
         assert_eq!(f.hit("a", FailPoint::ModelAfterSend).await, Ok(()));
-        assert_eq!(f.hit("a", FailPoint::Ack).await, Err(Injected::Crash(FailPoint::Ack)));
-        assert_eq!(f.hit("a", FailPoint::Ack).await, Err(Injected::Crash(FailPoint::Ack)));
+        assert_eq!(
+            f.hit("a", FailPoint::Ack).await,
+            Err(Injected::Crash(FailPoint::Ack))
+        );
+        assert_eq!(
+            f.hit("a", FailPoint::Ack).await,
+            Err(Injected::Crash(FailPoint::Ack))
+        );
         assert_eq!(f.hit("a", FailPoint::Ack).await, Ok(()));
     }
 
@@ -170,11 +180,16 @@ mod tests {
     async fn records_boundaries_in_order() {
         let f = Faults::new();
         f.record();
-        f.hit("j", FailPoint::AfterCommit("generated")).await.unwrap();
+        f.hit("j", FailPoint::AfterCommit("generated"))
+            .await
+            .unwrap();
         f.hit("j", FailPoint::Ack).await.unwrap();
         assert_eq!(
             f.hits(),
-            vec![("j".into(), FailPoint::AfterCommit("generated")), ("j".into(), FailPoint::Ack)]
+            vec![
+                ("j".into(), FailPoint::AfterCommit("generated")),
+                ("j".into(), FailPoint::Ack)
+            ]
         );
     }
 }

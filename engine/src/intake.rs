@@ -57,7 +57,8 @@ impl From<InvalidInput> for IntakeError {
 
 /// Parses and validates a submission body against the registered workflows.
 pub fn parse(body: &[u8], registry: &Registry) -> Result<NewJob, IntakeError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| IntakeError::Malformed(e.to_string()))?;
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| IntakeError::Malformed(e.to_string()))?;
     let Value::Object(mut obj) = value else {
         return Err(InvalidInput::new("body", "must be a JSON object").into());
     };
@@ -68,7 +69,10 @@ pub fn parse(body: &[u8], registry: &Registry) -> Result<NewJob, IntakeError> {
         let known: Vec<_> = registry.names().collect();
         return Err(InvalidInput::new(
             "workflow",
-            format!("unknown workflow {workflow_name:?}; registered: {}", known.join(", ")),
+            format!(
+                "unknown workflow {workflow_name:?}; registered: {}",
+                known.join(", ")
+            ),
         )
         .into());
     };
@@ -105,7 +109,10 @@ pub fn validate_id(id: &str) -> Result<(), InvalidInput> {
     if id.is_empty() || id.len() > MAX_ID_LEN {
         return Err(InvalidInput::new(
             "id",
-            format!("must be 1 to {MAX_ID_LEN} characters long (got {})", id.len()),
+            format!(
+                "must be 1 to {MAX_ID_LEN} characters long (got {})",
+                id.len()
+            ),
         ));
     }
     if let Some(bad) = id
@@ -121,8 +128,12 @@ pub fn validate_id(id: &str) -> Result<(), InvalidInput> {
 }
 
 fn validate_webhook_url(raw: &str) -> Result<(), InvalidInput> {
-    let parsed = url::Url::parse(raw)
-        .map_err(|e| InvalidInput::new("webhook_url", format!("must be an absolute http(s) URL: {e}")))?;
+    let parsed = url::Url::parse(raw).map_err(|e| {
+        InvalidInput::new(
+            "webhook_url",
+            format!("must be an absolute http(s) URL: {e}"),
+        )
+    })?;
     if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none_or(str::is_empty) {
         return Err(InvalidInput::new(
             "webhook_url",

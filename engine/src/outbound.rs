@@ -61,7 +61,10 @@ impl Failure {
             Failure::Ambiguous(m) => ("ambiguous".to_owned(), m.clone()),
             Failure::Status { status, body, .. } => (
                 format!("http_{status}"),
-                format!("HTTP {status}: {}", body.chars().take(500).collect::<String>()),
+                format!(
+                    "HTTP {status}: {}",
+                    body.chars().take(500).collect::<String>()
+                ),
             ),
             Failure::BadResponse(m) => ("bad_response".to_owned(), m.clone()),
         };
@@ -80,28 +83,51 @@ pub enum PostError {
     Injected(Injected),
 }
 
-/// POSTs `body` with `headers`; returns the 2xx status and body. `after_send`
-/// is hit once the server has answered and before the answer is read.
+/// One outgoing JSON POST.
+#[derive(Debug)]
+pub struct Post<'a> {
+    pub url: &'a str,
+    pub headers: Vec<(&'static str, String)>,
+    pub body: Vec<u8>,
+    pub timeout: Duration,
+}
+
+/// The failpoint hit once the server has answered and before the answer is read.
+#[derive(Debug, Clone, Copy)]
+pub struct Seam<'a> {
+    pub faults: &'a Faults,
+    pub job_id: &'a str,
+    pub point: FailPoint,
+}
+
+/// Sends `post`; returns the 2xx status and body.
 pub async fn post(
     client: &reqwest::Client,
-    url: &str,
-    headers: &[(&str, String)],
-    body: Vec<u8>,
-    timeout: Duration,
-    faults: &Faults,
-    job_id: &str,
-    after_send: FailPoint,
+    post: Post<'_>,
+    seam: Seam<'_>,
 ) -> Result<(u16, Vec<u8>), PostError> {
+    let Post {
+        url,
+        headers,
+        body,
+        timeout,
+    } = post;
     let mut request = client
         .post(url)
         .timeout(timeout)
         .header("content-type", "application/json")
         .body(body);
     for (name, value) in headers {
-        request = request.header(*name, value);
+        request = request.header(name, value);
     }
-    let response = request.send().await.map_err(|e| PostError::Failed(classify(&e)))?;
-    faults.hit(job_id, after_send).await.map_err(PostError::Injected)?;
+    let response = request
+        .send()
+        .await
+        .map_err(|e| PostError::Failed(classify(&e)))?;
+    seam.faults
+        .hit(seam.job_id, seam.point)
+        .await
+        .map_err(PostError::Injected)?;
     let status = response.status().as_u16();
     let retry_after = response
         .headers()

@@ -131,7 +131,12 @@ impl EmbeddedPg {
         // pg_ctl refuses root like initdb: as root, the reaper drops to the
         // service user for `pg_ctl stop` and keeps root only for the final rm.
         let as_user = run_as
-            .map(|u| format!("setpriv --reuid={} --regid={} --clear-groups ", u.uid, u.gid))
+            .map(|u| {
+                format!(
+                    "setpriv --reuid={} --regid={} --clear-groups ",
+                    u.uid, u.gid
+                )
+            })
             .unwrap_or_default();
         let script = format!(
             r#"read _ignored; {as_user}"$0" stop -D "$1" -m immediate >/dev/null 2>&1; rm -rf "$2""#
@@ -283,7 +288,12 @@ fn command_as(program: &Path, run_as: Option<RunAs>) -> Command {
     cmd
 }
 
-fn initdb(bin_dir: &Path, data_dir: &Path, password: &str, run_as: Option<RunAs>) -> Result<(), PgError> {
+fn initdb(
+    bin_dir: &Path,
+    data_dir: &Path,
+    password: &str,
+    run_as: Option<RunAs>,
+) -> Result<(), PgError> {
     // initdb reads the password from a file the service user can read; it is
     // removed as soon as initdb is done.
     let pwfile = data_dir.with_extension("initpw");
@@ -295,7 +305,13 @@ fn initdb(bin_dir: &Path, data_dir: &Path, password: &str, run_as: Option<RunAs>
     let output = command_as(&bin_dir.join("initdb"), run_as)
         .arg("-D")
         .arg(data_dir)
-        .args(["--username", SUPERUSER, "--auth=scram-sha-256", "--encoding=UTF8", "--locale=C"])
+        .args([
+            "--username",
+            SUPERUSER,
+            "--auth=scram-sha-256",
+            "--encoding=UTF8",
+            "--locale=C",
+        ])
         .arg(format!("--pwfile={}", pwfile.display()))
         .stdin(Stdio::null())
         .output();
@@ -373,7 +389,11 @@ fn service_user() -> Result<Option<RunAs>, PgError> {
 /// Finds a folder holding `initdb`, `pg_ctl` and `postgres`: first on PATH,
 /// then the newest under /usr/lib/postgresql/*/bin.
 fn find_bin_dir() -> Result<PathBuf, PgError> {
-    let has_all = |dir: &Path| ["initdb", "pg_ctl", "postgres"].iter().all(|b| dir.join(b).is_file());
+    let has_all = |dir: &Path| {
+        ["initdb", "pg_ctl", "postgres"]
+            .iter()
+            .all(|b| dir.join(b).is_file())
+    };
     if let Some(path) = std::env::var_os("PATH") {
         for dir in std::env::split_paths(&path) {
             if has_all(&dir) {
@@ -399,12 +419,19 @@ fn find_bin_dir() -> Result<PathBuf, PgError> {
         })
         .collect();
     versions.sort();
-    versions.pop().map(|(_, bin)| bin).ok_or(PgError::NoBinaries)
+    versions
+        .pop()
+        .map(|(_, bin)| bin)
+        .ok_or(PgError::NoBinaries)
 }
 
 fn free_port() -> Result<u16, PgError> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| PgError::io(Path::new("127.0.0.1:0"), e))?;
-    Ok(listener.local_addr().map_err(|e| PgError::io(Path::new("127.0.0.1:0"), e))?.port())
+    let listener =
+        TcpListener::bind("127.0.0.1:0").map_err(|e| PgError::io(Path::new("127.0.0.1:0"), e))?;
+    Ok(listener
+        .local_addr()
+        .map_err(|e| PgError::io(Path::new("127.0.0.1:0"), e))?
+        .port())
 }
 
 fn random_password() -> String {
@@ -422,5 +449,6 @@ fn write_private(path: &Path, contents: &str) -> Result<(), PgError> {
         .mode(0o600)
         .open(path)
         .map_err(|e| PgError::io(path, e))?;
-    f.write_all(contents.as_bytes()).map_err(|e| PgError::io(path, e))
+    f.write_all(contents.as_bytes())
+        .map_err(|e| PgError::io(path, e))
 }

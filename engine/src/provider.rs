@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::faults::{FailPoint, Faults};
-use crate::outbound::{post, Failure, PostError};
+use crate::outbound::{post, Failure, Post, PostError, Seam};
 
 /// Where and how to reach the model.
 #[derive(Debug, Clone)]
@@ -60,25 +60,32 @@ impl Provider {
         faults: &Faults,
         job_id: &str,
     ) -> Result<(Value, Usage), PostError> {
-        let url = format!("{}/chat/completions", self.config.base_url.trim_end_matches('/'));
+        let url = format!(
+            "{}/chat/completions",
+            self.config.base_url.trim_end_matches('/')
+        );
         let mut headers = vec![("idempotency-key", key.to_owned())];
         if let Some(api_key) = &self.config.api_key {
             headers.push(("authorization", format!("Bearer {api_key}")));
         }
         let body = serde_json::to_vec(request).expect("a JSON value serialises");
-        let (_, bytes) = post(
-            &self.client,
-            &url,
-            &headers,
+        let request = Post {
+            url: &url,
+            headers,
             body,
-            self.config.timeout,
+            timeout: self.config.timeout,
+        };
+        let seam = Seam {
             faults,
             job_id,
-            FailPoint::ModelAfterSend,
-        )
-        .await?;
-        let response: Value = serde_json::from_slice(&bytes)
-            .map_err(|e| PostError::Failed(Failure::BadResponse(format!("the response is not JSON: {e}"))))?;
+            point: FailPoint::ModelAfterSend,
+        };
+        let (_, bytes) = post(&self.client, request, seam).await?;
+        let response: Value = serde_json::from_slice(&bytes).map_err(|e| {
+            PostError::Failed(Failure::BadResponse(format!(
+                "the response is not JSON: {e}"
+            )))
+        })?;
         if response.pointer("/choices/0/message").is_none() {
             return Err(PostError::Failed(Failure::BadResponse(
                 "the response has no choices[0].message".to_owned(),

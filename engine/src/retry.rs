@@ -95,9 +95,15 @@ mod tests {
             budget: 5,
         };
         assert!(p.delay(1, Some(Duration::from_secs(3))) >= Duration::from_secs(3));
-        assert_eq!(p.delay(1, Some(Duration::from_secs(3600))), Duration::from_secs(10));
+        assert_eq!(
+            p.delay(1, Some(Duration::from_secs(3600))),
+            Duration::from_secs(10)
+        );
         assert_eq!(parse_retry_after("7"), Some(Duration::from_secs(7)));
-        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::ZERO)
+        );
         assert_eq!(parse_retry_after("soon"), None);
     }
 }

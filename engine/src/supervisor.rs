@@ -91,7 +91,11 @@ impl Handler<Poll> for Supervisor {
             self.poll_again = true;
             return;
         }
-        let capacity = self.shared.config.max_in_flight.saturating_sub(self.in_flight.len());
+        let capacity = self
+            .shared
+            .config
+            .max_in_flight
+            .saturating_sub(self.in_flight.len());
         if capacity == 0 {
             return;
         }
@@ -132,9 +136,13 @@ impl Handler<Poll> for Supervisor {
 impl Supervisor {
     fn start_job(&mut self, leased: crate::store::Leased, ctx: &mut Context<Self>) {
         let counters = &self.shared.counters;
-        counters.started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        counters
+            .started
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Some(previous) = &leased.previous_owner {
-            counters.takeovers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            counters
+                .takeovers
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::info!(job.id = %leased.fence.job_id, previous_owner = %previous, state = %leased.state, "resuming a stalled job from its last checkpoint");
         }
         let Some(workflow) = self.shared.registry.get(&leased.workflow).cloned() else {
@@ -153,7 +161,11 @@ impl Handler<Finished> for Supervisor {
     type Result = ();
 
     fn handle(&mut self, msg: Finished, ctx: &mut Self::Context) {
-        if self.in_flight.get(&msg.job_id).is_some_and(|(e, _)| *e == msg.epoch) {
+        if self
+            .in_flight
+            .get(&msg.job_id)
+            .is_some_and(|(e, _)| *e == msg.epoch)
+        {
             self.in_flight.remove(&msg.job_id);
         }
         if msg.outcome == Outcome::LeaseLost {
@@ -175,11 +187,18 @@ impl Handler<Heartbeat> for Supervisor {
             return;
         }
         self.renewing = true;
-        let held: Vec<(String, i64)> = self.in_flight.iter().map(|(id, (e, _))| (id.clone(), *e)).collect();
+        let held: Vec<(String, i64)> = self
+            .in_flight
+            .iter()
+            .map(|(id, (e, _))| (id.clone(), *e))
+            .collect();
         let shared = self.shared.clone();
         let renew = async move {
             let lease_ms = shared.config.lease.as_millis() as i64;
-            let lost = shared.store.renew(&shared.config.node_id, &held, lease_ms).await;
+            let lost = shared
+                .store
+                .renew(&shared.config.node_id, &held, lease_ms)
+                .await;
             (held, lost)
         };
         ctx.spawn(renew.into_actor(self).map(|(held, lost), act, _| {

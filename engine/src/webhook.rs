@@ -16,7 +16,7 @@ use sha2::Sha256;
 
 use crate::faults::{FailPoint, Faults};
 use crate::keys::COMPLETED_EVENT;
-use crate::outbound::{post, PostError};
+use crate::outbound::{post, Post, PostError, Seam};
 
 /// A Standard Webhooks signing secret (`whsec_` + base64 key).
 #[derive(Clone)]
@@ -36,7 +36,9 @@ pub struct BadSecret(String);
 impl std::str::FromStr for WebhookSecret {
     type Err = BadSecret;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let b64 = s.strip_prefix("whsec_").ok_or_else(|| BadSecret("missing prefix".into()))?;
+        let b64 = s
+            .strip_prefix("whsec_")
+            .ok_or_else(|| BadSecret("missing prefix".into()))?;
         let key = B64.decode(b64).map_err(|e| BadSecret(e.to_string()))?;
         if key.is_empty() {
             return Err(BadSecret("empty key".into()));
@@ -63,14 +65,20 @@ pub fn completed_body(job_id: &str, result: &Value) -> Value {
     serde_json::json!({ "type": COMPLETED_EVENT, "job_id": job_id, "result": result })
 }
 
-/// Sends one webhook attempt; `Ok(status)` on 2xx.
+/// How webhooks leave this node.
+#[derive(Debug, Clone, Copy)]
+pub struct Sender<'a> {
+    pub client: &'a reqwest::Client,
+    pub secret: Option<&'a WebhookSecret>,
+    pub timeout: Duration,
+}
+
+/// Sends one attempt of the event `key` with `body` to `url`; `Ok(status)` on 2xx.
 pub async fn send(
-    client: &reqwest::Client,
+    sender: Sender<'_>,
     url: &str,
     key: &str,
     body: &Value,
-    secret: Option<&WebhookSecret>,
-    timeout: Duration,
     faults: &Faults,
     job_id: &str,
 ) -> Result<u16, PostError> {
@@ -81,10 +89,21 @@ pub async fn send(
         ("webhook-id", key.to_owned()),
         ("webhook-timestamp", timestamp.to_string()),
     ];
-    if let Some(secret) = secret {
+    if let Some(secret) = sender.secret {
         headers.push(("webhook-signature", secret.sign(key, timestamp, &bytes)));
     }
-    let (status, _) = post(client, url, &headers, bytes, timeout, faults, job_id, FailPoint::WebhookAfterSend).await?;
+    let request = Post {
+        url,
+        headers,
+        body: bytes,
+        timeout: sender.timeout,
+    };
+    let seam = Seam {
+        faults,
+        job_id,
+        point: FailPoint::WebhookAfterSend,
+    };
+    let (status, _) = post(sender.client, request, seam).await?;
     Ok(status)
 }
 
@@ -106,7 +125,9 @@ mod tests {
 
     #[test]
     fn rejects_malformed_secrets() {
-        assert!("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".parse::<WebhookSecret>().is_err());
+        assert!("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+            .parse::<WebhookSecret>()
+            .is_err());
         assert!("whsec_!!!".parse::<WebhookSecret>().is_err());
     }
 }

@@ -84,7 +84,11 @@ pub trait DynWorkflow: Send + Sync {
     fn name(&self) -> &'static str;
     fn delivery_policy(&self) -> DeliveryPolicy;
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
-    fn run<'a>(&'a self, ctx: &'a mut Context, input: Value) -> BoxFuture<'a, Result<Value, StepError>>;
+    fn run<'a>(
+        &'a self,
+        ctx: &'a mut Context,
+        input: Value,
+    ) -> BoxFuture<'a, Result<Value, StepError>>;
 }
 
 impl<W: Workflow> DynWorkflow for W {
@@ -101,7 +105,11 @@ impl<W: Workflow> DynWorkflow for W {
         W::validate(&typed)
     }
 
-    fn run<'a>(&'a self, ctx: &'a mut Context, input: Value) -> BoxFuture<'a, Result<Value, StepError>> {
+    fn run<'a>(
+        &'a self,
+        ctx: &'a mut Context,
+        input: Value,
+    ) -> BoxFuture<'a, Result<Value, StepError>> {
         async move {
             let typed = decode::<W::Input>(&input).map_err(StepError::invalid_input)?;
             let output = Workflow::run(self, ctx, typed).await?;
@@ -144,7 +152,11 @@ impl Registry {
     /// workflows sharing a durable name would run each other's jobs.
     pub fn register<W: Workflow>(&mut self, workflow: W) -> &mut Self {
         let previous = self.by_name.insert(W::NAME, Arc::new(workflow));
-        assert!(previous.is_none(), "workflow {:?} registered twice", W::NAME);
+        assert!(
+            previous.is_none(),
+            "workflow {:?} registered twice",
+            W::NAME
+        );
         self
     }
 

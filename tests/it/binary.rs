@@ -21,7 +21,10 @@ fn job(id: &str, hook: &str) -> Value {
 #[actix_rt::test]
 async fn the_embedded_postgres_is_reused_across_runs_and_after_sigkill() {
     // A world-traversable temp folder: the server may run as `postgres`.
-    let dir = tempfile::Builder::new().prefix("onceflow-it-").tempdir_in("/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("onceflow-it-")
+        .tempdir_in("/tmp")
+        .unwrap();
     let data = dir.path().join("data");
     let _cleanup = StopPostgresOnDrop(data.clone());
     let log = dir.path().join("serve.log");
@@ -38,23 +41,39 @@ async fn the_embedded_postgres_is_reused_across_runs_and_after_sigkill() {
     let (status, _) = post_job(&first.base, &job("keep-1", &consumer.url())).await;
     assert_eq!(status, 201);
     let url = format!("{}/v1/jobs/keep-1", first.base);
-    assert!(wait_until(Duration::from_secs(20), || async { get(&url).await.1["state"] == "acked" }).await);
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            get(&url).await.1["state"] == "acked"
+        })
+        .await
+    );
     let pg_pid = postmaster_pid(&data).expect("postmaster.pid");
     first.sigkill();
     assert!(alive(pg_pid), "PostgreSQL outlives a SIGKILLed serve");
 
     // Second run adopts the running server: same data.
     let mut second = ServeProcess::start(&env, &log).await;
-    assert_eq!(postmaster_pid(&data), Some(pg_pid), "the running server was adopted, not replaced");
+    assert_eq!(
+        postmaster_pid(&data),
+        Some(pg_pid),
+        "the running server was adopted, not replaced"
+    );
     let (status, stored) = get(&format!("{}/v1/jobs/keep-1", second.base)).await;
     assert_eq!(status, 200);
     assert_eq!(stored["state"], "acked");
     let (status, _) = post_job(&second.base, &job("keep-1", &consumer.url())).await;
-    assert_eq!(status, 200, "an identical resubmission finds the stored job");
+    assert_eq!(
+        status, 200,
+        "an identical resubmission finds the stored job"
+    );
     second.sigkill();
 
     // The server crashes too (SIGKILL of the postmaster): the next run recovers.
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pg_pid), nix::sys::signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pg_pid),
+        nix::sys::signal::SIGKILL,
+    )
+    .unwrap();
     assert!(wait_until(Duration::from_secs(10), || async { !alive(pg_pid) }).await);
     let mut third = ServeProcess::start(&env, &log).await;
     let (status, stored) = get(&format!("{}/v1/jobs/keep-1", third.base)).await;
@@ -66,7 +85,10 @@ async fn the_embedded_postgres_is_reused_across_runs_and_after_sigkill() {
     // A graceful stop stops the embedded server too.
     let status = third.sigterm();
     assert!(status.success(), "serve exits cleanly on SIGTERM: {status}");
-    assert!(postmaster_pid(&data).is_none(), "the embedded PostgreSQL was stopped");
+    assert!(
+        postmaster_pid(&data).is_none(),
+        "the embedded PostgreSQL was stopped"
+    );
 }
 
 #[actix_rt::test]
@@ -98,7 +120,10 @@ async fn a_hundred_jobs_survive_two_sigkills_of_serve() {
         // Kill while work is under way.
         let target = 20 * (round + 1);
         assert!(
-            wait_until(Duration::from_secs(30), || async { provider.total_work() >= target }).await,
+            wait_until(Duration::from_secs(30), || async {
+                provider.total_work() >= target
+            })
+            .await,
             "no progress before kill {round}"
         );
         serve.sigkill();
@@ -115,7 +140,11 @@ async fn a_hundred_jobs_survive_two_sigkills_of_serve() {
         done == ids.len()
     })
     .await;
-    assert!(all_acked, "not every job was acked; log:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    assert!(
+        all_acked,
+        "not every job was acked; log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
     for id in &ids {
         let key = format!("job:{id}:completed");
         let deliveries = consumer.deliveries_for(id);
@@ -123,7 +152,11 @@ async fn a_hundred_jobs_survive_two_sigkills_of_serve() {
         assert_eq!(keys.len(), 1, "one distinct delivery key for {id}");
         assert!(keys.contains(&Some(key)), "{id}: {keys:?}");
         assert_eq!(consumer.processed_for(id), 1, "{id} processed once");
-        assert_eq!(provider.work_done(&format!("job:{id}:generate")), 1, "{id}: model work done once");
+        assert_eq!(
+            provider.work_done(&format!("job:{id}:generate")),
+            1,
+            "{id}: model work done once"
+        );
     }
     assert!(provider.keys_worked_twice().is_empty());
     let raw_repeats = consumer.deliveries().iter().filter(|d| d.duplicate).count();

@@ -27,7 +27,12 @@ fn registry(delivery: DeliveryPolicy) -> Registry {
 
 /// How many history rows of `id` are in `state`.
 async fn history_count(env: &TestEnv, id: &str, state: JobState) -> usize {
-    env.job(id).await.history.iter().filter(|h| h.state == state).count()
+    env.job(id)
+        .await
+        .history
+        .iter()
+        .filter(|h| h.state == state)
+        .count()
 }
 
 /// Every lifecycle state appears once, in order (no state skipped or repeated).
@@ -77,7 +82,10 @@ async fn an_ack_that_fails_after_delivery_does_not_deliver_again() {
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), env.config());
     env.submit("ack-1", "hello").await;
     let job = env.wait_for("ack-1", JobState::Acked, WAIT).await;
-    assert!(job.attempts >= 2, "the ack failure must have forced a second attempt");
+    assert!(
+        job.attempts >= 2,
+        "the ack failure must have forced a second attempt"
+    );
     assert_eq!(env.consumer.deliveries_for("ack-1").len(), 1);
     assert_one_delivery(&env, "ack-1");
     assert_eq!(env.provider.requests_for(&gen_key("ack-1")), 1);
@@ -100,7 +108,13 @@ async fn a_crash_between_claim_and_delivery_is_delivered_by_recovery() {
     assert_eq!(env.consumer.deliveries_for("claim-1").len(), 1);
     assert_one_delivery(&env, "claim-1");
     assert_eq!(env.provider.requests_for(&gen_key("claim-1")), 1);
-    assert!(engine.counters().takeovers.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    assert!(
+        engine
+            .counters()
+            .takeovers
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
     assert_clean_history(&env, "claim-1").await;
 }
 
@@ -113,8 +127,15 @@ async fn a_crash_mid_request_resends_with_the_same_key_at_least_once() {
     env.submit("mid-1", "hello").await;
     env.wait_for("mid-1", JobState::Acked, WAIT).await;
     let deliveries = env.consumer.deliveries_for("mid-1");
-    assert_eq!(deliveries.len(), 2, "the crashed send is repeated once: {deliveries:#?}");
-    assert!(deliveries[1].duplicate, "the consumer sees the repeat as a duplicate");
+    assert_eq!(
+        deliveries.len(),
+        2,
+        "the crashed send is repeated once: {deliveries:#?}"
+    );
+    assert!(
+        deliveries[1].duplicate,
+        "the consumer sees the repeat as a duplicate"
+    );
     assert_one_delivery(&env, "mid-1");
     assert_clean_history(&env, "mid-1").await;
 }
@@ -127,7 +148,11 @@ async fn at_most_once_surfaces_an_unrecorded_send_as_unknown_and_never_resends()
     let _engine = env.start(registry(DeliveryPolicy::AtMostOnce), env.config());
     env.submit("amo-1", "hello").await;
     let job = env.wait_for("amo-1", JobState::Dead, WAIT).await;
-    assert_eq!(env.consumer.deliveries_for("amo-1").len(), 1, "never sent again");
+    assert_eq!(
+        env.consumer.deliveries_for("amo-1").len(),
+        1,
+        "never sent again"
+    );
     let delivery = job.delivery.expect("outbox row");
     assert_eq!(delivery.status, "unknown");
     assert!(job.dead_reason.unwrap().contains("unknown"));
@@ -164,8 +189,16 @@ async fn two_attempts_at_once_with_the_lease_bypassed_deliver_once() {
         "{a:?} {b:?}: {:#?}",
         env.job("twin-1").await
     );
-    assert_eq!(env.provider.requests_for(&gen_key("twin-1")), 1, "at most one model call");
-    assert_eq!(env.consumer.deliveries_for("twin-1").len(), 1, "one delivery");
+    assert_eq!(
+        env.provider.requests_for(&gen_key("twin-1")),
+        1,
+        "at most one model call"
+    );
+    assert_eq!(
+        env.consumer.deliveries_for("twin-1").len(),
+        1,
+        "one delivery"
+    );
     assert_one_delivery(&env, "twin-1");
     assert_clean_history(&env, "twin-1").await;
 }
@@ -184,12 +217,20 @@ async fn a_second_attempt_during_a_slow_result_write_does_not_call_the_model() {
     let first = env.run_attempt(&reg, leased.clone(), env.config());
     let second = async {
         // Start once the first attempt has its answer and is writing it.
-        assert!(wait_until(WAIT, || async { env.provider.requests_for(&gen_key("slow-1")) == 1 }).await);
+        assert!(
+            wait_until(WAIT, || async {
+                env.provider.requests_for(&gen_key("slow-1")) == 1
+            })
+            .await
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
         env.run_attempt(&reg, leased.clone(), env.config()).await
     };
     let (a, b) = tokio::join!(first, second);
-    assert!(matches!(a, Outcome::Acked) && matches!(b, Outcome::Acked), "{a:?} {b:?}");
+    assert!(
+        matches!(a, Outcome::Acked) && matches!(b, Outcome::Acked),
+        "{a:?} {b:?}"
+    );
     assert_eq!(env.provider.requests_for(&gen_key("slow-1")), 1);
     assert_one_delivery(&env, "slow-1");
 }
@@ -197,16 +238,24 @@ async fn a_second_attempt_during_a_slow_result_write_does_not_call_the_model() {
 #[actix_rt::test]
 async fn a_lost_provider_response_is_retried_with_the_same_key() {
     let env = TestEnv::new().await;
-    env.provider.push(Behaviour::LoseResponse(Duration::from_secs(4)));
+    env.provider
+        .push(Behaviour::LoseResponse(Duration::from_secs(4)));
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), env.config());
     env.submit("lost-1", "hello").await;
     env.wait_for("lost-1", JobState::Acked, WAIT).await;
     let requests = env.provider.requests();
     assert_eq!(requests.len(), 2, "the lost response forces one retry");
     for r in &requests {
-        assert_eq!(r.idempotency_key.as_deref(), Some(gen_key("lost-1").as_str()));
+        assert_eq!(
+            r.idempotency_key.as_deref(),
+            Some(gen_key("lost-1").as_str())
+        );
     }
-    assert_eq!(env.provider.work_done(&gen_key("lost-1")), 1, "the provider did the work once");
+    assert_eq!(
+        env.provider.work_done(&gen_key("lost-1")),
+        1,
+        "the provider did the work once"
+    );
     assert_one_delivery(&env, "lost-1");
 }
 
@@ -240,7 +289,13 @@ async fn a_model_call_longer_than_the_lease_keeps_the_job() {
     assert_eq!(env.provider.requests_for(&gen_key("long-1")), 1, "one call");
     assert_one_delivery(&env, "long-1");
     assert_eq!(job.attempts, 1, "no second attempt");
-    assert_eq!(engine.counters().takeovers.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        engine
+            .counters()
+            .takeovers
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
 }
 
 #[actix_rt::test]
@@ -254,7 +309,10 @@ async fn a_zombie_with_a_stale_epoch_cannot_write_or_call() {
     let reg = registry(DeliveryPolicy::AtLeastOnce);
     let outcome = env.run_attempt(&reg, stale, env.config()).await;
     assert_eq!(outcome, Outcome::LeaseLost);
-    assert!(env.provider.requests().is_empty(), "the zombie called the model");
+    assert!(
+        env.provider.requests().is_empty(),
+        "the zombie called the model"
+    );
     let job = env.job("zombie-1").await;
     assert_eq!(job.state, JobState::Received);
     assert_eq!(job.history.len(), 1);
@@ -269,14 +327,23 @@ async fn a_zombie_cannot_send_the_webhook() {
         .arm_once("zombie-2", FailPoint::AfterCommit("claimed"), Action::Crash);
     let reg = registry(DeliveryPolicy::AtLeastOnce);
     let first = env.lease("node-a", Duration::from_millis(300)).await;
-    assert_eq!(env.run_attempt(&reg, first, env.config()).await, Outcome::Crashed);
+    assert_eq!(
+        env.run_attempt(&reg, first, env.config()).await,
+        Outcome::Crashed
+    );
     tokio::time::sleep(Duration::from_millis(350)).await;
     let stale = env.lease("node-a", Duration::from_millis(1)).await;
     assert_eq!(stale.state, JobState::Claimed);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let _fresh = env.lease("node-b", Duration::from_secs(60)).await;
-    assert_eq!(env.run_attempt(&reg, stale, env.config()).await, Outcome::LeaseLost);
-    assert!(env.consumer.deliveries().is_empty(), "the zombie sent the webhook");
+    assert_eq!(
+        env.run_attempt(&reg, stale, env.config()).await,
+        Outcome::LeaseLost
+    );
+    assert!(
+        env.consumer.deliveries().is_empty(),
+        "the zombie sent the webhook"
+    );
     assert_eq!(env.job("zombie-2").await.state, JobState::Claimed);
 }
 
@@ -287,7 +354,11 @@ async fn a_permanent_webhook_refusal_is_dead_with_its_reason() {
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), env.config());
     env.submit("gone-1", "hello").await;
     let job = env.wait_for("gone-1", JobState::Dead, WAIT).await;
-    assert_eq!(env.consumer.deliveries_for("gone-1").len(), 1, "a 4xx is not retried");
+    assert_eq!(
+        env.consumer.deliveries_for("gone-1").len(),
+        1,
+        "a 4xx is not retried"
+    );
     assert_eq!(job.last_error.unwrap().code, "http_410");
     assert_eq!(job.delivery.unwrap().status, "dead");
     assert!(job.result.is_some(), "the result stays");
@@ -305,8 +376,18 @@ async fn retryable_webhook_failures_are_retried_honouring_retry_after() {
     assert_eq!(deliveries.len(), 3, "{deliveries:#?}");
     assert_one_delivery(&env, "retry-1");
     // Retry-After: 1 is honoured (timestamps are whole seconds).
-    let t = |i: usize| deliveries[i].timestamp.as_deref().unwrap().parse::<i64>().unwrap();
-    assert!(t(2) - t(1) >= 1, "the retry after a 429 waited for Retry-After");
+    let t = |i: usize| {
+        deliveries[i]
+            .timestamp
+            .as_deref()
+            .unwrap()
+            .parse::<i64>()
+            .unwrap()
+    };
+    assert!(
+        t(2) - t(1) >= 1,
+        "the retry after a 429 waited for Retry-After"
+    );
 }
 
 #[actix_rt::test]

@@ -7,10 +7,15 @@ use onceflow_engine::{db, Db, Store};
 async fn migrations_apply_on_an_empty_database_and_again_without_error() {
     let pg = database::embedded();
     let name = format!("empty_{}", std::process::id());
-    assert!(db::create_database(&pg.url("postgres"), &name, None).await.unwrap());
+    assert!(db::create_database(&pg.url("postgres"), &name, None)
+        .await
+        .unwrap());
     let db = Db::connect(&pg.url(&name), 2).await.unwrap();
     let store = Store::new(db.clone());
-    assert!(!store.healthy().await.unwrap(), "an empty database is not healthy");
+    assert!(
+        !store.healthy().await.unwrap(),
+        "an empty database is not healthy"
+    );
     let applied = db.migrate().await.unwrap();
     assert_eq!(applied.len(), 1, "{applied:?}");
     assert!(store.healthy().await.unwrap());

@@ -20,7 +20,10 @@ async fn counts(env: &TestEnv) -> (i64, i64) {
     let rows = env
         .sql("SELECT (SELECT count(*) FROM jobs) AS jobs, (SELECT count(*) FROM job_history) AS history")
         .await;
-    (rows[0]["jobs"].as_i64().unwrap(), rows[0]["history"].as_i64().unwrap())
+    (
+        rows[0]["jobs"].as_i64().unwrap(),
+        rows[0]["history"].as_i64().unwrap(),
+    )
 }
 
 #[actix_rt::test]
@@ -65,8 +68,16 @@ async fn concurrent_identical_submissions_create_one_job() {
         .into_iter()
         .map(|(s, _)| s)
         .collect();
-    assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 1, "{statuses:?}");
-    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 11, "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        1,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        11,
+        "{statuses:?}"
+    );
     assert_eq!(counts(&env).await, (1, 1));
 }
 
@@ -81,9 +92,17 @@ async fn concurrent_different_submissions_leave_one_job_and_conflicts() {
         async move { post_job(&base, &body).await }
     }))
     .await;
-    let winners: Vec<&Value> = results.iter().filter(|(s, _)| *s == 201).map(|(_, v)| v).collect();
+    let winners: Vec<&Value> = results
+        .iter()
+        .filter(|(s, _)| *s == 201)
+        .map(|(_, v)| v)
+        .collect();
     assert_eq!(winners.len(), 1, "{results:?}");
-    assert_eq!(results.iter().filter(|(s, _)| *s == 409).count(), 11, "{results:?}");
+    assert_eq!(
+        results.iter().filter(|(s, _)| *s == 409).count(),
+        11,
+        "{results:?}"
+    );
     let (_, stored) = get(&format!("{base}/v1/jobs/race-2")).await;
     assert_eq!(stored["input"]["model"], winners[0]["input"]["model"]);
     assert_eq!(counts(&env).await, (1, 1));
@@ -113,39 +132,153 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
         ("malformed JSON", b"{\"id\": ".to_vec(), 400, None),
         ("not JSON at all", b"hello".to_vec(), 400, None),
         ("an array", b"[1,2]".to_vec(), 422, Some("body")),
-        ("missing id", serde_json::to_vec(&without("id")).unwrap(), 422, Some("id")),
-        ("numeric id", serde_json::to_vec(&with(&["id"], json!(42))).unwrap(), 422, Some("id")),
-        ("empty id", serde_json::to_vec(&with(&["id"], json!(""))).unwrap(), 422, Some("id")),
-        ("201-character id", serde_json::to_vec(&with(&["id"], json!("a".repeat(201)))).unwrap(), 422, Some("id")),
-        ("id with a space", serde_json::to_vec(&with(&["id"], json!("a b"))).unwrap(), 422, Some("id")),
-        ("id with a slash", serde_json::to_vec(&with(&["id"], json!("a/b"))).unwrap(), 422, Some("id")),
-        ("unknown workflow", serde_json::to_vec(&with(&["workflow"], json!("nope"))).unwrap(), 422, Some("workflow")),
-        ("missing webhook", serde_json::to_vec(&without("webhook_url")).unwrap(), 422, Some("webhook_url")),
-        ("relative webhook", serde_json::to_vec(&with(&["webhook_url"], json!("/hook"))).unwrap(), 422, Some("webhook_url")),
-        ("ftp webhook", serde_json::to_vec(&with(&["webhook_url"], json!("ftp://example.com/x"))).unwrap(), 422, Some("webhook_url")),
-        ("missing input", serde_json::to_vec(&without("input")).unwrap(), 422, Some("input")),
-        ("input not an object", serde_json::to_vec(&with(&["input"], json!("hi"))).unwrap(), 422, Some("input")),
-        ("missing model", serde_json::to_vec(&with(&["input"], json!({"messages": [{"role": "user", "content": "x"}]}))).unwrap(), 422, Some("input")),
-        ("empty model", serde_json::to_vec(&with(&["input", "model"], json!(" "))).unwrap(), 422, Some("input.model")),
-        ("no messages", serde_json::to_vec(&with(&["input", "messages"], json!([]))).unwrap(), 422, Some("input.messages")),
-        ("bad role", serde_json::to_vec(&with(&["input", "messages"], json!([{"role": "bot", "content": "x"}]))).unwrap(), 422, Some("input.messages[0].role")),
-        ("unknown input field", serde_json::to_vec(&with(&["input", "colour"], json!("red"))).unwrap(), 422, Some("input")),
-        ("unknown top-level field", serde_json::to_vec(&with(&["priority"], json!(1))).unwrap(), 422, Some("priority")),
-        ("over the size limit", {
-            let mut big = good.clone();
-            big["input"]["messages"][0]["content"] = json!("x".repeat(1 << 20));
-            serde_json::to_vec(&big).unwrap()
-        }, 413, None),
+        (
+            "missing id",
+            serde_json::to_vec(&without("id")).unwrap(),
+            422,
+            Some("id"),
+        ),
+        (
+            "numeric id",
+            serde_json::to_vec(&with(&["id"], json!(42))).unwrap(),
+            422,
+            Some("id"),
+        ),
+        (
+            "empty id",
+            serde_json::to_vec(&with(&["id"], json!(""))).unwrap(),
+            422,
+            Some("id"),
+        ),
+        (
+            "201-character id",
+            serde_json::to_vec(&with(&["id"], json!("a".repeat(201)))).unwrap(),
+            422,
+            Some("id"),
+        ),
+        (
+            "id with a space",
+            serde_json::to_vec(&with(&["id"], json!("a b"))).unwrap(),
+            422,
+            Some("id"),
+        ),
+        (
+            "id with a slash",
+            serde_json::to_vec(&with(&["id"], json!("a/b"))).unwrap(),
+            422,
+            Some("id"),
+        ),
+        (
+            "unknown workflow",
+            serde_json::to_vec(&with(&["workflow"], json!("nope"))).unwrap(),
+            422,
+            Some("workflow"),
+        ),
+        (
+            "missing webhook",
+            serde_json::to_vec(&without("webhook_url")).unwrap(),
+            422,
+            Some("webhook_url"),
+        ),
+        (
+            "relative webhook",
+            serde_json::to_vec(&with(&["webhook_url"], json!("/hook"))).unwrap(),
+            422,
+            Some("webhook_url"),
+        ),
+        (
+            "ftp webhook",
+            serde_json::to_vec(&with(&["webhook_url"], json!("ftp://example.com/x"))).unwrap(),
+            422,
+            Some("webhook_url"),
+        ),
+        (
+            "missing input",
+            serde_json::to_vec(&without("input")).unwrap(),
+            422,
+            Some("input"),
+        ),
+        (
+            "input not an object",
+            serde_json::to_vec(&with(&["input"], json!("hi"))).unwrap(),
+            422,
+            Some("input"),
+        ),
+        (
+            "missing model",
+            serde_json::to_vec(&with(
+                &["input"],
+                json!({"messages": [{"role": "user", "content": "x"}]}),
+            ))
+            .unwrap(),
+            422,
+            Some("input"),
+        ),
+        (
+            "empty model",
+            serde_json::to_vec(&with(&["input", "model"], json!(" "))).unwrap(),
+            422,
+            Some("input.model"),
+        ),
+        (
+            "no messages",
+            serde_json::to_vec(&with(&["input", "messages"], json!([]))).unwrap(),
+            422,
+            Some("input.messages"),
+        ),
+        (
+            "bad role",
+            serde_json::to_vec(&with(
+                &["input", "messages"],
+                json!([{"role": "bot", "content": "x"}]),
+            ))
+            .unwrap(),
+            422,
+            Some("input.messages[0].role"),
+        ),
+        (
+            "unknown input field",
+            serde_json::to_vec(&with(&["input", "colour"], json!("red"))).unwrap(),
+            422,
+            Some("input"),
+        ),
+        (
+            "unknown top-level field",
+            serde_json::to_vec(&with(&["priority"], json!(1))).unwrap(),
+            422,
+            Some("priority"),
+        ),
+        (
+            "over the size limit",
+            {
+                let mut big = good.clone();
+                big["input"]["messages"][0]["content"] = json!("x".repeat(1 << 20));
+                serde_json::to_vec(&big).unwrap()
+            },
+            413,
+            None,
+        ),
     ];
     for (name, body, status, field) in cases {
         let (got, answer) = post_raw(&base, body).await;
         assert_eq!(got, status, "{name}: {answer}");
         let code = answer["error"]["code"].as_str();
-        assert!(code.is_some_and(|c| !c.is_empty()), "{name}: no error code in {answer}");
-        assert!(answer["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}: {answer}");
+        assert!(
+            code.is_some_and(|c| !c.is_empty()),
+            "{name}: no error code in {answer}"
+        );
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{name}: {answer}"
+        );
         if let Some(field) = field {
             let got_field = answer["error"]["field"].as_str().unwrap_or_default();
-            assert!(got_field.starts_with(field), "{name}: field {got_field:?}, wanted {field:?}");
+            assert!(
+                got_field.starts_with(field),
+                "{name}: field {got_field:?}, wanted {field:?}"
+            );
         }
         assert_eq!(counts(&env).await, (0, 0), "{name} changed the database");
     }

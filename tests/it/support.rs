@@ -19,12 +19,14 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
     };
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let server = actix_web::HttpServer::new(move || actix_web::App::new().configure(api::configure(state.clone())))
-        .workers(1)
-        .disable_signals()
-        .listen(listener)
-        .unwrap()
-        .run();
+    let server = actix_web::HttpServer::new(move || {
+        actix_web::App::new().configure(api::configure(state.clone()))
+    })
+    .workers(1)
+    .disable_signals()
+    .listen(listener)
+    .unwrap()
+    .run();
     actix_web::rt::spawn(server);
     format!("http://{addr}")
 }
@@ -55,7 +57,11 @@ pub async fn get(url: &str) -> (u16, Value) {
 
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The real `onceflow serve`, killed when dropped.
@@ -89,7 +95,9 @@ impl ServeProcess {
         let mut serve = ServeProcess { child, base };
         let healthz = format!("{}/healthz", serve.base);
         let up = wait_until(Duration::from_secs(60), || async {
-            reqwest::get(&healthz).await.is_ok_and(|r| r.status() == 200)
+            reqwest::get(&healthz)
+                .await
+                .is_ok_and(|r| r.status() == 200)
         })
         .await;
         if !up {
@@ -106,15 +114,21 @@ impl ServeProcess {
     }
 
     pub fn sigkill(&mut self) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::SIGKILL)
-            .unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::SIGKILL,
+        )
+        .unwrap();
         self.child.wait().unwrap();
     }
 
     /// SIGTERM, then wait for a clean exit.
     pub fn sigterm(&mut self) -> std::process::ExitStatus {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::SIGTERM)
-            .unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::SIGTERM,
+        )
+        .unwrap();
         self.child.wait().unwrap()
     }
 }
@@ -147,7 +161,8 @@ pub struct StopPostgresOnDrop(pub std::path::PathBuf);
 impl Drop for StopPostgresOnDrop {
     fn drop(&mut self) {
         if let Some(pid) = postmaster_pid(&self.0) {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGQUIT);
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGQUIT);
         }
     }
 }

@@ -72,17 +72,27 @@ impl Workflow for Completion {
             return Err(InvalidInput::new("input.model", "must not be empty"));
         }
         if input.messages.is_empty() {
-            return Err(InvalidInput::new("input.messages", "must hold at least one message"));
+            return Err(InvalidInput::new(
+                "input.messages",
+                "must hold at least one message",
+            ));
         }
         if let Some(t) = input.temperature {
             if !(0.0..=2.0).contains(&t) {
-                return Err(InvalidInput::new("input.temperature", "must be between 0 and 2"));
+                return Err(InvalidInput::new(
+                    "input.temperature",
+                    "must be between 0 and 2",
+                ));
             }
         }
         Ok(())
     }
 
-    async fn run(&self, ctx: &mut Context, input: CompletionInput) -> Result<CompletionOutput, StepError> {
+    async fn run(
+        &self,
+        ctx: &mut Context,
+        input: CompletionInput,
+    ) -> Result<CompletionOutput, StepError> {
         let mut request = json!({ "model": input.model, "messages": input.messages });
         if let Some(t) = input.temperature {
             request["temperature"] = json!(t);
@@ -93,8 +103,14 @@ impl Workflow for Completion {
         let response = ctx.generate(GENERATE, &request).await?;
         let choice = &response["choices"][0];
         Ok(CompletionOutput {
-            content: choice["message"]["content"].as_str().unwrap_or_default().to_owned(),
-            model: response["model"].as_str().unwrap_or(&input.model).to_owned(),
+            content: choice["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            model: response["model"]
+                .as_str()
+                .unwrap_or(&input.model)
+                .to_owned(),
             finish_reason: choice["finish_reason"].as_str().map(str::to_owned),
             usage: response.get("usage").cloned(),
         })

@@ -259,11 +259,14 @@ impl Store {
 }
 
 pub(crate) fn parse_state(s: &str) -> Result<JobState, StoreError> {
-    s.parse()
-        .map_err(|e: crate::lifecycle::UnknownState| StoreError::Query(diesel::result::Error::DeserializationError(e.into())))
+    s.parse().map_err(|e: crate::lifecycle::UnknownState| {
+        StoreError::Query(diesel::result::Error::DeserializationError(e.into()))
+    })
 }
 
-pub(crate) fn not_found_is_none<T>(e: diesel::result::Error) -> Result<Option<T>, diesel::result::Error> {
+pub(crate) fn not_found_is_none<T>(
+    e: diesel::result::Error,
+) -> Result<Option<T>, diesel::result::Error> {
     match e {
         diesel::result::Error::NotFound => Ok(None),
         other => Err(other),

@@ -33,7 +33,11 @@ pub enum DeliveryStart {
     /// Already delivered (2xx recorded).
     Delivered,
     /// Ours to send.
-    Send { attempt: i32, url: String, body: Value },
+    Send {
+        attempt: i32,
+        url: String,
+        body: Value,
+    },
     /// Another attempt has the POST in flight until then.
     InFlight { until: DateTime<Utc> },
     /// At-most-once, and an earlier send's outcome was never recorded: the row
@@ -85,7 +89,12 @@ async fn guard(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<(), TxErro
     }
 }
 
-async fn transition(conn: &mut AsyncPgConnection, fence: &Fence, from: JobState, to: JobState) -> Result<(), TxError> {
+async fn transition(
+    conn: &mut AsyncPgConnection,
+    fence: &Fence,
+    from: JobState,
+    to: JobState,
+) -> Result<(), TxError> {
     match Store::transition(conn, fence, from, to).await? {
         Checkpoint::Moved => Ok(()),
         other => Err(TxError::Abort(other)),
@@ -138,7 +147,12 @@ struct OutputRow {
 /// lease epoch (a concurrent attempt sharing the lease) that has not expired.
 /// A send from an earlier epoch belongs to an attempt whose lease was taken
 /// over; the taker resends under the same key.
-fn in_flight(until: Option<DateTime<Utc>>, epoch: Option<i64>, now: DateTime<Utc>, fence: &Fence) -> Option<DateTime<Utc>> {
+fn in_flight(
+    until: Option<DateTime<Utc>>,
+    epoch: Option<i64>,
+    now: DateTime<Utc>,
+    fence: &Fence,
+) -> Option<DateTime<Utc>> {
     until.filter(|u| *u > now && epoch == Some(fence.epoch))
 }
 
@@ -263,13 +277,22 @@ impl Store {
     }
 
     /// `received → generated`: the workflow body returned; its model calls are journaled.
-    pub async fn mark_generated(&self, fence: &Fence, faults: &Faults) -> Result<Checkpoint, StoreError> {
+    pub async fn mark_generated(
+        &self,
+        fence: &Fence,
+        faults: &Faults,
+    ) -> Result<Checkpoint, StoreError> {
         self.plain_transition(fence, JobState::Received, JobState::Generated, faults)
             .await
     }
 
     /// `generated → persisted`: writes the result row (one per job) with the checkpoint.
-    pub async fn persist_result(&self, fence: &Fence, output: &Value, faults: &Faults) -> Result<Checkpoint, StoreError> {
+    pub async fn persist_result(
+        &self,
+        fence: &Fence,
+        output: &Value,
+        faults: &Faults,
+    ) -> Result<Checkpoint, StoreError> {
         let mut conn = self.db().conn().await?;
         let result = conn
             .transaction::<_, TxError, _>(async move |conn| {
@@ -297,10 +320,11 @@ impl Store {
     /// The persisted result of a job.
     pub async fn result_of(&self, job_id: &str) -> Result<Option<Value>, StoreError> {
         let mut conn = self.db().conn().await?;
-        let rows: Vec<OutputRow> = diesel::sql_query("SELECT output FROM results WHERE job_id = $1")
-            .bind::<Text, _>(job_id)
-            .load(&mut conn)
-            .await?;
+        let rows: Vec<OutputRow> =
+            diesel::sql_query("SELECT output FROM results WHERE job_id = $1")
+                .bind::<Text, _>(job_id)
+                .load(&mut conn)
+                .await?;
         Ok(rows.into_iter().next().map(|r| r.output))
     }
 
@@ -408,7 +432,13 @@ impl Store {
     }
 
     /// `claimed → delivered`: the webhook answered 2xx.
-    pub async fn mark_delivered(&self, fence: &Fence, key: &str, status: i32, faults: &Faults) -> Result<Checkpoint, StoreError> {
+    pub async fn mark_delivered(
+        &self,
+        fence: &Fence,
+        key: &str,
+        status: i32,
+        faults: &Faults,
+    ) -> Result<Checkpoint, StoreError> {
         let mut conn = self.db().conn().await?;
         let result = conn
             .transaction::<_, TxError, _>(async move |conn| {
@@ -502,14 +532,12 @@ impl Store {
         let mut conn = self.db().conn().await?;
         let result = conn
             .transaction::<_, TxError, _>(async move |conn| {
-                {
-                    transition(conn, fence, from, to).await?;
-                    faults
-                        .hit(&fence.job_id, FailPoint::BeforeCommit(to.as_str()))
-                        .await
-                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
-                    Ok(())
-                }
+                transition(conn, fence, from, to).await?;
+                faults
+                    .hit(&fence.job_id, FailPoint::BeforeCommit(to.as_str()))
+                    .await
+                    .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
+                Ok(())
             })
             .await;
         finish(result)

@@ -138,7 +138,12 @@ impl Store {
 
     /// Extends the leases `node` holds on `held` (job id, epoch) in one
     /// statement; returns the ids whose lease is gone (taken over or finished).
-    pub async fn renew(&self, node: &str, held: &[(String, i64)], lease_ms: i64) -> Result<Vec<String>, StoreError> {
+    pub async fn renew(
+        &self,
+        node: &str,
+        held: &[(String, i64)],
+        lease_ms: i64,
+    ) -> Result<Vec<String>, StoreError> {
         if held.is_empty() {
             return Ok(Vec::new());
         }
@@ -166,13 +171,17 @@ impl Store {
     /// lock first, so writes of one job are serialised (a takeover, or a
     /// concurrent attempt sharing the lease, waits for the commit) and always
     /// lock the job row before any side table, which rules out deadlocks.
-    pub(crate) async fn hold_fence(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<bool, StoreError> {
-        let rows: Vec<IdRow> =
-            diesel::sql_query("SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 FOR NO KEY UPDATE")
-                .bind::<Text, _>(&fence.job_id)
-                .bind::<BigInt, _>(fence.epoch)
-                .load(conn)
-                .await?;
+    pub(crate) async fn hold_fence(
+        conn: &mut AsyncPgConnection,
+        fence: &Fence,
+    ) -> Result<bool, StoreError> {
+        let rows: Vec<IdRow> = diesel::sql_query(
+            "SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 FOR NO KEY UPDATE",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<BigInt, _>(fence.epoch)
+        .load(conn)
+        .await?;
         Ok(rows.len() == 1)
     }
 
@@ -262,14 +271,22 @@ impl Store {
     /// The current state of a job (for an attempt that lost a race).
     pub async fn state_of(&self, job_id: &str) -> Result<Option<JobState>, StoreError> {
         let mut conn = self.db().conn().await?;
-        let rows: Vec<StateRow> = diesel::sql_query("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
-            .bind::<Text, _>(job_id)
-            .load(&mut conn)
-            .await?;
-        rows.into_iter().next().map(|r| parse_state(&r.state)).transpose()
+        let rows: Vec<StateRow> =
+            diesel::sql_query("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
+                .bind::<Text, _>(job_id)
+                .load(&mut conn)
+                .await?;
+        rows.into_iter()
+            .next()
+            .map(|r| parse_state(&r.state))
+            .transpose()
     }
 
-    async fn append_history(conn: &mut AsyncPgConnection, fence: &Fence, state: JobState) -> Result<(), StoreError> {
+    async fn append_history(
+        conn: &mut AsyncPgConnection,
+        fence: &Fence,
+        state: JobState,
+    ) -> Result<(), StoreError> {
         diesel::sql_query(
             "INSERT INTO job_history (job_id, state, attempt, worker) VALUES ($1, $2::job_state, $3, $4)",
         )
@@ -283,13 +300,19 @@ impl Store {
     }
 
     /// Why a guarded update changed nothing.
-    async fn why_not(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<Checkpoint, StoreError> {
-        let rows: Vec<StateRow> = diesel::sql_query("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
-            .bind::<Text, _>(&fence.job_id)
-            .load(conn)
-            .await?;
+    async fn why_not(
+        conn: &mut AsyncPgConnection,
+        fence: &Fence,
+    ) -> Result<Checkpoint, StoreError> {
+        let rows: Vec<StateRow> =
+            diesel::sql_query("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
+                .bind::<Text, _>(&fence.job_id)
+                .load(conn)
+                .await?;
         match rows.into_iter().next() {
-            Some(row) if row.lease_epoch == fence.epoch => Ok(Checkpoint::AlreadyAt(parse_state(&row.state)?)),
+            Some(row) if row.lease_epoch == fence.epoch => {
+                Ok(Checkpoint::AlreadyAt(parse_state(&row.state)?))
+            }
             Some(_) | None => Ok(Checkpoint::LeaseLost),
         }
     }

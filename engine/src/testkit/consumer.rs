@@ -52,7 +52,8 @@ impl FakeConsumer {
         let state = Arc::new(State::default());
         let data = web::Data::from(state.clone());
         let addr = server::spawn("fake-consumer", move |cfg| {
-            cfg.app_data(data.clone()).default_service(web::post().to(receive));
+            cfg.app_data(data.clone())
+                .default_service(web::post().to(receive));
         });
         FakeConsumer { addr, state }
     }
@@ -99,7 +100,10 @@ impl FakeConsumer {
 }
 
 fn header(req: &HttpRequest, name: &str) -> Option<String> {
-    req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
 }
 
 async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> HttpResponse {
@@ -132,7 +136,8 @@ async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> 
     if let Behaviour::LoseResponse(hold) = behaviour {
         actix_web::rt::time::sleep(hold).await;
     }
-    let mut response = HttpResponse::build(actix_web::http::StatusCode::from_u16(status).expect("status"));
+    let mut response =
+        HttpResponse::build(actix_web::http::StatusCode::from_u16(status).expect("status"));
     if let Behaviour::Status(_, Some(secs)) = behaviour {
         response.insert_header(("retry-after", secs.to_string()));
     }

@@ -26,7 +26,8 @@ fn server() -> &'static Server {
     SERVER.get_or_init(|| {
         // Runs on a thread of its own: the caller may be inside any runtime.
         std::thread::spawn(|| {
-            let pg = EmbeddedPg::throwaway().unwrap_or_else(|e| panic!("cannot start the test PostgreSQL: {e}"));
+            let pg = EmbeddedPg::throwaway()
+                .unwrap_or_else(|e| panic!("cannot start the test PostgreSQL: {e}"));
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -35,7 +36,9 @@ fn server() -> &'static Server {
                 create_database(&pg.url("postgres"), TEMPLATE, None)
                     .await
                     .expect("create the template database");
-                let db = Db::connect(&pg.url(TEMPLATE), 1).await.expect("connect to the template");
+                let db = Db::connect(&pg.url(TEMPLATE), 1)
+                    .await
+                    .expect("connect to the template");
                 db.migrate().await.expect("migrate the template");
             });
             Server { pg }
@@ -53,7 +56,11 @@ pub fn embedded() -> &'static EmbeddedPg {
 /// A URL to a new, migrated, empty database of its own.
 pub async fn fresh() -> String {
     let pg = &server().pg;
-    let name = format!("t_{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+    let name = format!(
+        "t_{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
     // CREATE DATABASE … TEMPLATE needs the template free of other sessions:
     // one at a time, retrying while the template's last session closes.
     let _guard = CREATE_LOCK.lock().await;

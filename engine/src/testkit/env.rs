@@ -12,14 +12,14 @@ use std::sync::Arc;
 use crate::actor::{JobRun, Outcome};
 use crate::db::Db;
 use crate::engine::Shared;
-use crate::store::Leased;
-use crate::workflow::Registry;
 use crate::engine::{Engine, EngineConfig};
 use crate::faults::Faults;
 use crate::intake::NewJob;
 use crate::lifecycle::JobState;
 use crate::retry::RetryPolicy;
+use crate::store::Leased;
 use crate::store::{Intake, JobView, Store};
+use crate::workflow::Registry;
 
 /// Everything a test of the engine needs, on real Postgres and real HTTP.
 #[derive(Debug)]
@@ -36,7 +36,9 @@ impl TestEnv {
     /// (`#[actix_rt::test]`) to start engines.
     pub async fn new() -> Self {
         let db_url = database::fresh().await;
-        let db = Db::connect(&db_url, 8).await.expect("connect to the test database");
+        let db = Db::connect(&db_url, 8)
+            .await
+            .expect("connect to the test database");
         TestEnv {
             db_url,
             store: Store::new(db),
@@ -101,17 +103,29 @@ impl TestEnv {
 
     /// The job as the API shows it.
     pub async fn job(&self, id: &str) -> JobView {
-        self.store.job(id).await.expect("load job").expect("job exists")
+        self.store
+            .job(id)
+            .await
+            .expect("load job")
+            .expect("job exists")
     }
 
     /// Waits until job `id` is in `state`; panics with the job after `timeout`.
     pub async fn wait_for(&self, id: &str, state: JobState, timeout: Duration) -> JobView {
         let ok = wait_until(timeout, || async {
-            self.store.job(id).await.ok().flatten().is_some_and(|j| j.state == state)
+            self.store
+                .job(id)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|j| j.state == state)
         })
         .await;
         let job = self.job(id).await;
-        assert!(ok, "job {id} did not reach {state} within {timeout:?}: {job:#?}");
+        assert!(
+            ok,
+            "job {id} did not reach {state} within {timeout:?}: {job:#?}"
+        );
         job
     }
 
@@ -125,7 +139,8 @@ impl TestEnv {
             v: Value,
         }
         let mut conn = self.store.db().conn().await.expect("conn");
-        let wrapped = format!("SELECT coalesce(jsonb_agg(to_jsonb(q)), '[]'::jsonb) AS v FROM ({sql}) q");
+        let wrapped =
+            format!("SELECT coalesce(jsonb_agg(to_jsonb(q)), '[]'::jsonb) AS v FROM ({sql}) q");
         diesel::sql_query(wrapped)
             .get_result::<Row>(&mut conn)
             .await
@@ -149,12 +164,22 @@ impl TestEnv {
     /// supervisor: no heartbeat, and nothing stops it but the database. Two
     /// of these with the same `Leased` are two attempts that both believe
     /// they hold the lease.
-    pub async fn run_attempt(&self, registry: &Registry, leased: Leased, config: EngineConfig) -> Outcome {
+    pub async fn run_attempt(
+        &self,
+        registry: &Registry,
+        leased: Leased,
+        config: EngineConfig,
+    ) -> Outcome {
         let workflow = registry
             .get(&leased.workflow)
             .cloned()
             .unwrap_or_else(|| panic!("workflow {} is not registered", leased.workflow));
-        let shared = Arc::new(Shared::new(self.store.clone(), registry.clone(), self.faults.clone(), config));
+        let shared = Arc::new(Shared::new(
+            self.store.clone(),
+            registry.clone(),
+            self.faults.clone(),
+            config,
+        ));
         JobRun::new(leased, workflow, shared).execute().await
     }
 

@@ -95,7 +95,12 @@ impl FakeProvider {
 
     /// How many times the work under `key` was actually done.
     pub fn work_done(&self, key: &str) -> u32 {
-        self.state.work.lock().expect("lock").get(key).map_or(0, |(n, _)| *n)
+        self.state
+            .work
+            .lock()
+            .expect("lock")
+            .get(key)
+            .map_or(0, |(n, _)| *n)
     }
 
     /// Work done under all keys.
@@ -106,12 +111,18 @@ impl FakeProvider {
     /// The keys whose work was done more than once.
     pub fn keys_worked_twice(&self) -> Vec<String> {
         let work = self.state.work.lock().expect("lock");
-        work.iter().filter(|(_, (n, _))| *n > 1).map(|(k, _)| k.clone()).collect()
+        work.iter()
+            .filter(|(_, (n, _))| *n > 1)
+            .map(|(k, _)| k.clone())
+            .collect()
     }
 }
 
 fn header(req: &HttpRequest, name: &str) -> Option<String> {
-    req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
 }
 
 fn echo(request: &Value, n: u64) -> Value {
@@ -144,7 +155,8 @@ async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>)
     });
     let behaviour = state.script.next();
     if let Behaviour::Status(code, retry_after) = behaviour {
-        let mut r = HttpResponse::build(actix_web::http::StatusCode::from_u16(code).expect("status"));
+        let mut r =
+            HttpResponse::build(actix_web::http::StatusCode::from_u16(code).expect("status"));
         if let Some(s) = retry_after {
             r.insert_header(("retry-after", s.to_string()));
         }
@@ -167,7 +179,13 @@ async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>)
         *total
     };
     if let Some(key) = &key {
-        state.work.lock().expect("lock").entry(key.clone()).or_insert((0, None)).0 += 1;
+        state
+            .work
+            .lock()
+            .expect("lock")
+            .entry(key.clone())
+            .or_insert((0, None))
+            .0 += 1;
     }
     let latency = *state.latency.lock().expect("lock");
     let extra = match behaviour {

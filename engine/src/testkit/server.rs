@@ -32,7 +32,11 @@ impl Script {
         self.0.lock().expect("script lock").push_back(b);
     }
     pub(crate) fn next(&self) -> Behaviour {
-        self.0.lock().expect("script lock").pop_front().unwrap_or(Behaviour::Ok)
+        self.0
+            .lock()
+            .expect("script lock")
+            .pop_front()
+            .unwrap_or(Behaviour::Ok)
     }
 }
 
