@@ -2,8 +2,10 @@
 //!
 //! The binary: `serve` runs the HTTP API and a node of the engine on
 //! PostgreSQL (an embedded one when `DATABASE_URL` is unset); `migrate`
-//! applies the schema; `submit` and `status` are clients of a running server.
+//! applies the schema; `submit` and `status` are clients of a running server;
+//! `bench` measures throughput and latency end to end.
 
+mod bench;
 mod client;
 mod config;
 mod serve;
@@ -31,6 +33,8 @@ enum Command {
     Submit(client::SubmitArgs),
     /// Print a job's state and history.
     Status(client::StatusArgs),
+    /// Benchmark: jobs end to end through the HTTP API against a loopback provider and consumer.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -41,6 +45,7 @@ fn main() -> std::process::ExitCode {
         Command::Migrate(args) => serve::migrate(args),
         Command::Submit(args) => client::submit(args),
         Command::Status(args) => client::status(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

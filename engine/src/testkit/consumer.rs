@@ -25,6 +25,8 @@ pub struct Delivery {
     pub duplicate: bool,
     /// What the consumer answered (or would have, for a lost response).
     pub status: u16,
+    /// When the request arrived.
+    pub received_at: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -107,6 +109,7 @@ fn header(req: &HttpRequest, name: &str) -> Option<String> {
 }
 
 async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> HttpResponse {
+    let received_at = std::time::Instant::now();
     let behaviour = state.script.next();
     let webhook_id = header(&req, "webhook-id");
     let status = match behaviour {
@@ -132,6 +135,7 @@ async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> 
         raw: raw.to_vec(),
         duplicate,
         status,
+        received_at,
     });
     if let Behaviour::LoseResponse(hold) = behaviour {
         actix_web::rt::time::sleep(hold).await;

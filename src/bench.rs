@@ -1,0 +1,439 @@
+//! `onceflow bench`: N jobs end to end through the real HTTP API, against a
+//! provider and a webhook consumer on loopback, on a durable PostgreSQL.
+//!
+//! Phase 1 submits as fast as `--concurrency` clients can (the maximum
+//! throughput); phase 2 submits at half that rate, open loop, to measure
+//! latency at a sustainable load. The same run measures the machine's durable
+//! single-row commit rate on the same PostgreSQL, so the figures hold on a
+//! noisy machine: the ratio (jobs/s × checkpoints per job) ÷ commit rate.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::Args;
+use diesel::sql_types::BigInt;
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use onceflow_engine::api::{self, ApiState};
+use onceflow_engine::testkit::{FakeConsumer, FakeProvider};
+use onceflow_engine::{db, Db, Engine, EngineConfig, Faults, Store};
+use serde_json::json;
+
+use crate::config::DbArgs;
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Jobs in the saturating phase (the paced phase runs half as many).
+    #[arg(long, default_value_t = 2000)]
+    pub jobs: usize,
+    /// Concurrent submitting clients in the saturating phase.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Latency of the fake model provider, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub model_latency_ms: u64,
+    /// Jobs the engine runs at once.
+    #[arg(long, default_value_t = 1000)]
+    pub max_in_flight: usize,
+    /// Pace the second phase at this many jobs/s instead of half the measured maximum.
+    #[arg(long)]
+    pub rate: Option<f64>,
+}
+
+struct Phase {
+    jobs: usize,
+    elapsed: Duration,
+    latencies: Vec<Duration>,
+    checkpoints: i64,
+    commits: i64,
+    model_requests: usize,
+    deliveries: usize,
+}
+
+impl Phase {
+    fn jobs_per_sec(&self) -> f64 {
+        self.jobs as f64 / self.elapsed.as_secs_f64()
+    }
+    fn percentile(&self, p: f64) -> Duration {
+        let mut l = self.latencies.clone();
+        l.sort();
+        l.get(((l.len() as f64 - 1.0) * p).round() as usize)
+            .copied()
+            .unwrap_or_default()
+    }
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let database = args.db.resolve()?;
+    let result = actix_web::rt::System::new().block_on(bench(&args, &database));
+    if let Some(pg) = database.embedded.as_ref().filter(|pg| pg.started_here()) {
+        let _ = pg.stop();
+    }
+    result
+}
+
+async fn bench(args: &BenchArgs, database: &crate::config::Database) -> anyhow::Result<()> {
+    // A database of its own on the embedded server; the given one otherwise.
+    let url = match &database.embedded {
+        Some(pg) => {
+            let name = format!("bench_{}", std::process::id());
+            db::create_database(&pg.url("postgres"), &name, None).await?;
+            pg.url(&name)
+        }
+        None => database.url.clone(),
+    };
+    let pool = args.db.db_pool.max(4);
+    let db = Db::connect(&url, pool).await.context("connecting")?;
+    db.migrate().await?;
+    let run_id = format!("{:x}", chrono::Utc::now().timestamp_millis());
+
+    eprintln!("measuring the durable single-row commit rate ({pool} connections, 3 s)…");
+    let commit_rate = commit_rate(&db, pool as usize, Duration::from_secs(3)).await?;
+    eprintln!("  {commit_rate:.0} commits/s");
+
+    let provider = FakeProvider::start();
+    provider.set_latency(Duration::from_millis(args.model_latency_ms));
+    let consumer = FakeConsumer::start();
+    let store = Store::new(db.clone());
+    let registry = onceflow_workflows::registry();
+    let mut config = EngineConfig {
+        max_in_flight: args.max_in_flight,
+        poll_interval: Duration::from_millis(200),
+        ..EngineConfig::default()
+    };
+    config.provider.base_url = provider.base_url();
+    let engine = Engine::start(store.clone(), registry.clone(), Faults::new(), config);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let state = ApiState {
+        store: store.clone(),
+        registry,
+        body_limit: api::DEFAULT_BODY_LIMIT,
+    };
+    let server = actix_web::HttpServer::new(move || {
+        actix_web::App::new().configure(api::configure(state.clone()))
+    })
+    .workers(1)
+    .disable_signals()
+    .listen(listener)?
+    .run();
+    let server_handle = server.handle();
+    actix_web::rt::spawn(server);
+
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.concurrency)
+        .build()?;
+    let env = Env {
+        client,
+        base,
+        hook: consumer.url(),
+        db: db.clone(),
+        provider: provider.clone(),
+        consumer: consumer.clone(),
+    };
+
+    eprintln!(
+        "phase 1: {} jobs, {} concurrent clients…",
+        args.jobs, args.concurrency
+    );
+    let max = env
+        .phase(
+            &format!("{run_id}-max"),
+            args.jobs,
+            Pacing::Closed(args.concurrency),
+        )
+        .await?;
+    let rate = args.rate.unwrap_or(max.jobs_per_sec() / 2.0).max(1.0);
+    let paced_jobs = (args.jobs / 2).max(1);
+    eprintln!("phase 2: {paced_jobs} jobs paced at {rate:.0} jobs/s…");
+    let paced = env
+        .phase(&format!("{run_id}-paced"), paced_jobs, Pacing::Open(rate))
+        .await?;
+
+    engine.shutdown();
+    server_handle.stop(true).await;
+
+    println!();
+    println!(
+        "onceflow bench — model latency {} ms, durable PostgreSQL",
+        args.model_latency_ms
+    );
+    println!("{:<34} {:>14} {:>14}", "", "max (closed)", "paced (open)");
+    let row = |name: &str, a: String, b: String| println!("{name:<34} {a:>14} {b:>14}");
+    row("jobs", max.jobs.to_string(), paced.jobs.to_string());
+    row(
+        "jobs/s",
+        format!("{:.1}", max.jobs_per_sec()),
+        format!("{:.1}", paced.jobs_per_sec()),
+    );
+    for (label, p) in [
+        ("p50 submit→webhook (ms)", 0.5),
+        ("p99 submit→webhook (ms)", 0.99),
+    ] {
+        row(
+            label,
+            format!("{:.1}", max.percentile(p).as_secs_f64() * 1e3),
+            format!("{:.1}", paced.percentile(p).as_secs_f64() * 1e3),
+        );
+    }
+    for (label, f) in [
+        (
+            "checkpoints/s",
+            (|p: &Phase| p.checkpoints as f64 / p.elapsed.as_secs_f64()) as fn(&Phase) -> f64,
+        ),
+        ("checkpoints per job", |p: &Phase| {
+            p.checkpoints as f64 / p.jobs as f64
+        }),
+        ("commits per job", |p: &Phase| {
+            p.commits as f64 / p.jobs as f64
+        }),
+        ("model requests per job", |p: &Phase| {
+            p.model_requests as f64 / p.jobs as f64
+        }),
+        ("deliveries per job", |p: &Phase| {
+            p.deliveries as f64 / p.jobs as f64
+        }),
+    ] {
+        row(
+            label,
+            format!("{:.2}", f(&max)),
+            format!("{:.2}", f(&paced)),
+        );
+    }
+    let ratio = |p: &Phase| p.jobs_per_sec() * (p.checkpoints as f64 / p.jobs as f64) / commit_rate;
+    row(
+        "single-row commits/s (same PG)",
+        format!("{commit_rate:.0}"),
+        String::new(),
+    );
+    row(
+        "(jobs/s × checkpoints/job) ÷ that",
+        format!("{:.2}", ratio(&max)),
+        format!("{:.2}", ratio(&paced)),
+    );
+
+    if let Some(pg) = &database.embedded {
+        drop(db);
+        drop(store);
+        let name = url.rsplit('/').next().unwrap_or_default().to_owned();
+        let mut admin =
+            <diesel_async::AsyncPgConnection as diesel_async::AsyncConnection>::establish(
+                &pg.url("postgres"),
+            )
+            .await?;
+        let _ = admin
+            .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .await;
+    }
+    Ok(())
+}
+
+enum Pacing {
+    /// This many clients, each submitting its next job as soon as the last is accepted.
+    Closed(usize),
+    /// Submissions started at this rate (jobs/s), whatever the answers take.
+    Open(f64),
+}
+
+struct Env {
+    client: reqwest::Client,
+    base: String,
+    hook: String,
+    db: Db,
+    provider: FakeProvider,
+    consumer: FakeConsumer,
+}
+
+impl Env {
+    async fn phase(&self, prefix: &str, jobs: usize, pacing: Pacing) -> anyhow::Result<Phase> {
+        let before = counters(&self.db).await?;
+        let requests_before = self.provider.requests().len();
+        let deliveries_before = self.consumer.deliveries().len();
+        let ids: Vec<String> = (0..jobs).map(|i| format!("bench-{prefix}-{i}")).collect();
+        let submitted: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>> =
+            Default::default();
+        let failures = Arc::new(AtomicU64::new(0));
+        let start = Instant::now();
+        let submit = |id: String| {
+            let client = self.client.clone();
+            let url = format!("{}/v1/jobs", self.base);
+            let hook = self.hook.clone();
+            let submitted = submitted.clone();
+            let failures = failures.clone();
+            async move {
+                let body = json!({
+                    "id": id, "workflow": "completion", "webhook_url": hook,
+                    "input": { "model": "bench", "messages": [{ "role": "user", "content": "hi" }] },
+                });
+                submitted
+                    .lock()
+                    .expect("lock")
+                    .insert(id.clone(), Instant::now());
+                match client.post(&url).json(&body).send().await {
+                    Ok(r) if r.status().as_u16() == 201 => {}
+                    _ => {
+                        failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        };
+        match pacing {
+            Pacing::Closed(clients) => {
+                let queue = Arc::new(std::sync::Mutex::new(ids.clone()));
+                let workers = (0..clients).map(|_| {
+                    let queue = queue.clone();
+                    let submit = &submit;
+                    async move {
+                        loop {
+                            // Not in the `while let`: the guard must not live across the await.
+                            let next = queue.lock().expect("lock").pop();
+                            let Some(id) = next else { break };
+                            submit(id).await;
+                        }
+                    }
+                });
+                let submitting = futures_util::future::join_all(workers);
+                let progress = self.progress(prefix, jobs, start);
+                let (_, done) = tokio::join!(submitting, progress);
+                done?;
+            }
+            Pacing::Open(rate) => {
+                let interval = Duration::from_secs_f64(1.0 / rate);
+                let mut tasks = Vec::with_capacity(jobs);
+                for (i, id) in ids.iter().enumerate() {
+                    let due = start + interval.mul_f64(i as f64);
+                    tokio::time::sleep_until(due.into()).await;
+                    tasks.push(actix_web::rt::spawn(submit(id.clone())));
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+                self.progress(prefix, jobs, start).await?;
+            }
+        }
+        let elapsed = start.elapsed();
+        let failed = AtomicU64::load(&failures, Ordering::Relaxed);
+        anyhow::ensure!(
+            failed == 0,
+            "{failed} submissions were not accepted with 201"
+        );
+        let after = counters(&self.db).await?;
+        let submitted = submitted.lock().expect("lock");
+        let deliveries = self.consumer.deliveries();
+        let mut latencies = Vec::with_capacity(jobs);
+        for d in &deliveries[deliveries_before..] {
+            let id = d.body["job_id"].as_str().unwrap_or_default();
+            if let Some(t0) = submitted.get(id) {
+                latencies.push(d.received_at.saturating_duration_since(*t0));
+            }
+        }
+        Ok(Phase {
+            jobs,
+            elapsed,
+            latencies,
+            checkpoints: after.0 - before.0,
+            commits: after.1 - before.1,
+            model_requests: self.provider.requests().len() - requests_before,
+            deliveries: deliveries.len() - deliveries_before,
+        })
+    }
+
+    /// Waits until every job of the phase is acked, printing progress each second.
+    async fn progress(&self, prefix: &str, jobs: usize, start: Instant) -> anyhow::Result<()> {
+        let pattern = format!("bench-{prefix}-%");
+        let mut last_print = Instant::now();
+        loop {
+            let acked = acked(&self.db, &pattern).await?;
+            if acked >= jobs as i64 {
+                eprintln!(
+                    "  {acked}/{jobs} acked in {:.1} s",
+                    start.elapsed().as_secs_f64()
+                );
+                return Ok(());
+            }
+            if last_print.elapsed() >= Duration::from_secs(1) {
+                eprintln!(
+                    "  {acked}/{jobs} acked after {:.1} s",
+                    start.elapsed().as_secs_f64()
+                );
+                last_print = Instant::now();
+            }
+            anyhow::ensure!(
+                start.elapsed() < Duration::from_secs(600),
+                "jobs did not finish within 10 minutes"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn acked(db: &Db, pattern: &str) -> anyhow::Result<i64> {
+    let mut conn = db.conn().await?;
+    let c: Count =
+        diesel::sql_query("SELECT count(*) AS n FROM jobs WHERE state = 'acked' AND id LIKE $1")
+            .bind::<diesel::sql_types::Text, _>(pattern)
+            .get_result(&mut conn)
+            .await?;
+    Ok(c.n)
+}
+
+/// (history rows after intake, committed transactions of this database).
+async fn counters(db: &Db) -> anyhow::Result<(i64, i64)> {
+    #[derive(diesel::QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        checkpoints: i64,
+        #[diesel(sql_type = BigInt)]
+        commits: i64,
+    }
+    let mut conn = db.conn().await?;
+    let _ = conn.batch_execute("SELECT pg_stat_clear_snapshot()").await;
+    let r: Row = diesel::sql_query(
+        "SELECT (SELECT count(*) FROM job_history) AS checkpoints, \
+         (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()) AS commits",
+    )
+    .get_result(&mut conn)
+    .await?;
+    Ok((r.checkpoints, r.commits))
+}
+
+/// Durable one-row commits per second from `workers` pooled connections.
+async fn commit_rate(db: &Db, workers: usize, duration: Duration) -> anyhow::Result<f64> {
+    {
+        let mut conn = db.conn().await?;
+        conn.batch_execute("CREATE TABLE IF NOT EXISTS bench_commits (id bigserial PRIMARY KEY, at timestamptz DEFAULT now())")
+            .await?;
+    }
+    let count = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks = (0..workers).map(|_| {
+        let db = db.clone();
+        let count = count.clone();
+        async move {
+            while start.elapsed() < duration {
+                let mut conn = db.conn().await?;
+                diesel::sql_query("INSERT INTO bench_commits DEFAULT VALUES")
+                    .execute(&mut conn)
+                    .await?;
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }
+    });
+    for r in futures_util::future::join_all(tasks).await {
+        r?;
+    }
+    let rate = AtomicU64::load(&count, Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64();
+    let mut conn = db.conn().await?;
+    conn.batch_execute("DROP TABLE bench_commits").await?;
+    Ok(rate)
+}
