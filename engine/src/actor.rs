@@ -19,7 +19,7 @@ use crate::keys;
 use crate::lifecycle::{next_step, JobState, Step};
 use crate::outbound::PostError;
 use crate::retry::RetryPolicy;
-use crate::store::journal::{DeliveryStart, FailedSend};
+use crate::store::journal::{Claim, DeliveryStart, FailedSend};
 use crate::store::{Checkpoint, Fence, Leased};
 use crate::supervisor::Supervisor;
 use crate::webhook;
@@ -154,53 +154,17 @@ impl JobRun {
         let faults = self.shared.faults.clone();
         loop {
             let reached = match next_step(self.state) {
-                Step::RunBody => {
-                    self.workflow.run(&mut self.ctx, self.input.clone()).await?;
-                    let c = self
-                        .shared
-                        .store
-                        .mark_generated(&self.fence, &faults)
-                        .await?;
-                    settled(c, JobState::Generated, "generated")?
-                }
-                Step::Persist => {
-                    // The body replays from the journal: no model call is repeated.
+                Step::RunBody | Step::Persist => {
+                    // From `generated` the body replays from the journal: no
+                    // model call is repeated.
                     let output = self.workflow.run(&mut self.ctx, self.input.clone()).await?;
-                    let c = self
-                        .shared
-                        .store
-                        .persist_result(&self.fence, &output, &faults)
-                        .await?;
-                    settled(c, JobState::Persisted, "persisted")?
+                    self.commit_result(&output).await?
                 }
                 Step::Claim => {
-                    let result = self
-                        .shared
-                        .store
-                        .result_of(&self.fence.job_id)
-                        .await?
-                        .ok_or_else(|| {
-                            StepError::permanent(
-                                "missing_result",
-                                "persisted without a result row",
-                                "schema invariant broken",
-                            )
-                        })?;
-                    let body = webhook::completed_body(&self.fence.job_id, &result);
-                    let key = keys::completed(&self.fence.job_id);
-                    let c = self
-                        .shared
-                        .store
-                        .claim_delivery(
-                            &self.fence,
-                            &key,
-                            keys::COMPLETED_EVENT,
-                            &self.webhook_url,
-                            &body,
-                            &faults,
-                        )
-                        .await?;
-                    settled(c, JobState::Claimed, "claimed")?
+                    let output = self.shared.store.result_of(&self.fence.job_id).await?.ok_or_else(|| {
+                        StepError::permanent("missing_result", "persisted without a result row", "schema invariant broken")
+                    })?;
+                    self.commit_result(&output).await?
                 }
                 Step::Deliver => self.deliver().await?,
                 Step::Ack => {
@@ -216,11 +180,40 @@ impl JobRun {
                 }
             };
             tracing::debug!(job.id = %self.fence.job_id, from = %self.state, to = %reached, "checkpoint");
+            // One commit may have passed several states; each boundary is a seam.
+            let passed: Vec<JobState> = if reached == JobState::Dead {
+                vec![JobState::Dead]
+            } else {
+                JobState::ALL
+                    .into_iter()
+                    .filter(|s| *s > self.state && *s <= reached)
+                    .collect()
+            };
             self.state = reached;
-            faults
-                .hit(&self.fence.job_id, FailPoint::AfterCommit(reached.as_str()))
-                .await?;
+            for state in passed {
+                faults
+                    .hit(&self.fence.job_id, FailPoint::AfterCommit(state.as_str()))
+                    .await?;
+            }
         }
+    }
+
+    /// Commits the output and claims the completion webhook (through `claimed`).
+    async fn commit_result(&self, output: &Value) -> Result<JobState, StepError> {
+        let body = webhook::completed_body(&self.fence.job_id, output);
+        let key = keys::completed(&self.fence.job_id);
+        let claim = Claim {
+            event: keys::COMPLETED_EVENT,
+            key: &key,
+            url: &self.webhook_url,
+            body: &body,
+        };
+        let c = self
+            .shared
+            .store
+            .commit_result(&self.fence, self.state, output, &claim, &self.shared.faults)
+            .await?;
+        settled(c, JobState::Claimed, "claimed")
     }
 
     /// POSTs the completion webhook until it is delivered, retried later or dead.

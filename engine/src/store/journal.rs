@@ -49,6 +49,15 @@ pub enum DeliveryStart {
     LeaseLost,
 }
 
+/// The completion event to claim: its UNIQUE key, where it goes and what it says.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    pub event: &'a str,
+    pub key: &'a str,
+    pub url: &'a str,
+    pub body: &'a Value,
+}
+
 /// What a failed send records on its model-call or outbox row.
 #[derive(Debug, Clone)]
 pub struct FailedSend {
@@ -276,47 +285,6 @@ impl Store {
         Ok(())
     }
 
-    /// `received → generated`: the workflow body returned; its model calls are journaled.
-    pub async fn mark_generated(
-        &self,
-        fence: &Fence,
-        faults: &Faults,
-    ) -> Result<Checkpoint, StoreError> {
-        self.plain_transition(fence, JobState::Received, JobState::Generated, faults)
-            .await
-    }
-
-    /// `generated → persisted`: writes the result row (one per job) with the checkpoint.
-    pub async fn persist_result(
-        &self,
-        fence: &Fence,
-        output: &Value,
-        faults: &Faults,
-    ) -> Result<Checkpoint, StoreError> {
-        let mut conn = self.db().conn().await?;
-        let result = conn
-            .transaction::<_, TxError, _>(async move |conn| {
-                {
-                    guard(conn, fence).await?;
-                    diesel::sql_query(
-                        "INSERT INTO results (job_id, output) VALUES ($1, $2) ON CONFLICT (job_id) DO NOTHING",
-                    )
-                    .bind::<Text, _>(&fence.job_id)
-                    .bind::<Jsonb, _>(output)
-                    .execute(conn)
-                    .await?;
-                    transition(conn, fence, JobState::Generated, JobState::Persisted).await?;
-                    faults
-                        .hit(&fence.job_id, FailPoint::BeforeCommit("persisted"))
-                        .await
-                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
-                    Ok(())
-                }
-            })
-            .await;
-        finish(result)
-    }
-
     /// The persisted result of a job.
     pub async fn result_of(&self, job_id: &str) -> Result<Option<Value>, StoreError> {
         let mut conn = self.db().conn().await?;
@@ -328,39 +296,63 @@ impl Store {
         Ok(rows.into_iter().next().map(|r| r.output))
     }
 
-    /// `persisted → claimed`: inserts the outbox row under its UNIQUE key.
-    pub async fn claim_delivery(
+    /// Commits the workflow's output and the claim of its completion event,
+    /// moving the job from `from` (`received`, `generated` or `persisted`)
+    /// through every state up to `claimed` in one transaction: each
+    /// transition is guarded and gets its history row, and nothing external
+    /// happens between them, so they share one commit (one fsync).
+    ///
+    /// * `received → generated`: the body returned; its model calls are journaled.
+    /// * `generated → persisted`: the result row (one per job) is written.
+    /// * `persisted → claimed`: the outbox row under its UNIQUE key is inserted.
+    pub async fn commit_result(
         &self,
         fence: &Fence,
-        key: &str,
-        event: &str,
-        url: &str,
-        body: &Value,
+        from: JobState,
+        output: &Value,
+        claim: &Claim<'_>,
         faults: &Faults,
     ) -> Result<Checkpoint, StoreError> {
         let mut conn = self.db().conn().await?;
         let result = conn
             .transaction::<_, TxError, _>(async move |conn| {
-                {
-                    guard(conn, fence).await?;
-                    diesel::sql_query(
-                        "INSERT INTO outbox (job_id, event, idempotency_key, url, body) VALUES ($1, $2, $3, $4, $5) \
-                         ON CONFLICT (idempotency_key) DO NOTHING",
-                    )
-                    .bind::<Text, _>(&fence.job_id)
-                    .bind::<Text, _>(event)
-                    .bind::<Text, _>(key)
-                    .bind::<Text, _>(url)
-                    .bind::<Jsonb, _>(body)
-                    .execute(conn)
-                    .await?;
-                    transition(conn, fence, JobState::Persisted, JobState::Claimed).await?;
+                guard(conn, fence).await?;
+                let mut state = from;
+                while state != JobState::Claimed {
+                    let next = state.successor().expect("live states before claimed have a successor");
+                    match next {
+                        JobState::Persisted => {
+                            diesel::sql_query(
+                                "INSERT INTO results (job_id, output) VALUES ($1, $2) ON CONFLICT (job_id) DO NOTHING",
+                            )
+                            .bind::<Text, _>(&fence.job_id)
+                            .bind::<Jsonb, _>(output)
+                            .execute(conn)
+                            .await?;
+                        }
+                        JobState::Claimed => {
+                            diesel::sql_query(
+                                "INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
+                                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT (idempotency_key) DO NOTHING",
+                            )
+                            .bind::<Text, _>(&fence.job_id)
+                            .bind::<Text, _>(claim.event)
+                            .bind::<Text, _>(claim.key)
+                            .bind::<Text, _>(claim.url)
+                            .bind::<Jsonb, _>(claim.body)
+                            .execute(conn)
+                            .await?;
+                        }
+                        _ => {}
+                    }
+                    transition(conn, fence, state, next).await?;
                     faults
-                        .hit(&fence.job_id, FailPoint::BeforeCommit("claimed"))
+                        .hit(&fence.job_id, FailPoint::BeforeCommit(next.as_str()))
                         .await
                         .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
-                    Ok(())
+                    state = next;
                 }
+                Ok(())
             })
             .await;
         finish(result)
