@@ -48,6 +48,7 @@ struct Phase {
     elapsed: Duration,
     latencies: Vec<Duration>,
     checkpoints: i64,
+    /// WAL flushes (fsyncs) during the phase; several commits may share one.
     commits: i64,
     model_requests: usize,
     deliveries: usize,
@@ -187,7 +188,7 @@ async fn bench(args: &BenchArgs, database: &crate::config::Database) -> anyhow::
         ("checkpoints per job", |p: &Phase| {
             p.checkpoints as f64 / p.jobs as f64
         }),
-        ("commits per job", |p: &Phase| {
+        ("WAL flushes (fsync) per job", |p: &Phase| {
             p.commits as f64 / p.jobs as f64
         }),
         ("model requests per job", |p: &Phase| {
@@ -386,7 +387,7 @@ async fn acked(db: &Db, pattern: &str) -> anyhow::Result<i64> {
     Ok(c.n)
 }
 
-/// (history rows after intake, committed transactions of this database).
+/// (history rows, WAL flushes to disk of the whole server).
 async fn counters(db: &Db) -> anyhow::Result<(i64, i64)> {
     #[derive(diesel::QueryableByName)]
     struct Row {
@@ -399,7 +400,7 @@ async fn counters(db: &Db) -> anyhow::Result<(i64, i64)> {
     let _ = conn.batch_execute("SELECT pg_stat_clear_snapshot()").await;
     let r: Row = diesel::sql_query(
         "SELECT (SELECT count(*) FROM job_history) AS checkpoints, \
-         (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()) AS commits",
+         (SELECT wal_sync FROM pg_stat_wal) AS commits",
     )
     .get_result(&mut conn)
     .await?;

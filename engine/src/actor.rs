@@ -161,9 +161,18 @@ impl JobRun {
                     self.commit_result(&output).await?
                 }
                 Step::Claim => {
-                    let output = self.shared.store.result_of(&self.fence.job_id).await?.ok_or_else(|| {
-                        StepError::permanent("missing_result", "persisted without a result row", "schema invariant broken")
-                    })?;
+                    let output = self
+                        .shared
+                        .store
+                        .result_of(&self.fence.job_id)
+                        .await?
+                        .ok_or_else(|| {
+                            StepError::permanent(
+                                "missing_result",
+                                "persisted without a result row",
+                                "schema invariant broken",
+                            )
+                        })?;
                     self.commit_result(&output).await?
                 }
                 Step::Deliver => self.deliver().await?,

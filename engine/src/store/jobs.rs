@@ -3,10 +3,11 @@
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Integer, Jsonb, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
-use diesel_async::{AsyncConnection, RunQueryDsl};
+use diesel_async::RunQueryDsl;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::sql::sql;
 use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::intake::NewJob;
@@ -133,47 +134,62 @@ impl Store {
     /// what is already stored under that id. Race-safe: the primary key
     /// decides, and a losing concurrent insert waits for the winner to commit.
     pub async fn submit(&self, job: &NewJob) -> Result<Intake, StoreError> {
+        #[derive(QueryableByName)]
+        struct Inserted {
+            #[diesel(sql_type = Timestamptz)]
+            created_at: DateTime<Utc>,
+            #[diesel(sql_type = Timestamptz)]
+            at: DateTime<Utc>,
+        }
         let hash = job.request_hash();
-        let hash_ref = &hash;
+        let request = job.request();
         let mut conn = self.db.conn().await?;
-        let inserted = conn
-            .transaction::<_, StoreError, _>(async move |conn| {
-                {
-                    let rows = diesel::sql_query(
-                        "INSERT INTO jobs (id, workflow, request, request_hash) VALUES ($1, $2, $3, $4) \
-                         ON CONFLICT (id) DO NOTHING",
-                    )
-                    .bind::<Text, _>(&job.id)
-                    .bind::<Text, _>(&job.workflow)
-                    .bind::<Jsonb, _>(job.request())
-                    .bind::<Text, _>(hash_ref)
-                    .execute(conn)
-                    .await?;
-                    if rows == 1 {
-                        diesel::sql_query(
-                            "INSERT INTO job_history (job_id, state, attempt, worker) VALUES ($1, 'received', 0, $2)",
-                        )
-                        .bind::<Text, _>(&job.id)
-                        .bind::<Text, _>(INTAKE_WORKER)
-                        .execute(conn)
-                        .await?;
-                        diesel::sql_query("SELECT pg_notify($1, $2)")
-                            .bind::<Text, _>(NEW_JOB_CHANNEL)
-                            .bind::<Text, _>(&job.id)
-                            .execute(conn)
-                            .await?;
-                    }
-                    Ok(rows == 1)
-                }
-            })
-            .await?;
+        // The job row, its first history row and the wake-up, in one
+        // statement (one round trip, one commit); no row when the id exists.
+        let inserted: Vec<Inserted> = sql("WITH job AS ( \
+                 INSERT INTO jobs (id, workflow, request, request_hash) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (id) DO NOTHING RETURNING id, created_at), \
+             history AS ( \
+                 INSERT INTO job_history (job_id, state, attempt, worker) \
+                 SELECT id, 'received', 0, $5 FROM job RETURNING at) \
+             SELECT job.created_at, history.at, pg_notify($6, job.id) IS NULL AS notified \
+             FROM job, history")
+        .bind::<Text, _>(&job.id)
+        .bind::<Text, _>(&job.workflow)
+        .bind::<Jsonb, _>(&request)
+        .bind::<Text, _>(&hash)
+        .bind::<Text, _>(INTAKE_WORKER)
+        .bind::<Text, _>(NEW_JOB_CHANNEL)
+        .load(&mut conn)
+        .await?;
+        if let Some(row) = inserted.into_iter().next() {
+            return Ok(Intake::Created(JobView {
+                id: job.id.clone(),
+                workflow: job.workflow.clone(),
+                state: JobState::Received,
+                attempts: 0,
+                input: job.input.clone(),
+                webhook_url: job.webhook_url.clone(),
+                result: None,
+                history: vec![HistoryEntry {
+                    state: JobState::Received,
+                    at: row.at,
+                    attempt: 0,
+                    worker: INTAKE_WORKER.to_owned(),
+                }],
+                delivery: None,
+                last_error: None,
+                dead_reason: None,
+                created_at: row.created_at,
+                updated_at: row.created_at,
+                finished_at: None,
+            }));
+        }
         let (view, stored_hash) = self
             .load_view(&mut conn, &job.id)
             .await?
             .ok_or(StoreError::Query(diesel::result::Error::NotFound))?;
-        Ok(if inserted {
-            Intake::Created(view)
-        } else if stored_hash == hash {
+        Ok(if stored_hash == hash {
             Intake::Existing(view)
         } else {
             Intake::Conflict(view)
@@ -191,7 +207,7 @@ impl Store {
         conn: &mut diesel_async::AsyncPgConnection,
         id: &str,
     ) -> Result<Option<(JobView, String)>, StoreError> {
-        let Some(row) = diesel::sql_query(SELECT_JOB)
+        let Some(row) = sql(SELECT_JOB)
             .bind::<Text, _>(id)
             .get_result::<JobRow>(conn)
             .await
@@ -200,7 +216,7 @@ impl Store {
         else {
             return Ok(None);
         };
-        let history = diesel::sql_query(
+        let history = sql(
             "SELECT state::text AS state, at, attempt, worker FROM job_history WHERE job_id = $1 ORDER BY id",
         )
         .bind::<Text, _>(id)
@@ -216,7 +232,7 @@ impl Store {
             })
         })
         .collect::<Result<Vec<_>, StoreError>>()?;
-        let delivery = diesel::sql_query(
+        let delivery = sql(
             "SELECT idempotency_key, status::text AS status, attempts, last_status, last_error, delivered_at \
              FROM outbox WHERE job_id = $1 AND event = 'job.completed'",
         )

@@ -7,6 +7,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
+use super::sql::sql;
 use super::{Checkpoint, Fence, Store};
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::faults::{FailPoint, Faults};
@@ -181,22 +182,17 @@ impl Store {
             .transaction::<_, TxError, _>(async move |conn| {
                 {
                     guard(conn, fence).await?;
-                    diesel::sql_query(
+                    // Inserts the journal row, or locks the existing one (waiting
+                    // for an attempt that is writing it) and returns it as stored.
+                    let row: ModelCallRow = sql(
                         "INSERT INTO model_calls (job_id, idempotency_key, request_hash) VALUES ($1, $2, $3) \
-                         ON CONFLICT (idempotency_key) DO NOTHING",
+                         ON CONFLICT (idempotency_key) DO UPDATE SET updated_at = model_calls.updated_at \
+                         RETURNING request_hash, status::text AS status, response, attempts, in_flight_until, \
+                             in_flight_epoch, clock_timestamp() AS now",
                     )
                     .bind::<Text, _>(&fence.job_id)
                     .bind::<Text, _>(key)
                     .bind::<Text, _>(request_hash)
-                    .execute(conn)
-                    .await?;
-                    // FOR UPDATE waits for an attempt that is writing this row.
-                    let row: ModelCallRow = diesel::sql_query(
-                        "SELECT request_hash, status::text AS status, response, attempts, in_flight_until, \
-                             in_flight_epoch, clock_timestamp() AS now \
-                         FROM model_calls WHERE idempotency_key = $1 FOR UPDATE",
-                    )
-                    .bind::<Text, _>(key)
                     .get_result(conn)
                     .await?;
                     Ok(if row.request_hash != request_hash {
@@ -208,7 +204,7 @@ impl Store {
                     } else if let Some(until) = in_flight(row.in_flight_until, row.in_flight_epoch, row.now, fence) {
                         ModelCallStart::InFlight { until }
                     } else {
-                        diesel::sql_query(
+                        sql(
                             "UPDATE model_calls SET attempts = attempts + 1, status = 'pending', \
                                  in_flight_until = clock_timestamp() + $2 * interval '1 millisecond', \
                                  in_flight_epoch = $3, updated_at = now() \
@@ -247,7 +243,7 @@ impl Store {
             .transaction::<_, TxError, _>(async move |conn| {
                 {
                     guard(conn, fence).await?;
-                    diesel::sql_query(
+                    sql(
                         "UPDATE model_calls SET status = 'completed', response = $2, input_tokens = $3, \
                              output_tokens = $4, in_flight_until = NULL, last_error = NULL, updated_at = now() \
                          WHERE idempotency_key = $1",
@@ -272,7 +268,7 @@ impl Store {
     /// Records a failed send of `key` and frees it for the next attempt.
     pub async fn fail_model_call(&self, key: &str, failed: &FailedSend) -> Result<(), StoreError> {
         let mut conn = self.db().conn().await?;
-        diesel::sql_query(
+        sql(
             "UPDATE model_calls SET last_error = $2, last_status = $3, in_flight_until = NULL, \
                  in_flight_epoch = NULL, updated_at = now() \
              WHERE idempotency_key = $1 AND status <> 'completed'",
@@ -288,11 +284,10 @@ impl Store {
     /// The persisted result of a job.
     pub async fn result_of(&self, job_id: &str) -> Result<Option<Value>, StoreError> {
         let mut conn = self.db().conn().await?;
-        let rows: Vec<OutputRow> =
-            diesel::sql_query("SELECT output FROM results WHERE job_id = $1")
-                .bind::<Text, _>(job_id)
-                .load(&mut conn)
-                .await?;
+        let rows: Vec<OutputRow> = sql("SELECT output FROM results WHERE job_id = $1")
+            .bind::<Text, _>(job_id)
+            .load(&mut conn)
+            .await?;
         Ok(rows.into_iter().next().map(|r| r.output))
     }
 
@@ -322,7 +317,7 @@ impl Store {
                     let next = state.successor().expect("live states before claimed have a successor");
                     match next {
                         JobState::Persisted => {
-                            diesel::sql_query(
+                            sql(
                                 "INSERT INTO results (job_id, output) VALUES ($1, $2) ON CONFLICT (job_id) DO NOTHING",
                             )
                             .bind::<Text, _>(&fence.job_id)
@@ -331,7 +326,7 @@ impl Store {
                             .await?;
                         }
                         JobState::Claimed => {
-                            diesel::sql_query(
+                            sql(
                                 "INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
                                  VALUES ($1, $2, $3, $4, $5) ON CONFLICT (idempotency_key) DO NOTHING",
                             )
@@ -372,7 +367,7 @@ impl Store {
             .transaction::<_, TxError, _>(async move |conn| {
                 {
                     guard(conn, fence).await?;
-                    let row: OutboxRow = diesel::sql_query(
+                    let row: OutboxRow = sql(
                         "SELECT status::text AS status, url, body, attempts, in_flight_until, in_flight_epoch, clock_timestamp() AS now \
                          FROM outbox WHERE idempotency_key = $1 FOR UPDATE",
                     )
@@ -385,7 +380,7 @@ impl Store {
                         ("claimed", Some(until)) => DeliveryStart::InFlight { until },
                         // A send started and its outcome was never recorded.
                         ("claimed", None) if at_most_once && row.in_flight_until.is_some() => {
-                            diesel::sql_query(
+                            sql(
                                 "UPDATE outbox SET status = 'unknown', updated_at = now() WHERE idempotency_key = $1",
                             )
                             .bind::<Text, _>(key)
@@ -394,7 +389,7 @@ impl Store {
                             DeliveryStart::Unknown
                         }
                         ("claimed", None) => {
-                            diesel::sql_query(
+                            sql(
                                 "UPDATE outbox SET attempts = attempts + 1, updated_at = now(), \
                                      in_flight_until = clock_timestamp() + $2 * interval '1 millisecond', \
                                      in_flight_epoch = $3 \
@@ -436,7 +431,7 @@ impl Store {
             .transaction::<_, TxError, _>(async move |conn| {
                 {
                     guard(conn, fence).await?;
-                    diesel::sql_query(
+                    sql(
                         "UPDATE outbox SET status = 'delivered', delivered_at = now(), last_status = $2, \
                              in_flight_until = NULL, updated_at = now() \
                          WHERE idempotency_key = $1 AND status = 'claimed'",
@@ -460,7 +455,7 @@ impl Store {
     /// Records a failed POST and frees the row for the next attempt.
     pub async fn fail_delivery(&self, key: &str, failed: &FailedSend) -> Result<(), StoreError> {
         let mut conn = self.db().conn().await?;
-        diesel::sql_query(
+        sql(
             "UPDATE outbox SET last_error = $2, last_status = $3, in_flight_until = NULL, \
                  in_flight_epoch = NULL, updated_at = now() \
              WHERE idempotency_key = $1 AND status = 'claimed'",
@@ -493,7 +488,7 @@ impl Store {
                 {
                     guard(conn, fence).await?;
                     if let Some((key, status)) = outbox {
-                        diesel::sql_query(
+                        sql(
                             "UPDATE outbox SET status = $2::outbox_status, last_error = $3, in_flight_until = NULL, \
                                  updated_at = now() \
                              WHERE idempotency_key = $1 AND status IN ('claimed', 'unknown')",

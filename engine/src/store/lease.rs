@@ -12,6 +12,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
 use super::jobs::parse_state;
+use super::sql::sql;
 use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::lifecycle::JobState;
@@ -97,7 +98,7 @@ impl Store {
         reclaim_own: bool,
     ) -> Result<Vec<Leased>, StoreError> {
         let mut conn = self.db().conn().await?;
-        let rows: Vec<LeasedRow> = diesel::sql_query(
+        let rows: Vec<LeasedRow> = sql(
             "WITH picked AS ( \
                  SELECT id, lease_owner FROM jobs \
                  WHERE state NOT IN ('acked', 'dead') AND run_at <= now() \
@@ -150,7 +151,7 @@ impl Store {
         let ids: Vec<String> = held.iter().map(|(id, _)| id.clone()).collect();
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
         let mut conn = self.db().conn().await?;
-        let kept: Vec<IdRow> = diesel::sql_query(
+        let kept: Vec<IdRow> = sql(
             "UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
              FROM unnest($2::text[], $3::bigint[]) AS l(id, epoch) \
              WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
@@ -175,13 +176,12 @@ impl Store {
         conn: &mut AsyncPgConnection,
         fence: &Fence,
     ) -> Result<bool, StoreError> {
-        let rows: Vec<IdRow> = diesel::sql_query(
-            "SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 FOR NO KEY UPDATE",
-        )
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<BigInt, _>(fence.epoch)
-        .load(conn)
-        .await?;
+        let rows: Vec<IdRow> =
+            sql("SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 FOR NO KEY UPDATE")
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<BigInt, _>(fence.epoch)
+                .load(conn)
+                .await?;
         Ok(rows.len() == 1)
     }
 
@@ -196,22 +196,26 @@ impl Store {
     ) -> Result<Checkpoint, StoreError> {
         debug_assert!(from.can_move_to(to), "{from} → {to} is not a transition");
         let terminal = to.is_terminal();
-        let moved = diesel::sql_query(
-            "UPDATE jobs SET state = $3::job_state, updated_at = now(), \
-                 finished_at = CASE WHEN $5 THEN now() END, \
-                 lease_owner = CASE WHEN $5 THEN NULL ELSE lease_owner END, \
-                 lease_expires_at = CASE WHEN $5 THEN NULL ELSE lease_expires_at END \
-             WHERE id = $1 AND state = $2::job_state AND lease_epoch = $4",
-        )
+        // The guarded move and its history row, in one statement.
+        let moved = sql("WITH moved AS ( \
+                 UPDATE jobs SET state = $3::job_state, updated_at = now(), \
+                     finished_at = CASE WHEN $5 THEN now() END, \
+                     lease_owner = CASE WHEN $5 THEN NULL ELSE lease_owner END, \
+                     lease_expires_at = CASE WHEN $5 THEN NULL ELSE lease_expires_at END \
+                 WHERE id = $1 AND state = $2::job_state AND lease_epoch = $4 \
+                 RETURNING id) \
+             INSERT INTO job_history (job_id, state, attempt, worker) \
+             SELECT id, $3::job_state, $6, $7 FROM moved")
         .bind::<Text, _>(&fence.job_id)
         .bind::<Text, _>(from.as_str())
         .bind::<Text, _>(to.as_str())
         .bind::<BigInt, _>(fence.epoch)
         .bind::<Bool, _>(terminal)
+        .bind::<Integer, _>(fence.attempt)
+        .bind::<Text, _>(&fence.worker)
         .execute(conn)
         .await?;
         if moved == 1 {
-            Self::append_history(conn, fence, to).await?;
             return Ok(Checkpoint::Moved);
         }
         Self::why_not(conn, fence).await
@@ -224,19 +228,24 @@ impl Store {
         reason: &str,
         error: &ErrorEnvelope,
     ) -> Result<Checkpoint, StoreError> {
-        let moved = diesel::sql_query(
-            "UPDATE jobs SET state = 'dead', dead_reason = $3, last_error = $4, finished_at = now(), \
-                 updated_at = now(), lease_owner = NULL, lease_expires_at = NULL \
-             WHERE id = $1 AND lease_epoch = $2 AND state NOT IN ('acked', 'dead')",
+        let moved = sql(
+            "WITH moved AS ( \
+                 UPDATE jobs SET state = 'dead', dead_reason = $3, last_error = $4, finished_at = now(), \
+                     updated_at = now(), lease_owner = NULL, lease_expires_at = NULL \
+                 WHERE id = $1 AND lease_epoch = $2 AND state NOT IN ('acked', 'dead') \
+                 RETURNING id) \
+             INSERT INTO job_history (job_id, state, attempt, worker) \
+             SELECT id, 'dead', $5, $6 FROM moved",
         )
         .bind::<Text, _>(&fence.job_id)
         .bind::<BigInt, _>(fence.epoch)
         .bind::<Text, _>(reason)
         .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+        .bind::<Integer, _>(fence.attempt)
+        .bind::<Text, _>(&fence.worker)
         .execute(conn)
         .await?;
         if moved == 1 {
-            Self::append_history(conn, fence, JobState::Dead).await?;
             return Ok(Checkpoint::Moved);
         }
         Self::why_not(conn, fence).await
@@ -251,7 +260,7 @@ impl Store {
         error: &ErrorEnvelope,
     ) -> Result<Checkpoint, StoreError> {
         let mut conn = self.db().conn().await?;
-        let moved = diesel::sql_query(
+        let moved = sql(
             "UPDATE jobs SET run_at = $3, last_error = $4, lease_owner = NULL, lease_expires_at = NULL, \
                  updated_at = now() \
              WHERE id = $1 AND lease_epoch = $2 AND state NOT IN ('acked', 'dead')",
@@ -272,7 +281,7 @@ impl Store {
     pub async fn state_of(&self, job_id: &str) -> Result<Option<JobState>, StoreError> {
         let mut conn = self.db().conn().await?;
         let rows: Vec<StateRow> =
-            diesel::sql_query("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
+            sql("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
                 .bind::<Text, _>(job_id)
                 .load(&mut conn)
                 .await?;
@@ -282,30 +291,13 @@ impl Store {
             .transpose()
     }
 
-    async fn append_history(
-        conn: &mut AsyncPgConnection,
-        fence: &Fence,
-        state: JobState,
-    ) -> Result<(), StoreError> {
-        diesel::sql_query(
-            "INSERT INTO job_history (job_id, state, attempt, worker) VALUES ($1, $2::job_state, $3, $4)",
-        )
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<Text, _>(state.as_str())
-        .bind::<Integer, _>(fence.attempt)
-        .bind::<Text, _>(&fence.worker)
-        .execute(conn)
-        .await?;
-        Ok(())
-    }
-
     /// Why a guarded update changed nothing.
     async fn why_not(
         conn: &mut AsyncPgConnection,
         fence: &Fence,
     ) -> Result<Checkpoint, StoreError> {
         let rows: Vec<StateRow> =
-            diesel::sql_query("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
+            sql("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
                 .bind::<Text, _>(&fence.job_id)
                 .load(conn)
                 .await?;

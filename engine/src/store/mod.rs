@@ -10,9 +10,11 @@
 pub mod jobs;
 pub mod journal;
 pub mod lease;
+pub mod sql;
 
 use diesel::sql_types::{Integer, Text};
 use diesel_async::RunQueryDsl;
+use sql::sql;
 
 use crate::db::Db;
 use crate::error::StoreError;
@@ -43,12 +45,11 @@ impl Store {
             n: i32,
         }
         let mut conn = self.db.conn().await?;
-        let found: Found = diesel::sql_query(
-            "SELECT count(*)::int AS n FROM pg_catalog.pg_tables WHERE tablename = $1",
-        )
-        .bind::<Text, _>("jobs")
-        .get_result(&mut conn)
-        .await?;
+        let found: Found =
+            sql("SELECT count(*)::int AS n FROM pg_catalog.pg_tables WHERE tablename = $1")
+                .bind::<Text, _>("jobs")
+                .get_result(&mut conn)
+                .await?;
         Ok(found.n == 1)
     }
 }
