@@ -115,6 +115,9 @@ pub(crate) struct JobRun {
     workflow: Arc<dyn DynWorkflow>,
     ctx: Context,
     shared: Arc<Shared>,
+    /// Set when this attempt claimed the completion event itself: the outbox
+    /// row was born with send 1 in flight for us (url, body).
+    first_send: Option<(String, Value)>,
 }
 
 impl JobRun {
@@ -139,6 +142,7 @@ impl JobRun {
             workflow,
             ctx,
             shared,
+            first_send: None,
         }
     }
 
@@ -178,7 +182,7 @@ impl JobRun {
                 Step::Deliver => self.deliver().await?,
                 Step::Ack => {
                     faults.hit(&self.fence.job_id, FailPoint::Ack).await?;
-                    let c = self.shared.store.ack(&self.fence, &faults).await?;
+                    let c = self.shared.store.ack(&self.fence).await?;
                     settled(c, JobState::Acked, "acked")?
                 }
                 Step::Done => {
@@ -208,21 +212,30 @@ impl JobRun {
     }
 
     /// Commits the output and claims the completion webhook (through `claimed`).
-    async fn commit_result(&self, output: &Value) -> Result<JobState, StepError> {
+    async fn commit_result(&mut self, output: &Value) -> Result<JobState, StepError> {
         let body = webhook::completed_body(&self.fence.job_id, output);
         let key = keys::completed(&self.fence.job_id);
+        let at_least_once = self.workflow.delivery_policy() == DeliveryPolicy::AtLeastOnce;
         let claim = Claim {
             event: keys::COMPLETED_EVENT,
             key: &key,
             url: &self.webhook_url,
             body: &body,
+            in_flight_ms: at_least_once.then(|| self.delivery_in_flight_ms()),
         };
         let c = self
             .shared
             .store
             .commit_result(&self.fence, self.state, output, &claim, &self.shared.faults)
             .await?;
+        if c == Checkpoint::Moved && at_least_once {
+            self.first_send = Some((self.webhook_url.clone(), body));
+        }
         settled(c, JobState::Claimed, "claimed")
+    }
+
+    fn delivery_in_flight_ms(&self) -> i64 {
+        (self.shared.config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64
     }
 
     /// POSTs the completion webhook until it is delivered, retried later or dead.
@@ -231,13 +244,22 @@ impl JobRun {
         let config = &self.shared.config;
         let key = keys::completed(&self.fence.job_id);
         let at_most_once = self.workflow.delivery_policy() == DeliveryPolicy::AtMostOnce;
-        let in_flight_ms =
-            (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
+        let in_flight_ms = self.delivery_in_flight_ms();
         loop {
-            match store
-                .begin_delivery(&self.fence, &key, at_most_once, in_flight_ms)
-                .await?
-            {
+            let start = match self.first_send.take() {
+                // We claimed the event in this attempt: send 1 is ours already.
+                Some((url, body)) => DeliveryStart::Send {
+                    attempt: 1,
+                    url,
+                    body,
+                },
+                None => {
+                    store
+                        .begin_delivery(&self.fence, &key, at_most_once, in_flight_ms)
+                        .await?
+                }
+            };
+            match start {
                 DeliveryStart::Delivered | DeliveryStart::Closed(_) => {
                     return self.current_state().await
                 }

@@ -111,6 +111,7 @@ async fn a_hundred_jobs_survive_two_sigkills_of_serve() {
         ("ONCEFLOW_MAX_IN_FLIGHT", "20".to_owned()),
     ];
     let ids: Vec<String> = (0..100).map(|i| format!("kill-{i:03}")).collect();
+    let t0 = std::time::Instant::now();
     let mut serve = ServeProcess::start(&env, &log).await;
     for id in &ids {
         let (status, answer) = post_job(&serve.base, &job(id, &consumer.url())).await;
@@ -126,6 +127,7 @@ async fn a_hundred_jobs_survive_two_sigkills_of_serve() {
             .await,
             "no progress before kill {round}"
         );
+        eprintln!("SIGKILL {round} after {:?}", t0.elapsed());
         serve.sigkill();
         serve = ServeProcess::start(&env, &log).await;
     }

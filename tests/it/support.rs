@@ -31,9 +31,15 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
     format!("http://{addr}")
 }
 
+/// One HTTP client for every test (building one loads the system's CA store, which is slow).
+pub fn client() -> &'static reqwest::Client {
+    static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    CLIENT.get_or_init(reqwest::Client::new)
+}
+
 /// POSTs raw bytes to `/v1/jobs`; returns the status and the JSON answer.
 pub async fn post_raw(base: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
-    let response = reqwest::Client::new()
+    let response = client()
         .post(format!("{base}/v1/jobs"))
         .header("content-type", "application/json")
         .body(body)
@@ -50,7 +56,7 @@ pub async fn post_job(base: &str, body: &Value) -> (u16, Value) {
 }
 
 pub async fn get(url: &str) -> (u16, Value) {
-    let response = reqwest::get(url).await.expect("GET");
+    let response = client().get(url).send().await.expect("GET");
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
 }
@@ -95,7 +101,9 @@ impl ServeProcess {
         let mut serve = ServeProcess { child, base };
         let healthz = format!("{}/healthz", serve.base);
         let up = wait_until(Duration::from_secs(60), || async {
-            reqwest::get(&healthz)
+            client()
+                .get(&healthz)
+                .send()
                 .await
                 .is_ok_and(|r| r.status() == 200)
         })

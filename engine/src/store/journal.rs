@@ -57,6 +57,9 @@ pub struct Claim<'a> {
     pub key: &'a str,
     pub url: &'a str,
     pub body: &'a Value,
+    /// How long the claimant's first send is marked in flight; `None` leaves
+    /// the row unsent (at-most-once marks each send only as it starts).
+    pub in_flight_ms: Option<i64>,
 }
 
 /// What a failed send records on its model-call or outbox row.
@@ -127,6 +130,9 @@ struct ModelCallRow {
     in_flight_epoch: Option<i64>,
     #[diesel(sql_type = Timestamptz)]
     now: DateTime<Utc>,
+    /// The row was created by this statement (Postgres' `xmax = 0` test).
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    inserted: bool,
 }
 
 #[derive(QueryableByName)]
@@ -184,18 +190,26 @@ impl Store {
                     guard(conn, fence).await?;
                     // Inserts the journal row, or locks the existing one (waiting
                     // for an attempt that is writing it) and returns it as stored.
+                    // A fresh row is born in flight, ours (the common case: one
+                    // statement).
                     let row: ModelCallRow = sql(
-                        "INSERT INTO model_calls (job_id, idempotency_key, request_hash) VALUES ($1, $2, $3) \
+                        "INSERT INTO model_calls (job_id, idempotency_key, request_hash, attempts, \
+                             in_flight_until, in_flight_epoch) \
+                         VALUES ($1, $2, $3, 1, clock_timestamp() + $4 * interval '1 millisecond', $5) \
                          ON CONFLICT (idempotency_key) DO UPDATE SET updated_at = model_calls.updated_at \
                          RETURNING request_hash, status::text AS status, response, attempts, in_flight_until, \
-                             in_flight_epoch, clock_timestamp() AS now",
+                             in_flight_epoch, clock_timestamp() AS now, (xmax = 0) AS inserted",
                     )
                     .bind::<Text, _>(&fence.job_id)
                     .bind::<Text, _>(key)
                     .bind::<Text, _>(request_hash)
+                    .bind::<BigInt, _>(in_flight_ms)
+                    .bind::<BigInt, _>(fence.epoch)
                     .get_result(conn)
                     .await?;
-                    Ok(if row.request_hash != request_hash {
+                    Ok(if row.inserted {
+                        ModelCallStart::Send { attempt: 1 }
+                    } else if row.request_hash != request_hash {
                         ModelCallStart::KeyConflict {
                             stored_hash: row.request_hash,
                         }
@@ -299,7 +313,9 @@ impl Store {
     ///
     /// * `received → generated`: the body returned; its model calls are journaled.
     /// * `generated → persisted`: the result row (one per job) is written.
-    /// * `persisted → claimed`: the outbox row under its UNIQUE key is inserted.
+    /// * `persisted → claimed`: the outbox row under its UNIQUE key is
+    ///   inserted, with its first send marked in flight for this attempt:
+    ///   on `Moved` the caller sends attempt 1 at once.
     pub async fn commit_result(
         &self,
         fence: &Fence,
@@ -326,15 +342,23 @@ impl Store {
                             .await?;
                         }
                         JobState::Claimed => {
+                            // Born with its first send in flight: the claimant
+                            // sends at once, without another round trip.
                             sql(
-                                "INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
-                                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT (idempotency_key) DO NOTHING",
+                                "INSERT INTO outbox (job_id, event, idempotency_key, url, body, attempts, \
+                                     in_flight_until, in_flight_epoch) \
+                                 VALUES ($1, $2, $3, $4, $5, CASE WHEN $6 IS NULL THEN 0 ELSE 1 END, \
+                                     clock_timestamp() + $6 * interval '1 millisecond', \
+                                     CASE WHEN $6 IS NULL THEN NULL ELSE $7 END) \
+                                 ON CONFLICT (idempotency_key) DO NOTHING",
                             )
                             .bind::<Text, _>(&fence.job_id)
                             .bind::<Text, _>(claim.event)
                             .bind::<Text, _>(claim.key)
                             .bind::<Text, _>(claim.url)
                             .bind::<Jsonb, _>(claim.body)
+                            .bind::<Nullable<BigInt>, _>(claim.in_flight_ms)
+                            .bind::<BigInt, _>(fence.epoch)
                             .execute(conn)
                             .await?;
                         }
@@ -469,9 +493,11 @@ impl Store {
     }
 
     /// `delivered → acked`: the job is finished and leaves the runnable set.
-    pub async fn ack(&self, fence: &Fence, faults: &Faults) -> Result<Checkpoint, StoreError> {
-        self.plain_transition(fence, JobState::Delivered, JobState::Acked, faults)
-            .await
+    /// One statement (the guarded move with its history row); the ack seam is
+    /// [`FailPoint::Ack`], hit by the actor just before.
+    pub async fn ack(&self, fence: &Fence) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        Store::transition(&mut conn, fence, JobState::Delivered, JobState::Acked).await
     }
 
     /// Dead-letters the job (and its outbox row, if `outbox_status` is given).
@@ -504,27 +530,6 @@ impl Store {
                         other => Err(TxError::Abort(other)),
                     }
                 }
-            })
-            .await;
-        finish(result)
-    }
-
-    async fn plain_transition(
-        &self,
-        fence: &Fence,
-        from: JobState,
-        to: JobState,
-        faults: &Faults,
-    ) -> Result<Checkpoint, StoreError> {
-        let mut conn = self.db().conn().await?;
-        let result = conn
-            .transaction::<_, TxError, _>(async move |conn| {
-                transition(conn, fence, from, to).await?;
-                faults
-                    .hit(&fence.job_id, FailPoint::BeforeCommit(to.as_str()))
-                    .await
-                    .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
-                Ok(())
             })
             .await;
         finish(result)
