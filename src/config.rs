@@ -68,6 +68,12 @@ pub struct ServeArgs {
     /// This node's name (lease owner); default host:pid.
     #[arg(long, env = "ONCEFLOW_NODE_ID")]
     pub node_id: Option<String>,
+    /// How long finished jobs and their keys are kept (e.g. 24h, 30m, 90s, 7d).
+    #[arg(long, env = "ONCEFLOW_RETENTION", default_value = "24h", value_parser = parse_duration)]
+    pub retention: Duration,
+    /// Where the agent's built-in `http_post` tool posts; unset: the agent has no tools.
+    #[arg(long, env = "ONCEFLOW_TOOL_POST_URL")]
+    pub tool_post_url: Option<String>,
     /// HTTP worker threads.
     #[arg(long, env = "ONCEFLOW_HTTP_WORKERS", default_value_t = 2)]
     pub http_workers: usize,
@@ -80,6 +86,7 @@ impl ServeArgs {
             poll_interval: Duration::from_millis(self.poll_ms.max(10)),
             max_in_flight: self.max_in_flight.max(1),
             webhook_timeout: Duration::from_millis(self.webhook_timeout_ms),
+            retention: self.retention,
             webhook_secret: self
                 .webhook_secret
                 .as_deref()
@@ -100,6 +107,31 @@ impl ServeArgs {
         }
         Ok(config)
     }
+}
+
+/// Parses `90s`, `30m`, `24h`, `7d` (or plain seconds).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 90s, 30m, 24h or 7d"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86_400,
+        "ms" => return Ok(Duration::from_millis(n)),
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?}; use ms, s, m, h or d"
+            ))
+        }
+    };
+    Ok(Duration::from_secs(secs))
 }
 
 /// The database to use: `DATABASE_URL`, or the embedded server (started or adopted).

@@ -12,7 +12,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let result = actix_web::rt::System::new().block_on(async {
         let db = database.open(args.db.db_pool).await?;
         let store = Store::new(db);
-        let registry = onceflow_workflows::registry();
+        let registry = onceflow_workflows::registry_with(args.tool_post_url.as_deref());
         let engine = Engine::start(store.clone(), registry.clone(), Faults::new(), config);
         let state = ApiState {
             store,

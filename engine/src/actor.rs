@@ -128,6 +128,8 @@ impl JobRun {
             provider: shared.provider.clone(),
             faults: shared.faults.clone(),
             wait_poll: shared.config.wait_poll,
+            client: shared.client.clone(),
+            tool_timeout: shared.config.webhook_timeout,
         };
         JobRun {
             input: leased.request.get("input").cloned().unwrap_or(Value::Null),

@@ -25,6 +25,9 @@ pub struct Context {
     pub(crate) faults: Faults,
     /// How often a step waiting on a concurrent attempt looks again.
     pub(crate) wait_poll: Duration,
+    pub(crate) client: reqwest::Client,
+    /// Timeout of a tool's own requests.
+    pub(crate) tool_timeout: Duration,
 }
 
 /// How a model call was served, for callers that count.
@@ -147,6 +150,189 @@ impl Context {
                     }
                 })
             }
+        }
+    }
+}
+
+/// What a tool's execution gets: who asked, and the key to pass on.
+#[derive(Debug, Clone)]
+pub struct ToolInvocation {
+    pub job_id: String,
+    /// The provider's id of this call (recorded, not trusted to be unique).
+    pub tool_call_id: String,
+    /// `job:{id}:tool:{turn}:{index}`: send it with the tool's own outbound
+    /// request so the receiver can drop a repeat.
+    pub idempotency_key: String,
+    pub client: reqwest::Client,
+    pub timeout: Duration,
+}
+
+/// What a general step's work gets.
+#[derive(Debug, Clone)]
+pub struct StepInvocation {
+    pub job_id: String,
+    /// `job:{id}:step:{name}`: send it with the step's own side effect.
+    pub idempotency_key: String,
+    pub client: reqwest::Client,
+}
+
+impl ToolInvocation {
+    /// POSTs `body` as JSON to `url` with this call's `Idempotency-Key`;
+    /// returns the response body as text. 408, 429, 5xx and network errors
+    /// are retryable, other statuses permanent.
+    pub async fn post_json(&self, url: &str, body: &Value) -> Result<String, StepError> {
+        let request = crate::outbound::Post {
+            url,
+            headers: vec![
+                ("idempotency-key", self.idempotency_key.clone()),
+                ("tool-call-id", self.tool_call_id.clone()),
+            ],
+            body: serde_json::to_vec(body).expect("a JSON value serialises"),
+            timeout: self.timeout,
+        };
+        match crate::outbound::post(&self.client, request, None).await {
+            Ok((_, bytes)) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
+            Err(PostError::Injected(i)) => Err(i.into()),
+            Err(PostError::Failed(f)) if f.is_retryable() => Err(StepError::Retry {
+                error: f.envelope(),
+                attempt: 1,
+                retry_after: f.retry_after(),
+            }),
+            Err(PostError::Failed(f)) => Err(StepError::Permanent {
+                reason: format!("the tool's request to {url} was refused"),
+                error: f.envelope(),
+            }),
+        }
+    }
+}
+
+impl Context {
+    /// The HTTP client steps and tools should use.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// Executes a tool call at most once per position (`turn`, `index`) in
+    /// the conversation: recorded before `execute` runs, its result stored
+    /// after; a replay returns the stored result byte for byte. The same
+    /// position with another tool-call id or other arguments is a permanent
+    /// error and nothing is executed.
+    pub async fn tool<F, Fut>(
+        &mut self,
+        turn: i32,
+        index: i32,
+        tool_call_id: &str,
+        tool_name: &str,
+        arguments: &Value,
+        execute: F,
+    ) -> Result<String, StepError>
+    where
+        F: FnOnce(ToolInvocation) -> Fut,
+        Fut: std::future::Future<Output = Result<String, StepError>>,
+    {
+        use crate::store::ledger::{Position, ToolCallSpec, ToolCallStart};
+        let position = Position { turn, index };
+        let hash = canonical_hash(arguments);
+        let spec = ToolCallSpec {
+            position,
+            tool_call_id,
+            tool_name,
+            arguments,
+            arguments_hash: &hash,
+        };
+        let in_flight_ms = (self.tool_timeout + Duration::from_secs(5)).as_millis() as i64;
+        let attempt = loop {
+            match self.store.begin_tool_call(&self.fence, &spec, in_flight_ms).await? {
+                ToolCallStart::Completed(result) => return Ok(result),
+                ToolCallStart::Execute { attempt } => break attempt,
+                ToolCallStart::InFlight { .. } => tokio::time::sleep(self.wait_poll).await,
+                ToolCallStart::LeaseLost => return Err(StepError::LeaseLost),
+                ToolCallStart::Conflict { stored_id, stored_hash } => {
+                    return Err(StepError::permanent(
+                        "tool_call_conflict",
+                        format!(
+                            "tool call {tool_call_id} at turn {turn}, index {index} does not match the ledger"
+                        ),
+                        format!(
+                            "the ledger holds call {stored_id} with arguments hash {stored_hash}; this call has \
+                             arguments hash {hash}; nothing was executed"
+                        ),
+                    ))
+                }
+            }
+        };
+        let invocation = ToolInvocation {
+            job_id: self.fence.job_id.clone(),
+            tool_call_id: tool_call_id.to_owned(),
+            idempotency_key: keys::tool(&self.fence.job_id, turn, index),
+            client: self.client.clone(),
+            timeout: self.tool_timeout,
+        };
+        let result = match execute(invocation).await {
+            Ok(result) => result,
+            Err(error) => {
+                let permanent = !error.is_retryable();
+                self.store
+                    .fail_tool_call(&self.fence, position, &error.envelope(), permanent)
+                    .await?;
+                return Err(match error {
+                    StepError::Retry {
+                        error, retry_after, ..
+                    } => StepError::Retry {
+                        error,
+                        attempt: attempt.max(1) as u32,
+                        retry_after,
+                    },
+                    other => other,
+                });
+            }
+        };
+        self.faults
+            .hit(self.job_id(), crate::faults::FailPoint::ToolAfterEffect)
+            .await?;
+        if !self
+            .store
+            .complete_tool_call(&self.fence, position, &result)
+            .await?
+        {
+            return Err(StepError::LeaseLost);
+        }
+        Ok(result)
+    }
+
+    /// Runs `work` once per job under step `name` and journals its output; a
+    /// rerun returns the journaled output. A crash after `work` and before
+    /// the journal commit runs it again, with the same
+    /// [`StepInvocation::idempotency_key`]: pass that key to the side effect
+    /// so its receiver can drop the repeat.
+    pub async fn step<T, F, Fut>(&mut self, name: &str, work: F) -> Result<T, StepError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        F: FnOnce(StepInvocation) -> Fut,
+        Fut: std::future::Future<Output = Result<T, StepError>>,
+    {
+        let key = keys::step(&self.fence.job_id, name);
+        let decode = |text: &str| {
+            serde_json::from_str::<T>(text)
+                .map_err(|e| StepError::Serialize(format!("journaled output of step {name}: {e}")))
+        };
+        if let Some(stored) = self.store.step_output(&self.fence.job_id, &key).await? {
+            return decode(&stored);
+        }
+        let output = work(StepInvocation {
+            job_id: self.fence.job_id.clone(),
+            idempotency_key: key.clone(),
+            client: self.client.clone(),
+        })
+        .await?;
+        self.faults
+            .hit(self.job_id(), crate::faults::FailPoint::StepAfterEffect)
+            .await?;
+        let text =
+            serde_json::to_string(&output).map_err(|e| StepError::Serialize(e.to_string()))?;
+        match self.store.record_step(&self.fence, &key, &text).await? {
+            Some(stored) => decode(&stored),
+            None => Err(StepError::LeaseLost),
         }
     }
 }

@@ -35,6 +35,9 @@ pub struct EngineConfig {
     pub webhook_secret: Option<WebhookSecret>,
     pub model_retry: RetryPolicy,
     pub webhook_retry: RetryPolicy,
+    /// Finished jobs (with their keys and ledgers) are purged this long after
+    /// they finished; a resubmission of a purged id is a new job.
+    pub retention: Duration,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +53,7 @@ impl Default for EngineConfig {
             webhook_secret: None,
             model_retry: RetryPolicy::DEFAULT_MODEL,
             webhook_retry: RetryPolicy::DEFAULT_WEBHOOK,
+            retention: Duration::from_secs(24 * 3600),
         }
     }
 }

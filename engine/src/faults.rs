@@ -26,6 +26,8 @@ pub enum FailPoint {
     WebhookAfterSend,
     /// A tool's side effect happened; its result is not recorded yet.
     ToolAfterEffect,
+    /// A general step's work is done; its output is not journaled yet.
+    StepAfterEffect,
     /// The ack, after delivery, before the `acked` checkpoint.
     Ack,
 }
@@ -38,6 +40,7 @@ impl fmt::Display for FailPoint {
             FailPoint::ModelAfterSend => f.write_str("model:after-send"),
             FailPoint::WebhookAfterSend => f.write_str("webhook:after-send"),
             FailPoint::ToolAfterEffect => f.write_str("tool:after-effect"),
+            FailPoint::StepAfterEffect => f.write_str("step:after-effect"),
             FailPoint::Ack => f.write_str("ack"),
         }
     }
@@ -68,6 +71,8 @@ struct Armed {
     job: Option<String>,
     point: FailPoint,
     action: Action,
+    /// Matching hits to let pass before firing.
+    skip: u32,
     remaining: u32,
 }
 
@@ -94,6 +99,7 @@ impl Faults {
             job: job.map(str::to_owned),
             point,
             action,
+            skip: 0,
             remaining: times,
         });
         self.0.any.store(true, Ordering::Release);
@@ -102,6 +108,19 @@ impl Faults {
     /// Arms `point` for `job` to fire once.
     pub fn arm_once(&self, job: &str, point: FailPoint, action: Action) {
         self.arm(Some(job), point, action, 1);
+    }
+
+    /// Arms `point` for `job` to fire once, on its `nth` hit (1-based): the
+    /// second model call of a job, say.
+    pub fn arm_nth(&self, job: &str, point: FailPoint, action: Action, nth: u32) {
+        self.0.armed.lock().expect("faults lock").push(Armed {
+            job: Some(job.to_owned()),
+            point,
+            action,
+            skip: nth.saturating_sub(1),
+            remaining: 1,
+        });
+        self.0.any.store(true, Ordering::Release);
     }
 
     /// Records every boundary passed from now on (see [`hits`](Self::hits)).
@@ -131,10 +150,17 @@ impl Faults {
             let found = armed.iter_mut().find(|a| {
                 a.point == point && a.remaining > 0 && a.job.as_deref().is_none_or(|j| j == job)
             });
-            found.map(|a| {
-                a.remaining -= 1;
-                a.action
-            })
+            match found {
+                Some(a) if a.skip > 0 => {
+                    a.skip -= 1;
+                    None
+                }
+                Some(a) => {
+                    a.remaining -= 1;
+                    Some(a.action)
+                }
+                None => None,
+            }
         };
         match action {
             None => Ok(()),
@@ -174,6 +200,15 @@ mod tests {
             Err(Injected::Crash(FailPoint::Ack))
         );
         assert_eq!(f.hit("a", FailPoint::Ack).await, Ok(()));
+    }
+
+    #[tokio::test]
+    async fn arm_nth_lets_earlier_hits_pass() {
+        let f = Faults::new();
+        f.arm_nth("a", FailPoint::ModelAfterSend, Action::Fail, 2);
+        assert_eq!(f.hit("a", FailPoint::ModelAfterSend).await, Ok(()));
+        assert!(f.hit("a", FailPoint::ModelAfterSend).await.is_err());
+        assert_eq!(f.hit("a", FailPoint::ModelAfterSend).await, Ok(()));
     }
 
     #[tokio::test]

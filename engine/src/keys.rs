@@ -16,6 +16,23 @@ pub fn completed(job_id: &str) -> String {
     format!("job:{job_id}:completed")
 }
 
+/// The key of the model call of agent turn `turn` (`job:{id}:turn:{n}`).
+pub fn turn(job_id: &str, turn: u32) -> String {
+    format!("job:{job_id}:turn:{turn}")
+}
+
+/// The key a tool passes on with its own side effect: the call's position in
+/// the conversation (`job:{id}:tool:{turn}:{index}`), not the provider's
+/// tool-call id, which some providers regenerate or reuse.
+pub fn tool(job_id: &str, turn: i32, index: i32) -> String {
+    format!("job:{job_id}:tool:{turn}:{index}")
+}
+
+/// The key of general step `name` (`job:{id}:step:{name}`).
+pub fn step(job_id: &str, name: &str) -> String {
+    format!("job:{job_id}:step:{name}")
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -42,7 +42,7 @@ pub mod supervisor;
 pub mod webhook;
 pub mod workflow;
 
-pub use context::Context;
+pub use context::{Context, StepInvocation, ToolInvocation};
 pub use db::Db;
 pub use engine::{Engine, EngineConfig};
 pub use error::{ErrorEnvelope, StepError, StoreError};

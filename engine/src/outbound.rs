@@ -100,11 +100,12 @@ pub struct Seam<'a> {
     pub point: FailPoint,
 }
 
-/// Sends `post`; returns the 2xx status and body.
+/// Sends `post`; returns the 2xx status and body. `seam`, when given, is
+/// hit once the server has answered and before the answer is read.
 pub async fn post(
     client: &reqwest::Client,
     post: Post<'_>,
-    seam: Seam<'_>,
+    seam: Option<Seam<'_>>,
 ) -> Result<(u16, Vec<u8>), PostError> {
     let Post {
         url,
@@ -124,10 +125,12 @@ pub async fn post(
         .send()
         .await
         .map_err(|e| PostError::Failed(classify(&e)))?;
-    seam.faults
-        .hit(seam.job_id, seam.point)
-        .await
-        .map_err(PostError::Injected)?;
+    if let Some(seam) = seam {
+        seam.faults
+            .hit(seam.job_id, seam.point)
+            .await
+            .map_err(PostError::Injected)?;
+    }
     let status = response.status().as_u16();
     let retry_after = response
         .headers()

@@ -80,7 +80,7 @@ impl Provider {
             job_id,
             point: FailPoint::ModelAfterSend,
         };
-        let (_, bytes) = post(&self.client, request, seam).await?;
+        let (_, bytes) = post(&self.client, request, Some(seam)).await?;
         let response: Value = serde_json::from_slice(&bytes).map_err(|e| {
             PostError::Failed(Failure::BadResponse(format!(
                 "the response is not JSON: {e}"

@@ -25,6 +25,14 @@ pub struct Poll;
 #[rtype(result = "()")]
 struct Heartbeat;
 
+/// Purge one small batch of jobs past their retention.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Purge;
+
+/// Jobs purged per statement: small, so a purge never holds many locks.
+const PURGE_BATCH: i64 = 100;
+
 /// How many jobs this node is running.
 #[derive(Message)]
 #[rtype(result = "usize")]
@@ -50,6 +58,7 @@ pub struct Supervisor {
     polling: bool,
     poll_again: bool,
     renewing: bool,
+    purging: bool,
     reclaimed_own: bool,
     stopping: bool,
 }
@@ -62,6 +71,7 @@ impl Supervisor {
             polling: false,
             poll_again: false,
             renewing: false,
+            purging: false,
             reclaimed_own: false,
             stopping: false,
         }
@@ -75,6 +85,9 @@ impl Actor for Supervisor {
         let config = &self.shared.config;
         ctx.run_interval(config.poll_interval, |_, ctx| ctx.notify(Poll));
         ctx.run_interval(config.lease / 3, |_, ctx| ctx.notify(Heartbeat));
+        // Purging is one indexed DELETE of at most PURGE_BATCH rows: cheap
+        // enough to run every ten polls.
+        ctx.run_interval(config.poll_interval * 10, |_, ctx| ctx.notify(Purge));
         // On start, recover whatever this node's previous incarnation held.
         ctx.notify(Poll);
     }
@@ -218,6 +231,35 @@ impl Handler<Heartbeat> for Supervisor {
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "lease renewal failed; will retry"),
+            }
+        }));
+    }
+}
+
+impl Handler<Purge> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: Purge, ctx: &mut Self::Context) {
+        if self.purging || self.stopping {
+            return;
+        }
+        self.purging = true;
+        let shared = self.shared.clone();
+        let purge = async move {
+            let retention_ms = shared.config.retention.as_millis() as i64;
+            shared.store.purge_finished(retention_ms, PURGE_BATCH).await
+        };
+        ctx.spawn(purge.into_actor(self).map(|result, act, ctx| {
+            act.purging = false;
+            match result {
+                // A full batch: more may be waiting.
+                Ok(n) if n as i64 == PURGE_BATCH => ctx.notify(Purge),
+                Ok(n) => {
+                    if n > 0 {
+                        tracing::info!(purged = n, "purged jobs past their retention");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
             }
         }));
     }

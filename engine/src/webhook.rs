@@ -103,7 +103,7 @@ pub async fn send(
         job_id,
         point: FailPoint::WebhookAfterSend,
     };
-    let (status, _) = post(sender.client, request, seam).await?;
+    let (status, _) = post(sender.client, request, Some(seam)).await?;
     Ok(status)
 }
 

@@ -2,6 +2,7 @@
 //! throwaway server per test run, a fresh database per test) and real HTTP
 //! servers on 127.0.0.1. One binary, one module per concern.
 
+mod agent;
 mod binary;
 mod durability;
 mod embedded;

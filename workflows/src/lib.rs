@@ -6,18 +6,39 @@
 //!
 //! * [`completion`] — the built-in six-state job: one model call, its answer
 //!   persisted and delivered by webhook.
+//! * [`agent`] — the model ↔ tool-call loop; each tool call runs once
+//!   through the tool ledger.
+//! * [`tool`] — the [`Tool`] trait and the built-in [`HttpPost`] tool.
+//! * [`example`] — a user's own workflow (a general step) and tool, as a model
+//!   to copy.
 //!
-//! [`registry`] returns every built-in workflow, registered by name.
+//! [`registry`] returns the built-in workflows, registered by name.
 
+pub mod agent;
 pub mod completion;
+pub mod example;
+pub mod tool;
 
 use onceflow_engine::Registry;
 
+pub use agent::Agent;
 pub use completion::Completion;
+pub use tool::{HttpPost, Tool};
 
-/// The built-in workflows.
-pub fn registry() -> Registry {
+/// The built-in workflows: `completion`, and `agent` with the `http_post`
+/// tool when `tool_post_url` is given.
+pub fn registry_with(tool_post_url: Option<&str>) -> Registry {
     let mut registry = Registry::new();
     registry.register(Completion::default());
+    let mut agent = Agent::new();
+    if let Some(url) = tool_post_url {
+        agent = agent.with_tool(HttpPost::new(url));
+    }
+    registry.register(agent);
     registry
+}
+
+/// The built-in workflows, with no tool configured.
+pub fn registry() -> Registry {
+    registry_with(None)
 }

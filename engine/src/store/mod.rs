@@ -10,6 +10,7 @@
 pub mod jobs;
 pub mod journal;
 pub mod lease;
+pub mod ledger;
 pub mod sql;
 
 use diesel::sql_types::{Integer, Text};

@@ -91,6 +91,27 @@ impl FakeConsumer {
             .count()
     }
 
+    /// Requests carrying `Idempotency-Key: key`.
+    pub fn requests_with_key(&self, key: &str) -> usize {
+        self.deliveries()
+            .iter()
+            .filter(|d| d.idempotency_key.as_deref() == Some(key))
+            .count()
+    }
+
+    /// Times the side effect under `Idempotency-Key: key` was processed
+    /// (first sight answered 2xx); repeats are not counted.
+    pub fn processed_with_key(&self, key: &str) -> usize {
+        self.deliveries()
+            .iter()
+            .filter(|d| {
+                d.idempotency_key.as_deref() == Some(key)
+                    && !d.duplicate
+                    && (200..300).contains(&d.status)
+            })
+            .count()
+    }
+
     /// Distinct `webhook-id`s seen.
     pub fn distinct_keys(&self) -> usize {
         self.deliveries()
@@ -120,7 +141,11 @@ async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> 
         actix_web::rt::time::sleep(d).await;
     }
     // Processing happens on a 2xx only; a repeat of a processed id is a no-op.
-    let duplicate = match (&webhook_id, (200..300).contains(&status)) {
+    // Webhooks carry `webhook-id`; tool and step requests `Idempotency-Key`.
+    let dedupe_key = webhook_id
+        .clone()
+        .or_else(|| header(&req, "idempotency-key"));
+    let duplicate = match (&dedupe_key, (200..300).contains(&status)) {
         (Some(id), true) => !state.processed.lock().expect("lock").insert(id.clone()),
         (Some(id), false) => state.processed.lock().expect("lock").contains(id),
         (None, _) => false,

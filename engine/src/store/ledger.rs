@@ -1,0 +1,274 @@
+//! The tool ledger and the step journal: a side effect a workflow asked for
+//! is recorded before it happens and its result after, so a replay returns
+//! the stored result instead of doing it again.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use serde_json::Value;
+
+use super::sql::sql;
+use super::{Fence, Store};
+use crate::error::{ErrorEnvelope, StoreError};
+
+/// One tool call's place in the conversation: its ledger identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    pub turn: i32,
+    pub index: i32,
+}
+
+/// A tool call as the model asked for it.
+#[derive(Debug, Clone)]
+pub struct ToolCallSpec<'a> {
+    pub position: Position,
+    pub tool_call_id: &'a str,
+    pub tool_name: &'a str,
+    pub arguments: &'a Value,
+    pub arguments_hash: &'a str,
+}
+
+/// Where a tool call stands when an attempt is about to execute it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolCallStart {
+    /// Done: return this result, byte for byte, and do not execute.
+    Completed(String),
+    /// Ours to execute; `attempt` counts executions started, this one included.
+    Execute { attempt: i32 },
+    /// Another attempt sharing the lease is executing it until then: wait.
+    InFlight { until: DateTime<Utc> },
+    /// This position was recorded for another call (id or arguments differ):
+    /// a loud error, nothing is executed.
+    Conflict {
+        stored_id: String,
+        stored_hash: String,
+    },
+    /// The lease is gone.
+    LeaseLost,
+}
+
+#[derive(QueryableByName)]
+struct LedgerRow {
+    #[diesel(sql_type = Text)]
+    tool_call_id: String,
+    #[diesel(sql_type = Text)]
+    arguments_hash: String,
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    result: Option<String>,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    in_flight_until: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    in_flight_epoch: Option<i64>,
+    #[diesel(sql_type = Timestamptz)]
+    now: DateTime<Utc>,
+    #[diesel(sql_type = Bool)]
+    inserted: bool,
+}
+
+#[derive(QueryableByName)]
+struct Output {
+    #[diesel(sql_type = Text)]
+    output: String,
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+impl Store {
+    /// Records the intent to execute `call` (before any side effect) and
+    /// decides whether this attempt executes it.
+    pub async fn begin_tool_call(
+        &self,
+        fence: &Fence,
+        call: &ToolCallSpec<'_>,
+        in_flight_ms: i64,
+    ) -> Result<ToolCallStart, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<_, StoreError, _>(async move |conn| {
+                if !Store::hold_fence(conn, fence).await? {
+                    return Ok(ToolCallStart::LeaseLost);
+                }
+                let row: LedgerRow = sql(
+                    "INSERT INTO tool_calls (job_id, tool_call_id, turn, call_index, tool_name, arguments_hash, \
+                         arguments, attempts, in_flight_until, in_flight_epoch) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, 1, clock_timestamp() + $8 * interval '1 millisecond', $9) \
+                     ON CONFLICT (job_id, turn, call_index) DO UPDATE SET tool_name = tool_calls.tool_name \
+                     RETURNING tool_call_id, arguments_hash, status::text AS status, result, attempts, \
+                         in_flight_until, in_flight_epoch, clock_timestamp() AS now, (xmax = 0) AS inserted",
+                )
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<Text, _>(call.tool_call_id)
+                .bind::<Integer, _>(call.position.turn)
+                .bind::<Integer, _>(call.position.index)
+                .bind::<Text, _>(call.tool_name)
+                .bind::<Text, _>(call.arguments_hash)
+                .bind::<Jsonb, _>(call.arguments)
+                .bind::<BigInt, _>(in_flight_ms)
+                .bind::<BigInt, _>(fence.epoch)
+                .get_result(conn)
+                .await?;
+                if row.inserted {
+                    return Ok(ToolCallStart::Execute { attempt: 1 });
+                }
+                if row.tool_call_id != call.tool_call_id || row.arguments_hash != call.arguments_hash {
+                    return Ok(ToolCallStart::Conflict {
+                        stored_id: row.tool_call_id,
+                        stored_hash: row.arguments_hash,
+                    });
+                }
+                if let (true, Some(result)) = (row.status == "completed", row.result) {
+                    return Ok(ToolCallStart::Completed(result));
+                }
+                if let Some(until) = row
+                    .in_flight_until
+                    .filter(|u| *u > row.now && row.in_flight_epoch == Some(fence.epoch))
+                {
+                    return Ok(ToolCallStart::InFlight { until });
+                }
+                sql(
+                    "UPDATE tool_calls SET attempts = attempts + 1, status = 'started', \
+                         in_flight_until = clock_timestamp() + $4 * interval '1 millisecond', in_flight_epoch = $5 \
+                     WHERE job_id = $1 AND turn = $2 AND call_index = $3",
+                )
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<Integer, _>(call.position.turn)
+                .bind::<Integer, _>(call.position.index)
+                .bind::<BigInt, _>(in_flight_ms)
+                .bind::<BigInt, _>(fence.epoch)
+                .execute(conn)
+                .await?;
+                Ok(ToolCallStart::Execute {
+                    attempt: row.attempts + 1,
+                })
+            })
+            .await?;
+        Ok(result)
+    }
+
+    /// Stores a tool call's result; false when the lease is lost.
+    pub async fn complete_tool_call(
+        &self,
+        fence: &Fence,
+        position: Position,
+        result: &str,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.db().conn().await?;
+        conn.transaction::<_, StoreError, _>(async move |conn| {
+            if !Store::hold_fence(conn, fence).await? {
+                return Ok(false);
+            }
+            sql(
+                "UPDATE tool_calls SET status = 'completed', result = $4, completed_at = now(), \
+                     in_flight_until = NULL, in_flight_epoch = NULL, last_error = NULL \
+                 WHERE job_id = $1 AND turn = $2 AND call_index = $3 AND status <> 'completed'",
+            )
+            .bind::<Text, _>(&fence.job_id)
+            .bind::<Integer, _>(position.turn)
+            .bind::<Integer, _>(position.index)
+            .bind::<Text, _>(result)
+            .execute(conn)
+            .await?;
+            Ok(true)
+        })
+        .await
+    }
+
+    /// Records a failed execution and frees the call for the next attempt.
+    pub async fn fail_tool_call(
+        &self,
+        fence: &Fence,
+        position: Position,
+        error: &ErrorEnvelope,
+        permanent: bool,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.db().conn().await?;
+        sql(
+            "UPDATE tool_calls SET last_error = $4, in_flight_until = NULL, in_flight_epoch = NULL, \
+                 status = CASE WHEN $5 THEN 'failed'::tool_call_status ELSE status END \
+             WHERE job_id = $1 AND turn = $2 AND call_index = $3 AND status <> 'completed'",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<Integer, _>(position.turn)
+        .bind::<Integer, _>(position.index)
+        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+        .bind::<Bool, _>(permanent)
+        .execute(&mut conn)
+        .await?;
+        Ok(())
+    }
+
+    /// The journaled output of step `key`, if it ran.
+    pub async fn step_output(&self, job_id: &str, key: &str) -> Result<Option<String>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<Output> = sql("SELECT output FROM steps WHERE job_id = $1 AND step_key = $2")
+            .bind::<Text, _>(job_id)
+            .bind::<Text, _>(key)
+            .load(&mut conn)
+            .await?;
+        Ok(rows.into_iter().next().map(|r| r.output))
+    }
+
+    /// Journals step `key`'s output; returns what is stored (the first writer
+    /// wins a race), or `None` when the lease is lost.
+    pub async fn record_step(
+        &self,
+        fence: &Fence,
+        key: &str,
+        output: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        conn.transaction::<_, StoreError, _>(async move |conn| {
+            if !Store::hold_fence(conn, fence).await? {
+                return Ok(None);
+            }
+            let stored: Output = sql(
+                "INSERT INTO steps (job_id, step_key, output) VALUES ($1, $2, $3) \
+                 ON CONFLICT (job_id, step_key) DO UPDATE SET output = steps.output \
+                 RETURNING output",
+            )
+            .bind::<Text, _>(&fence.job_id)
+            .bind::<Text, _>(key)
+            .bind::<Text, _>(output)
+            .get_result(conn)
+            .await?;
+            Ok(Some(stored.output))
+        })
+        .await
+    }
+
+    /// Deletes up to `batch` jobs that finished more than `retention_ms` ago,
+    /// with their history, results, journals and keys (foreign keys cascade).
+    /// After this, a submission of one of their ids is a new job.
+    pub async fn purge_finished(&self, retention_ms: i64, batch: i64) -> Result<u64, StoreError> {
+        let mut conn = self.db().conn().await?;
+        Self::purge_in(&mut conn, retention_ms, batch).await
+    }
+
+    async fn purge_in(
+        conn: &mut AsyncPgConnection,
+        retention_ms: i64,
+        batch: i64,
+    ) -> Result<u64, StoreError> {
+        let purged: Count = sql("WITH gone AS ( \
+                 DELETE FROM jobs WHERE id IN ( \
+                     SELECT id FROM jobs \
+                     WHERE finished_at < now() - $1 * interval '1 millisecond' \
+                     ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                 RETURNING id) \
+             SELECT count(*) AS n FROM gone")
+        .bind::<BigInt, _>(retention_ms)
+        .bind::<BigInt, _>(batch)
+        .get_result(conn)
+        .await?;
+        Ok(purged.n as u64)
+    }
+}

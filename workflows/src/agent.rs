@@ -1,0 +1,165 @@
+//! `agent`: the model ↔ tool-call loop.
+//!
+//! Each turn calls the model (key `job:{id}:turn:{n}`) with the tool
+//! definitions. When it answers with `tool_calls`, each call is executed once
+//! through the tool ledger (position = turn and index), its result appended as
+//! a `tool` message, and the model is called again; when it answers without
+//! tool calls, that answer is the result. Past `max_turns` the job is dead.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use onceflow_engine::{Context, InvalidInput, StepError, Workflow};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::tool::Tool;
+
+/// Turns allowed when the input does not say.
+pub const DEFAULT_MAX_TURNS: u32 = 8;
+
+/// The agent workflow with its tools.
+#[derive(Clone, Default)]
+pub struct Agent {
+    tools: BTreeMap<String, Arc<dyn Tool>>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("tools", &self.tools.keys())
+            .finish()
+    }
+}
+
+impl Agent {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a tool; panics on a duplicate name.
+    pub fn with_tool(mut self, tool: impl Tool) -> Self {
+        let name = tool.name().to_owned();
+        let previous = self.tools.insert(name.clone(), Arc::new(tool));
+        assert!(previous.is_none(), "tool {name:?} registered twice");
+        self
+    }
+}
+
+/// `input` of an agent job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentInput {
+    pub model: String,
+    /// OpenAI chat messages.
+    pub messages: Vec<Value>,
+    #[serde(default)]
+    pub max_turns: Option<u32>,
+}
+
+/// The result of an agent job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AgentOutput {
+    /// The final assistant message's text.
+    pub content: String,
+    /// Model calls made (turns).
+    pub turns: u32,
+    /// Tool calls executed (or replayed) on the way.
+    pub tool_calls: u32,
+}
+
+impl Workflow for Agent {
+    const NAME: &'static str = "agent";
+    type Input = AgentInput;
+    type Output = AgentOutput;
+
+    fn validate(input: &AgentInput) -> Result<(), InvalidInput> {
+        if input.model.trim().is_empty() {
+            return Err(InvalidInput::new("input.model", "must not be empty"));
+        }
+        if input.messages.is_empty() {
+            return Err(InvalidInput::new(
+                "input.messages",
+                "must hold at least one message",
+            ));
+        }
+        for (i, m) in input.messages.iter().enumerate() {
+            if !m.get("role").is_some_and(Value::is_string) {
+                return Err(InvalidInput::new(
+                    format!("input.messages[{i}].role"),
+                    "is required",
+                ));
+            }
+        }
+        if input.max_turns == Some(0) {
+            return Err(InvalidInput::new("input.max_turns", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    async fn run(&self, ctx: &mut Context, input: AgentInput) -> Result<AgentOutput, StepError> {
+        let max_turns = input.max_turns.unwrap_or(DEFAULT_MAX_TURNS);
+        let definitions: Vec<Value> = self.tools.values().map(|t| t.definition()).collect();
+        let mut messages = input.messages;
+        let mut executed = 0;
+        for turn in 0..max_turns {
+            let mut request = json!({ "model": input.model, "messages": messages });
+            if !definitions.is_empty() {
+                request["tools"] = json!(definitions);
+            }
+            let response = ctx.generate(&format!("turn:{turn}"), &request).await?;
+            let message = response["choices"][0]["message"].clone();
+            let calls = message["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            if calls.is_empty() {
+                return Ok(AgentOutput {
+                    content: message["content"].as_str().unwrap_or_default().to_owned(),
+                    turns: turn + 1,
+                    tool_calls: executed,
+                });
+            }
+            messages.push(message);
+            for (index, call) in calls.iter().enumerate() {
+                let id = call["id"].as_str().unwrap_or_default();
+                let name = call["function"]["name"].as_str().unwrap_or_default();
+                let raw = call["function"]["arguments"].as_str().unwrap_or("{}");
+                let arguments: Value = serde_json::from_str(raw).map_err(|e| {
+                    StepError::permanent(
+                        "bad_tool_arguments",
+                        format!("the model's arguments for {name} ({id}) are not JSON"),
+                        e.to_string(),
+                    )
+                })?;
+                let tool = self.tools.get(name).cloned().ok_or_else(|| {
+                    StepError::permanent(
+                        "unknown_tool",
+                        format!("the model called {name:?}, which this agent does not have"),
+                        format!("tools: {:?}", self.tools.keys().collect::<Vec<_>>()),
+                    )
+                })?;
+                let result = ctx
+                    .tool(
+                        turn as i32,
+                        index as i32,
+                        id,
+                        name,
+                        &arguments,
+                        |invocation| {
+                            let arguments = arguments.clone();
+                            async move { tool.execute(invocation, arguments).await }
+                        },
+                    )
+                    .await?;
+                executed += 1;
+                messages.push(json!({ "role": "tool", "tool_call_id": id, "content": result }));
+            }
+        }
+        Err(StepError::permanent(
+            "turn_limit",
+            format!("the agent did not finish within {max_turns} turns"),
+            "the model kept calling tools; raise input.max_turns or fix the prompt",
+        ))
+    }
+}
