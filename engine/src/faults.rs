@@ -53,8 +53,14 @@ pub enum Action {
     Fail,
     /// Stop the attempt on the spot, as a killed process would.
     Crash,
-    /// Sleep this long, then carry on (stall past the lease, slow a write).
+    /// Sleep this long, then carry on (slow a write). The node keeps
+    /// renewing the lease meanwhile, as it would for a slow step.
     Stall(Duration),
+    /// Freeze the attempt this long *and* its node's lease renewal and
+    /// polling, as a paused or partitioned worker: another node takes the job
+    /// over while this attempt is still alive, and it resumes afterwards as a
+    /// zombie.
+    Freeze(Duration),
 }
 
 /// A failpoint fired.
@@ -79,9 +85,11 @@ struct Armed {
 #[derive(Debug, Default)]
 struct Inner {
     any: AtomicBool,
+    frozen: Mutex<std::collections::HashSet<String>>,
     armed: Mutex<Vec<Armed>>,
     recording: AtomicBool,
     hits: Mutex<Vec<(String, FailPoint)>>,
+    fired: Mutex<Vec<(String, FailPoint, Action)>>,
 }
 
 /// The failpoint registry of one engine. Cheap to clone.
@@ -133,6 +141,27 @@ impl Faults {
         self.0.hits.lock().expect("faults lock").clone()
     }
 
+    /// Whether an armed failpoint has fired for `job`.
+    pub fn fired(&self, job: &str) -> bool {
+        self.0
+            .fired
+            .lock()
+            .expect("faults lock")
+            .iter()
+            .any(|(j, _, _)| j == job)
+    }
+
+    /// True while any attempt is frozen: its node does not poll for work.
+    pub fn any_frozen(&self) -> bool {
+        self.0.any.load(Ordering::Acquire) && !self.0.frozen.lock().expect("faults lock").is_empty()
+    }
+
+    /// True while an attempt of `job` is frozen: its lease is not renewed.
+    pub fn is_frozen(&self, job: &str) -> bool {
+        self.0.any.load(Ordering::Acquire)
+            && self.0.frozen.lock().expect("faults lock").contains(job)
+    }
+
     /// Called by the engine at each boundary.
     pub async fn hit(&self, job: &str, point: FailPoint) -> Result<(), Injected> {
         if self.0.recording.load(Ordering::Acquire) {
@@ -162,6 +191,13 @@ impl Faults {
                 None => None,
             }
         };
+        if let Some(action) = action {
+            self.0
+                .fired
+                .lock()
+                .expect("faults lock")
+                .push((job.to_owned(), point, action));
+        }
         match action {
             None => Ok(()),
             Some(Action::Fail) => {
@@ -175,6 +211,17 @@ impl Faults {
             Some(Action::Stall(d)) => {
                 tracing::warn!(job.id = job, %point, stall_ms = d.as_millis() as u64, "failpoint: stall");
                 tokio::time::sleep(d).await;
+                Ok(())
+            }
+            Some(Action::Freeze(d)) => {
+                tracing::warn!(job.id = job, %point, freeze_ms = d.as_millis() as u64, "failpoint: freeze");
+                self.0
+                    .frozen
+                    .lock()
+                    .expect("faults lock")
+                    .insert(job.to_owned());
+                tokio::time::sleep(d).await;
+                self.0.frozen.lock().expect("faults lock").remove(job);
                 Ok(())
             }
         }

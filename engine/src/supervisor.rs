@@ -97,7 +97,8 @@ impl Handler<Poll> for Supervisor {
     type Result = ();
 
     fn handle(&mut self, _: Poll, ctx: &mut Self::Context) {
-        if self.stopping {
+        // A frozen attempt (failpoint) stands for a paused node: it takes no work.
+        if self.stopping || self.frozen() {
             return;
         }
         if self.polling {
@@ -147,6 +148,12 @@ impl Handler<Poll> for Supervisor {
 }
 
 impl Supervisor {
+    /// Whether one of this node's attempts is frozen by a failpoint.
+    fn frozen(&self) -> bool {
+        let faults = &self.shared.faults;
+        faults.any_frozen() && self.in_flight.keys().any(|id| faults.is_frozen(id))
+    }
+
     fn start_job(&mut self, leased: crate::store::Leased, ctx: &mut Context<Self>) {
         let counters = &self.shared.counters;
         counters
@@ -200,9 +207,11 @@ impl Handler<Heartbeat> for Supervisor {
             return;
         }
         self.renewing = true;
+        let faults = &self.shared.faults;
         let held: Vec<(String, i64)> = self
             .in_flight
             .iter()
+            .filter(|(id, _)| !faults.is_frozen(id))
             .map(|(id, (e, _))| (id.clone(), *e))
             .collect();
         let shared = self.shared.clone();

@@ -16,7 +16,7 @@ const WAIT: Duration = Duration::from_secs(20);
 
 /// A provider script: while the conversation has no tool answer yet, ask for
 /// `calls` (id, arguments); once it has, answer "done".
-fn script_tool_calls(env: &TestEnv, calls: Vec<(&'static str, Value)>) {
+pub(crate) fn script_tool_calls(env: &TestEnv, calls: Vec<(&'static str, Value)>) {
     env.provider.respond_with(move |request, n| {
         let messages = request["messages"].as_array().cloned().unwrap_or_default();
         let answered = messages.iter().any(|m| m["role"] == "tool");

@@ -6,5 +6,6 @@ mod agent;
 mod binary;
 mod durability;
 mod embedded;
+mod explorer;
 mod intake;
 mod support;

@@ -27,6 +27,8 @@ pub struct Delivery {
     pub status: u16,
     /// When the request arrived.
     pub received_at: std::time::Instant,
+    /// Its sequence number at this consumer (0-based).
+    pub received: usize,
 }
 
 #[derive(Default)]
@@ -150,6 +152,7 @@ async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> 
         (Some(id), false) => state.processed.lock().expect("lock").contains(id),
         (None, _) => false,
     };
+    let received = state.deliveries.lock().expect("lock").len();
     state.deliveries.lock().expect("lock").push(Delivery {
         idempotency_key: header(&req, "idempotency-key"),
         webhook_id,
@@ -161,6 +164,7 @@ async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> 
         duplicate,
         status,
         received_at,
+        received,
     });
     if let Behaviour::LoseResponse(hold) = behaviour {
         actix_web::rt::time::sleep(hold).await;

@@ -8,15 +8,19 @@
 //!   processed and can be scripted to fail, stall, rate-limit or lose their
 //!   response after doing the work.
 //! * [`TestEnv`] — all of the above plus an engine, in a few lines.
+//! * [`Explorer`] — the crash-point explorer: every boundary of a workflow,
+//!   crashed and frozen, checked against the invariants by counting.
 //! * Failpoints themselves live in [`crate::faults`].
 
 mod consumer;
 pub mod database;
 mod env;
+mod explorer;
 mod provider;
 mod server;
 
 pub use consumer::{Delivery, FakeConsumer};
 pub use env::{wait_until, TestEnv};
+pub use explorer::{Explorer, Mode, Report, Row};
 pub use provider::{FakeProvider, ProviderRequest};
 pub use server::Behaviour;

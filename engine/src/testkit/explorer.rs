@@ -1,0 +1,437 @@
+//! The crash-point explorer: proves a workflow survives a crash, or a stall
+//! that lets a second worker take over, at every boundary it passes.
+//!
+//! 1. It runs one job to learn the workflow's boundaries (every failpoint the
+//!    job passes, with how many times).
+//! 2. For every boundary it runs a fresh job that crashes there, and another
+//!    that freezes there past the lease (the other node takes over while the
+//!    first attempt is still alive), on two nodes with separate memory.
+//! 3. It checks each job against the invariants, by counting: the job ended
+//!    where the clean run ended; one distinct delivery key, processed once;
+//!    every model call's work done once, under as many keys as the clean run;
+//!    every side effect seen by the recorders processed once, under as many
+//!    keys as the clean run; a history that is an in-order prefix of the
+//!    lifecycle with no state skipped or repeated.
+//!
+//! ```no_run
+//! # async fn example(env: onceflow_engine::testkit::TestEnv, effects: onceflow_engine::testkit::FakeConsumer) {
+//! use onceflow_engine::testkit::Explorer;
+//! let report = Explorer::new(&env, || my_registry(), "my.workflow", serde_json::json!({ "x": 1 }))
+//!     .recording(effects)
+//!     .run()
+//!     .await;
+//! println!("{report}");
+//! report.assert_ok();
+//! # }
+//! # fn my_registry() -> onceflow_engine::Registry { unimplemented!() }
+//! ```
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::{FakeConsumer, TestEnv};
+use crate::faults::{Action, FailPoint};
+use crate::intake::NewJob;
+use crate::lifecycle::JobState;
+use crate::workflow::Registry;
+
+/// How a boundary is exercised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The attempt dies there (its lease expires; another attempt resumes).
+    Crash,
+    /// The attempt freezes there past its lease: the other node takes over
+    /// while it is alive; then it wakes up as a zombie.
+    Freeze,
+}
+
+/// One boundary × mode and what the checks found.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub boundary: FailPoint,
+    /// Which passage of the boundary (1 = the first).
+    pub nth: u32,
+    pub mode: Mode,
+    pub job_id: String,
+    pub state: Option<JobState>,
+    pub attempts: i32,
+    pub model_requests: usize,
+    pub effect_requests: usize,
+    pub webhook_requests: usize,
+    /// Broken invariants; empty when the row holds.
+    pub violations: Vec<String>,
+}
+
+/// The explorer's findings.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub workflow: String,
+    pub rows: Vec<Row>,
+}
+
+impl Report {
+    /// The rows that broke an invariant.
+    pub fn failures(&self) -> Vec<&Row> {
+        self.rows
+            .iter()
+            .filter(|r| !r.violations.is_empty())
+            .collect()
+    }
+
+    /// Panics with the table when any invariant broke.
+    pub fn assert_ok(&self) {
+        assert!(self.failures().is_empty(), "invariants broken:\n{self}");
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "crash-point explorer: {} ({} runs)",
+            self.workflow,
+            self.rows.len()
+        )?;
+        writeln!(
+            f,
+            "{:<28} {:<7} {:<10} {:>8} {:>6} {:>8} {:>8}  verdict",
+            "boundary", "mode", "state", "attempts", "model", "effects", "webhook"
+        )?;
+        for r in &self.rows {
+            let boundary = if r.nth > 1 {
+                format!("{} #{}", r.boundary, r.nth)
+            } else {
+                r.boundary.to_string()
+            };
+            let state = r.state.map_or("?".to_owned(), |s| s.to_string());
+            let verdict = if r.violations.is_empty() {
+                "ok".to_owned()
+            } else {
+                r.violations.join("; ")
+            };
+            writeln!(
+                f,
+                "{boundary:<28} {:<7} {state:<10} {:>8} {:>6} {:>8} {:>8}  {verdict}",
+                format!("{:?}", r.mode).to_lowercase(),
+                r.attempts,
+                r.model_requests,
+                r.effect_requests,
+                r.webhook_requests
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What one job did, counted.
+#[derive(Debug, Clone, Default)]
+struct Counts {
+    state: Option<JobState>,
+    attempts: i32,
+    history: Vec<JobState>,
+    model_keys: usize,
+    model_requests: usize,
+    model_overworked: Vec<String>,
+    effect_processed: usize,
+    effect_keys: usize,
+    effect_requests: usize,
+    webhook_keys: HashSet<Option<String>>,
+    webhook_processed: usize,
+    webhook_requests: usize,
+}
+
+/// Explores one workflow with one input.
+pub struct Explorer<'a, F> {
+    env: &'a TestEnv,
+    make_registry: F,
+    workflow: String,
+    input: Value,
+    recorders: Vec<FakeConsumer>,
+    prefix: String,
+}
+
+impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
+    /// `make_registry` is called once per node, so nodes share no memory.
+    pub fn new(env: &'a TestEnv, make_registry: F, workflow: &str, input: Value) -> Self {
+        Explorer {
+            env,
+            make_registry,
+            workflow: workflow.to_owned(),
+            input,
+            recorders: Vec::new(),
+            prefix: format!("x{}", rand::random::<u16>()),
+        }
+    }
+
+    /// Counts the side effects this recorder sees (tools, steps).
+    pub fn recording(mut self, recorder: FakeConsumer) -> Self {
+        self.recorders.push(recorder);
+        self
+    }
+
+    /// Runs the exploration (inside an actix System).
+    pub async fn run(self) -> Report {
+        let env = self.env;
+        let config = env.config();
+        let lease = config.lease;
+        let freeze = lease * 3;
+        let wait = Duration::from_secs(30);
+        let node = || env.start((self.make_registry)(), config.clone());
+
+        // 0. Warm up (connections, HTTP clients), so the clean run is clean.
+        let first = node();
+        let warm = format!("{}-warm", self.prefix);
+        self.submit(&warm).await;
+        self.settle(&warm, wait).await;
+
+        // 1. A clean run, recording the boundaries it passes.
+        env.faults.record();
+        let learn = format!("{}-learn", self.prefix);
+        self.submit(&learn).await;
+        let baseline = self.settle(&learn, wait).await;
+        first.shutdown();
+        assert_eq!(
+            baseline.attempts, 1,
+            "the clean run of {} needed {} attempts; the explorer needs one clean run to compare with",
+            self.workflow, baseline.attempts
+        );
+        let mut boundaries: Vec<(FailPoint, u32)> = Vec::new();
+        let mut seen: BTreeMap<String, u32> = BTreeMap::new();
+        for (job, point) in env.faults.hits() {
+            if job == learn {
+                let n = seen.entry(point.to_string()).or_default();
+                *n += 1;
+                boundaries.push((point, *n));
+            }
+        }
+
+        // 2. Every boundary crashed: the node dies there and a new node,
+        //    with none of the old one's memory, resumes the job, as after a
+        //    process crash and restart.
+        let mut rows = Vec::new();
+        for (i, (point, nth)) in boundaries.iter().enumerate() {
+            let id = format!("{}-{i}-c", self.prefix);
+            env.faults.arm_nth(&id, *point, Action::Crash, *nth);
+            let crashing = node();
+            self.submit(&id).await;
+            super::wait_until(wait, || async { env.faults.fired(&id) }).await;
+            crashing.shutdown();
+            let restarted = node();
+            let counts = self.settle(&id, wait).await;
+            restarted.shutdown();
+            rows.push(row(*point, *nth, Mode::Crash, &id, &baseline, &counts));
+        }
+
+        // 3. Every boundary frozen past the lease, with two nodes of separate
+        //    memory: a frozen node stands for a paused process and takes no
+        //    work, so the other node takes the job over while the first
+        //    attempt is alive; then the first wakes up as a zombie.
+        let (a, b) = (node(), node());
+        for (i, (point, nth)) in boundaries.iter().enumerate() {
+            let id = format!("{}-{i}-f", self.prefix);
+            env.faults
+                .arm_nth(&id, *point, Action::Freeze(freeze), *nth);
+            self.submit(&id).await;
+            self.settle(&id, wait).await;
+            // Let the zombie wake up and try whatever it was about to do.
+            super::wait_until(wait, || async { !env.faults.any_frozen() }).await;
+            tokio::time::sleep(lease).await;
+            let counts = self.count(&id).await;
+            rows.push(row(*point, *nth, Mode::Freeze, &id, &baseline, &counts));
+        }
+        a.shutdown();
+        b.shutdown();
+        Report {
+            workflow: self.workflow,
+            rows,
+        }
+    }
+
+    async fn submit(&self, id: &str) {
+        self.env
+            .submit_job(NewJob {
+                id: id.to_owned(),
+                workflow: self.workflow.clone(),
+                input: self.input.clone(),
+                webhook_url: self.env.consumer.url(),
+            })
+            .await;
+    }
+
+    /// Waits until the job is finished (or `wait` passes), then counts.
+    async fn settle(&self, id: &str, wait: Duration) -> Counts {
+        super::wait_until(wait, || async {
+            self.env
+                .store
+                .job(id)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|j| j.state.is_terminal())
+        })
+        .await;
+        self.count(id).await
+    }
+
+    async fn count(&self, id: &str) -> Counts {
+        let env = self.env;
+        let prefix = format!("job:{id}:");
+        let mut c = Counts::default();
+        if let Some(job) = env.store.job(id).await.ok().flatten() {
+            c.state = Some(job.state);
+            c.attempts = job.attempts;
+            c.history = job.history.iter().map(|h| h.state).collect();
+        }
+        let model_keys: HashSet<String> = env
+            .provider
+            .requests()
+            .into_iter()
+            .filter_map(|r| r.idempotency_key)
+            .filter(|k| k.starts_with(&prefix))
+            .collect();
+        c.model_requests = env
+            .provider
+            .requests()
+            .iter()
+            .filter(|r| {
+                r.idempotency_key
+                    .as_deref()
+                    .is_some_and(|k| k.starts_with(&prefix))
+            })
+            .count();
+        c.model_overworked = model_keys
+            .iter()
+            .filter(|k| env.provider.work_done(k) != 1)
+            .cloned()
+            .collect();
+        c.model_keys = model_keys.len();
+        for recorder in &self.recorders {
+            let mine: Vec<_> = recorder
+                .deliveries()
+                .into_iter()
+                .filter(|d| {
+                    d.idempotency_key
+                        .as_deref()
+                        .is_some_and(|k| k.starts_with(&prefix))
+                        || d.body["job_id"].as_str() == Some(id)
+                })
+                .collect();
+            c.effect_requests += mine.len();
+            c.effect_processed += mine
+                .iter()
+                .filter(|d| !d.duplicate && (200..300).contains(&d.status))
+                .count();
+            c.effect_keys += mine
+                .iter()
+                .map(|d| {
+                    d.idempotency_key
+                        .clone()
+                        .unwrap_or_else(|| format!("(none) {}", d.received))
+                })
+                .collect::<HashSet<_>>()
+                .len();
+        }
+        let hooks = env.consumer.deliveries_for(id);
+        c.webhook_requests = hooks.len();
+        c.webhook_keys = hooks.iter().map(|d| d.webhook_id.clone()).collect();
+        c.webhook_processed = env.consumer.processed_for(id);
+        c
+    }
+}
+
+fn row(boundary: FailPoint, nth: u32, mode: Mode, id: &str, baseline: &Counts, c: &Counts) -> Row {
+    Row {
+        boundary,
+        nth,
+        mode,
+        job_id: id.to_owned(),
+        state: c.state,
+        attempts: c.attempts,
+        model_requests: c.model_requests,
+        effect_requests: c.effect_requests,
+        webhook_requests: c.webhook_requests,
+        violations: violations(baseline, c),
+    }
+}
+
+/// The invariants, checked against the clean run.
+fn violations(baseline: &Counts, c: &Counts) -> Vec<String> {
+    let mut v = Vec::new();
+    if c.state != baseline.state {
+        v.push(format!(
+            "ended {:?}, the clean run ended {:?}",
+            c.state, baseline.state
+        ));
+    }
+    if baseline.webhook_processed > 0 {
+        if c.webhook_keys.len() != 1 {
+            v.push(format!("{} distinct delivery keys", c.webhook_keys.len()));
+        }
+        if c.webhook_processed != baseline.webhook_processed {
+            v.push(format!("webhook processed {} times", c.webhook_processed));
+        }
+    }
+    if !c.model_overworked.is_empty() {
+        v.push(format!(
+            "model work repeated under {:?}",
+            c.model_overworked
+        ));
+    }
+    if c.model_keys != baseline.model_keys {
+        v.push(format!(
+            "{} model-call keys, the clean run used {}",
+            c.model_keys, baseline.model_keys
+        ));
+    }
+    if c.effect_processed != baseline.effect_processed {
+        v.push(format!(
+            "side effects processed {} times, the clean run {}",
+            c.effect_processed, baseline.effect_processed
+        ));
+    }
+    if c.effect_keys != baseline.effect_keys {
+        v.push(format!(
+            "side effects under {} keys, the clean run {}",
+            c.effect_keys, baseline.effect_keys
+        ));
+    }
+    if !is_lifecycle_prefix(&c.history) {
+        v.push(format!("history {:?} skips or repeats a state", c.history));
+    }
+    v
+}
+
+/// `received, generated, …` in order with nothing skipped or repeated, possibly ending in `dead`.
+fn is_lifecycle_prefix(history: &[JobState]) -> bool {
+    let live: &[JobState] = match history.split_last() {
+        Some((JobState::Dead, rest)) => rest,
+        _ => history,
+    };
+    !live.is_empty()
+        && live.iter().zip(JobState::ALL.iter()).all(|(a, b)| a == b)
+        && live.len() <= 6
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use JobState::*;
+
+    #[test]
+    fn lifecycle_prefixes() {
+        assert!(is_lifecycle_prefix(&[
+            Received, Generated, Persisted, Claimed, Delivered, Acked
+        ]));
+        assert!(is_lifecycle_prefix(&[Received, Dead]));
+        assert!(is_lifecycle_prefix(&[
+            Received, Generated, Persisted, Claimed, Dead
+        ]));
+        assert!(!is_lifecycle_prefix(&[Received, Persisted]));
+        assert!(!is_lifecycle_prefix(&[Received, Generated, Generated]));
+        assert!(!is_lifecycle_prefix(&[]));
+        assert!(!is_lifecycle_prefix(&[Generated]));
+    }
+}

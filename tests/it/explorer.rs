@@ -1,0 +1,218 @@
+//! The crash-point explorer over the built-in workflows and the example user
+//! workflow, and over two deliberately broken workflows it must catch.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use onceflow_engine::testkit::{Explorer, FakeConsumer, Mode, TestEnv};
+use onceflow_engine::{Context, Registry, StepError, Workflow};
+use onceflow_workflows::example::Onboarding;
+use onceflow_workflows::{Agent, Completion, HttpPost};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+fn prompt() -> Value {
+    json!({ "model": "m", "messages": [{ "role": "user", "content": "hi" }] })
+}
+
+#[actix_rt::test]
+async fn completion_survives_a_crash_or_a_takeover_at_every_boundary() {
+    let env = TestEnv::new().await;
+    let report = Explorer::new(
+        &env,
+        || {
+            let mut r = Registry::new();
+            r.register(Completion::default());
+            r
+        },
+        "completion",
+        prompt(),
+    )
+    .run()
+    .await;
+    println!("{report}");
+    assert!(
+        report.rows.len() >= 10,
+        "too few boundaries found:\n{report}"
+    );
+    assert!(report.rows.iter().any(|r| r.mode == Mode::Freeze));
+    report.assert_ok();
+}
+
+#[actix_rt::test]
+async fn the_agent_survives_a_crash_or_a_takeover_at_every_boundary() {
+    let env = TestEnv::new().await;
+    let tools = FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "ticket": "X" }))]);
+    let url = tools.url();
+    let report = Explorer::new(
+        &env,
+        move || {
+            let mut r = Registry::new();
+            r.register(Agent::new().with_tool(HttpPost::new(url.clone())));
+            r
+        },
+        "agent",
+        prompt(),
+    )
+    .recording(tools)
+    .run()
+    .await;
+    println!("{report}");
+    assert!(report
+        .rows
+        .iter()
+        .any(|r| r.boundary == onceflow_engine::FailPoint::ToolAfterEffect));
+    report.assert_ok();
+}
+
+#[actix_rt::test]
+async fn the_example_user_workflow_survives_every_boundary() {
+    let env = TestEnv::new().await;
+    let accounts = FakeConsumer::start();
+    let url = accounts.url();
+    let report = Explorer::new(
+        &env,
+        move || {
+            let mut r = Registry::new();
+            r.register(Onboarding::new(url.clone()));
+            r
+        },
+        "example.onboarding",
+        json!({ "email": "ada@example.com", "name": "Ada" }),
+    )
+    .recording(accounts)
+    .run()
+    .await;
+    println!("{report}");
+    assert!(report
+        .rows
+        .iter()
+        .any(|r| r.boundary == onceflow_engine::FailPoint::StepAfterEffect));
+    report.assert_ok();
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Note {
+    text: String,
+}
+
+/// Broken on purpose: its side effect's key comes from the attempt.
+struct KeyFromAttempt {
+    url: String,
+}
+
+impl Workflow for KeyFromAttempt {
+    const NAME: &'static str = "broken.key_from_attempt";
+    type Input = Note;
+    type Output = Note;
+
+    async fn run(&self, ctx: &mut Context, note: Note) -> Result<Note, StepError> {
+        let key = format!("job:{}:notify:attempt-{}", ctx.job_id(), ctx.attempt());
+        let sent = ctx
+            .http()
+            .post(&self.url)
+            .header("idempotency-key", key)
+            .json(&json!({ "job_id": ctx.job_id(), "text": note.text }))
+            .send()
+            .await;
+        sent.map_err(|e| StepError::permanent("send", "could not notify", e.to_string()))?;
+        Ok(note)
+    }
+}
+
+/// Broken on purpose: "already sent?" is answered from memory, not by a constraint.
+struct SentInMemory {
+    url: String,
+    sent: Mutex<HashSet<String>>,
+}
+
+impl Workflow for SentInMemory {
+    const NAME: &'static str = "broken.sent_in_memory";
+    type Input = Note;
+    type Output = Note;
+
+    async fn run(&self, ctx: &mut Context, note: Note) -> Result<Note, StepError> {
+        let first = self.sent.lock().unwrap().insert(ctx.job_id().to_owned());
+        if first {
+            let sent = ctx
+                .http()
+                .post(&self.url)
+                .json(&json!({ "job_id": ctx.job_id(), "text": note.text }))
+                .send()
+                .await;
+            sent.map_err(|e| StepError::permanent("send", "could not notify", e.to_string()))?;
+        }
+        Ok(note)
+    }
+}
+
+#[actix_rt::test]
+async fn the_explorer_catches_a_key_derived_from_the_attempt() {
+    let env = TestEnv::new().await;
+    let recorder = FakeConsumer::start();
+    let url = recorder.url();
+    let report = Explorer::new(
+        &env,
+        move || {
+            let mut r = Registry::new();
+            r.register(KeyFromAttempt { url: url.clone() });
+            r
+        },
+        "broken.key_from_attempt",
+        json!({ "text": "hello" }),
+    )
+    .recording(recorder)
+    .run()
+    .await;
+    println!("{report}");
+    let failures = report.failures();
+    assert!(
+        !failures.is_empty(),
+        "the explorer missed the broken key:\n{report}"
+    );
+    // Caught for the right reason: a resumed attempt repeated the effect under a new key.
+    assert!(
+        failures
+            .iter()
+            .all(|r| r.effect_requests > 1 && r.violations.iter().any(|v| v.contains("2 keys"))),
+        "{report}"
+    );
+}
+
+#[actix_rt::test]
+async fn the_explorer_catches_an_in_memory_already_sent_check() {
+    let env = TestEnv::new().await;
+    let recorder = FakeConsumer::start();
+    let url = recorder.url();
+    let report = Explorer::new(
+        &env,
+        move || {
+            let mut r = Registry::new();
+            r.register(SentInMemory {
+                url: url.clone(),
+                sent: Mutex::new(HashSet::new()),
+            });
+            r
+        },
+        "broken.sent_in_memory",
+        json!({ "text": "hello" }),
+    )
+    .recording(recorder)
+    .run()
+    .await;
+    println!("{report}");
+    let failures = report.failures();
+    assert!(
+        !failures.is_empty(),
+        "the explorer missed the in-memory check:\n{report}"
+    );
+    // Caught for the right reason: a node without the crashed node's memory
+    // resumed the job and repeated the effect, which the recorder could not drop.
+    assert!(failures.iter().any(|r| r.mode == Mode::Crash), "{report}");
+    assert!(
+        failures.iter().all(|r| r.effect_requests > 1
+            && r.violations.iter().any(|v| v.contains("processed 2 times"))),
+        "{report}"
+    );
+}
