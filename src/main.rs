@@ -1,6 +1,6 @@
 //! # onceflow
 //!
-//! The binary: `serve` runs the HTTP API and a node of the engine on
+//! The binary: `demo` shows the guarantees hold under injected faults; `serve` runs the HTTP API and a node of the engine on
 //! PostgreSQL (an embedded one when `DATABASE_URL` is unset); `migrate`
 //! applies the schema; `submit` and `status` are clients of a running server;
 //! `bench` measures throughput and latency end to end.
@@ -8,6 +8,7 @@
 mod bench;
 mod client;
 mod config;
+mod demo;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +26,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// See the guarantee hold: jobs with injected faults against a loopback provider and consumer.
+    Demo(demo::DemoArgs),
     /// Run the HTTP API and a worker node (starts an embedded PostgreSQL when DATABASE_URL is unset).
     Serve(config::ServeArgs),
     /// Apply pending database migrations and exit.
@@ -41,6 +44,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     onceflow_observability::init_logging();
     let result = match cli.command {
+        Command::Demo(args) => demo::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Migrate(args) => serve::migrate(args),
         Command::Submit(args) => client::submit(args),

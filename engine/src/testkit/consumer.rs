@@ -36,6 +36,8 @@ struct State {
     deliveries: Mutex<Vec<Delivery>>,
     processed: Mutex<HashSet<String>>,
     script: Script,
+    /// Scripts for the requests whose body names a job id.
+    per_job: Mutex<std::collections::HashMap<String, std::collections::VecDeque<Behaviour>>>,
 }
 
 /// The fake consumer. Cheap to clone.
@@ -70,6 +72,17 @@ impl FakeConsumer {
     /// Scripts the next request.
     pub fn push(&self, b: Behaviour) {
         self.state.script.push(b);
+    }
+
+    /// Scripts the next request whose body names `job_id` (before the shared script).
+    pub fn push_for(&self, job_id: &str, b: Behaviour) {
+        self.state
+            .per_job
+            .lock()
+            .expect("lock")
+            .entry(job_id.to_owned())
+            .or_default()
+            .push_back(b);
     }
 
     /// Every request received, in order.
@@ -133,7 +146,11 @@ fn header(req: &HttpRequest, name: &str) -> Option<String> {
 
 async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> HttpResponse {
     let received_at = std::time::Instant::now();
-    let behaviour = state.script.next();
+    let body: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+    let for_job = body["job_id"]
+        .as_str()
+        .and_then(|id| state.per_job.lock().expect("lock").get_mut(id).and_then(|q| q.pop_front()));
+    let behaviour = for_job.unwrap_or_else(|| state.script.next());
     let webhook_id = header(&req, "webhook-id");
     let status = match behaviour {
         Behaviour::Status(code, _) => code,
@@ -159,7 +176,7 @@ async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> 
         timestamp: header(&req, "webhook-timestamp"),
         signature: header(&req, "webhook-signature"),
         traceparent: header(&req, "traceparent"),
-        body: serde_json::from_slice(&raw).unwrap_or(Value::Null),
+        body,
         raw: raw.to_vec(),
         duplicate,
         status,
