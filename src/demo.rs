@@ -113,10 +113,18 @@ async fn demo(args: &DemoArgs, database: &crate::config::Database) -> anyhow::Re
     };
     config.provider.base_url = provider.base_url();
     config.provider.timeout = Duration::from_secs(2);
-    let engine = Engine::start(store.clone(), onceflow_workflows::registry(), faults.clone(), config);
+    let engine = Engine::start(
+        store.clone(),
+        onceflow_workflows::registry(),
+        faults.clone(),
+        config,
+    );
 
     let total = GROUPS.len() * args.jobs;
-    println!("onceflow demo: {total} completion jobs in {} groups, one fault per group", GROUPS.len());
+    println!(
+        "onceflow demo: {total} completion jobs in {} groups, one fault per group",
+        GROUPS.len()
+    );
     let mut ids = Vec::new();
     for group in GROUPS {
         for i in 0..args.jobs {
@@ -142,11 +150,17 @@ async fn demo(args: &DemoArgs, database: &crate::config::Database) -> anyhow::Re
                 finished += 1;
             }
         }
-        println!("  {finished}/{total} jobs finished after {:.1} s", start.elapsed().as_secs_f64());
+        println!(
+            "  {finished}/{total} jobs finished after {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
         if finished == total {
             break;
         }
-        anyhow::ensure!(start.elapsed() < Duration::from_secs(60), "jobs did not finish within a minute");
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(60),
+            "jobs did not finish within a minute"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     engine.shutdown();
@@ -154,16 +168,31 @@ async fn demo(args: &DemoArgs, database: &crate::config::Database) -> anyhow::Re
     println!();
     println!(
         "{:<30} {:>5} {:>6} {:>11} {:>10} {:>9} {:>14} {:>11}",
-        "fault", "jobs", "acked", "model work", "model reqs", "webhooks", "delivery keys", "duplicates"
+        "fault",
+        "jobs",
+        "acked",
+        "model work",
+        "model reqs",
+        "webhooks",
+        "delivery keys",
+        "duplicates"
     );
     let mut all_once = true;
     for group in GROUPS {
-        let mine: Vec<&String> = ids.iter().filter(|(g, _)| g.prefix == group.prefix).map(|(_, id)| id).collect();
+        let mine: Vec<&String> = ids
+            .iter()
+            .filter(|(g, _)| g.prefix == group.prefix)
+            .map(|(_, id)| id)
+            .collect();
         let mut acked = 0;
         let (mut work, mut model_requests, mut webhooks, mut duplicates) = (0, 0, 0, 0);
         let mut keys = HashSet::new();
         for id in &mine {
-            if store.job(id).await?.is_some_and(|j| j.state == JobState::Acked) {
+            if store
+                .job(id)
+                .await?
+                .is_some_and(|j| j.state == JobState::Acked)
+            {
                 acked += 1;
             }
             let key = format!("job:{id}:generate");
@@ -194,13 +223,20 @@ async fn demo(args: &DemoArgs, database: &crate::config::Database) -> anyhow::Re
     );
     if let Some((admin_url, name)) = admin {
         drop(store);
-        let mut conn = <diesel_async::AsyncPgConnection as diesel_async::AsyncConnection>::establish(&admin_url).await?;
+        let mut conn =
+            <diesel_async::AsyncPgConnection as diesel_async::AsyncConnection>::establish(
+                &admin_url,
+            )
+            .await?;
         let _ = diesel_async::SimpleAsyncConnection::batch_execute(
             &mut conn,
             &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
         )
         .await;
     }
-    anyhow::ensure!(all_once, "a job's model work or delivery was not exactly once: see the table");
+    anyhow::ensure!(
+        all_once,
+        "a job's model work or delivery was not exactly once: see the table"
+    );
     Ok(())
 }

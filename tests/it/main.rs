@@ -4,6 +4,7 @@
 
 mod agent;
 mod binary;
+mod chaos;
 mod durability;
 mod embedded;
 mod explorer;

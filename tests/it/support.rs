@@ -79,7 +79,16 @@ pub struct ServeProcess {
 impl ServeProcess {
     /// Starts `onceflow serve` with `env` and waits until `/healthz` answers 200.
     pub async fn start(env: &[(&str, String)], log: &Path) -> ServeProcess {
-        let port = free_port();
+        Self::start_on(free_port(), env, log).await
+    }
+
+    /// Starts a new server on this one's port (after it was killed).
+    pub async fn restart_on_same_port(&mut self, env: &[(&str, String)], log: &Path) {
+        let port: u16 = self.base.rsplit(':').next().unwrap().parse().unwrap();
+        *self = Self::start_on(port, env, log).await;
+    }
+
+    async fn start_on(port: u16, env: &[(&str, String)], log: &Path) -> ServeProcess {
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

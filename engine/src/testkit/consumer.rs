@@ -147,9 +147,14 @@ fn header(req: &HttpRequest, name: &str) -> Option<String> {
 async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> HttpResponse {
     let received_at = std::time::Instant::now();
     let body: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
-    let for_job = body["job_id"]
-        .as_str()
-        .and_then(|id| state.per_job.lock().expect("lock").get_mut(id).and_then(|q| q.pop_front()));
+    let for_job = body["job_id"].as_str().and_then(|id| {
+        state
+            .per_job
+            .lock()
+            .expect("lock")
+            .get_mut(id)
+            .and_then(|q| q.pop_front())
+    });
     let behaviour = for_job.unwrap_or_else(|| state.script.next());
     let webhook_id = header(&req, "webhook-id");
     let status = match behaviour {
