@@ -41,6 +41,44 @@ pub struct BenchArgs {
     /// Pace the second phase at this many jobs/s instead of half the measured maximum.
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Scale mode: hold all `--jobs` in flight at once (the provider runs in a
+    /// child process) and report peak memory and lease-renewal load.
+    #[arg(long)]
+    pub hold: bool,
+    /// Lease length in milliseconds (the heartbeat renews every third of it).
+    #[arg(long, env = "ONCEFLOW_LEASE_MS", default_value_t = 30_000)]
+    pub lease_ms: u64,
+}
+
+/// `onceflow fake-provider` (hidden): the loopback provider as a process of its own.
+#[derive(Debug, Args)]
+pub struct FakeProviderArgs {
+    /// Latency of every call, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub latency_ms: u64,
+}
+
+/// Serves a fake provider, prints its base URL, and exits when stdin closes.
+pub fn fake_provider(args: FakeProviderArgs) -> anyhow::Result<()> {
+    let provider = FakeProvider::start();
+    provider.set_latency(Duration::from_millis(args.latency_ms));
+    println!("{}", provider.base_url());
+    let mut sink = String::new();
+    while std::io::stdin().read_line(&mut sink)? > 0 {}
+    Ok(())
+}
+
+/// This process's peak resident memory (VmHWM), in MiB.
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 struct Phase {
@@ -90,6 +128,10 @@ async fn bench(args: &BenchArgs, database: &crate::config::Database) -> anyhow::
     let db = Db::connect(&url, pool).await.context("connecting")?;
     db.migrate().await?;
     let run_id = format!("{:x}", chrono::Utc::now().timestamp_millis());
+
+    if args.hold {
+        return hold(args, db, &run_id).await;
+    }
 
     eprintln!("measuring the durable single-row commit rate ({pool} connections, 3 s)…");
     let commit_rate = commit_rate(&db, pool as usize, Duration::from_secs(3)).await?;
@@ -437,4 +479,150 @@ async fn commit_rate(db: &Db, workers: usize, duration: Duration) -> anyhow::Res
     let mut conn = db.conn().await?;
     conn.batch_execute("DROP TABLE bench_commits").await?;
     Ok(rate)
+}
+
+/// Scale mode: every job in flight at once against a slow provider in a child process.
+async fn hold(args: &BenchArgs, db: Db, run_id: &str) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "fake-provider",
+            "--latency-ms",
+            &args.model_latency_ms.to_string(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the fake provider process")?;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
+    let provider_url = line.trim().to_owned();
+    anyhow::ensure!(
+        provider_url.starts_with("http"),
+        "the fake provider did not start"
+    );
+
+    let consumer = FakeConsumer::start();
+    let store = Store::new(db.clone());
+    let mut config = EngineConfig {
+        max_in_flight: args.max_in_flight.max(args.jobs),
+        lease: Duration::from_millis(args.lease_ms),
+        poll_interval: Duration::from_millis(500),
+        ..EngineConfig::default()
+    };
+    config.provider.base_url = provider_url;
+    config.provider.timeout = Duration::from_millis(args.model_latency_ms + 60_000);
+    let engine = Engine::start(
+        store.clone(),
+        onceflow_workflows::registry(),
+        Faults::new(),
+        config,
+    );
+
+    eprintln!(
+        "hold: {} jobs, provider latency {} ms, lease {} ms…",
+        args.jobs, args.model_latency_ms, args.lease_ms
+    );
+    let rss_before = peak_rss_mib();
+    let prefix = format!("{run_id}-hold");
+    let start = Instant::now();
+    let submitted = std::cell::Cell::new(None);
+    let submitting = async {
+        use futures_util::StreamExt;
+        let results: Vec<anyhow::Result<()>> = futures_util::stream::iter(0..args.jobs)
+            .map(|i| {
+                let store = store.clone();
+                let job = onceflow_engine::intake::NewJob {
+                    id: format!("bench-{prefix}-{i}"),
+                    workflow: "completion".to_owned(),
+                    input: json!({ "model": "bench", "messages": [{ "role": "user", "content": "hi" }] }),
+                    webhook_url: consumer.url(),
+                };
+                async move {
+                    store.submit(&job).await?;
+                    Ok(())
+                }
+            })
+            .buffer_unordered(args.concurrency.max(1))
+            .collect()
+            .await;
+        submitted.set(Some(start.elapsed()));
+        results.into_iter().collect::<anyhow::Result<Vec<()>>>()
+    };
+    let mut max_in_flight = 0;
+    let pattern = format!("bench-{prefix}-%");
+    let monitoring = async {
+        loop {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let in_flight = engine.in_flight().await;
+            max_in_flight = max_in_flight.max(in_flight);
+            let done = acked(&db, &pattern).await?;
+            eprintln!(
+                "  {:.0} s: {in_flight} in flight, {done}/{} acked, peak RSS {:.0} MiB",
+                start.elapsed().as_secs_f64(),
+                args.jobs,
+                peak_rss_mib()
+            );
+            if done >= args.jobs as i64 {
+                return anyhow::Ok(());
+            }
+            anyhow::ensure!(
+                start.elapsed() < Duration::from_secs(1800),
+                "jobs did not finish within 30 minutes"
+            );
+        }
+    };
+    let (sent, watched) = tokio::join!(submitting, monitoring);
+    sent?;
+    watched?;
+    let submitted = submitted.get().unwrap_or_default();
+    let elapsed = start.elapsed();
+    let counters = engine.counters();
+    let renewals = AtomicU64::load(&counters.renewals, Ordering::Relaxed);
+    let renewed = AtomicU64::load(&counters.renewed_leases, Ordering::Relaxed);
+    engine.shutdown();
+    drop(child.stdin.take());
+    let _ = child.wait();
+
+    println!();
+    println!(
+        "onceflow bench --hold: {} jobs, provider latency {} ms",
+        args.jobs, args.model_latency_ms
+    );
+    println!(
+        "{:<44} {:>12}",
+        "submitted in (s)",
+        format!("{:.1}", submitted.as_secs_f64())
+    );
+    println!(
+        "{:<44} {:>12}",
+        "all acked after (s)",
+        format!("{:.1}", elapsed.as_secs_f64())
+    );
+    println!(
+        "{:<44} {:>12}",
+        "most jobs in flight at once", max_in_flight
+    );
+    println!(
+        "{:<44} {:>12}",
+        "peak RSS before submitting (MiB)",
+        format!("{rss_before:.0}")
+    );
+    println!(
+        "{:<44} {:>12}",
+        "peak RSS of the engine process (MiB)",
+        format!("{:.0}", peak_rss_mib())
+    );
+    println!("{:<44} {:>12}", "lease-renewal statements", renewals);
+    println!(
+        "{:<44} {:>12}",
+        "lease-renewal statements/s",
+        format!("{:.2}", renewals as f64 / elapsed.as_secs_f64())
+    );
+    println!(
+        "{:<44} {:>12}",
+        "leases renewed/s (rows)",
+        format!("{:.0}", renewed as f64 / elapsed.as_secs_f64())
+    );
+    Ok(())
 }

@@ -38,6 +38,9 @@ enum Command {
     Status(client::StatusArgs),
     /// Benchmark: jobs end to end through the HTTP API against a loopback provider and consumer.
     Bench(bench::BenchArgs),
+    /// The loopback provider `bench --hold` runs as a child process.
+    #[command(hide = true)]
+    FakeProvider(bench::FakeProviderArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,6 +53,7 @@ fn main() -> std::process::ExitCode {
         Command::Submit(args) => client::submit(args),
         Command::Status(args) => client::status(args),
         Command::Bench(args) => bench::run(args),
+        Command::FakeProvider(args) => bench::fake_provider(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -76,7 +76,9 @@ impl Db {
         let manager = AsyncDieselConnectionManager::new_with_config(url, config);
         let pool = Pool::builder()
             .max_size(max_size)
-            .connection_timeout(Duration::from_secs(10))
+            // Under a burst (thousands of actors finishing at once) waiting for a
+            // connection is backpressure, not a failure.
+            .connection_timeout(Duration::from_secs(120))
             .build_unchecked(manager);
         let db = Db {
             pool,

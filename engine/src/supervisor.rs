@@ -49,6 +49,10 @@ pub struct Counters {
     pub started: std::sync::atomic::AtomicU64,
     pub takeovers: std::sync::atomic::AtomicU64,
     pub lease_lost: std::sync::atomic::AtomicU64,
+    /// Lease-renewal statements sent (one per heartbeat, whatever the number of jobs).
+    pub renewals: std::sync::atomic::AtomicU64,
+    /// Leases renewed by them.
+    pub renewed_leases: std::sync::atomic::AtomicU64,
 }
 
 /// The per-node supervisor.
@@ -227,6 +231,14 @@ impl Handler<Heartbeat> for Supervisor {
             act.renewing = false;
             match lost {
                 Ok(lost) => {
+                    let counters = &act.shared.counters;
+                    counters
+                        .renewals
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    counters.renewed_leases.fetch_add(
+                        (held.len() - lost.len()) as u64,
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
                     for id in lost {
                         // Only abort the attempt we asked about, not a newer one.
                         let asked = held.iter().find(|(h, _)| *h == id).map(|(_, e)| *e);
