@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
-use onceflow_engine::testkit::{Explorer, FakeConsumer, Mode, TestEnv};
+use onceflow_engine::testkit::{Explorer, FakeConsumer, Mode, Report, TestEnv};
 use onceflow_engine::{Context, Registry, StepError, Workflow};
 use onceflow_workflows::example::Onboarding;
 use onceflow_workflows::{Agent, Completion, HttpPost};
@@ -147,33 +147,37 @@ impl Workflow for SentInMemory {
     }
 }
 
-#[actix_rt::test]
-async fn the_explorer_catches_a_key_derived_from_the_attempt() {
+/// Explores a deliberately broken workflow that sends its side effect to a
+/// recorder; the explorer must find at least one broken invariant.
+async fn explore_broken<W: Workflow>(make: impl Fn(String) -> W + 'static) -> Report {
     let env = TestEnv::new().await;
     let recorder = FakeConsumer::start();
     let url = recorder.url();
-    let report = Explorer::new(
-        &env,
-        move || {
-            let mut r = Registry::new();
-            r.register(KeyFromAttempt { url: url.clone() });
-            r
-        },
-        "broken.key_from_attempt",
-        json!({ "text": "hello" }),
-    )
-    .recording(recorder)
-    .run()
-    .await;
+    let registry = move || {
+        let mut r = Registry::new();
+        r.register(make(url.clone()));
+        r
+    };
+    let report = Explorer::new(&env, registry, W::NAME, json!({ "text": "hello" }))
+        .recording(recorder)
+        .run()
+        .await;
     println!("{report}");
-    let failures = report.failures();
     assert!(
-        !failures.is_empty(),
-        "the explorer missed the broken key:\n{report}"
+        !report.failures().is_empty(),
+        "the explorer missed {}:\n{report}",
+        W::NAME
     );
+    report
+}
+
+#[actix_rt::test]
+async fn the_explorer_catches_a_key_derived_from_the_attempt() {
+    let report = explore_broken(|url| KeyFromAttempt { url }).await;
     // Caught for the right reason: a resumed attempt repeated the effect under a new key.
     assert!(
-        failures
+        report
+            .failures()
             .iter()
             .all(|r| r.effect_requests > 1 && r.violations.iter().any(|v| v.contains("2 keys"))),
         "{report}"
@@ -182,33 +186,14 @@ async fn the_explorer_catches_a_key_derived_from_the_attempt() {
 
 #[actix_rt::test]
 async fn the_explorer_catches_an_in_memory_already_sent_check() {
-    let env = TestEnv::new().await;
-    let recorder = FakeConsumer::start();
-    let url = recorder.url();
-    let report = Explorer::new(
-        &env,
-        move || {
-            let mut r = Registry::new();
-            r.register(SentInMemory {
-                url: url.clone(),
-                sent: Mutex::new(HashSet::new()),
-            });
-            r
-        },
-        "broken.sent_in_memory",
-        json!({ "text": "hello" }),
-    )
-    .recording(recorder)
-    .run()
+    let report = explore_broken(|url| SentInMemory {
+        url,
+        sent: Mutex::new(HashSet::new()),
+    })
     .await;
-    println!("{report}");
-    let failures = report.failures();
-    assert!(
-        !failures.is_empty(),
-        "the explorer missed the in-memory check:\n{report}"
-    );
     // Caught for the right reason: a node without the crashed node's memory
     // resumed the job and repeated the effect, which the recorder could not drop.
+    let failures = report.failures();
     assert!(failures.iter().any(|r| r.mode == Mode::Crash), "{report}");
     assert!(
         failures.iter().all(|r| r.effect_requests > 1

@@ -74,15 +74,7 @@ impl Workflow for Agent {
     type Output = AgentOutput;
 
     fn validate(input: &AgentInput) -> Result<(), InvalidInput> {
-        if input.model.trim().is_empty() {
-            return Err(InvalidInput::new("input.model", "must not be empty"));
-        }
-        if input.messages.is_empty() {
-            return Err(InvalidInput::new(
-                "input.messages",
-                "must hold at least one message",
-            ));
-        }
+        crate::validate_chat(&input.model, input.messages.len())?;
         for (i, m) in input.messages.iter().enumerate() {
             if !m.get("role").is_some_and(Value::is_string) {
                 return Err(InvalidInput::new(

@@ -68,15 +68,7 @@ impl Workflow for Completion {
     }
 
     fn validate(input: &CompletionInput) -> Result<(), InvalidInput> {
-        if input.model.trim().is_empty() {
-            return Err(InvalidInput::new("input.model", "must not be empty"));
-        }
-        if input.messages.is_empty() {
-            return Err(InvalidInput::new(
-                "input.messages",
-                "must hold at least one message",
-            ));
-        }
+        crate::validate_chat(&input.model, input.messages.len())?;
         if let Some(t) = input.temperature {
             if !(0.0..=2.0).contains(&t) {
                 return Err(InvalidInput::new(

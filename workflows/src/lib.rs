@@ -38,6 +38,24 @@ pub fn registry_with(tool_post_url: Option<&str>) -> Registry {
     registry
 }
 
+/// The checks every chat input shares: a model name and at least one message.
+pub(crate) fn validate_chat(
+    model: &str,
+    messages: usize,
+) -> Result<(), onceflow_engine::InvalidInput> {
+    use onceflow_engine::InvalidInput;
+    if model.trim().is_empty() {
+        return Err(InvalidInput::new("input.model", "must not be empty"));
+    }
+    if messages == 0 {
+        return Err(InvalidInput::new(
+            "input.messages",
+            "must hold at least one message",
+        ));
+    }
+    Ok(())
+}
+
 /// The built-in workflows, with no tool configured.
 pub fn registry() -> Registry {
     registry_with(None)
