@@ -103,6 +103,8 @@ impl Shared {
 /// A running node. Must be started inside an actix `System`.
 pub struct Engine {
     supervisor: Addr<Supervisor>,
+    store: Store,
+    node_id: String,
     stop_listener: tokio::sync::watch::Sender<bool>,
     counters: Arc<Counters>,
 }
@@ -116,13 +118,16 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Starts the supervisor and the new-job listener.
     pub fn start(store: Store, registry: Registry, faults: Faults, config: EngineConfig) -> Engine {
+        let node_id = config.node_id.clone();
         let shared = Arc::new(Shared::new(store.clone(), registry, faults, config));
         let counters = shared.counters.clone();
         let supervisor = Supervisor::new(shared).start();
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
-        actix::spawn(listen(store, supervisor.clone(), stopped));
+        actix::spawn(listen(store.clone(), supervisor.clone(), stopped));
         Engine {
             supervisor,
+            store,
+            node_id,
             stop_listener,
             counters,
         }
@@ -147,10 +152,19 @@ impl Engine {
         &self.counters
     }
 
-    /// Aborts every attempt (their leases lapse and another node resumes them).
+    /// Aborts every attempt, as a crash would: their leases lapse and
+    /// another node resumes them after the lease.
     pub fn shutdown(&self) {
         let _ = self.stop_listener.send(true);
         self.supervisor.do_send(Shutdown);
+    }
+
+    /// Aborts every attempt and releases their leases, so another node (or
+    /// this one restarted) resumes them at once from their last checkpoint.
+    pub async fn shutdown_gracefully(&self) -> Result<usize, crate::error::StoreError> {
+        let _ = self.stop_listener.send(true);
+        let _ = self.supervisor.send(Shutdown).await;
+        self.store.release_leases(&self.node_id).await
     }
 }
 

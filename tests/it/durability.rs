@@ -425,3 +425,34 @@ async fn signed_webhooks_verify() {
     let expected = key.sign(d.webhook_id.as_deref().unwrap(), ts, &d.raw);
     assert_eq!(d.signature.as_deref(), Some(expected.as_str()));
 }
+
+#[actix_rt::test]
+async fn a_graceful_shutdown_hands_running_jobs_over_at_once() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(1500));
+    let mut config = env.config();
+    config.lease = Duration::from_secs(60); // a crash would leave the job stuck for a minute
+    let first = env.start(registry(DeliveryPolicy::AtLeastOnce), config.clone());
+    env.submit("handover-1", "hello").await;
+    assert!(
+        wait_until(WAIT, || async {
+            env.provider.requests_for(&gen_key("handover-1")) == 1
+        })
+        .await
+    );
+    assert_eq!(
+        first.shutdown_gracefully().await.unwrap(),
+        1,
+        "the running job's lease was released"
+    );
+    config.node_id = "second-node".to_owned();
+    let _second = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
+    let job = env.wait_for("handover-1", JobState::Acked, WAIT).await;
+    assert_eq!(job.attempts, 2);
+    assert_eq!(
+        env.provider.work_done(&gen_key("handover-1")),
+        1,
+        "the model did the work once"
+    );
+    assert_one_delivery(&env, "handover-1");
+}

@@ -277,6 +277,20 @@ impl Store {
         Self::why_not(&mut conn, fence).await
     }
 
+    /// Releases every lease `node` holds, so another node resumes those jobs
+    /// at once instead of after the lease expires (a graceful shutdown).
+    /// Returns how many were released.
+    pub async fn release_leases(&self, node: &str) -> Result<usize, StoreError> {
+        let mut conn = self.db().conn().await?;
+        Ok(sql(
+            "UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now() \
+             WHERE lease_owner = $1 AND state NOT IN ('acked', 'dead')",
+        )
+        .bind::<Text, _>(node)
+        .execute(&mut conn)
+        .await?)
+    }
+
     /// The current state of a job (for an attempt that lost a race).
     pub async fn state_of(&self, job_id: &str) -> Result<Option<JobState>, StoreError> {
         let mut conn = self.db().conn().await?;
