@@ -60,3 +60,32 @@ async fn the_schema_holds_its_invariants() {
         assert!(dup.is_err(), "a duplicate model-call key was accepted");
     }
 }
+
+#[test]
+fn a_data_directory_the_service_user_cannot_reach_fails_with_the_fix() {
+    use std::os::unix::fs::PermissionsExt;
+    let private = tempfile::Builder::new()
+        .prefix("onceflow-private-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let data = private.path().join("data");
+    let result = onceflow_engine::pg::EmbeddedPg::start(&data);
+    if nix::unistd::geteuid().is_root() {
+        // As root the server runs as `postgres`, which cannot enter a 0700 folder of root's.
+        let message = result.expect_err("must refuse").to_string();
+        assert!(message.contains("cannot enter"), "{message}");
+        assert!(
+            message.contains(&private.path().display().to_string()),
+            "{message}"
+        );
+        assert!(
+            message.contains("chmod o+x") && message.contains("ONCEFLOW_DATA_DIR"),
+            "{message}"
+        );
+    } else {
+        // A normal user runs the server itself and owns the folder.
+        let pg = result.expect("a normal user's own folder works");
+        pg.stop().unwrap();
+    }
+}
