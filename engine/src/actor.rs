@@ -22,6 +22,7 @@ use crate::retry::RetryPolicy;
 use crate::store::journal::{Claim, DeliveryStart, FailedSend};
 use crate::store::{Checkpoint, Fence, Leased};
 use crate::supervisor::Supervisor;
+use crate::trace::TraceParent;
 use crate::webhook;
 use crate::workflow::{DeliveryPolicy, DynWorkflow};
 
@@ -122,6 +123,8 @@ pub(crate) struct JobRun {
 
 impl JobRun {
     pub(crate) fn new(leased: Leased, workflow: Arc<dyn DynWorkflow>, shared: Arc<Shared>) -> Self {
+        // This attempt is a span of its own in the job's trace.
+        let attempt_span = leased.trace.unwrap_or_else(TraceParent::new_root).child();
         let ctx = Context {
             fence: leased.fence.clone(),
             store: shared.store.clone(),
@@ -130,6 +133,7 @@ impl JobRun {
             wait_poll: shared.config.wait_poll,
             client: shared.client.clone(),
             tool_timeout: shared.config.webhook_timeout,
+            traceparent: attempt_span.to_string(),
         };
         JobRun {
             input: leased.request.get("input").cloned().unwrap_or(Value::Null),
@@ -293,6 +297,7 @@ impl JobRun {
                         &url,
                         &key,
                         &body,
+                        &self.ctx.traceparent,
                         &self.shared.faults,
                         &self.fence.job_id,
                     )

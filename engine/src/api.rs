@@ -11,6 +11,7 @@ use serde_json::json;
 
 use crate::intake::{self, IntakeError};
 use crate::store::{Intake, Store};
+use crate::trace::TraceParent;
 use crate::workflow::Registry;
 
 /// Default largest accepted request body (1 MiB).
@@ -109,7 +110,14 @@ async fn submit(
             )
         }
     };
-    match state.store.submit(&job).await {
+    // Continue the caller's trace when it sent one.
+    let trace = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse)
+        .unwrap_or_else(TraceParent::new_root);
+    match state.store.submit_traced(&job, trace).await {
         Ok(Intake::Created(view)) => HttpResponse::Created().json(view),
         Ok(Intake::Existing(view)) => HttpResponse::Ok().json(view),
         Ok(Intake::Conflict(_)) => error(

@@ -28,6 +28,8 @@ pub struct Context {
     pub(crate) client: reqwest::Client,
     /// Timeout of a tool's own requests.
     pub(crate) tool_timeout: Duration,
+    /// `traceparent` of this attempt: the job's trace, this attempt's span.
+    pub(crate) traceparent: String,
 }
 
 /// How a model call was served, for callers that count.
@@ -98,7 +100,13 @@ impl Context {
         };
         match self
             .provider
-            .chat(&key, request, &self.faults, self.job_id())
+            .chat(
+                &key,
+                request,
+                &self.traceparent,
+                &self.faults,
+                self.job_id(),
+            )
             .await
         {
             Ok((response, usage)) => {
@@ -165,6 +173,8 @@ pub struct ToolInvocation {
     pub idempotency_key: String,
     pub client: reqwest::Client,
     pub timeout: Duration,
+    /// The job's W3C trace context, to send along (`traceparent`).
+    pub traceparent: String,
 }
 
 /// What a general step's work gets.
@@ -174,6 +184,8 @@ pub struct StepInvocation {
     /// `job:{id}:step:{name}`: send it with the step's own side effect.
     pub idempotency_key: String,
     pub client: reqwest::Client,
+    /// The job's W3C trace context, to send along (`traceparent`).
+    pub traceparent: String,
 }
 
 impl ToolInvocation {
@@ -186,6 +198,7 @@ impl ToolInvocation {
             headers: vec![
                 ("idempotency-key", self.idempotency_key.clone()),
                 ("tool-call-id", self.tool_call_id.clone()),
+                ("traceparent", self.traceparent.clone()),
             ],
             body: serde_json::to_vec(body).expect("a JSON value serialises"),
             timeout: self.timeout,
@@ -267,6 +280,7 @@ impl Context {
             idempotency_key: keys::tool(&self.fence.job_id, turn, index),
             client: self.client.clone(),
             timeout: self.tool_timeout,
+            traceparent: self.traceparent.clone(),
         };
         let result = match execute(invocation).await {
             Ok(result) => result,
@@ -323,6 +337,7 @@ impl Context {
             job_id: self.fence.job_id.clone(),
             idempotency_key: key.clone(),
             client: self.client.clone(),
+            traceparent: self.traceparent.clone(),
         })
         .await?;
         self.faults

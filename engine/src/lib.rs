@@ -39,6 +39,7 @@ pub mod provider;
 pub mod retry;
 pub mod store;
 pub mod supervisor;
+pub mod trace;
 pub mod webhook;
 pub mod workflow;
 

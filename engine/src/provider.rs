@@ -52,11 +52,13 @@ impl Provider {
         self.config.timeout
     }
 
-    /// POSTs `request` to `/chat/completions` with `Idempotency-Key: key`.
+    /// POSTs `request` to `/chat/completions` with `Idempotency-Key: key` and
+    /// the job's `traceparent`.
     pub async fn chat(
         &self,
         key: &str,
         request: &Value,
+        traceparent: &str,
         faults: &Faults,
         job_id: &str,
     ) -> Result<(Value, Usage), PostError> {
@@ -64,7 +66,10 @@ impl Provider {
             "{}/chat/completions",
             self.config.base_url.trim_end_matches('/')
         );
-        let mut headers = vec![("idempotency-key", key.to_owned())];
+        let mut headers = vec![
+            ("idempotency-key", key.to_owned()),
+            ("traceparent", traceparent.to_owned()),
+        ];
         if let Some(api_key) = &self.config.api_key {
             headers.push(("authorization", format!("Bearer {api_key}")));
         }

@@ -79,6 +79,7 @@ pub async fn send(
     url: &str,
     key: &str,
     body: &Value,
+    traceparent: &str,
     faults: &Faults,
     job_id: &str,
 ) -> Result<u16, PostError> {
@@ -88,6 +89,7 @@ pub async fn send(
         ("idempotency-key", key.to_owned()),
         ("webhook-id", key.to_owned()),
         ("webhook-timestamp", timestamp.to_string()),
+        ("traceparent", traceparent.to_owned()),
     ];
     if let Some(secret) = sender.secret {
         headers.push(("webhook-signature", secret.sign(key, timestamp, &bytes)));

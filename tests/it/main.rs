@@ -10,3 +10,4 @@ mod embedded;
 mod explorer;
 mod intake;
 mod support;
+mod tracing;

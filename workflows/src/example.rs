@@ -75,6 +75,7 @@ impl Workflow for Onboarding {
                     idempotency_key: step.idempotency_key,
                     client: step.client,
                     timeout: std::time::Duration::from_secs(10),
+                    traceparent: step.traceparent,
                 };
                 let text = invocation.post_json(&url, &body).await?;
                 Ok(serde_json::from_str::<Value>(&text).unwrap_or(Value::String(text)))

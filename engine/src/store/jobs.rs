@@ -12,6 +12,7 @@ use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::intake::NewJob;
 use crate::lifecycle::JobState;
+use crate::trace::TraceParent;
 
 /// The channel new jobs are announced on (payload: the job id).
 pub const NEW_JOB_CHANNEL: &str = "onceflow_new_job";
@@ -47,6 +48,8 @@ pub struct JobView {
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
+    /// The W3C trace id every attempt and outgoing request of the job carries.
+    pub trace_id: Option<String>,
 }
 
 /// One transition.
@@ -95,6 +98,8 @@ struct JobRow {
     finished_at: Option<DateTime<Utc>>,
     #[diesel(sql_type = Nullable<Jsonb>)]
     result: Option<Value>,
+    #[diesel(sql_type = Nullable<Text>)]
+    trace_context: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -126,7 +131,7 @@ struct OutboxRow {
 }
 
 const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.request, j.request_hash, j.state::text AS state, \
-     j.attempts, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result \
+     j.attempts, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 
 impl Store {
@@ -134,6 +139,17 @@ impl Store {
     /// what is already stored under that id. Race-safe: the primary key
     /// decides, and a losing concurrent insert waits for the winner to commit.
     pub async fn submit(&self, job: &NewJob) -> Result<Intake, StoreError> {
+        self.submit_traced(job, TraceParent::new_root()).await
+    }
+
+    /// [`submit`](Self::submit) in the caller's trace: the job's attempts and
+    /// outgoing requests continue `trace` (stored with a new job; an existing
+    /// job keeps its own).
+    pub async fn submit_traced(
+        &self,
+        job: &NewJob,
+        trace: TraceParent,
+    ) -> Result<Intake, StoreError> {
         #[derive(QueryableByName)]
         struct Inserted {
             #[diesel(sql_type = Timestamptz)]
@@ -147,7 +163,8 @@ impl Store {
         // The job row, its first history row and the wake-up, in one
         // statement (one round trip, one commit); no row when the id exists.
         let inserted: Vec<Inserted> = sql("WITH job AS ( \
-                 INSERT INTO jobs (id, workflow, request, request_hash) VALUES ($1, $2, $3, $4) \
+                 INSERT INTO jobs (id, workflow, request, request_hash, trace_context) \
+                 VALUES ($1, $2, $3, $4, $7) \
                  ON CONFLICT (id) DO NOTHING RETURNING id, created_at), \
              history AS ( \
                  INSERT INTO job_history (job_id, state, attempt, worker) \
@@ -160,6 +177,7 @@ impl Store {
         .bind::<Text, _>(&hash)
         .bind::<Text, _>(INTAKE_WORKER)
         .bind::<Text, _>(NEW_JOB_CHANNEL)
+        .bind::<Text, _>(trace.to_string())
         .load(&mut conn)
         .await?;
         if let Some(row) = inserted.into_iter().next() {
@@ -183,6 +201,7 @@ impl Store {
                 created_at: row.created_at,
                 updated_at: row.created_at,
                 finished_at: None,
+                trace_id: Some(trace.trace_id_hex()),
             }));
         }
         let (view, stored_hash) = self
@@ -269,6 +288,11 @@ impl Store {
             created_at: row.created_at,
             updated_at: row.updated_at,
             finished_at: row.finished_at,
+            trace_id: row
+                .trace_context
+                .as_deref()
+                .and_then(TraceParent::parse)
+                .map(|t| t.trace_id_hex()),
         };
         Ok(Some((view, row.request_hash)))
     }

@@ -16,6 +16,7 @@ use super::sql::sql;
 use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::lifecycle::JobState;
+use crate::trace::TraceParent;
 
 /// The identity of one attempt: every write it makes is guarded by it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,6 +36,8 @@ pub struct Leased {
     pub state: JobState,
     /// The node that held the (expired) lease before us, if any: a takeover.
     pub previous_owner: Option<String>,
+    /// The job's trace (stored at intake).
+    pub trace: Option<TraceParent>,
 }
 
 /// The outcome of a guarded transition.
@@ -68,6 +71,8 @@ struct LeasedRow {
     lease_epoch: i64,
     #[diesel(sql_type = Nullable<Text>)]
     previous_owner: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    trace_context: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -111,7 +116,7 @@ impl Store {
                  attempts = j.attempts + 1, updated_at = now() \
              FROM picked WHERE j.id = picked.id \
              RETURNING j.id, j.workflow, j.request, j.state::text AS state, j.attempts, j.lease_epoch, \
-                 picked.lease_owner AS previous_owner",
+                 picked.lease_owner AS previous_owner, j.trace_context",
         )
         .bind::<Text, _>(node)
         .bind::<BigInt, _>(limit)
@@ -132,6 +137,7 @@ impl Store {
                     workflow: r.workflow,
                     request: r.request,
                     previous_owner: r.previous_owner,
+                    trace: r.trace_context.as_deref().and_then(TraceParent::parse),
                 })
             })
             .collect()
