@@ -18,7 +18,10 @@
 //!   completion webhook, failure classification and backoff.
 //! * [`store`] — all SQL; [`db`] the pool and migrations; [`pg`] the embedded
 //!   PostgreSQL.
-//! * [`faults`] — named failpoints at every boundary, for tests and the demo.
+//! * [`trace`] — W3C trace context: one trace per job across its attempts.
+//! * [`faults`] — named failpoints at every boundary, for tests and the demo;
+//!   `testkit` (feature) — throwaway PostgreSQL, fake provider and consumer,
+//!   the test harness and the crash-point explorer.
 //!
 //! `LIFECYCLE.md` beside this crate documents states, transitions, guards and
 //! which invariants the schema enforces.
