@@ -1,7 +1,8 @@
 //! Fault injection: named failpoints at every boundary of every workflow.
 //!
 //! A test (or `onceflow demo`) arms a point for a job, or for any job, to
-//! fail once, crash the attempt, or stall it. The engine calls
+//! fail once, crash the attempt, stall it, or freeze it (and its node's
+//! lease renewal) so another node takes over. The engine calls
 //! [`Faults::hit`] at each boundary; with nothing armed that is one atomic
 //! load. A crash stops the attempt where it stands: nothing more is written,
 //! the lease is not released, and recovery is the supervisor's job, exactly as

@@ -118,11 +118,12 @@ impl FromStr for JobState {
 /// What the actor does next, decided from the last checkpoint alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
-    /// Run the workflow body (it replays journaled calls), then checkpoint `generated`.
+    /// Run the workflow body (it replays journaled calls), then commit
+    /// `generated`, `persisted` and `claimed` together (`Store::commit_result`).
     RunBody,
-    /// Replay the body from the journal and write the result row, then checkpoint `persisted`.
+    /// Replay the body from the journal, then commit `persisted` and `claimed`.
     Persist,
-    /// Claim the outbox row, then checkpoint `claimed`.
+    /// Load the result row, then commit `claimed`.
     Claim,
     /// POST the webhook; on 2xx mark delivered and checkpoint `delivered`.
     Deliver,

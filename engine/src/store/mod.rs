@@ -5,7 +5,9 @@
 //! * [`jobs`]: intake (race-safe, decided by `INSERT … ON CONFLICT`) and the job view.
 //! * [`lease`]: taking runnable jobs (`FOR UPDATE SKIP LOCKED`), batched heartbeats,
 //!   fenced checkpoints.
-//! * [`journal`]: model calls, the step journal, results and the webhook outbox.
+//! * [`journal`]: model calls, results and the webhook outbox.
+//! * [`ledger`]: the tool ledger, the general step journal, retention purges.
+//! * [`sql`]: hand-written statements whose prepared form is cached.
 
 pub mod jobs;
 pub mod journal;
