@@ -148,6 +148,7 @@ async fn bench(args: &BenchArgs, database: &crate::config::Database) -> anyhow::
         ..EngineConfig::default()
     };
     config.provider.base_url = provider.base_url();
+    let telemetry = config.telemetry.clone();
     let engine = Engine::start(store.clone(), registry.clone(), Faults::new(), config);
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let base = format!("http://{}", listener.local_addr()?);
@@ -155,6 +156,7 @@ async fn bench(args: &BenchArgs, database: &crate::config::Database) -> anyhow::
         store: store.clone(),
         registry,
         body_limit: api::DEFAULT_BODY_LIMIT,
+        telemetry,
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))

@@ -1,13 +1,26 @@
 //! `onceflow serve` and `onceflow migrate`.
 
+use std::sync::Arc;
+
 use anyhow::Context as _;
 use onceflow_engine::api::{self, ApiState};
 use onceflow_engine::{Engine, Faults, Store};
+use onceflow_observability::Telemetry;
 
 use crate::config::{DbArgs, ServeArgs};
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let config = args.engine_config()?;
+    let mut config = args.engine_config()?;
+    let telemetry = Arc::new(Telemetry::from_env().context("OpenTelemetry configuration")?);
+    match telemetry.otlp() {
+        Some(otlp) => tracing::info!(
+            traces = otlp.traces.as_deref().unwrap_or("off"),
+            metrics = otlp.metrics.as_deref().unwrap_or("off"),
+            "exporting OpenTelemetry over OTLP/HTTP"
+        ),
+        None => tracing::info!("OTLP export is off (set OTEL_EXPORTER_OTLP_ENDPOINT to export); /metrics serves Prometheus text"),
+    }
+    config.telemetry = telemetry.clone();
     let database = args.db.resolve()?;
     let result = actix_web::rt::System::new().block_on(async {
         let db = database.open(args.db.db_pool).await?;
@@ -18,6 +31,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             store,
             registry,
             body_limit: args.body_limit,
+            telemetry: telemetry.clone(),
         };
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))
@@ -36,6 +50,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         engine.shutdown();
         anyhow::Ok(())
     });
+    // Off the runtime: the exporters flush with a blocking client.
+    if telemetry.otlp().is_some() {
+        match telemetry.shutdown() {
+            Ok(()) => tracing::info!("telemetry flushed"),
+            Err(e) => tracing::warn!(error = %e, "could not flush telemetry"),
+        }
+    }
     if let Some(pg) = &database.embedded {
         if let Err(e) = pg.stop() {
             tracing::warn!(error = %e, "could not stop the embedded PostgreSQL");

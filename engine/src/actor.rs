@@ -9,6 +9,9 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 use chrono::Utc;
+use onceflow_observability::names::*;
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
 use serde_json::Value;
 
 use crate::context::Context;
@@ -17,12 +20,12 @@ use crate::error::{ErrorEnvelope, StepError};
 use crate::faults::{FailPoint, Injected};
 use crate::keys;
 use crate::lifecycle::{next_step, JobState, Step};
+use crate::observe::Scope;
 use crate::outbound::PostError;
 use crate::retry::RetryPolicy;
 use crate::store::journal::{Claim, DeliveryStart, FailedSend};
 use crate::store::{Checkpoint, Fence, Leased};
 use crate::supervisor::Supervisor;
-use crate::trace::TraceParent;
 use crate::webhook;
 use crate::workflow::{DeliveryPolicy, DynWorkflow};
 
@@ -124,7 +127,16 @@ pub(crate) struct JobRun {
 impl JobRun {
     pub(crate) fn new(leased: Leased, workflow: Arc<dyn DynWorkflow>, shared: Arc<Shared>) -> Self {
         // This attempt is a span of its own in the job's trace.
-        let attempt_span = leased.trace.unwrap_or_else(TraceParent::new_root).child();
+        let scope = Scope::job(
+            shared.config.telemetry.clone(),
+            leased.trace,
+            vec![
+                KeyValue::new(JOB_ID, leased.fence.job_id.clone()),
+                KeyValue::new(WORKFLOW_NAME, leased.workflow.clone()),
+                KeyValue::new(JOB_ATTEMPT, i64::from(leased.fence.attempt)),
+                KeyValue::new(LEASE_EPOCH, leased.fence.epoch),
+            ],
+        );
         let ctx = Context {
             fence: leased.fence.clone(),
             store: shared.store.clone(),
@@ -133,7 +145,7 @@ impl JobRun {
             wait_poll: shared.config.wait_poll,
             client: shared.client.clone(),
             tool_timeout: shared.config.webhook_timeout,
-            traceparent: attempt_span.to_string(),
+            scope,
         };
         JobRun {
             input: leased.request.get("input").cloned().unwrap_or(Value::Null),
@@ -154,10 +166,20 @@ impl JobRun {
 
     /// Runs the attempt to its end and settles any failure.
     pub(crate) async fn execute(mut self) -> Outcome {
-        match self.drive().await {
+        let outcome = match self.drive().await {
             Ok(outcome) => outcome,
             Err(e) => self.settle(e).await,
-        }
+        };
+        let (name, error) = match &outcome {
+            Outcome::Acked => ("acked", false),
+            Outcome::Dead => ("dead", true),
+            Outcome::Rescheduled => ("rescheduled", false),
+            Outcome::LeaseLost => ("lease_lost", false),
+            Outcome::Crashed => ("crashed", true),
+            Outcome::Abandoned(_) => ("abandoned", true),
+        };
+        self.ctx.scope.end_job(name, error);
+        outcome
     }
 
     async fn drive(&mut self) -> Result<Outcome, StepError> {
@@ -187,9 +209,15 @@ impl JobRun {
                 }
                 Step::Deliver => self.deliver().await?,
                 Step::Ack => {
+                    let span = self.ctx.scope.step(
+                        SPAN_ACK,
+                        SpanKind::Internal,
+                        vec![KeyValue::new(TRANSITION, "delivered->acked")],
+                    );
                     faults.hit(&self.fence.job_id, FailPoint::Ack).await?;
                     let c = self.shared.store.ack(&self.fence).await?;
-                    settled(c, JobState::Acked, "acked")?
+                    span.end(checkpoint_outcome(c));
+                    self.settled(c, JobState::Acked, "acked")?
                 }
                 Step::Done => {
                     return Ok(match self.state {
@@ -229,15 +257,41 @@ impl JobRun {
             body: &body,
             in_flight_ms: at_least_once.then(|| self.delivery_in_flight_ms()),
         };
+        // One commit: `persist` (when the output is new) and `claim` spans
+        // cover the same statement.
+        let shared_commit = self.state < JobState::Persisted;
+        let persist = shared_commit.then(|| {
+            self.ctx.scope.step(
+                SPAN_PERSIST,
+                SpanKind::Internal,
+                vec![
+                    KeyValue::new(TRANSITION, format!("{}->persisted", self.state)),
+                    KeyValue::new(SHARED_COMMIT, true),
+                ],
+            )
+        });
+        let claim_span = self.ctx.scope.step(
+            SPAN_CLAIM,
+            SpanKind::Internal,
+            vec![
+                KeyValue::new(TRANSITION, "persisted->claimed"),
+                KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
+                KeyValue::new(SHARED_COMMIT, shared_commit),
+            ],
+        );
         let c = self
             .shared
             .store
             .commit_result(&self.fence, self.state, output, &claim, &self.shared.faults)
             .await?;
+        if let Some(span) = persist {
+            span.end(checkpoint_outcome(c));
+        }
+        claim_span.end(checkpoint_outcome(c));
         if c == Checkpoint::Moved && at_least_once {
             self.first_send = Some((self.webhook_url.clone(), body));
         }
-        settled(c, JobState::Claimed, "claimed")
+        self.settled(c, JobState::Claimed, "claimed")
     }
 
     fn delivery_in_flight_ms(&self) -> i64 {
@@ -251,6 +305,17 @@ impl JobRun {
         let key = keys::completed(&self.fence.job_id);
         let at_most_once = self.workflow.delivery_policy() == DeliveryPolicy::AtMostOnce;
         let in_flight_ms = self.delivery_in_flight_ms();
+        let metrics = self.ctx.scope.metrics().clone();
+        let step = |send: Option<i32>| {
+            let mut attrs = vec![
+                KeyValue::new(TRANSITION, "claimed->delivered"),
+                KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
+            ];
+            if let Some(send) = send {
+                attrs.push(KeyValue::new("onceflow.send", i64::from(send)));
+            }
+            self.ctx.scope.step(SPAN_DELIVER, SpanKind::Client, attrs)
+        };
         loop {
             let start = match self.first_send.take() {
                 // We claimed the event in this attempt: send 1 is ours already.
@@ -267,7 +332,10 @@ impl JobRun {
             };
             match start {
                 DeliveryStart::Delivered | DeliveryStart::Closed(_) => {
-                    return self.current_state().await
+                    // The journal shows it delivered (or closed): no send.
+                    metrics.delivery(OUTCOME_DUPLICATE_SUPPRESSED);
+                    step(None).end(OUTCOME_SUPPRESSED);
+                    return self.current_state().await;
                 }
                 DeliveryStart::LeaseLost => return Err(StepError::LeaseLost),
                 DeliveryStart::InFlight { .. } => tokio::time::sleep(config.wait_poll).await,
@@ -284,9 +352,12 @@ impl JobRun {
                     let c = store
                         .kill(&self.fence, reason, &error, Some((&key, "unknown")))
                         .await?;
-                    return settled(c, JobState::Dead, "dead");
+                    metrics.delivery(OUTCOME_DEAD);
+                    step(None).end(OUTCOME_FAILED);
+                    return self.settled(c, JobState::Dead, "dead");
                 }
                 DeliveryStart::Send { attempt, url, body } => {
+                    let mut span = step(Some(attempt));
                     let sender = webhook::Sender {
                         client: &self.shared.client,
                         secret: config.webhook_secret.as_ref(),
@@ -297,13 +368,14 @@ impl JobRun {
                         &url,
                         &key,
                         &body,
-                        &self.ctx.traceparent,
+                        &span.traceparent(),
                         &self.shared.faults,
                         &self.fence.job_id,
                     )
                     .await;
                     let failure = match sent {
                         Ok(status) => {
+                            span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
                             let c = store
                                 .mark_delivered(
                                     &self.fence,
@@ -312,12 +384,34 @@ impl JobRun {
                                     &self.shared.faults,
                                 )
                                 .await?;
-                            return settled(c, JobState::Delivered, "delivered");
+                            if c == Checkpoint::Moved {
+                                metrics.delivery(OUTCOME_DELIVERED);
+                            }
+                            span.end(checkpoint_outcome(c));
+                            return self.settled(c, JobState::Delivered, "delivered");
                         }
-                        Err(PostError::Injected(i)) => return Err(i.into()),
+                        Err(PostError::Injected(i)) => {
+                            // A failpoint after the send: to the engine, a lost answer.
+                            if matches!(i, Injected::Fail(_)) {
+                                metrics.delivery(OUTCOME_RETRIED);
+                                span.end(OUTCOME_RETRIED);
+                            }
+                            return Err(i.into());
+                        }
                         Err(PostError::Failed(f)) => f,
                     };
                     let error = failure.envelope();
+                    if let Some(status) = failure.status() {
+                        span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
+                    }
+                    span.set(KeyValue::new(ERROR_CODE, error.code.clone()));
+                    let dead = (at_most_once && !failure.never_sent()) || !failure.is_retryable();
+                    metrics.delivery(if dead { OUTCOME_DEAD } else { OUTCOME_RETRIED });
+                    span.end(if dead {
+                        OUTCOME_FAILED
+                    } else {
+                        OUTCOME_RETRIED
+                    });
                     store
                         .fail_delivery(
                             &key,
@@ -332,7 +426,7 @@ impl JobRun {
                         let c = store
                             .kill(&self.fence, reason, &error, Some((&key, "unknown")))
                             .await?;
-                        return settled(c, JobState::Dead, "dead");
+                        return self.settled(c, JobState::Dead, "dead");
                     }
                     if !failure.is_retryable() {
                         let reason = format!(
@@ -342,7 +436,7 @@ impl JobRun {
                         let c = store
                             .kill(&self.fence, &reason, &error, Some((&key, "dead")))
                             .await?;
-                        return settled(c, JobState::Dead, "dead");
+                        return self.settled(c, JobState::Dead, "dead");
                     }
                     return Err(StepError::Retry {
                         error,
@@ -450,12 +544,52 @@ impl JobRun {
                 .kill(&self.fence, reason, &error.envelope(), outbox)
                 .await?
             {
-                Checkpoint::Moved => Outcome::Dead,
+                Checkpoint::Moved => {
+                    let metrics = self.ctx.scope.metrics();
+                    metrics.transition(JobState::Dead.as_str());
+                    if outbox.is_some() {
+                        metrics.delivery(OUTCOME_DEAD);
+                    }
+                    Outcome::Dead
+                }
                 Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) | Checkpoint::Faulted => {
                     Outcome::LeaseLost
                 }
             },
         )
+    }
+}
+
+impl JobRun {
+    /// Maps a checkpoint's outcome to the state the job is in now, counting
+    /// the transitions this attempt committed.
+    fn settled(
+        &self,
+        c: Checkpoint,
+        to: JobState,
+        name: &'static str,
+    ) -> Result<JobState, StepError> {
+        if c == Checkpoint::Moved {
+            let metrics = self.ctx.scope.metrics();
+            if to == JobState::Dead {
+                metrics.transition(to.as_str());
+            } else {
+                JobState::ALL
+                    .into_iter()
+                    .filter(|s| *s > self.state && *s <= to)
+                    .for_each(|s| metrics.transition(s.as_str()));
+            }
+        }
+        settled(c, to, name)
+    }
+}
+
+/// What a checkpoint's outcome means for its span.
+fn checkpoint_outcome(c: Checkpoint) -> &'static str {
+    match c {
+        Checkpoint::Moved => OUTCOME_PERFORMED,
+        Checkpoint::AlreadyAt(_) | Checkpoint::LeaseLost => OUTCOME_SUPPRESSED,
+        Checkpoint::Faulted => OUTCOME_FAILED,
     }
 }
 

@@ -1,4 +1,5 @@
-//! The HTTP API (actix-web): intake, the job view, health.
+//! The HTTP API (actix-web): intake, the job view, health, and `/metrics`
+//! (Prometheus text from the node's OpenTelemetry instruments).
 //!
 //! Errors are `{"error":{"code","message"[,"field"]}}`. No bad request changes
 //! stored state: the body is read under a size limit, parsed, validated, and
@@ -6,7 +7,13 @@
 
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
+use std::sync::Arc;
+
 use futures_util::StreamExt;
+use onceflow_observability::names::*;
+use onceflow_observability::Telemetry;
+use opentelemetry::trace::{Span as _, SpanKind, Status, Tracer as _};
+use opentelemetry::KeyValue;
 use serde_json::json;
 
 use crate::intake::{self, IntakeError};
@@ -23,6 +30,8 @@ pub struct ApiState {
     pub store: Store,
     pub registry: Registry,
     pub body_limit: usize,
+    /// The node's telemetry (share the engine's, so `/metrics` shows both).
+    pub telemetry: Arc<Telemetry>,
 }
 
 /// Mounts the API on an actix-web app.
@@ -32,6 +41,7 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
             .route("/v1/jobs", web::post().to(submit))
             .route("/v1/jobs/{id}", web::get().to(get_job))
             .route("/healthz", web::get().to(healthz))
+            .route("/metrics", web::get().to(metrics))
             .default_service(web::to(not_found));
     }
 }
@@ -110,16 +120,59 @@ async fn submit(
             )
         }
     };
-    // Continue the caller's trace when it sent one.
-    let trace = req
+    // The `submit` span continues the caller's trace when it sent one; its
+    // context is stored with the job, so every attempt is its child.
+    let caller = req
         .headers()
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
-        .and_then(TraceParent::parse)
+        .and_then(TraceParent::parse);
+    let parent = caller
+        .as_ref()
+        .map(crate::observe::remote_context)
+        .unwrap_or_default();
+    let tracer = state.telemetry.tracer();
+    let mut span = tracer
+        .span_builder(SPAN_SUBMIT)
+        .with_kind(SpanKind::Server)
+        .with_attributes([
+            KeyValue::new(JOB_ID, job.id.clone()),
+            KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
+        ])
+        .start_with_context(tracer, &parent);
+    let trace = crate::observe::trace_parent(span.span_context())
+        .or(caller)
         .unwrap_or_else(TraceParent::new_root);
-    match state.store.submit_traced(&job, trace).await {
-        Ok(Intake::Created(view)) => HttpResponse::Created().json(view),
-        Ok(Intake::Existing(view)) => HttpResponse::Ok().json(view),
+    let submitted = |outcome: &'static str| {
+        state.telemetry.metrics().jobs_submitted.add(
+            1,
+            &[
+                KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
+                KeyValue::new(SUBMIT_OUTCOME, outcome),
+            ],
+        );
+    };
+    let result = state.store.submit_traced(&job, trace).await;
+    let outcome = match &result {
+        Ok(Intake::Created(_)) => "created",
+        Ok(Intake::Existing(_)) => "existing",
+        Ok(Intake::Conflict(_)) => "conflict",
+        Err(_) => "unavailable",
+    };
+    span.set_attribute(KeyValue::new(SUBMIT_OUTCOME, outcome));
+    if result.is_err() {
+        span.set_status(Status::error(outcome));
+    }
+    span.end();
+    match result {
+        Ok(Intake::Created(view)) => {
+            submitted("created");
+            HttpResponse::Created().json(view)
+        }
+        Ok(Intake::Existing(view)) => {
+            submitted("existing");
+            HttpResponse::Ok().json(view)
+        }
         Ok(Intake::Conflict(_)) => error(
             StatusCode::CONFLICT,
             "conflict",
@@ -157,6 +210,12 @@ async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
         ),
         Err(e) => unavailable(e),
     }
+}
+
+async fn metrics(state: web::Data<ApiState>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4; charset=utf-8")
+        .body(state.telemetry.prometheus())
 }
 
 async fn not_found(req: HttpRequest) -> HttpResponse {

@@ -5,12 +5,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use onceflow_observability::names::*;
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
 use serde_json::Value;
 
 use crate::error::{ErrorEnvelope, StepError};
 use crate::faults::Faults;
 use crate::intake::canonical_hash;
 use crate::keys;
+use crate::observe::Scope;
 use crate::outbound::PostError;
 use crate::provider::Provider;
 use crate::store::journal::{FailedSend, ModelCallStart};
@@ -28,8 +32,8 @@ pub struct Context {
     pub(crate) client: reqwest::Client,
     /// Timeout of a tool's own requests.
     pub(crate) tool_timeout: Duration,
-    /// `traceparent` of this attempt: the job's trace, this attempt's span.
-    pub(crate) traceparent: String,
+    /// This attempt's `job` span and the node's instruments.
+    pub(crate) scope: Scope,
 }
 
 /// How a model call was served, for callers that count.
@@ -74,42 +78,82 @@ impl Context {
         // The in-flight mark outlives the request timeout a little, so a
         // concurrent attempt does not send while ours may still be answered.
         let in_flight_ms = (self.provider.timeout() + Duration::from_secs(5)).as_millis() as i64;
+        let metrics = self.scope.metrics().clone();
+        let model = request
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let mut span = self.scope.step(
+            SPAN_GENERATE,
+            SpanKind::Client,
+            vec![
+                KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
+                KeyValue::new(GEN_AI_OPERATION, "chat"),
+                KeyValue::new(GEN_AI_PROVIDER, "openai"),
+                KeyValue::new(GEN_AI_REQUEST_MODEL, model),
+            ],
+        );
         let attempt = loop {
             match self
                 .store
                 .begin_model_call(&self.fence, &key, &hash, in_flight_ms)
                 .await?
             {
-                ModelCallStart::Completed(response) => return Ok((response, Served::Replayed)),
+                ModelCallStart::Completed(response) => {
+                    metrics.model_call(OUTCOME_REPLAYED);
+                    span.end(OUTCOME_REPLAYED);
+                    return Ok((response, Served::Replayed));
+                }
                 ModelCallStart::Send { attempt } => break attempt,
                 ModelCallStart::InFlight { until } => {
                     tracing::debug!(job.id = self.job_id(), key, %until, "model call in flight elsewhere; waiting");
                     tokio::time::sleep(self.wait_poll).await;
                 }
                 ModelCallStart::KeyConflict { stored_hash } => {
+                    metrics.model_call(OUTCOME_FAILED);
+                    span.set(KeyValue::new(ERROR_CODE, "model_key_conflict"));
                     return Err(StepError::permanent(
                         "model_key_conflict",
                         format!("model-call key {key} was journaled for a different request"),
                         format!(
                         "stored request hash {stored_hash}, this request {hash}; nothing was sent"
                     ),
-                    ))
+                    ));
                 }
-                ModelCallStart::LeaseLost => return Err(StepError::LeaseLost),
+                ModelCallStart::LeaseLost => {
+                    span.end(OUTCOME_SUPPRESSED);
+                    return Err(StepError::LeaseLost);
+                }
             }
         };
+        span.set(KeyValue::new("onceflow.send", i64::from(attempt)));
         match self
             .provider
             .chat(
                 &key,
                 request,
-                &self.traceparent,
+                &span.traceparent(),
                 &self.faults,
                 self.job_id(),
             )
             .await
         {
-            Ok((response, usage)) => {
+            Ok((response, usage, status)) => {
+                span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
+                if let Some(m) = response.get("model").and_then(Value::as_str) {
+                    span.set(KeyValue::new(GEN_AI_RESPONSE_MODEL, m.to_owned()));
+                }
+                for (name, n) in [
+                    (GEN_AI_INPUT_TOKENS, usage.input_tokens),
+                    (GEN_AI_OUTPUT_TOKENS, usage.output_tokens),
+                ] {
+                    if let Some(n) = n {
+                        span.set(KeyValue::new(name, i64::from(n)));
+                    }
+                }
+                // Tokens are spent whether or not the journal commit lands.
+                metrics.tokens(usage.input_tokens, usage.output_tokens, attempt > 1);
                 match self
                     .store
                     .complete_model_call(
@@ -121,7 +165,11 @@ impl Context {
                     )
                     .await?
                 {
-                    Checkpoint::Moved => Ok((response, Served::Performed)),
+                    Checkpoint::Moved => {
+                        metrics.model_call(OUTCOME_PERFORMED);
+                        span.end(OUTCOME_PERFORMED);
+                        Ok((response, Served::Performed))
+                    }
                     Checkpoint::Faulted => {
                         Err(StepError::Injected(crate::faults::Injected::Crash(
                             crate::faults::FailPoint::BeforeCommit("model_call"),
@@ -130,9 +178,27 @@ impl Context {
                     Checkpoint::LeaseLost | Checkpoint::AlreadyAt(_) => Err(StepError::LeaseLost),
                 }
             }
-            Err(PostError::Injected(injected)) => Err(injected.into()),
+            Err(PostError::Injected(injected)) => {
+                // A failpoint after the send: to the engine, a lost answer.
+                if matches!(injected, crate::faults::Injected::Fail(_)) {
+                    metrics.model_call(OUTCOME_RETRIED);
+                    span.end(OUTCOME_RETRIED);
+                }
+                Err(injected.into())
+            }
             Err(PostError::Failed(failure)) => {
                 let error = failure.envelope();
+                if let Some(status) = failure.status() {
+                    span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
+                }
+                span.set(KeyValue::new(ERROR_CODE, error.code.clone()));
+                let outcome = if failure.is_retryable() {
+                    OUTCOME_RETRIED
+                } else {
+                    OUTCOME_FAILED
+                };
+                metrics.model_call(outcome);
+                span.end(outcome);
                 self.store
                     .fail_model_call(
                         &key,
@@ -254,13 +320,40 @@ impl Context {
             arguments_hash: &hash,
         };
         let in_flight_ms = (self.tool_timeout + Duration::from_secs(5)).as_millis() as i64;
+        let key = keys::tool(&self.fence.job_id, turn, index);
+        let metrics = self.scope.metrics().clone();
+        let mut span = self.scope.step(
+            SPAN_TOOL,
+            SpanKind::Client,
+            vec![
+                KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
+                KeyValue::new(GEN_AI_TOOL_NAME, tool_name.to_owned()),
+                KeyValue::new(GEN_AI_TOOL_CALL_ID, tool_call_id.to_owned()),
+            ],
+        );
         let attempt = loop {
-            match self.store.begin_tool_call(&self.fence, &spec, in_flight_ms).await? {
-                ToolCallStart::Completed(result) => return Ok(result),
+            match self
+                .store
+                .begin_tool_call(&self.fence, &spec, in_flight_ms)
+                .await?
+            {
+                ToolCallStart::Completed(result) => {
+                    metrics.tool(OUTCOME_REPLAYED);
+                    span.end(OUTCOME_REPLAYED);
+                    return Ok(result);
+                }
                 ToolCallStart::Execute { attempt } => break attempt,
                 ToolCallStart::InFlight { .. } => tokio::time::sleep(self.wait_poll).await,
-                ToolCallStart::LeaseLost => return Err(StepError::LeaseLost),
-                ToolCallStart::Conflict { stored_id, stored_hash } => {
+                ToolCallStart::LeaseLost => {
+                    span.end(OUTCOME_SUPPRESSED);
+                    return Err(StepError::LeaseLost);
+                }
+                ToolCallStart::Conflict {
+                    stored_id,
+                    stored_hash,
+                } => {
+                    metrics.tool(OUTCOME_FAILED);
+                    span.set(KeyValue::new(ERROR_CODE, "tool_call_conflict"));
                     return Err(StepError::permanent(
                         "tool_call_conflict",
                         format!(
@@ -270,22 +363,30 @@ impl Context {
                             "the ledger holds call {stored_id} with arguments hash {stored_hash}; this call has \
                              arguments hash {hash}; nothing was executed"
                         ),
-                    ))
+                    ));
                 }
             }
         };
         let invocation = ToolInvocation {
             job_id: self.fence.job_id.clone(),
             tool_call_id: tool_call_id.to_owned(),
-            idempotency_key: keys::tool(&self.fence.job_id, turn, index),
+            idempotency_key: key,
             client: self.client.clone(),
             timeout: self.tool_timeout,
-            traceparent: self.traceparent.clone(),
+            traceparent: span.traceparent(),
         };
         let result = match execute(invocation).await {
             Ok(result) => result,
             Err(error) => {
                 let permanent = !error.is_retryable();
+                let outcome = if permanent {
+                    OUTCOME_FAILED
+                } else {
+                    OUTCOME_RETRIED
+                };
+                metrics.tool(outcome);
+                span.set(KeyValue::new(ERROR_CODE, error.envelope().code));
+                span.end(outcome);
                 self.store
                     .fail_tool_call(&self.fence, position, &error.envelope(), permanent)
                     .await?;
@@ -309,8 +410,11 @@ impl Context {
             .complete_tool_call(&self.fence, position, &result)
             .await?
         {
+            span.end(OUTCOME_SUPPRESSED);
             return Err(StepError::LeaseLost);
         }
+        metrics.tool(OUTCOME_PERFORMED);
+        span.end(OUTCOME_PERFORMED);
         Ok(result)
     }
 
@@ -330,14 +434,23 @@ impl Context {
             serde_json::from_str::<T>(text)
                 .map_err(|e| StepError::Serialize(format!("journaled output of step {name}: {e}")))
         };
+        let span = self.scope.step(
+            SPAN_STEP,
+            SpanKind::Internal,
+            vec![
+                KeyValue::new(STEP, name.to_owned()),
+                KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
+            ],
+        );
         if let Some(stored) = self.store.step_output(&self.fence.job_id, &key).await? {
+            span.end(OUTCOME_REPLAYED);
             return decode(&stored);
         }
         let output = work(StepInvocation {
             job_id: self.fence.job_id.clone(),
             idempotency_key: key.clone(),
             client: self.client.clone(),
-            traceparent: self.traceparent.clone(),
+            traceparent: span.traceparent(),
         })
         .await?;
         self.faults
@@ -346,8 +459,14 @@ impl Context {
         let text =
             serde_json::to_string(&output).map_err(|e| StepError::Serialize(e.to_string()))?;
         match self.store.record_step(&self.fence, &key, &text).await? {
-            Some(stored) => decode(&stored),
-            None => Err(StepError::LeaseLost),
+            Some(stored) => {
+                span.end(OUTCOME_PERFORMED);
+                decode(&stored)
+            }
+            None => {
+                span.end(OUTCOME_SUPPRESSED);
+                Err(StepError::LeaseLost)
+            }
         }
     }
 }

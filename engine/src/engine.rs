@@ -8,6 +8,8 @@ use actix::prelude::*;
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 
+use onceflow_observability::Telemetry;
+
 use crate::faults::Faults;
 use crate::provider::{Provider, ProviderConfig};
 use crate::retry::RetryPolicy;
@@ -38,6 +40,8 @@ pub struct EngineConfig {
     /// Finished jobs (with their keys and ledgers) are purged this long after
     /// they finished; a resubmission of a purged id is a new job.
     pub retention: Duration,
+    /// Spans and metrics (OTLP export when configured; `/metrics` always).
+    pub telemetry: Arc<Telemetry>,
 }
 
 impl Default for EngineConfig {
@@ -54,6 +58,7 @@ impl Default for EngineConfig {
             model_retry: RetryPolicy::DEFAULT_MODEL,
             webhook_retry: RetryPolicy::DEFAULT_WEBHOOK,
             retention: Duration::from_secs(24 * 3600),
+            telemetry: Arc::new(Telemetry::disabled()),
         }
     }
 }

@@ -18,7 +18,8 @@
 //!   completion webhook, failure classification and backoff.
 //! * [`store`] — all SQL; [`db`] the pool and migrations; [`pg`] the embedded
 //!   PostgreSQL.
-//! * [`trace`] — W3C trace context: one trace per job across its attempts.
+//! * [`trace`] — W3C trace context: one trace per job across its attempts;
+//!   [`observe`] — the OpenTelemetry spans and metrics of each attempt.
 //! * [`faults`] — named failpoints at every boundary, for tests and the demo;
 //!   `testkit` (feature) — throwaway PostgreSQL, fake provider and consumer,
 //!   the test harness and the crash-point explorer.
@@ -36,6 +37,7 @@ pub mod faults;
 pub mod intake;
 pub mod keys;
 pub mod lifecycle;
+pub mod observe;
 pub mod outbound;
 pub mod pg;
 pub mod provider;

@@ -61,7 +61,7 @@ impl Provider {
         traceparent: &str,
         faults: &Faults,
         job_id: &str,
-    ) -> Result<(Value, Usage), PostError> {
+    ) -> Result<(Value, Usage, u16), PostError> {
         let url = format!(
             "{}/chat/completions",
             self.config.base_url.trim_end_matches('/')
@@ -85,7 +85,7 @@ impl Provider {
             job_id,
             point: FailPoint::ModelAfterSend,
         };
-        let (_, bytes) = post(&self.client, request, Some(seam)).await?;
+        let (status, bytes) = post(&self.client, request, Some(seam)).await?;
         let response: Value = serde_json::from_slice(&bytes).map_err(|e| {
             PostError::Failed(Failure::BadResponse(format!(
                 "the response is not JSON: {e}"
@@ -106,6 +106,6 @@ impl Provider {
             input_tokens: tokens("prompt_tokens"),
             output_tokens: tokens("completion_tokens"),
         };
-        Ok((response, usage))
+        Ok((response, usage, status))
     }
 }

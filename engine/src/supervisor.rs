@@ -65,6 +65,8 @@ pub struct Supervisor {
     purging: bool,
     reclaimed_own: bool,
     stopping: bool,
+    /// Actors in flight last reported to the up-down counter.
+    reported_in_flight: i64,
 }
 
 impl Supervisor {
@@ -78,6 +80,7 @@ impl Supervisor {
             purging: false,
             reclaimed_own: false,
             stopping: false,
+            reported_in_flight: 0,
         }
     }
 }
@@ -152,6 +155,21 @@ impl Handler<Poll> for Supervisor {
 }
 
 impl Supervisor {
+    /// Reports a change of the number of actors in flight.
+    fn report_in_flight(&mut self) {
+        let now = self.in_flight.len() as i64;
+        let delta = now - self.reported_in_flight;
+        if delta != 0 {
+            self.shared
+                .config
+                .telemetry
+                .metrics()
+                .actors_in_flight
+                .add(delta, &[]);
+            self.reported_in_flight = now;
+        }
+    }
+
     /// Whether one of this node's attempts is frozen by a failpoint.
     fn frozen(&self) -> bool {
         let faults = &self.shared.faults;
@@ -167,6 +185,12 @@ impl Supervisor {
             counters
                 .takeovers
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.shared
+                .config
+                .telemetry
+                .metrics()
+                .lease_takeovers
+                .add(1, &[]);
             tracing::info!(job.id = %leased.fence.job_id, previous_owner = %previous, state = %leased.state, "resuming a stalled job from its last checkpoint");
         }
         let Some(workflow) = self.shared.registry.get(&leased.workflow).cloned() else {
@@ -178,6 +202,7 @@ impl Supervisor {
         let run = JobRun::new(leased, workflow, self.shared.clone());
         let addr = JobActor::new(run, ctx.address()).start();
         self.in_flight.insert(job_id, (epoch, addr));
+        self.report_in_flight();
     }
 }
 
@@ -191,6 +216,7 @@ impl Handler<Finished> for Supervisor {
             .is_some_and(|(e, _)| *e == msg.epoch)
         {
             self.in_flight.remove(&msg.job_id);
+            self.report_in_flight();
         }
         if msg.outcome == Outcome::LeaseLost {
             self.shared
@@ -247,6 +273,7 @@ impl Handler<Heartbeat> for Supervisor {
                                 tracing::warn!(job.id = %id, "lease lost; stopping the attempt");
                                 addr.do_send(Abort);
                                 act.in_flight.remove(&id);
+                                act.report_in_flight();
                             }
                         }
                     }
@@ -268,7 +295,29 @@ impl Handler<Purge> for Supervisor {
         let shared = self.shared.clone();
         let purge = async move {
             let retention_ms = shared.config.retention.as_millis() as i64;
-            shared.store.purge_finished(retention_ms, PURGE_BATCH).await
+            let purged = shared.store.purge_finished(retention_ms, PURGE_BATCH).await;
+            // The jobs-by-state gauge rides on the same cadence: one
+            // GROUP BY over the (retention-bounded) jobs table.
+            match shared.store.count_by_state().await {
+                Ok(counts) => {
+                    let gauge = &shared.config.telemetry.metrics().jobs;
+                    for state in crate::lifecycle::JobState::ALL {
+                        let n = counts
+                            .iter()
+                            .find(|(s, _)| *s == state)
+                            .map_or(0, |(_, n)| *n);
+                        gauge.record(
+                            n,
+                            &[opentelemetry::KeyValue::new(
+                                onceflow_observability::names::STATE,
+                                state.as_str(),
+                            )],
+                        );
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "could not count jobs by state"),
+            }
+            purged
         };
         ctx.spawn(purge.into_actor(self).map(|result, act, ctx| {
             act.purging = false;
@@ -300,6 +349,7 @@ impl Handler<Shutdown> for Supervisor {
         for (_, (_, addr)) in self.in_flight.drain() {
             addr.do_send(Abort);
         }
+        self.report_in_flight();
         ctx.stop();
     }
 }

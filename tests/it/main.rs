@@ -10,4 +10,5 @@ mod embedded;
 mod explorer;
 mod intake;
 mod support;
+mod telemetry;
 mod tracing;

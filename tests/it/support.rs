@@ -12,11 +12,16 @@ use serde_json::Value;
 
 /// Serves the API on 127.0.0.1:0 inside the current actix System; returns its base URL.
 pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) -> String {
-    let state = ApiState {
+    serve_api_state(ApiState {
         store,
         registry,
         body_limit: body_limit.unwrap_or(DEFAULT_BODY_LIMIT),
-    };
+        telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
+    })
+}
+
+/// Serves the API with this state (e.g. an engine's telemetry).
+pub fn serve_api_state(state: ApiState) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let server = actix_web::HttpServer::new(move || {

@@ -1,0 +1,113 @@
+//! The instruments onceflow records, created once per [`Telemetry`](crate::Telemetry).
+
+use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, UpDownCounter};
+use opentelemetry::KeyValue;
+
+use crate::names::*;
+
+/// Step durations from 1 ms to 2 minutes (model calls are slow).
+const DURATION_BOUNDS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// Every instrument; recording is a few atomic operations.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub jobs_submitted: Counter<u64>,
+    pub transitions: Counter<u64>,
+    pub model_calls: Counter<u64>,
+    pub model_tokens: Counter<u64>,
+    pub deliveries: Counter<u64>,
+    pub tool_executions: Counter<u64>,
+    pub lease_takeovers: Counter<u64>,
+    pub actors_in_flight: UpDownCounter<i64>,
+    pub jobs: Gauge<u64>,
+    pub step_duration: Histogram<f64>,
+}
+
+impl Metrics {
+    pub(crate) fn new(meter: &Meter) -> Self {
+        Metrics {
+            jobs_submitted: meter
+                .u64_counter(METRIC_JOBS_SUBMITTED)
+                .with_description("Jobs offered to intake")
+                .build(),
+            transitions: meter
+                .u64_counter(METRIC_TRANSITIONS)
+                .with_description("Checkpoints committed, by the state reached")
+                .build(),
+            model_calls: meter
+                .u64_counter(METRIC_MODEL_CALLS)
+                .with_description("Model calls by outcome")
+                .build(),
+            model_tokens: meter
+                .u64_counter(METRIC_MODEL_TOKENS)
+                .with_description("Tokens reported by the provider")
+                .with_unit("{token}")
+                .build(),
+            deliveries: meter
+                .u64_counter(METRIC_DELIVERIES)
+                .with_description("Completion webhook deliveries by outcome")
+                .build(),
+            tool_executions: meter
+                .u64_counter(METRIC_TOOL_EXECUTIONS)
+                .with_description("Tool executions by outcome")
+                .build(),
+            lease_takeovers: meter
+                .u64_counter(METRIC_LEASE_TAKEOVERS)
+                .with_description("Jobs resumed after another attempt's lease expired")
+                .build(),
+            actors_in_flight: meter
+                .i64_up_down_counter(METRIC_ACTORS_IN_FLIGHT)
+                .with_description("Job actors running on this node")
+                .build(),
+            jobs: meter
+                .u64_gauge(METRIC_JOBS)
+                .with_description("Jobs in the database by state")
+                .build(),
+            step_duration: meter
+                .f64_histogram(METRIC_STEP_DURATION)
+                .with_description("Duration of one step of a job")
+                .with_unit("s")
+                .with_boundaries(DURATION_BOUNDS.to_vec())
+                .build(),
+        }
+    }
+
+    /// Counts one model call by outcome.
+    pub fn model_call(&self, outcome: &'static str) {
+        self.model_calls.add(1, &[KeyValue::new(OUTCOME, outcome)]);
+    }
+
+    /// Counts the tokens of one answered model request; `retry` when the
+    /// request repeated an earlier send of the same key.
+    pub fn tokens(&self, input: Option<i32>, output: Option<i32>, retry: bool) {
+        for (kind, n) in [("input", input), ("output", output)] {
+            if let Some(n) = n.and_then(|n| u64::try_from(n).ok()) {
+                self.model_tokens.add(
+                    n,
+                    &[
+                        KeyValue::new(GEN_AI_TOKEN_TYPE, kind),
+                        KeyValue::new(RETRY, retry),
+                    ],
+                );
+            }
+        }
+    }
+
+    /// Counts one delivery event by outcome.
+    pub fn delivery(&self, outcome: &'static str) {
+        self.deliveries.add(1, &[KeyValue::new(OUTCOME, outcome)]);
+    }
+
+    /// Counts one tool execution by outcome.
+    pub fn tool(&self, outcome: &'static str) {
+        self.tool_executions
+            .add(1, &[KeyValue::new(OUTCOME, outcome)]);
+    }
+
+    /// Counts one committed checkpoint reaching `state`.
+    pub fn transition(&self, state: &'static str) {
+        self.transitions.add(1, &[KeyValue::new(STATE, state)]);
+    }
+}

@@ -1,0 +1,109 @@
+//! Every span, attribute and metric name onceflow emits, in one place.
+//!
+//! Dashboards, alerts and tests refer to these; change one here and it
+//! changes everywhere. Metric names are OpenTelemetry names; `/metrics`
+//! shows them in Prometheus form (dots become underscores, counters end in
+//! `_total`, the duration histogram in `_seconds`).
+
+// ---- spans ------------------------------------------------------------------
+
+/// `POST /v1/jobs`: the intake of a job (server span). The job's attempts are
+/// its children, so a job's trace starts here (or at the caller's span).
+pub const SPAN_SUBMIT: &str = "submit";
+/// One attempt of a job, on one node.
+pub const SPAN_JOB: &str = "job";
+/// One model call (client span, GenAI attributes).
+pub const SPAN_GENERATE: &str = "generate";
+/// The commit of the workflow's output (`… → persisted`).
+pub const SPAN_PERSIST: &str = "persist";
+/// The claim of the completion webhook (`persisted → claimed`).
+pub const SPAN_CLAIM: &str = "claim";
+/// One send of the completion webhook, or its suppression.
+pub const SPAN_DELIVER: &str = "deliver";
+/// The final checkpoint (`delivered → acked`).
+pub const SPAN_ACK: &str = "ack";
+/// One tool call of an agent (client span).
+pub const SPAN_TOOL: &str = "tool";
+/// One general step of a user workflow (`Context::step`).
+pub const SPAN_STEP: &str = "step";
+
+// ---- attributes -------------------------------------------------------------
+
+pub const JOB_ID: &str = "job.id";
+pub const WORKFLOW_NAME: &str = "workflow.name";
+pub const JOB_ATTEMPT: &str = "job.attempt";
+pub const LEASE_EPOCH: &str = "lease.epoch";
+/// How an attempt ended: acked, dead, rescheduled, lease_lost, crashed, abandoned.
+pub const JOB_OUTCOME: &str = "job.outcome";
+/// `from->to`, e.g. `generated->persisted`.
+pub const TRANSITION: &str = "onceflow.transition";
+/// The idempotency key of the step's side effect (`job:{id}:…`).
+pub const IDEMPOTENCY_KEY: &str = "onceflow.idempotency_key";
+/// What the step did: see the `OUTCOME_*` values.
+pub const OUTCOME: &str = "onceflow.outcome";
+/// Set on `persist` and `claim` when both were one commit.
+pub const SHARED_COMMIT: &str = "onceflow.shared_commit";
+/// A job state (metric attribute).
+pub const STATE: &str = "onceflow.state";
+/// A step name (metric attribute of the duration histogram).
+pub const STEP: &str = "onceflow.step";
+/// Whether intake created the job or found it (`created`, `existing`).
+pub const SUBMIT_OUTCOME: &str = "onceflow.submit.outcome";
+/// On token counts: the tokens came from a request that repeated an earlier
+/// send of the same key (what retries cost).
+pub const RETRY: &str = "onceflow.retry";
+pub const ERROR_CODE: &str = "error.type";
+pub const HTTP_STATUS: &str = "http.response.status_code";
+
+// GenAI semantic conventions.
+pub const GEN_AI_OPERATION: &str = "gen_ai.operation.name";
+pub const GEN_AI_PROVIDER: &str = "gen_ai.provider.name";
+pub const GEN_AI_REQUEST_MODEL: &str = "gen_ai.request.model";
+pub const GEN_AI_RESPONSE_MODEL: &str = "gen_ai.response.model";
+pub const GEN_AI_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
+pub const GEN_AI_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
+pub const GEN_AI_TOKEN_TYPE: &str = "gen_ai.token.type";
+pub const GEN_AI_TOOL_NAME: &str = "gen_ai.tool.name";
+pub const GEN_AI_TOOL_CALL_ID: &str = "gen_ai.tool.call.id";
+
+// ---- outcomes (values of OUTCOME and of metric `outcome` attributes) ---------
+
+/// This attempt did the work (sent the request, committed the checkpoint).
+pub const OUTCOME_PERFORMED: &str = "performed";
+/// The journal already held the result; nothing was sent.
+pub const OUTCOME_REPLAYED: &str = "replayed";
+/// A constraint or the lease guard decided another attempt had done it.
+pub const OUTCOME_SUPPRESSED: &str = "suppressed";
+/// The step failed for good (the job is dead or the attempt stopped).
+pub const OUTCOME_FAILED: &str = "failed";
+/// The step failed and runs again later, with the same key.
+pub const OUTCOME_RETRIED: &str = "retried";
+/// The webhook consumer answered 2xx and the delivery is recorded.
+pub const OUTCOME_DELIVERED: &str = "delivered";
+/// A send was not made because the journal shows it delivered (or closed).
+pub const OUTCOME_DUPLICATE_SUPPRESSED: &str = "duplicate_suppressed";
+/// The delivery is dead-lettered.
+pub const OUTCOME_DEAD: &str = "dead";
+
+// ---- metrics ----------------------------------------------------------------
+
+/// Counter: jobs offered to intake, by `workflow.name` and `onceflow.submit.outcome`.
+pub const METRIC_JOBS_SUBMITTED: &str = "onceflow.jobs.submitted";
+/// Counter: checkpoints committed, by the state reached (`onceflow.state`).
+pub const METRIC_TRANSITIONS: &str = "onceflow.transitions";
+/// Counter: model calls by `onceflow.outcome` (performed, replayed, retried, failed).
+pub const METRIC_MODEL_CALLS: &str = "onceflow.model.calls";
+/// Counter: tokens reported by the provider, by `gen_ai.token.type` and `onceflow.retry`.
+pub const METRIC_MODEL_TOKENS: &str = "onceflow.model.tokens";
+/// Counter: webhook deliveries by `onceflow.outcome` (delivered, retried, duplicate_suppressed, dead).
+pub const METRIC_DELIVERIES: &str = "onceflow.deliveries";
+/// Counter: tool executions by `onceflow.outcome` (performed, replayed, retried, failed).
+pub const METRIC_TOOL_EXECUTIONS: &str = "onceflow.tool.executions";
+/// Counter: jobs this node resumed after another attempt's lease expired.
+pub const METRIC_LEASE_TAKEOVERS: &str = "onceflow.lease.takeovers";
+/// Up-down counter: job actors running on this node.
+pub const METRIC_ACTORS_IN_FLIGHT: &str = "onceflow.actors.in_flight";
+/// Gauge: jobs in the database by `onceflow.state` (refreshed by the supervisor).
+pub const METRIC_JOBS: &str = "onceflow.jobs";
+/// Histogram (seconds): step duration by `onceflow.step` and `onceflow.outcome`.
+pub const METRIC_STEP_DURATION: &str = "onceflow.step.duration";
