@@ -1,0 +1,107 @@
+//! The Grafana dashboard asks only for series that onceflow produces: every
+//! `onceflow_*` name in its queries is one `/metrics` renders.
+
+use std::collections::BTreeSet;
+
+use onceflow_observability::Telemetry;
+use opentelemetry::KeyValue;
+
+/// The metric families and label names `/metrics` shows once every
+/// instrument has a value, recorded the way the engine records it.
+fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
+    use onceflow_observability::names::*;
+    let t = Telemetry::disabled();
+    let m = t.metrics();
+    m.jobs_submitted.add(
+        1,
+        &[
+            KeyValue::new(WORKFLOW_NAME, "completion"),
+            KeyValue::new(SUBMIT_OUTCOME, "created"),
+        ],
+    );
+    m.transition("acked");
+    m.model_call("performed");
+    m.tokens(Some(1), Some(1), false);
+    m.delivery("delivered");
+    m.tool("performed");
+    m.lease_takeovers.add(1, &[]);
+    m.actors_in_flight.add(1, &[]);
+    m.jobs
+        .record(1, &[KeyValue::new("onceflow.state", "acked")]);
+    m.step_duration.record(
+        0.1,
+        &[
+            KeyValue::new(STEP, "ack"),
+            KeyValue::new(OUTCOME, "performed"),
+        ],
+    );
+    let text = t.prometheus();
+    let families = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split(' ').next().unwrap().to_owned())
+        .collect();
+    let labels = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| Some(l.split_once('{')?.1.split_once('}')?.0.to_owned()))
+        .flat_map(|set| {
+            set.split(',')
+                .filter_map(|kv| kv.split_once('=').map(|(k, _)| k.to_owned()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (families, labels)
+}
+
+#[test]
+fn every_dashboard_query_names_a_metric_onceflow_exports() {
+    let (families, labels) = exported();
+    assert_eq!(families.len(), 10, "{families:?}");
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/grafana/onceflow-dashboard.json"
+    ))
+    .unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let mut exprs = Vec::new();
+    collect(&dashboard, &mut exprs);
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    let mut used = BTreeSet::new();
+    for expr in &exprs {
+        for name in expr
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|t| t.starts_with("onceflow_") || t.starts_with("gen_ai_"))
+        {
+            if labels.contains(name) {
+                continue;
+            }
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| families.contains(*f)))
+                .unwrap_or(name);
+            assert!(
+                families.contains(family),
+                "the dashboard queries {name}, which onceflow does not export \
+                 ({families:?}, labels {labels:?})"
+            );
+            used.insert(family.to_owned());
+        }
+    }
+    assert_eq!(used, families, "every metric has a panel");
+}
+
+fn collect(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(map) => {
+            for (k, v) in map {
+                match (k.as_str(), v) {
+                    ("expr", serde_json::Value::String(s)) => out.push(s.clone()),
+                    _ => collect(v, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|v| collect(v, out)),
+        _ => {}
+    }
+}
