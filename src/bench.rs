@@ -107,14 +107,34 @@ impl Phase {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let database = args.db.resolve()?;
-    let result = actix_web::rt::System::new().block_on(bench(&args, &database));
+    // The same OTEL_* variables as `serve`, so export cost can be measured.
+    let telemetry = std::sync::Arc::new(
+        onceflow_observability::Telemetry::from_env().context("OpenTelemetry configuration")?,
+    );
+    if let Some(otlp) = telemetry.otlp() {
+        eprintln!(
+            "exporting OpenTelemetry over OTLP/HTTP (traces {}, metrics {})",
+            otlp.traces.as_deref().unwrap_or("off"),
+            otlp.metrics.as_deref().unwrap_or("off")
+        );
+    }
+    let result = actix_web::rt::System::new().block_on(bench(&args, &database, &telemetry));
+    if telemetry.otlp().is_some() {
+        if let Err(e) = telemetry.shutdown() {
+            eprintln!("could not flush telemetry: {e}");
+        }
+    }
     if let Some(pg) = database.embedded.as_ref().filter(|pg| pg.started_here()) {
         let _ = pg.stop();
     }
     result
 }
 
-async fn bench(args: &BenchArgs, database: &crate::config::Database) -> anyhow::Result<()> {
+async fn bench(
+    args: &BenchArgs,
+    database: &crate::config::Database,
+    telemetry: &std::sync::Arc<onceflow_observability::Telemetry>,
+) -> anyhow::Result<()> {
     // A database of its own on the embedded server; the given one otherwise.
     let url = match &database.embedded {
         Some(pg) => {
@@ -130,7 +150,7 @@ async fn bench(args: &BenchArgs, database: &crate::config::Database) -> anyhow::
     let run_id = format!("{:x}", chrono::Utc::now().timestamp_millis());
 
     if args.hold {
-        return hold(args, db, &run_id).await;
+        return hold(args, db, &run_id, telemetry).await;
     }
 
     eprintln!("measuring the durable single-row commit rate ({pool} connections, 3 s)…");
@@ -145,6 +165,7 @@ async fn bench(args: &BenchArgs, database: &crate::config::Database) -> anyhow::
     let mut config = EngineConfig {
         max_in_flight: args.max_in_flight,
         poll_interval: Duration::from_millis(200),
+        telemetry: telemetry.clone(),
         ..EngineConfig::default()
     };
     config.provider.base_url = provider.base_url();
@@ -484,7 +505,12 @@ async fn commit_rate(db: &Db, workers: usize, duration: Duration) -> anyhow::Res
 }
 
 /// Scale mode: every job in flight at once against a slow provider in a child process.
-async fn hold(args: &BenchArgs, db: Db, run_id: &str) -> anyhow::Result<()> {
+async fn hold(
+    args: &BenchArgs,
+    db: Db,
+    run_id: &str,
+    telemetry: &std::sync::Arc<onceflow_observability::Telemetry>,
+) -> anyhow::Result<()> {
     use std::io::BufRead;
     let mut child = std::process::Command::new(std::env::current_exe()?)
         .args([
@@ -510,6 +536,7 @@ async fn hold(args: &BenchArgs, db: Db, run_id: &str) -> anyhow::Result<()> {
         max_in_flight: args.max_in_flight.max(args.jobs),
         lease: Duration::from_millis(args.lease_ms),
         poll_interval: Duration::from_millis(500),
+        telemetry: telemetry.clone(),
         ..EngineConfig::default()
     };
     config.provider.base_url = provider_url;

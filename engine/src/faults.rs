@@ -16,8 +16,11 @@ use std::time::Duration;
 /// A boundary in a job's run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FailPoint {
-    /// Inside a checkpoint's transaction, after its writes, before COMMIT.
-    /// Named by the state it moves to (`persisted`, …) or `model_call`.
+    /// Before a checkpoint's write commits; nothing of it is durable yet.
+    /// For one-statement writes (`model_call`, `generated`, `persisted`,
+    /// `claimed`, `delivered`) it is hit just before the statement, so a
+    /// stall here holds no row lock. Named by the state it moves to or
+    /// `model_call`.
     BeforeCommit(&'static str),
     /// Right after a checkpoint committed, before the next side effect.
     AfterCommit(&'static str),

@@ -1,8 +1,15 @@
 //! The journal: model calls, results and the webhook outbox. Each write that
-//! stands for a state commits in one transaction with its checkpoint.
+//! stands for a state commits atomically with its checkpoint.
+//!
+//! The hot path is one statement per checkpoint (autocommit, so one round
+//! trip and one commit): the lease fence, the data, the state move and its
+//! history rows are a single data-modifying statement that locks the job row
+//! first, as every journal write does. The `BeforeCommit` failpoints of these
+//! writes are hit just before the statement: a crash or failure there leaves
+//! nothing written, exactly as a crash before the commit would.
 
 use chrono::{DateTime, Utc};
-use diesel::sql_types::{BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
@@ -86,6 +93,20 @@ impl From<StoreError> for TxError {
     }
 }
 
+/// Hits the `BeforeCommit` failpoints of a one-statement write, in order.
+async fn before_commit(faults: &Faults, job_id: &str, points: &[&'static str]) -> bool {
+    for point in points {
+        if faults
+            .hit(job_id, FailPoint::BeforeCommit(point))
+            .await
+            .is_err()
+        {
+            return false;
+        }
+    }
+    true
+}
+
 fn finish(result: Result<(), TxError>) -> Result<Checkpoint, StoreError> {
     match result {
         Ok(()) => Ok(Checkpoint::Moved),
@@ -99,18 +120,6 @@ async fn guard(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<(), TxErro
         Ok(())
     } else {
         Err(TxError::Abort(Checkpoint::LeaseLost))
-    }
-}
-
-async fn transition(
-    conn: &mut AsyncPgConnection,
-    fence: &Fence,
-    from: JobState,
-    to: JobState,
-) -> Result<(), TxError> {
-    match Store::transition(conn, fence, from, to).await? {
-        Checkpoint::Moved => Ok(()),
-        other => Err(TxError::Abort(other)),
     }
 }
 
@@ -184,6 +193,40 @@ impl Store {
         in_flight_ms: i64,
     ) -> Result<ModelCallStart, StoreError> {
         let mut conn = self.db().conn().await?;
+        // The common case in one statement: the fenced insert of a fresh row,
+        // born in flight for us. An existing row that is completed or holds
+        // another request is final; anything else is decided under locks.
+        let rows: Vec<ModelCallRow> = sql(
+            "INSERT INTO model_calls (job_id, idempotency_key, request_hash, attempts, \
+                 in_flight_until, in_flight_epoch) \
+             SELECT id, $2, $3, 1, clock_timestamp() + $4 * interval '1 millisecond', $5 \
+             FROM jobs WHERE id = $1 AND lease_epoch = $5 FOR NO KEY UPDATE \
+             ON CONFLICT (idempotency_key) DO UPDATE SET updated_at = model_calls.updated_at \
+             RETURNING request_hash, status::text AS status, response, attempts, in_flight_until, \
+                 in_flight_epoch, clock_timestamp() AS now, (xmax = 0) AS inserted",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<Text, _>(key)
+        .bind::<Text, _>(request_hash)
+        .bind::<BigInt, _>(in_flight_ms)
+        .bind::<BigInt, _>(fence.epoch)
+        .load(&mut conn)
+        .await?;
+        match rows.into_iter().next() {
+            None => return Ok(ModelCallStart::LeaseLost),
+            Some(row) if row.inserted => return Ok(ModelCallStart::Send { attempt: 1 }),
+            Some(row) if row.request_hash != request_hash => {
+                return Ok(ModelCallStart::KeyConflict {
+                    stored_hash: row.request_hash,
+                })
+            }
+            Some(ModelCallRow {
+                status,
+                response: Some(response),
+                ..
+            }) if status == "completed" => return Ok(ModelCallStart::Completed(response)),
+            Some(_) => {}
+        }
         let result = conn
             .transaction::<_, TxError, _>(async move |conn| {
                 {
@@ -252,31 +295,29 @@ impl Store {
         usage: (Option<i32>, Option<i32>),
         faults: &Faults,
     ) -> Result<Checkpoint, StoreError> {
+        if !before_commit(faults, &fence.job_id, &["model_call"]).await {
+            return Ok(Checkpoint::Faulted);
+        }
         let mut conn = self.db().conn().await?;
-        let result = conn
-            .transaction::<_, TxError, _>(async move |conn| {
-                {
-                    guard(conn, fence).await?;
-                    sql(
-                        "UPDATE model_calls SET status = 'completed', response = $2, input_tokens = $3, \
-                             output_tokens = $4, in_flight_until = NULL, last_error = NULL, updated_at = now() \
-                         WHERE idempotency_key = $1",
-                    )
-                    .bind::<Text, _>(key)
-                    .bind::<Jsonb, _>(response)
-                    .bind::<Nullable<Integer>, _>(usage.0)
-                    .bind::<Nullable<Integer>, _>(usage.1)
-                    .execute(conn)
-                    .await?;
-                    faults
-                        .hit(&fence.job_id, FailPoint::BeforeCommit("model_call"))
-                        .await
-                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
-                    Ok(())
-                }
-            })
-            .await;
-        finish(result)
+        // Fenced: the job row is locked first, and only while `fence` holds it.
+        let written = sql("WITH fence AS MATERIALIZED ( \
+                 SELECT id FROM jobs WHERE id = $5 AND lease_epoch = $6 FOR NO KEY UPDATE) \
+             UPDATE model_calls SET status = 'completed', response = $2, input_tokens = $3, \
+                 output_tokens = $4, in_flight_until = NULL, last_error = NULL, updated_at = now() \
+             WHERE idempotency_key = $1 AND EXISTS (SELECT 1 FROM fence)")
+        .bind::<Text, _>(key)
+        .bind::<Jsonb, _>(response)
+        .bind::<Nullable<Integer>, _>(usage.0)
+        .bind::<Nullable<Integer>, _>(usage.1)
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<BigInt, _>(fence.epoch)
+        .execute(&mut conn)
+        .await?;
+        Ok(if written == 1 {
+            Checkpoint::Moved
+        } else {
+            Checkpoint::LeaseLost
+        })
     }
 
     /// Records a failed send of `key` and frees it for the next attempt.
@@ -307,9 +348,9 @@ impl Store {
 
     /// Commits the workflow's output and the claim of its completion event,
     /// moving the job from `from` (`received`, `generated` or `persisted`)
-    /// through every state up to `claimed` in one transaction: each
-    /// transition is guarded and gets its history row, and nothing external
-    /// happens between them, so they share one commit (one fsync).
+    /// through every state up to `claimed` in one statement: one guarded
+    /// move, a history row per state passed, and the data those states stand
+    /// for, so they share one commit (one fsync).
     ///
     /// * `received → generated`: the body returned; its model calls are journaled.
     /// * `generated → persisted`: the result row (one per job) is written.
@@ -324,57 +365,57 @@ impl Store {
         claim: &Claim<'_>,
         faults: &Faults,
     ) -> Result<Checkpoint, StoreError> {
+        let passed: Vec<&'static str> = JobState::ALL
+            .into_iter()
+            .filter(|s| *s > from && *s <= JobState::Claimed)
+            .map(JobState::as_str)
+            .collect();
+        debug_assert!(
+            !passed.is_empty() && !passed.contains(&"dead"),
+            "commit_result from {from}: only received, generated and persisted move to claimed"
+        );
+        if !before_commit(faults, &fence.job_id, &passed).await {
+            return Ok(Checkpoint::Faulted);
+        }
         let mut conn = self.db().conn().await?;
-        let result = conn
-            .transaction::<_, TxError, _>(async move |conn| {
-                guard(conn, fence).await?;
-                let mut state = from;
-                while state != JobState::Claimed {
-                    let next = state.successor().expect("live states before claimed have a successor");
-                    match next {
-                        JobState::Persisted => {
-                            sql(
-                                "INSERT INTO results (job_id, output) VALUES ($1, $2) ON CONFLICT (job_id) DO NOTHING",
-                            )
-                            .bind::<Text, _>(&fence.job_id)
-                            .bind::<Jsonb, _>(output)
-                            .execute(conn)
-                            .await?;
-                        }
-                        JobState::Claimed => {
-                            // Born with its first send in flight: the claimant
-                            // sends at once, without another round trip.
-                            sql(
-                                "INSERT INTO outbox (job_id, event, idempotency_key, url, body, attempts, \
-                                     in_flight_until, in_flight_epoch) \
-                                 VALUES ($1, $2, $3, $4, $5, CASE WHEN $6 IS NULL THEN 0 ELSE 1 END, \
-                                     clock_timestamp() + $6 * interval '1 millisecond', \
-                                     CASE WHEN $6 IS NULL THEN NULL ELSE $7 END) \
-                                 ON CONFLICT (idempotency_key) DO NOTHING",
-                            )
-                            .bind::<Text, _>(&fence.job_id)
-                            .bind::<Text, _>(claim.event)
-                            .bind::<Text, _>(claim.key)
-                            .bind::<Text, _>(claim.url)
-                            .bind::<Jsonb, _>(claim.body)
-                            .bind::<Nullable<BigInt>, _>(claim.in_flight_ms)
-                            .bind::<BigInt, _>(fence.epoch)
-                            .execute(conn)
-                            .await?;
-                        }
-                        _ => {}
-                    }
-                    transition(conn, fence, state, next).await?;
-                    faults
-                        .hit(&fence.job_id, FailPoint::BeforeCommit(next.as_str()))
-                        .await
-                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
-                    state = next;
-                }
-                Ok(())
-            })
-            .await;
-        finish(result)
+        // The guarded move locks the job row first; the inserts and the
+        // history rows happen only if it moved.
+        let moved = sql("WITH moved AS ( \
+                 UPDATE jobs SET state = 'claimed', updated_at = now() \
+                 WHERE id = $1 AND state = $2::job_state AND lease_epoch = $3 \
+                 RETURNING id), \
+             result AS ( \
+                 INSERT INTO results (job_id, output) SELECT id, $4 FROM moved \
+                 ON CONFLICT (job_id) DO NOTHING), \
+             claim AS ( \
+                 INSERT INTO outbox (job_id, event, idempotency_key, url, body, attempts, \
+                     in_flight_until, in_flight_epoch) \
+                 SELECT id, $5, $6, $7, $8, CASE WHEN $9 IS NULL THEN 0 ELSE 1 END, \
+                     clock_timestamp() + $9 * interval '1 millisecond', \
+                     CASE WHEN $9 IS NULL THEN NULL ELSE $3 END \
+                 FROM moved \
+                 ON CONFLICT (idempotency_key) DO NOTHING) \
+             INSERT INTO job_history (job_id, state, attempt, worker) \
+             SELECT moved.id, s.state::job_state, $10, $11 \
+             FROM moved, unnest($12::text[]) WITH ORDINALITY AS s(state, n) ORDER BY s.n")
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<Text, _>(from.as_str())
+        .bind::<BigInt, _>(fence.epoch)
+        .bind::<Jsonb, _>(output)
+        .bind::<Text, _>(claim.event)
+        .bind::<Text, _>(claim.key)
+        .bind::<Text, _>(claim.url)
+        .bind::<Jsonb, _>(claim.body)
+        .bind::<Nullable<BigInt>, _>(claim.in_flight_ms)
+        .bind::<Integer, _>(fence.attempt)
+        .bind::<Text, _>(&fence.worker)
+        .bind::<Array<Text>, _>(&passed)
+        .execute(&mut conn)
+        .await?;
+        if moved == passed.len() {
+            return Ok(Checkpoint::Moved);
+        }
+        Store::why_not(&mut conn, fence).await
     }
 
     /// Decides whether this attempt POSTs the webhook under `key`, and marks
@@ -450,30 +491,36 @@ impl Store {
         status: i32,
         faults: &Faults,
     ) -> Result<Checkpoint, StoreError> {
+        if !before_commit(faults, &fence.job_id, &["delivered"]).await {
+            return Ok(Checkpoint::Faulted);
+        }
         let mut conn = self.db().conn().await?;
-        let result = conn
-            .transaction::<_, TxError, _>(async move |conn| {
-                {
-                    guard(conn, fence).await?;
-                    sql(
-                        "UPDATE outbox SET status = 'delivered', delivered_at = now(), last_status = $2, \
-                             in_flight_until = NULL, updated_at = now() \
-                         WHERE idempotency_key = $1 AND status = 'claimed'",
-                    )
-                    .bind::<Text, _>(key)
-                    .bind::<Integer, _>(status)
-                    .execute(conn)
-                    .await?;
-                    transition(conn, fence, JobState::Claimed, JobState::Delivered).await?;
-                    faults
-                        .hit(&fence.job_id, FailPoint::BeforeCommit("delivered"))
-                        .await
-                        .map_err(|_| TxError::Abort(Checkpoint::Faulted))?;
-                    Ok(())
-                }
-            })
-            .await;
-        finish(result)
+        // The guarded move (locking the job row first), the outbox row and
+        // the history row: one statement.
+        let moved = sql(
+            "WITH moved AS ( \
+                 UPDATE jobs SET state = 'delivered', updated_at = now() \
+                 WHERE id = $1 AND state = 'claimed' AND lease_epoch = $2 \
+                 RETURNING id), \
+             sent AS ( \
+                 UPDATE outbox SET status = 'delivered', delivered_at = now(), last_status = $4, \
+                     in_flight_until = NULL, updated_at = now() \
+                 WHERE idempotency_key = $3 AND status = 'claimed' AND EXISTS (SELECT 1 FROM moved)) \
+             INSERT INTO job_history (job_id, state, attempt, worker) \
+             SELECT id, 'delivered', $5, $6 FROM moved",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<BigInt, _>(fence.epoch)
+        .bind::<Text, _>(key)
+        .bind::<Integer, _>(status)
+        .bind::<Integer, _>(fence.attempt)
+        .bind::<Text, _>(&fence.worker)
+        .execute(&mut conn)
+        .await?;
+        if moved == 1 {
+            return Ok(Checkpoint::Moved);
+        }
+        Store::why_not(&mut conn, fence).await
     }
 
     /// Records a failed POST and frees the row for the next attempt.

@@ -312,7 +312,7 @@ impl Store {
     }
 
     /// Why a guarded update changed nothing.
-    async fn why_not(
+    pub(crate) async fn why_not(
         conn: &mut AsyncPgConnection,
         fence: &Fence,
     ) -> Result<Checkpoint, StoreError> {
