@@ -79,6 +79,10 @@ impl Db {
             // Under a burst (thousands of actors finishing at once) waiting for a
             // connection is backpressure, not a failure.
             .connection_timeout(Duration::from_secs(120))
+            // No `SELECT 1` before every checkout (it was ~9 round trips per
+            // job): a connection that broke fails its query, the step is
+            // retried, and bb8 drops connections diesel-async marks broken.
+            .test_on_check_out(false)
             .build_unchecked(manager);
         let db = Db {
             pool,

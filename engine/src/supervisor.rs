@@ -210,6 +210,9 @@ impl Handler<Finished> for Supervisor {
     type Result = ();
 
     fn handle(&mut self, msg: Finished, ctx: &mut Self::Context) {
+        // New work wakes us by NOTIFY and the poll timer; a finished attempt
+        // only matters when it frees a slot a full node had none of.
+        let was_full = self.in_flight.len() >= self.shared.config.max_in_flight;
         if self
             .in_flight
             .get(&msg.job_id)
@@ -225,7 +228,9 @@ impl Handler<Finished> for Supervisor {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         tracing::debug!(job.id = %msg.job_id, outcome = ?msg.outcome, "attempt ended");
-        ctx.notify(Poll);
+        if was_full {
+            ctx.notify(Poll);
+        }
     }
 }
 

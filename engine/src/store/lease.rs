@@ -106,7 +106,7 @@ impl Store {
         let rows: Vec<LeasedRow> = sql(
             "WITH picked AS ( \
                  SELECT id, lease_owner FROM jobs \
-                 WHERE state NOT IN ('acked', 'dead') AND run_at <= now() \
+                 WHERE finished_at IS NULL AND run_at <= now() \
                    AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp() \
                         OR ($4 AND lease_owner = $1)) \
                  ORDER BY run_at LIMIT $2 \
