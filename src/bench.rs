@@ -45,12 +45,18 @@ pub struct BenchArgs {
     /// child process) and report peak memory and lease-renewal load.
     #[arg(long)]
     pub hold: bool,
+    /// Talk HTTP/1.1 to the loopback provider (one connection per in-flight
+    /// call) instead of h2c (all calls on one HTTP/2 connection).
+    #[arg(long)]
+    pub provider_http1: bool,
     /// Lease length in milliseconds (the heartbeat renews every third of it).
     #[arg(long, env = "ONCEFLOW_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u64,
 }
 
-/// `onceflow fake-provider` (hidden): the loopback provider as a process of its own.
+/// `onceflow fake-provider` (hidden): the loopback provider and webhook
+/// consumer as a process of their own, so `bench --hold` measures the
+/// engine's memory alone.
 #[derive(Debug, Args)]
 pub struct FakeProviderArgs {
     /// Latency of every call, in milliseconds.
@@ -58,11 +64,14 @@ pub struct FakeProviderArgs {
     pub latency_ms: u64,
 }
 
-/// Serves a fake provider, prints its base URL, and exits when stdin closes.
+/// Serves a fake provider and consumer, prints the provider's base URL and
+/// the webhook URL (a line each), and exits when stdin closes.
 pub fn fake_provider(args: FakeProviderArgs) -> anyhow::Result<()> {
     let provider = FakeProvider::start();
     provider.set_latency(Duration::from_millis(args.latency_ms));
+    let consumer = FakeConsumer::start();
     println!("{}", provider.base_url());
+    println!("{}", consumer.url());
     let mut sink = String::new();
     while std::io::stdin().read_line(&mut sink)? > 0 {}
     Ok(())
@@ -522,15 +531,17 @@ async fn hold(
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("starting the fake provider process")?;
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
+    let mut out = std::io::BufReader::new(child.stdout.take().expect("piped"));
+    let (mut line, mut hook) = (String::new(), String::new());
+    out.read_line(&mut line)?;
+    out.read_line(&mut hook)?;
     let provider_url = line.trim().to_owned();
+    let hook = hook.trim().to_owned();
     anyhow::ensure!(
-        provider_url.starts_with("http"),
-        "the fake provider did not start"
+        provider_url.starts_with("http") && hook.starts_with("http"),
+        "the fake provider and consumer did not start"
     );
 
-    let consumer = FakeConsumer::start();
     let store = Store::new(db.clone());
     let mut config = EngineConfig {
         max_in_flight: args.max_in_flight.max(args.jobs),
@@ -541,6 +552,7 @@ async fn hold(
     };
     config.provider.base_url = provider_url;
     config.provider.timeout = Duration::from_millis(args.model_latency_ms + 60_000);
+    config.provider.h2c = !args.provider_http1;
     let engine = Engine::start(
         store.clone(),
         onceflow_workflows::registry(),
@@ -565,7 +577,7 @@ async fn hold(
                     id: format!("bench-{prefix}-{i}"),
                     workflow: "completion".to_owned(),
                     input: json!({ "model": "bench", "messages": [{ "role": "user", "content": "hi" }] }),
-                    webhook_url: consumer.url(),
+                    webhook_url: hook.clone(),
                 };
                 async move {
                     store.submit(&job).await?;

@@ -41,6 +41,10 @@ pub struct ServeArgs {
     /// Provider API key (sent as a bearer token).
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     pub openai_api_key: Option<String>,
+    /// Speak HTTP/2 without TLS (h2c, prior knowledge) to a plain-http
+    /// provider or gateway that supports it; HTTPS providers negotiate HTTP/2 by themselves.
+    #[arg(long, env = "ONCEFLOW_PROVIDER_H2C")]
+    pub provider_h2c: bool,
     /// Standard Webhooks signing secret (`whsec_…`); unset: webhooks are unsigned.
     #[arg(long, env = "ONCEFLOW_WEBHOOK_SECRET", hide_env_values = true)]
     pub webhook_secret: Option<String>,
@@ -100,6 +104,7 @@ impl ServeArgs {
         }
         config.provider.base_url = self.openai_base_url.clone();
         config.provider.api_key = self.openai_api_key.clone();
+        config.provider.h2c = self.provider_h2c;
         config.provider.timeout = Duration::from_millis(self.model_timeout_ms);
         if let Some(base) = self.retry_base_ms {
             config.model_retry.base = Duration::from_millis(base);

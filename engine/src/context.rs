@@ -95,10 +95,13 @@ impl Context {
             ],
         );
         let attempt = loop {
-            match self
-                .store
-                .begin_model_call(&self.fence, &key, &hash, in_flight_ms)
-                .await?
+            // Boxed: the journal writes are not live while the model call
+            // waits, so they need not widen the future every job keeps.
+            match Box::pin(
+                self.store
+                    .begin_model_call(&self.fence, &key, &hash, in_flight_ms),
+            )
+            .await?
             {
                 ModelCallStart::Completed(response) => {
                     metrics.model_call(OUTCOME_REPLAYED);
@@ -154,16 +157,14 @@ impl Context {
                 }
                 // Tokens are spent whether or not the journal commit lands.
                 metrics.tokens(usage.input_tokens, usage.output_tokens, attempt > 1);
-                match self
-                    .store
-                    .complete_model_call(
-                        &self.fence,
-                        &key,
-                        &response,
-                        (usage.input_tokens, usage.output_tokens),
-                        &self.faults,
-                    )
-                    .await?
+                match Box::pin(self.store.complete_model_call(
+                    &self.fence,
+                    &key,
+                    &response,
+                    (usage.input_tokens, usage.output_tokens),
+                    &self.faults,
+                ))
+                .await?
                 {
                     Checkpoint::Moved => {
                         metrics.model_call(OUTCOME_PERFORMED);
@@ -199,15 +200,14 @@ impl Context {
                 };
                 metrics.model_call(outcome);
                 span.end(outcome);
-                self.store
-                    .fail_model_call(
-                        &key,
-                        &FailedSend {
-                            error: error.clone(),
-                            status: failure.status().map(i32::from),
-                        },
-                    )
-                    .await?;
+                Box::pin(self.store.fail_model_call(
+                    &key,
+                    &FailedSend {
+                        error: error.clone(),
+                        status: failure.status().map(i32::from),
+                    },
+                ))
+                .await?;
                 Err(if failure.is_retryable() {
                     StepError::Retry {
                         error,

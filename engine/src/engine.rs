@@ -93,8 +93,18 @@ impl Shared {
             .pool_max_idle_per_host(64)
             .build()
             .expect("the HTTP client builds");
+        // The provider gets a client of its own when it speaks h2c (every
+        // request on that client is HTTP/2).
+        let provider_client = if config.provider.h2c {
+            reqwest::Client::builder()
+                .http2_prior_knowledge()
+                .build()
+                .expect("the HTTP/2 client builds")
+        } else {
+            client.clone()
+        };
         Shared {
-            provider: Arc::new(Provider::new(client.clone(), config.provider.clone())),
+            provider: Arc::new(Provider::new(provider_client, config.provider.clone())),
             store,
             registry,
             config,

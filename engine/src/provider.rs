@@ -17,6 +17,10 @@ pub struct ProviderConfig {
     pub api_key: Option<String>,
     /// Timeout of one request.
     pub timeout: Duration,
+    /// Speak HTTP/2 without TLS (prior knowledge, "h2c") to a plain-`http`
+    /// provider or gateway that supports it: every in-flight call shares one
+    /// connection. HTTPS providers negotiate HTTP/2 by ALPN without this.
+    pub h2c: bool,
 }
 
 impl Default for ProviderConfig {
@@ -25,6 +29,7 @@ impl Default for ProviderConfig {
             base_url: "https://api.openai.com/v1".to_owned(),
             api_key: None,
             timeout: Duration::from_secs(120),
+            h2c: false,
         }
     }
 }

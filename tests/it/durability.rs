@@ -73,6 +73,32 @@ async fn a_clean_job_runs_the_six_states_once() {
         .await;
     assert_eq!(usage[0]["input_tokens"], 7);
     assert_eq!(usage[0]["output_tokens"], 3);
+    assert_eq!(env.provider.requests()[0].http_version, "HTTP/1.1");
+}
+
+#[actix_rt::test]
+async fn model_calls_go_over_http2_with_h2c() {
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    config.provider.h2c = true;
+    env.provider.set_latency(Duration::from_millis(300));
+    let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
+    let ids: Vec<String> = (0..5).map(|i| format!("h2c-{i}")).collect();
+    for id in &ids {
+        env.submit(id, "hello").await;
+    }
+    for id in &ids {
+        env.wait_for(id, JobState::Acked, WAIT).await;
+        assert_eq!(env.provider.requests_for(&gen_key(id)), 1);
+        assert_one_delivery(&env, id);
+    }
+    let requests = env.provider.requests();
+    assert_eq!(requests.len(), 5);
+    assert!(
+        requests.iter().all(|r| r.http_version == "HTTP/2.0"),
+        "{:?}",
+        requests.iter().map(|r| &r.http_version).collect::<Vec<_>>()
+    );
 }
 
 #[actix_rt::test]

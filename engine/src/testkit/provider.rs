@@ -20,6 +20,8 @@ pub struct ProviderRequest {
     pub body: Value,
     pub traceparent: Option<String>,
     pub authorization: Option<String>,
+    /// `HTTP/1.1` or `HTTP/2.0`.
+    pub http_version: String,
 }
 
 /// Builds the response for a request; gets the request and the work number.
@@ -152,6 +154,7 @@ async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>)
         body: body.clone(),
         traceparent: header(&req, "traceparent"),
         authorization: header(&req, "authorization"),
+        http_version: format!("{:?}", req.version()),
     });
     let behaviour = state.script.next();
     if let Behaviour::Status(code, retry_after) = behaviour {

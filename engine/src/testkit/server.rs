@@ -56,7 +56,8 @@ where
                     .workers(2)
                     .disable_signals()
                     .shutdown_timeout(0)
-                    .listen(listener)
+                    // HTTP/1.1, or HTTP/2 for a client that starts with its preface (h2c).
+                    .listen_auto_h2c(listener)
                     .expect("listen")
                     .run();
                 ready_tx.send(()).expect("ready");
