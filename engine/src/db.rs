@@ -116,6 +116,19 @@ impl Db {
             .map_err(StoreError::from)
     }
 
+    /// The pool itself (for a task that must not keep the runtime alive).
+    pub(crate) fn pool(&self) -> Pool<AsyncPgConnection> {
+        self.pool.clone()
+    }
+
+    /// Runs `task` on the database runtime.
+    pub(crate) fn spawn<F>(&self, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.runtime_handle().spawn(task);
+    }
+
     fn runtime_handle(&self) -> tokio::runtime::Handle {
         self.runtime
             .0

@@ -65,6 +65,12 @@ pub enum StoreError {
     Pool(#[from] bb8::RunError<diesel_async::pooled_connection::PoolError>),
     #[error("migrations failed: {0}")]
     Migrate(String),
+    /// The error of a batched statement, shared by every request in the batch.
+    #[error("{0}")]
+    Shared(std::sync::Arc<StoreError>),
+    /// The batching task could not answer (shutting down).
+    #[error("batched write: {0}")]
+    Batch(String),
 }
 
 impl StoreError {
@@ -73,7 +79,8 @@ impl StoreError {
     pub fn is_retryable(&self) -> bool {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
         match self {
-            StoreError::Connect(_) | StoreError::Pool(_) => true,
+            StoreError::Connect(_) | StoreError::Pool(_) | StoreError::Batch(_) => true,
+            StoreError::Shared(e) => e.is_retryable(),
             StoreError::Migrate(_) => false,
             StoreError::Query(e) => match e {
                 E::DatabaseError(kind, info) => match kind {

@@ -482,3 +482,35 @@ async fn a_graceful_shutdown_hands_running_jobs_over_at_once() {
     );
     assert_one_delivery(&env, "handover-1");
 }
+
+#[actix_rt::test]
+async fn group_committed_checkpoints_keep_each_rows_guard() {
+    use onceflow_engine::store::Checkpoint;
+    let env = TestEnv::new().await;
+    env.submit("batch-a", "hello").await;
+    let a = env.lease("node-a", Duration::from_secs(60)).await;
+    env.submit("batch-b", "hello").await;
+    let b = env.lease("node-a", Duration::from_secs(60)).await;
+    // Both delivered; then b is taken over, so this attempt's fence is stale.
+    env.execute("UPDATE jobs SET state = 'delivered' WHERE id IN ('batch-a', 'batch-b')")
+        .await;
+    env.execute("UPDATE jobs SET lease_epoch = lease_epoch + 1 WHERE id = 'batch-b'")
+        .await;
+    // Three acks at once: two attempts of a sharing its lease, and b's zombie.
+    let (a1, a2, stale) = tokio::join!(
+        env.store.ack(&a.fence),
+        env.store.ack(&a.fence),
+        env.store.ack(&b.fence),
+    );
+    let mut of_a = vec![a1.unwrap(), a2.unwrap()];
+    of_a.sort_by_key(|c| format!("{c:?}"));
+    assert_eq!(
+        of_a,
+        vec![Checkpoint::AlreadyAt(JobState::Acked), Checkpoint::Moved],
+        "one ack of a moves it, the other finds it acked"
+    );
+    assert_eq!(stale.unwrap(), Checkpoint::LeaseLost);
+    assert_eq!(history_count(&env, "batch-a", JobState::Acked).await, 1);
+    assert_eq!(history_count(&env, "batch-b", JobState::Acked).await, 0);
+    assert_eq!(env.job("batch-b").await.state, JobState::Delivered);
+}

@@ -298,26 +298,17 @@ impl Store {
         if !before_commit(faults, &fence.job_id, &["model_call"]).await {
             return Ok(Checkpoint::Faulted);
         }
-        let mut conn = self.db().conn().await?;
-        // Fenced: the job row is locked first, and only while `fence` holds it.
-        let written = sql("WITH fence AS MATERIALIZED ( \
-                 SELECT id FROM jobs WHERE id = $5 AND lease_epoch = $6 FOR NO KEY UPDATE) \
-             UPDATE model_calls SET status = 'completed', response = $2, input_tokens = $3, \
-                 output_tokens = $4, in_flight_until = NULL, last_error = NULL, updated_at = now() \
-             WHERE idempotency_key = $1 AND EXISTS (SELECT 1 FROM fence)")
-        .bind::<Text, _>(key)
-        .bind::<Jsonb, _>(response)
-        .bind::<Nullable<Integer>, _>(usage.0)
-        .bind::<Nullable<Integer>, _>(usage.1)
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<BigInt, _>(fence.epoch)
-        .execute(&mut conn)
-        .await?;
-        Ok(if written == 1 {
-            Checkpoint::Moved
-        } else {
-            Checkpoint::LeaseLost
-        })
+        // Fenced (the job row locked at the epoch first), and group-committed
+        // with the answers of other jobs arriving at the same moment.
+        self.batches
+            .model_answer
+            .call(super::batched::ModelAnswer {
+                fence: fence.clone(),
+                key: key.to_owned(),
+                response: response.clone(),
+                usage,
+            })
+            .await
     }
 
     /// Records a failed send of `key` and frees it for the next attempt.
@@ -494,33 +485,16 @@ impl Store {
         if !before_commit(faults, &fence.job_id, &["delivered"]).await {
             return Ok(Checkpoint::Faulted);
         }
-        let mut conn = self.db().conn().await?;
         // The guarded move (locking the job row first), the outbox row and
-        // the history row: one statement.
-        let moved = sql(
-            "WITH moved AS ( \
-                 UPDATE jobs SET state = 'delivered', updated_at = now() \
-                 WHERE id = $1 AND state = 'claimed' AND lease_epoch = $2 \
-                 RETURNING id), \
-             sent AS ( \
-                 UPDATE outbox SET status = 'delivered', delivered_at = now(), last_status = $4, \
-                     in_flight_until = NULL, updated_at = now() \
-                 WHERE idempotency_key = $3 AND status = 'claimed' AND EXISTS (SELECT 1 FROM moved)) \
-             INSERT INTO job_history (job_id, state, attempt, worker) \
-             SELECT id, 'delivered', $5, $6 FROM moved",
-        )
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<BigInt, _>(fence.epoch)
-        .bind::<Text, _>(key)
-        .bind::<Integer, _>(status)
-        .bind::<Integer, _>(fence.attempt)
-        .bind::<Text, _>(&fence.worker)
-        .execute(&mut conn)
-        .await?;
-        if moved == 1 {
-            return Ok(Checkpoint::Moved);
-        }
-        Store::why_not(&mut conn, fence).await
+        // the history row: one statement, group-committed with other jobs'.
+        self.batches
+            .delivered
+            .call(super::batched::Delivered {
+                fence: fence.clone(),
+                key: key.to_owned(),
+                status,
+            })
+            .await
     }
 
     /// Records a failed POST and frees the row for the next attempt.
@@ -543,8 +517,12 @@ impl Store {
     /// One statement (the guarded move with its history row); the ack seam is
     /// [`FailPoint::Ack`], hit by the actor just before.
     pub async fn ack(&self, fence: &Fence) -> Result<Checkpoint, StoreError> {
-        let mut conn = self.db().conn().await?;
-        Store::transition(&mut conn, fence, JobState::Delivered, JobState::Acked).await
+        self.batches
+            .ack
+            .call(super::batched::Ack {
+                fence: fence.clone(),
+            })
+            .await
     }
 
     /// Dead-letters the job (and its outbox row, if `outbox_status` is given).

@@ -76,9 +76,9 @@ struct LeasedRow {
 }
 
 #[derive(QueryableByName)]
-struct IdRow {
+pub(crate) struct IdRow {
     #[diesel(sql_type = Text)]
-    id: String,
+    pub(crate) id: String,
 }
 
 #[derive(QueryableByName)]
@@ -158,9 +158,14 @@ impl Store {
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
         let mut conn = self.db().conn().await?;
         let kept: Vec<IdRow> = sql(
-            "UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
+            // Rows locked in id order, as batched checkpoints lock theirs, so
+            // a heartbeat and a batch never wait on each other in a cycle.
+            "WITH locked AS MATERIALIZED ( \
+                 SELECT id FROM jobs WHERE id = ANY($2) ORDER BY id FOR NO KEY UPDATE) \
+             UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
              FROM unnest($2::text[], $3::bigint[]) AS l(id, epoch) \
              WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
+               AND EXISTS (SELECT 1 FROM locked) \
              RETURNING j.id",
         )
         .bind::<Text, _>(node)
@@ -189,42 +194,6 @@ impl Store {
                 .load(conn)
                 .await?;
         Ok(rows.len() == 1)
-    }
-
-    /// Moves the job `from → to` and appends the history row, guarded by the
-    /// state and the epoch. Call inside the transaction that writes the data
-    /// the new state stands for.
-    pub(crate) async fn transition(
-        conn: &mut AsyncPgConnection,
-        fence: &Fence,
-        from: JobState,
-        to: JobState,
-    ) -> Result<Checkpoint, StoreError> {
-        debug_assert!(from.can_move_to(to), "{from} → {to} is not a transition");
-        let terminal = to.is_terminal();
-        // The guarded move and its history row, in one statement.
-        let moved = sql("WITH moved AS ( \
-                 UPDATE jobs SET state = $3::job_state, updated_at = now(), \
-                     finished_at = CASE WHEN $5 THEN now() END, \
-                     lease_owner = CASE WHEN $5 THEN NULL ELSE lease_owner END, \
-                     lease_expires_at = CASE WHEN $5 THEN NULL ELSE lease_expires_at END \
-                 WHERE id = $1 AND state = $2::job_state AND lease_epoch = $4 \
-                 RETURNING id) \
-             INSERT INTO job_history (job_id, state, attempt, worker) \
-             SELECT id, $3::job_state, $6, $7 FROM moved")
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<Text, _>(from.as_str())
-        .bind::<Text, _>(to.as_str())
-        .bind::<BigInt, _>(fence.epoch)
-        .bind::<Bool, _>(terminal)
-        .bind::<Integer, _>(fence.attempt)
-        .bind::<Text, _>(&fence.worker)
-        .execute(conn)
-        .await?;
-        if moved == 1 {
-            return Ok(Checkpoint::Moved);
-        }
-        Self::why_not(conn, fence).await
     }
 
     /// Dead-letters the job from whatever live state it is in, keeping the reason.

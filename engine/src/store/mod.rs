@@ -8,7 +8,11 @@
 //! * [`journal`]: model calls, results and the webhook outbox.
 //! * [`ledger`]: the tool ledger, the general step journal, retention purges.
 //! * [`sql`]: hand-written statements whose prepared form is cached.
+//! * `batch`, `batched`: group commit — `delivered`, `acked` and model answers
+//!   from many actors written by one statement and one commit.
 
+mod batch;
+mod batched;
 pub mod jobs;
 pub mod journal;
 pub mod lease;
@@ -29,11 +33,14 @@ pub use lease::{Checkpoint, Fence, Leased};
 #[derive(Debug, Clone)]
 pub struct Store {
     db: Db,
+    batches: std::sync::Arc<batched::Batches>,
 }
 
 impl Store {
+    /// A store on `db`; starts its batching tasks on the database runtime.
     pub fn new(db: Db) -> Self {
-        Store { db }
+        let batches = batched::Batches::start(&db);
+        Store { db, batches }
     }
 
     pub fn db(&self) -> &Db {

@@ -1,0 +1,130 @@
+//! Group commit for checkpoints: the same write from many actors becomes one
+//! statement and one commit.
+//!
+//! A [`Batcher`] is a task on the database runtime. An actor hands it one
+//! request and waits; the task takes every request waiting at that moment
+//! (up to a limit), runs them as one statement over arrays, and answers each
+//! actor with its own row's outcome — only after the commit, so no
+//! checkpoint is acknowledged before it is durable. With one actor there is
+//! no waiting and no delay: a batch of one is the plain statement. Under load
+//! the requests that arrive while one batch runs form the next.
+//!
+//! A job appears at most once per batch (a second request for it, from a
+//! concurrent attempt sharing the lease, waits for the next batch), and a
+//! batch locks its job rows in id order, as the heartbeat does, so batches
+//! and heartbeats cannot deadlock.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+
+use diesel_async::pooled_connection::bb8::Pool;
+use diesel_async::AsyncPgConnection;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::StoreError;
+
+/// Most requests in one statement.
+pub(crate) const MAX_BATCH: usize = 256;
+
+type Reply<O> = oneshot::Sender<Result<O, StoreError>>;
+
+/// Runs one batch: gets the requests (distinct jobs), returns one outcome per
+/// request, in order.
+pub(crate) type RunBatch<R, O> = Box<
+    dyn Fn(
+            Pool<AsyncPgConnection>,
+            Vec<R>,
+        ) -> Pin<Box<dyn Future<Output = Result<Vec<O>, StoreError>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// A request that names the job it writes, and the lease it writes under.
+pub(crate) trait ForJob {
+    fn fence(&self) -> &crate::store::Fence;
+    fn job_id(&self) -> &str {
+        &self.fence().job_id
+    }
+}
+
+/// Hands requests of one kind to the batching task.
+pub(crate) struct Batcher<R, O> {
+    tx: mpsc::UnboundedSender<(R, Reply<O>)>,
+}
+
+impl<R, O> std::fmt::Debug for Batcher<R, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher").finish_non_exhaustive()
+    }
+}
+
+impl<R, O> Batcher<R, O>
+where
+    R: ForJob + Send + 'static,
+    O: Send + 'static,
+{
+    /// Starts the task on the database runtime; it ends when the last
+    /// handle is dropped.
+    pub(crate) fn start(db: &crate::db::Db, run: RunBatch<R, O>) -> Self {
+        let (tx, mut rx) = mpsc::unbounded_channel::<(R, Reply<O>)>();
+        let pool = db.pool();
+        db.spawn(async move {
+            let mut carried: Vec<(R, Reply<O>)> = Vec::new();
+            loop {
+                if carried.is_empty() {
+                    match rx.recv().await {
+                        Some(first) => carried.push(first),
+                        None => return,
+                    }
+                }
+                while carried.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(next) => carried.push(next),
+                        Err(_) => break,
+                    }
+                }
+                // One request per job in this batch; repeats wait for the next.
+                let mut seen = HashSet::new();
+                let (batch, rest): (Vec<_>, Vec<_>) = carried
+                    .drain(..)
+                    .partition(|(r, _)| seen.insert(r.job_id().to_owned()));
+                carried = rest;
+                let (requests, replies): (Vec<R>, Vec<Reply<O>>) = batch.into_iter().unzip();
+                let n = requests.len();
+                match run(pool.clone(), requests).await {
+                    Ok(outcomes) if outcomes.len() == n => {
+                        for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                            let _ = reply.send(Ok(outcome));
+                        }
+                    }
+                    Ok(outcomes) => {
+                        let message =
+                            format!("a batch of {n} returned {} outcomes", outcomes.len());
+                        for reply in replies {
+                            let _ = reply.send(Err(StoreError::Batch(message.clone())));
+                        }
+                    }
+                    Err(e) => {
+                        let e = std::sync::Arc::new(e);
+                        for reply in replies {
+                            let _ = reply.send(Err(StoreError::Shared(e.clone())));
+                        }
+                    }
+                }
+            }
+        });
+        Batcher { tx }
+    }
+
+    /// Submits `request` and waits for its outcome (after the commit).
+    pub(crate) async fn call(&self, request: R) -> Result<O, StoreError> {
+        let (reply, outcome) = oneshot::channel();
+        self.tx
+            .send((request, reply))
+            .map_err(|_| StoreError::Batch("the batching task is gone".into()))?;
+        outcome
+            .await
+            .map_err(|_| StoreError::Batch("the batching task dropped the request".into()))?
+    }
+}
