@@ -7,7 +7,8 @@
 //! actor with its own row's outcome — only after the commit, so no
 //! checkpoint is acknowledged before it is durable. With one actor there is
 //! no waiting and no delay: a batch of one is the plain statement. Under load
-//! the requests that arrive while one batch runs form the next.
+//! the requests that arrive while a batch runs form the next; two batches of
+//! a kind run at once.
 //!
 //! A job appears at most once per batch (a second request for it, from a
 //! concurrent attempt sharing the lease, waits for the next batch), and a
@@ -26,6 +27,9 @@ use crate::error::StoreError;
 
 /// Most requests in one statement.
 pub(crate) const MAX_BATCH: usize = 256;
+/// Batches of one kind in flight at once: while one commits, the next forms
+/// and runs, so a request waits for at most one batch ahead of it.
+const CONCURRENT_BATCHES: usize = 2;
 
 type Reply<O> = oneshot::Sender<Result<O, StoreError>>;
 
@@ -69,9 +73,15 @@ where
     pub(crate) fn start(db: &crate::db::Db, run: RunBatch<R, O>) -> Self {
         let (tx, mut rx) = mpsc::unbounded_channel::<(R, Reply<O>)>();
         let pool = db.pool();
+        let run = std::sync::Arc::new(run);
+        let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(CONCURRENT_BATCHES));
         db.spawn(async move {
             let mut carried: Vec<(R, Reply<O>)> = Vec::new();
             loop {
+                // A free slot first, so the batch takes everything queued by then.
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    return;
+                };
                 if carried.is_empty() {
                     match rx.recv().await {
                         Some(first) => carried.push(first),
@@ -92,26 +102,30 @@ where
                 carried = rest;
                 let (requests, replies): (Vec<R>, Vec<Reply<O>>) = batch.into_iter().unzip();
                 let n = requests.len();
-                match run(pool.clone(), requests).await {
-                    Ok(outcomes) if outcomes.len() == n => {
-                        for (reply, outcome) in replies.into_iter().zip(outcomes) {
-                            let _ = reply.send(Ok(outcome));
+                let (run, pool) = (run.clone(), pool.clone());
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    match run(pool, requests).await {
+                        Ok(outcomes) if outcomes.len() == n => {
+                            for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                                let _ = reply.send(Ok(outcome));
+                            }
+                        }
+                        Ok(outcomes) => {
+                            let message =
+                                format!("a batch of {n} returned {} outcomes", outcomes.len());
+                            for reply in replies {
+                                let _ = reply.send(Err(StoreError::Batch(message.clone())));
+                            }
+                        }
+                        Err(e) => {
+                            let e = std::sync::Arc::new(e);
+                            for reply in replies {
+                                let _ = reply.send(Err(StoreError::Shared(e.clone())));
+                            }
                         }
                     }
-                    Ok(outcomes) => {
-                        let message =
-                            format!("a batch of {n} returned {} outcomes", outcomes.len());
-                        for reply in replies {
-                            let _ = reply.send(Err(StoreError::Batch(message.clone())));
-                        }
-                    }
-                    Err(e) => {
-                        let e = std::sync::Arc::new(e);
-                        for reply in replies {
-                            let _ = reply.send(Err(StoreError::Shared(e.clone())));
-                        }
-                    }
-                }
+                });
             }
         });
         Batcher { tx }
