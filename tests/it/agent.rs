@@ -78,9 +78,40 @@ async fn a_turn_retried_after_the_tool_ran_replays_the_stored_result() {
     script_tool_calls(&env, vec![("call_1", json!({ "ticket": "A" }))]);
     env.provider.push(Behaviour::Ok); // turn 0: asks for the tool
     env.provider.push(Behaviour::Status(500, None)); // turn 1 fails once
-    let _engine = env.start(agent_registry(&tools.url()), env.config());
+    let config = env.config();
+    let telemetry = config.telemetry.clone();
+    let _engine = env.start(agent_registry(&tools.url()), config);
     env.submit_job(agent_job(&env, "agent-1")).await;
     let job = env.wait_for("agent-1", JobState::Acked, WAIT).await;
+    // The node's counters agree with what the tool and the provider saw.
+    let metrics = telemetry.prometheus();
+    for (series, want) in [
+        (
+            "onceflow_tool_executions_total{onceflow_outcome=\"performed\"}",
+            1,
+        ),
+        (
+            "onceflow_tool_executions_total{onceflow_outcome=\"replayed\"}",
+            1,
+        ),
+        (
+            "onceflow_model_calls_total{onceflow_outcome=\"performed\"}",
+            2,
+        ),
+        (
+            "onceflow_model_calls_total{onceflow_outcome=\"retried\"}",
+            1,
+        ),
+        (
+            "onceflow_model_calls_total{onceflow_outcome=\"replayed\"}",
+            1,
+        ),
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == format!("{series} {want}")),
+            "{series} {want} in:\n{metrics}"
+        );
+    }
 
     assert_eq!(
         tools.requests_with_key(&tool_key("agent-1", 0, 0)),
