@@ -4,7 +4,9 @@
 //! The hot path is one statement per checkpoint (autocommit, so one round
 //! trip and one commit): the lease fence, the data, the state move and its
 //! history rows are a single data-modifying statement that locks the job row
-//! first, as every journal write does. The `BeforeCommit` failpoints of these
+//! first, as every journal write does. `delivered`, `acked` and model answers
+//! go through the group commit of `batch`: one such statement for all the
+//! jobs waiting at that moment. The `BeforeCommit` failpoints of these
 //! writes are hit just before the statement: a crash or failure there leaves
 //! nothing written, exactly as a crash before the commit would.
 
