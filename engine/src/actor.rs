@@ -16,14 +16,14 @@ use serde_json::Value;
 
 use crate::context::Context;
 use crate::engine::Shared;
-use crate::error::{ErrorEnvelope, StepError};
+use crate::error::StepError;
 use crate::faults::{FailPoint, Injected};
 use crate::keys;
 use crate::lifecycle::{next_step, JobState, Step};
 use crate::observe::Scope;
 use crate::outbound::PostError;
 use crate::retry::RetryPolicy;
-use crate::store::journal::{Claim, DeliveryStart, FailedSend};
+use crate::store::journal::{Claim, DeliveryStart, FailedSend, KillWith};
 use crate::store::{Checkpoint, Fence, Leased};
 use crate::supervisor::Supervisor;
 use crate::webhook;
@@ -336,30 +336,24 @@ impl JobRun {
                 }
             };
             match start {
-                DeliveryStart::Delivered | DeliveryStart::Closed(_) => {
-                    // The journal shows it delivered (or closed): no send.
+                DeliveryStart::Delivered => {
+                    // The journal shows it delivered: no send.
                     metrics.delivery(OUTCOME_DUPLICATE_SUPPRESSED);
+                    step(None).end(OUTCOME_SUPPRESSED);
+                    return self.current_state().await;
+                }
+                DeliveryStart::Closed(_) => {
+                    // The row was closed; `begin_delivery` closed the job with it.
                     step(None).end(OUTCOME_SUPPRESSED);
                     return self.current_state().await;
                 }
                 DeliveryStart::LeaseLost => return Err(StepError::LeaseLost),
                 DeliveryStart::InFlight { .. } => tokio::time::sleep(config.wait_poll).await,
                 DeliveryStart::Unknown => {
-                    let error = ErrorEnvelope {
-                        code: "delivery_unknown".into(),
-                        message: format!(
-                            "a send of {key} may have reached the consumer but its outcome was never recorded; \
-                             the workflow delivers at most once, so it is not sent again"
-                        ),
-                        retryable: false,
-                    };
-                    let reason = "delivery outcome unknown (at-most-once): needs a human";
-                    let c = store
-                        .kill(&self.fence, reason, &error, Some((&key, "unknown")))
-                        .await?;
+                    // The row is `unknown` and the job `dead`, one commit.
                     metrics.delivery(OUTCOME_DEAD);
                     step(None).end(OUTCOME_FAILED);
-                    return self.settled(c, JobState::Dead, "dead");
+                    return self.settled(Checkpoint::Moved, JobState::Dead, "dead");
                 }
                 DeliveryStart::Send { attempt, url, body } => {
                     let mut span = step(Some(attempt));
@@ -417,30 +411,39 @@ impl JobRun {
                     } else {
                         OUTCOME_RETRIED
                     });
-                    store
+                    // The failure's record and, when the job is over, its
+                    // death: one transaction, so no interleaving leaves a
+                    // row that looks unsent under a dead-end job.
+                    let reason = if at_most_once && !failure.never_sent() {
+                        Some("delivery outcome unknown (at-most-once): the send failed after it left".to_owned())
+                    } else if !failure.is_retryable() {
+                        Some(format!(
+                            "the webhook consumer refused the delivery permanently ({})",
+                            error.code
+                        ))
+                    } else {
+                        None
+                    };
+                    let kill = reason.as_deref().map(|reason| KillWith {
+                        reason,
+                        outbox_status: if at_most_once && !failure.never_sent() {
+                            "unknown"
+                        } else {
+                            "dead"
+                        },
+                    });
+                    let c = store
                         .fail_delivery(
+                            &self.fence,
                             &key,
                             &FailedSend {
                                 error: error.clone(),
                                 status: failure.status().map(i32::from),
                             },
+                            kill,
                         )
                         .await?;
-                    if at_most_once && !failure.never_sent() {
-                        let reason = "delivery outcome unknown (at-most-once): the send failed after it left";
-                        let c = store
-                            .kill(&self.fence, reason, &error, Some((&key, "unknown")))
-                            .await?;
-                        return self.settled(c, JobState::Dead, "dead");
-                    }
-                    if !failure.is_retryable() {
-                        let reason = format!(
-                            "the webhook consumer refused the delivery permanently ({})",
-                            error.code
-                        );
-                        let c = store
-                            .kill(&self.fence, &reason, &error, Some((&key, "dead")))
-                            .await?;
+                    if kill.is_some() || c != Checkpoint::Moved {
                         return self.settled(c, JobState::Dead, "dead");
                     }
                     return Err(StepError::Retry {
@@ -486,8 +489,13 @@ impl JobRun {
             StepError::Injected(Injected::Fail(_)) => {
                 self.reschedule(policy.delay(1, None), &error).await
             }
+            // The statement was already retried in place for the store's
+            // whole budget: the database is down or overloaded. The job is
+            // not the problem, so it is never dead-lettered for it; it runs
+            // again later, backing off with its attempts.
             StepError::Store(e) if e.is_retryable() => {
-                self.reschedule(policy.delay(1, None), &error).await
+                let attempt = u32::try_from(self.fence.attempt.max(1)).unwrap_or(1);
+                self.reschedule(policy.delay(attempt, None), &error).await
             }
             StepError::Permanent { reason, .. } => self.kill(reason, &error).await,
             StepError::Store(_) | StepError::InvalidInput(_) | StepError::Serialize(_) => {

@@ -157,6 +157,39 @@ impl Context {
                 }
                 // Tokens are spent whether or not the journal commit lands.
                 metrics.tokens(usage.input_tokens, usage.output_tokens, attempt > 1);
+                if let Some(problem) =
+                    invalid_answer(&response, usage.input_tokens, usage.output_tokens)
+                {
+                    // PostgreSQL would refuse to journal it (and, in a batch,
+                    // refuse its batchmates' rows with it): this job alone
+                    // fails, non-retryably, and the rest proceed.
+                    metrics.model_call(OUTCOME_FAILED);
+                    span.set(KeyValue::new(ERROR_CODE, "invalid_model_response"));
+                    span.end(OUTCOME_FAILED);
+                    let error = ErrorEnvelope {
+                        code: "invalid_model_response".into(),
+                        message: format!(
+                            "the provider's answer to {key} cannot be journaled: {problem}"
+                        ),
+                        retryable: false,
+                    };
+                    let held = Box::pin(self.store.fail_model_call(
+                        &self.fence,
+                        &key,
+                        &FailedSend {
+                            error: error.clone(),
+                            status: Some(i32::from(status)),
+                        },
+                    ))
+                    .await?;
+                    if !held {
+                        return Err(StepError::LeaseLost);
+                    }
+                    return Err(StepError::Permanent {
+                        reason: format!("invalid model response ({key})"),
+                        error,
+                    });
+                }
                 match Box::pin(self.store.complete_model_call(
                     &self.fence,
                     &key,
@@ -200,7 +233,8 @@ impl Context {
                 };
                 metrics.model_call(outcome);
                 span.end(outcome);
-                Box::pin(self.store.fail_model_call(
+                let held = Box::pin(self.store.fail_model_call(
+                    &self.fence,
                     &key,
                     &FailedSend {
                         error: error.clone(),
@@ -208,6 +242,9 @@ impl Context {
                     },
                 ))
                 .await?;
+                if !held {
+                    return Err(StepError::LeaseLost);
+                }
                 Err(if failure.is_retryable() {
                     StepError::Retry {
                         error,
@@ -226,6 +263,26 @@ impl Context {
             }
         }
     }
+}
+
+/// Why a provider's 2xx answer cannot be journaled as it is, if it cannot:
+/// a NUL character anywhere (PostgreSQL's `jsonb` refuses `\u0000`) or a
+/// negative token count. Such an answer is `invalid_model_response` for its
+/// job alone; onceflow does not rewrite what the model said.
+pub(crate) fn invalid_answer(
+    response: &Value,
+    input_tokens: Option<i32>,
+    output_tokens: Option<i32>,
+) -> Option<String> {
+    if crate::store::journal::contains_nul(response) {
+        return Some("it contains a NUL character (\\u0000)".into());
+    }
+    if input_tokens.is_some_and(|n| n < 0) || output_tokens.is_some_and(|n| n < 0) {
+        return Some(format!(
+            "negative token usage (input {input_tokens:?}, output {output_tokens:?})"
+        ));
+    }
+    None
 }
 
 /// What a tool's execution gets: who asked, and the key to pass on.
@@ -268,6 +325,7 @@ impl ToolInvocation {
             ],
             body: serde_json::to_vec(body).expect("a JSON value serialises"),
             timeout: self.timeout,
+            need_body: true,
         };
         match crate::outbound::post(&self.client, request, None).await {
             Ok((_, bytes)) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
@@ -387,9 +445,13 @@ impl Context {
                 metrics.tool(outcome);
                 span.set(KeyValue::new(ERROR_CODE, error.envelope().code));
                 span.end(outcome);
-                self.store
+                if !self
+                    .store
                     .fail_tool_call(&self.fence, position, &error.envelope(), permanent)
-                    .await?;
+                    .await?
+                {
+                    return Err(StepError::LeaseLost);
+                }
                 return Err(match error {
                     StepError::Retry {
                         error, retry_after, ..

@@ -183,32 +183,48 @@ impl Engine {
     }
 }
 
-/// Wakes the supervisor on every `NOTIFY` of a new job; reconnects on failure.
+/// Wakes the supervisor on every `NOTIFY` of a new job; reconnects on
+/// failure with backoff (100 ms doubling to 5 s, reset once a connection
+/// has listened), so a database that is down is not hammered. Polling
+/// carries on meanwhile.
 async fn listen(
     store: Store,
     supervisor: Addr<Supervisor>,
     mut stopped: tokio::sync::watch::Receiver<bool>,
 ) {
-    let mut backoff = Duration::from_millis(100);
+    const FIRST: Duration = Duration::from_millis(100);
+    let mut backoff = FIRST;
     loop {
         let attempt = async {
             match store.db().dedicated().await {
                 Ok(mut conn) => {
+                    let started = std::time::Instant::now();
                     if let Err(e) = listen_on(&mut conn, &supervisor).await {
                         tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
                     }
+                    started.elapsed() > Duration::from_secs(5)
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot open the LISTEN connection; polling only")
+                    tracing::warn!(error = %e, "cannot open the LISTEN connection; polling only");
+                    false
                 }
             }
         };
-        tokio::select! {
-            _ = attempt => {}
+        let listened = tokio::select! {
+            listened = attempt => listened,
             _ = stopped.changed() => return,
-        }
+        };
         if !supervisor.connected() {
             return;
+        }
+        if listened {
+            backoff = FIRST;
+        }
+        // Anything missed meanwhile is found by the next poll.
+        supervisor.do_send(Poll);
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stopped.changed() => return,
         }
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }

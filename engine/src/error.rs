@@ -71,32 +71,50 @@ pub enum StoreError {
     /// The batching task could not answer (shutting down).
     #[error("batched write: {0}")]
     Batch(String),
+    /// Data PostgreSQL would reject (a NUL character, a negative count),
+    /// caught before it was written: permanent for that job alone.
+    #[error("invalid data: {0}")]
+    InvalidData(String),
 }
 
 impl StoreError {
-    /// A transient database failure (connection lost, pool timeout, serialization failure)
-    /// is retried by running the job again later; a failing query is a bug.
+    /// Whether the same statement may succeed if run again: the database said
+    /// something transient. Decided by what PostgreSQL reported, never by its
+    /// English message text.
+    ///
+    /// Transient: connection loss (class 08: the driver reports it as a
+    /// command it could not send or a closed connection), pool timeouts,
+    /// 40001 (serialization failure) and 25006 (read-only, after a
+    /// failover). diesel-async maps only a few SQLSTATEs to error kinds and
+    /// folds the rest — 40P01 (deadlock), 57P01/57P02/57P03 (terminated
+    /// backend, crash shutdown, cannot connect now), 53300 (too many
+    /// connections), 55P03 (lock not available) among them — into
+    /// `Unknown`, with the code out of reach; so `Unknown` is transient too.
+    /// Retrying any of these is safe because every write is fenced by the
+    /// lease epoch. Constraint violations are permanent: the data is wrong.
     pub fn is_retryable(&self) -> bool {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
         match self {
             StoreError::Connect(_) | StoreError::Pool(_) | StoreError::Batch(_) => true,
             StoreError::Shared(e) => e.is_retryable(),
-            StoreError::Migrate(_) => false,
+            StoreError::Migrate(_) | StoreError::InvalidData(_) => false,
             StoreError::Query(e) => match e {
-                E::DatabaseError(kind, info) => match kind {
-                    K::SerializationFailure | K::UnableToSendCommand | K::ClosedConnection => true,
-                    // diesel has no kind for 40P01; a deadlock victim may simply run again.
-                    K::Unknown if info.message().contains("deadlock detected") => true,
+                E::DatabaseError(kind, _) => match kind {
+                    K::SerializationFailure
+                    | K::UnableToSendCommand
+                    | K::ClosedConnection
+                    | K::ReadOnlyTransaction
+                    | K::Unknown => true,
                     K::UniqueViolation
                     | K::ForeignKeyViolation
-                    | K::ReadOnlyTransaction
                     | K::NotNullViolation
                     | K::CheckViolation
                     | K::RestrictViolation
-                    | K::ExclusionViolation
-                    | K::Unknown => false,
-                    // DatabaseErrorKind is non-exhaustive upstream.
-                    _ => false,
+                    | K::ExclusionViolation => false,
+                    // DatabaseErrorKind is non-exhaustive upstream; a kind
+                    // added later is a code diesel learnt to name, and the
+                    // fenced statement is safe to run again.
+                    _ => true,
                 },
                 E::BrokenTransactionManager => true,
                 E::NotFound

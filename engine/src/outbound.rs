@@ -90,6 +90,10 @@ pub struct Post<'a> {
     pub headers: Vec<(&'static str, String)>,
     pub body: Vec<u8>,
     pub timeout: Duration,
+    /// Whether a 2xx answer's body matters. When it does not (a webhook:
+    /// the status alone decides), a 2xx is success even if its body cannot
+    /// be read, and the body is not read at all.
+    pub need_body: bool,
 }
 
 /// The failpoint hit once the server has answered and before the answer is read.
@@ -112,6 +116,7 @@ pub async fn post(
         headers,
         body,
         timeout,
+        need_body,
     } = post;
     let mut request = client
         .post(url)
@@ -137,6 +142,9 @@ pub async fn post(
         .get("retry-after")
         .and_then(|v| v.to_str().ok())
         .and_then(parse_retry_after);
+    if (200..300).contains(&status) && !need_body {
+        return Ok((status, Vec::new()));
+    }
     let bytes = response
         .bytes()
         .await

@@ -84,6 +84,7 @@ impl Provider {
             headers,
             body,
             timeout: self.config.timeout,
+            need_body: true,
         };
         let seam = Seam {
             faults,

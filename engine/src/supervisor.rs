@@ -123,7 +123,11 @@ impl Handler<Poll> for Supervisor {
         self.polling = true;
         let shared = self.shared.clone();
         let reclaim_own = !self.reclaimed_own;
+        // Never a job this node is still running (its heartbeat may have
+        // failed and its lease lapsed): one job, one actor per node.
+        let running: Vec<String> = self.in_flight.keys().cloned().collect();
         let acquire = async move {
+            let workflows = shared.registry.owned_names();
             shared
                 .store
                 .acquire(
@@ -131,6 +135,8 @@ impl Handler<Poll> for Supervisor {
                     capacity as i64,
                     shared.config.lease.as_millis() as i64,
                     reclaim_own,
+                    Some(&workflows),
+                    &running,
                 )
                 .await
         };
@@ -194,11 +200,18 @@ impl Supervisor {
             tracing::info!(job.id = %leased.fence.job_id, previous_owner = %previous, state = %leased.state, "resuming a stalled job from its last checkpoint");
         }
         let Some(workflow) = self.shared.registry.get(&leased.workflow).cloned() else {
-            // Another node may run this workflow; let the lease lapse.
+            // Acquire takes only registered workflows; should one slip
+            // through, let the lease lapse for a node that has it.
             tracing::error!(job.id = %leased.fence.job_id, workflow = %leased.workflow, "workflow not registered on this node");
             return;
         };
         let (job_id, epoch) = (leased.fence.job_id.clone(), leased.fence.epoch);
+        if let Some((old_epoch, old)) = self.in_flight.remove(&job_id) {
+            // Acquire skips running jobs, so this is a defect elsewhere; the
+            // old attempt must not live on beside the new one.
+            tracing::error!(job.id = %job_id, old_epoch, epoch, "job leased again while an attempt runs; aborting the old attempt");
+            old.do_send(Abort);
+        }
         let run = JobRun::new(leased, workflow, self.shared.clone());
         let addr = JobActor::new(run, ctx.address()).start();
         self.in_flight.insert(job_id, (epoch, addr));
@@ -321,6 +334,19 @@ impl Handler<Purge> for Supervisor {
                     }
                 }
                 Err(e) => tracing::debug!(error = %e, "could not count jobs by state"),
+            }
+            match shared
+                .store
+                .count_unrunnable(&shared.registry.owned_names())
+                .await
+            {
+                Ok(n) => shared
+                    .config
+                    .telemetry
+                    .metrics()
+                    .jobs_unrunnable
+                    .record(n, &[]),
+                Err(e) => tracing::debug!(error = %e, "could not count unrunnable jobs"),
             }
             purged
         };

@@ -99,6 +99,7 @@ pub async fn send(
         headers,
         body: bytes,
         timeout: sender.timeout,
+        need_body: false,
     };
     let seam = Seam {
         faults,

@@ -164,6 +164,11 @@ impl Registry {
         self.by_name.get(name)
     }
 
+    /// The registered names, owned (for a query parameter).
+    pub fn owned_names(&self) -> Vec<String> {
+        self.names().map(str::to_owned).collect()
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &'static str> + '_ {
         self.by_name.keys().copied()
     }

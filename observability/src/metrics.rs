@@ -22,6 +22,7 @@ pub struct Metrics {
     pub lease_takeovers: Counter<u64>,
     pub actors_in_flight: UpDownCounter<i64>,
     pub jobs: Gauge<u64>,
+    pub jobs_unrunnable: Gauge<u64>,
     pub step_duration: Histogram<f64>,
 }
 
@@ -64,6 +65,10 @@ impl Metrics {
             jobs: meter
                 .u64_gauge(METRIC_JOBS)
                 .with_description("Jobs in the database by state")
+                .build(),
+            jobs_unrunnable: meter
+                .u64_gauge(METRIC_JOBS_UNRUNNABLE)
+                .with_description("Live jobs whose workflow is not registered on this node")
                 .build(),
             step_duration: meter
                 .f64_histogram(METRIC_STEP_DURATION)

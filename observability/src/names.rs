@@ -105,5 +105,7 @@ pub const METRIC_LEASE_TAKEOVERS: &str = "onceflow.lease.takeovers";
 pub const METRIC_ACTORS_IN_FLIGHT: &str = "onceflow.actors.in_flight";
 /// Gauge: jobs in the database by `onceflow.state` (refreshed by the supervisor).
 pub const METRIC_JOBS: &str = "onceflow.jobs";
+/// Live jobs whose workflow is not registered on this node (it never takes them).
+pub const METRIC_JOBS_UNRUNNABLE: &str = "onceflow.jobs.unrunnable";
 /// Histogram (seconds): step duration by `onceflow.step` and `onceflow.outcome`.
 pub const METRIC_STEP_DURATION: &str = "onceflow.step.duration";

@@ -10,6 +10,9 @@
 //! the requests that arrive while a batch runs form the next; two batches of
 //! a kind run at once.
 //!
+//! When a batch fails, its requests are written again one by one, so one
+//! row PostgreSQL refuses fails only its own request, never its batchmates.
+//!
 //! A job appears at most once per batch (a second request for it, from a
 //! concurrent attempt sharing the lease, waits for the next batch), and a
 //! batch locks its job rows in id order, as the heartbeat does, so batches
@@ -55,6 +58,11 @@ pub(crate) trait ForJob {
 /// Hands requests of one kind to the batching task.
 pub(crate) struct Batcher<R, O> {
     tx: mpsc::UnboundedSender<(R, Reply<O>)>,
+    /// While true, requests queue and no batch starts (a test seam: releasing
+    /// it runs everything queued as one batch).
+    hold: tokio::sync::watch::Sender<bool>,
+    /// The most requests one batch has held.
+    largest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<R, O> std::fmt::Debug for Batcher<R, O> {
@@ -65,7 +73,7 @@ impl<R, O> std::fmt::Debug for Batcher<R, O> {
 
 impl<R, O> Batcher<R, O>
 where
-    R: ForJob + Send + 'static,
+    R: ForJob + Clone + Send + 'static,
     O: Send + 'static,
 {
     /// Starts the task on the database runtime; it ends when the last
@@ -75,6 +83,9 @@ where
         let pool = db.pool();
         let run = std::sync::Arc::new(run);
         let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(CONCURRENT_BATCHES));
+        let (hold, mut held) = tokio::sync::watch::channel(false);
+        let largest = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let largest_seen = largest.clone();
         db.spawn(async move {
             let mut carried: Vec<(R, Reply<O>)> = Vec::new();
             loop {
@@ -86,6 +97,11 @@ where
                     match rx.recv().await {
                         Some(first) => carried.push(first),
                         None => return,
+                    }
+                }
+                while *held.borrow_and_update() {
+                    if held.changed().await.is_err() {
+                        break;
                     }
                 }
                 while carried.len() < MAX_BATCH {
@@ -102,33 +118,55 @@ where
                 carried = rest;
                 let (requests, replies): (Vec<R>, Vec<Reply<O>>) = batch.into_iter().unzip();
                 let n = requests.len();
+                largest_seen.fetch_max(n, std::sync::atomic::Ordering::Relaxed);
                 let (run, pool) = (run.clone(), pool.clone());
                 tokio::spawn(async move {
                     let _slot = slot;
-                    match run(pool, requests).await {
+                    let outcomes = match run(pool.clone(), requests.clone()).await {
                         Ok(outcomes) if outcomes.len() == n => {
-                            for (reply, outcome) in replies.into_iter().zip(outcomes) {
-                                let _ = reply.send(Ok(outcome));
-                            }
+                            outcomes.into_iter().map(Ok).collect()
                         }
                         Ok(outcomes) => {
                             let message =
                                 format!("a batch of {n} returned {} outcomes", outcomes.len());
-                            for reply in replies {
-                                let _ = reply.send(Err(StoreError::Batch(message.clone())));
-                            }
+                            (0..n).map(|_| Err(StoreError::Batch(message.clone()))).collect()
                         }
-                        Err(e) => {
-                            let e = std::sync::Arc::new(e);
-                            for reply in replies {
-                                let _ = reply.send(Err(StoreError::Shared(e.clone())));
+                        // One bad row must not fail its batchmates: run each
+                        // request alone, so only its own error reaches it.
+                        Err(e) if n > 1 => {
+                            tracing::warn!(error = %e, batch = n, "a batched write failed; writing its rows one by one");
+                            let mut each = Vec::with_capacity(n);
+                            for request in requests {
+                                each.push(match run(pool.clone(), vec![request]).await {
+                                    Ok(mut one) if one.len() == 1 => Ok(one.remove(0)),
+                                    Ok(one) => Err(StoreError::Batch(format!(
+                                        "a batch of 1 returned {} outcomes",
+                                        one.len()
+                                    ))),
+                                    Err(e) => Err(e),
+                                });
                             }
+                            each
                         }
+                        Err(e) => vec![Err(e)],
+                    };
+                    for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                        let _ = reply.send(outcome);
                     }
                 });
             }
         });
-        Batcher { tx }
+        Batcher { tx, hold, largest }
+    }
+
+    /// Holds (true) or releases (false) the batches of this kind.
+    pub(crate) fn hold(&self, hold: bool) {
+        self.hold.send_replace(hold);
+    }
+
+    /// The most requests one batch of this kind has held.
+    pub(crate) fn largest(&self) -> usize {
+        self.largest.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Submits `request` and waits for its outcome (after the commit).

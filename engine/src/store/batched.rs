@@ -12,18 +12,20 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
 use super::batch::{Batcher, ForJob};
-use super::lease::IdRow;
+use super::lease::{lock_in_order, IdRow};
 use super::sql::sql;
 use super::{Checkpoint, Fence, Store};
 use crate::db::Db;
 use crate::error::StoreError;
 
 /// `delivered → acked` for one job.
+#[derive(Clone)]
 pub(crate) struct Ack {
     pub(crate) fence: Fence,
 }
 
 /// `claimed → delivered` for one job, with its outbox row.
+#[derive(Clone)]
 pub(crate) struct Delivered {
     pub(crate) fence: Fence,
     pub(crate) key: String,
@@ -31,6 +33,7 @@ pub(crate) struct Delivered {
 }
 
 /// A model call's answer, journaled under its key (fenced; no state change).
+#[derive(Clone)]
 pub(crate) struct ModelAnswer {
     pub(crate) fence: Fence,
     pub(crate) key: String,
@@ -72,14 +75,6 @@ impl Batches {
     }
 }
 
-/// The job-row lock, in id order, that every batched statement takes first
-/// (`$1` is the batch's job ids).
-macro_rules! lock_in_order {
-    () => {
-        "locked AS MATERIALIZED (SELECT id FROM jobs WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE), "
-    };
-}
-
 /// Moved for the rows the statement returned; for the others, why not (rare).
 async fn outcomes<R: ForJob>(
     conn: &mut AsyncPgConnection,
@@ -117,19 +112,26 @@ async fn ack(
     pool: Pool<AsyncPgConnection>,
     requests: Vec<Ack>,
 ) -> Result<Vec<Checkpoint>, StoreError> {
-    let (ids, epochs, attempts, workers) = fences(&requests);
     let mut conn = pool.get().await?;
+    ack_on(&mut conn, &requests).await
+}
+
+pub(crate) async fn ack_on(
+    conn: &mut AsyncPgConnection,
+    requests: &[Ack],
+) -> Result<Vec<Checkpoint>, StoreError> {
+    let (ids, epochs, attempts, workers) = fences(requests);
     let moved: Vec<IdRow> = sql(concat!(
         "WITH input AS (SELECT * FROM unnest($1::text[], $2::bigint[], $3::int[], $4::text[]) \
              AS i(id, epoch, attempt, worker)), \
 ",
-        lock_in_order!(),
+        lock_in_order!("$1"),
         "         moved AS ( \
              UPDATE jobs j SET state = 'acked', updated_at = now(), finished_at = now(), \
                  lease_owner = NULL, lease_expires_at = NULL \
              FROM input i \
              WHERE j.id = i.id AND j.state = 'delivered' AND j.lease_epoch = i.epoch \
-               AND EXISTS (SELECT 1 FROM locked) \
+               AND (SELECT count(*) FROM locked) >= 0 \
              RETURNING j.id, i.attempt, i.worker), \
          history AS ( \
              INSERT INTO job_history (job_id, state, attempt, worker) \
@@ -140,29 +142,36 @@ async fn ack(
     .bind::<Array<BigInt>, _>(&epochs)
     .bind::<Array<Integer>, _>(&attempts)
     .bind::<Array<Text>, _>(&workers)
-    .load(&mut conn)
+    .load(conn)
     .await?;
-    outcomes(&mut conn, &requests, moved).await
+    outcomes(conn, requests, moved).await
 }
 
 async fn delivered(
     pool: Pool<AsyncPgConnection>,
     requests: Vec<Delivered>,
 ) -> Result<Vec<Checkpoint>, StoreError> {
-    let (ids, epochs, attempts, workers) = fences(&requests);
+    let mut conn = pool.get().await?;
+    delivered_on(&mut conn, &requests).await
+}
+
+pub(crate) async fn delivered_on(
+    conn: &mut AsyncPgConnection,
+    requests: &[Delivered],
+) -> Result<Vec<Checkpoint>, StoreError> {
+    let (ids, epochs, attempts, workers) = fences(requests);
     let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
     let statuses: Vec<i32> = requests.iter().map(|r| r.status).collect();
-    let mut conn = pool.get().await?;
     let moved: Vec<IdRow> = sql(concat!(
         "WITH input AS (SELECT * FROM unnest($1::text[], $2::bigint[], $3::int[], $4::text[], \
              $5::text[], $6::int[]) AS i(id, epoch, attempt, worker, key, status)), \
 ",
-        lock_in_order!(),
+        lock_in_order!("$1"),
         "         moved AS ( \
              UPDATE jobs j SET state = 'delivered', updated_at = now() \
              FROM input i \
              WHERE j.id = i.id AND j.state = 'claimed' AND j.lease_epoch = i.epoch \
-               AND EXISTS (SELECT 1 FROM locked) \
+               AND (SELECT count(*) FROM locked) >= 0 \
              RETURNING j.id, i.attempt, i.worker, i.key, i.status), \
          sent AS ( \
              UPDATE outbox o SET status = 'delivered', delivered_at = now(), last_status = m.status, \
@@ -179,34 +188,43 @@ async fn delivered(
     .bind::<Array<Text>, _>(&workers)
     .bind::<Array<Text>, _>(&keys)
     .bind::<Array<Integer>, _>(&statuses)
-    .load(&mut conn)
+    .load(conn)
     .await?;
-    outcomes(&mut conn, &requests, moved).await
+    outcomes(conn, requests, moved).await
 }
 
 async fn model_answer(
     pool: Pool<AsyncPgConnection>,
     requests: Vec<ModelAnswer>,
 ) -> Result<Vec<Checkpoint>, StoreError> {
-    let (ids, epochs, _, _) = fences(&requests);
+    let mut conn = pool.get().await?;
+    model_answer_on(&mut conn, &requests).await
+}
+
+pub(crate) async fn model_answer_on(
+    conn: &mut AsyncPgConnection,
+    requests: &[ModelAnswer],
+) -> Result<Vec<Checkpoint>, StoreError> {
+    let (ids, epochs, _, _) = fences(requests);
     let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
     let responses: Vec<&Value> = requests.iter().map(|r| &r.response).collect();
     let input_tokens: Vec<Option<i32>> = requests.iter().map(|r| r.usage.0).collect();
     let output_tokens: Vec<Option<i32>> = requests.iter().map(|r| r.usage.1).collect();
-    let mut conn = pool.get().await?;
     let written: Vec<IdRow> = sql(concat!(
         "WITH input AS (SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::jsonb[], \
              $5::int[], $6::int[]) AS i(id, epoch, key, response, input_tokens, output_tokens)), \
 ",
-        lock_in_order!(),
+        lock_in_order!("$1"),
         "         fenced AS ( \
              SELECT i.* FROM input i JOIN jobs j ON j.id = i.id AND j.lease_epoch = i.epoch \
-             WHERE EXISTS (SELECT 1 FROM locked)) \
-         UPDATE model_calls m SET status = 'completed', response = f.response, \
-             input_tokens = f.input_tokens, output_tokens = f.output_tokens, \
-             in_flight_until = NULL, last_error = NULL, updated_at = now() \
-         FROM fenced f WHERE m.idempotency_key = f.key \
-         RETURNING f.id"
+             WHERE (SELECT count(*) FROM locked) >= 0), \
+         written AS ( \
+             UPDATE model_calls m SET status = 'completed', response = f.response, \
+                 input_tokens = f.input_tokens, output_tokens = f.output_tokens, \
+                 in_flight_until = NULL, last_error = NULL, updated_at = now() \
+             FROM fenced f WHERE m.idempotency_key = f.key AND m.job_id = f.id \
+               AND m.status <> 'completed') \
+         SELECT id FROM fenced"
     ))
     .bind::<Array<Text>, _>(&ids)
     .bind::<Array<BigInt>, _>(&epochs)
@@ -214,9 +232,11 @@ async fn model_answer(
     .bind::<Array<Jsonb>, _>(&responses)
     .bind::<Array<Nullable<Integer>>, _>(&input_tokens)
     .bind::<Array<Nullable<Integer>>, _>(&output_tokens)
-    .load(&mut conn)
+    .load(conn)
     .await?;
-    // No state moves here: a row not written means the lease is gone.
+    // No state moves here: a job not fenced means the lease is gone. A row
+    // already completed (by a sibling attempt under the same lease, or by
+    // this request's own earlier try whose answer was lost) is kept as it is.
     let written: HashSet<String> = written.into_iter().map(|r| r.id).collect();
     Ok(requests
         .iter()
@@ -228,4 +248,106 @@ async fn model_answer(
             }
         })
         .collect())
+}
+
+impl Batches {
+    fn all_hold(&self, hold: bool) {
+        self.ack.hold(hold);
+        self.delivered.hold(hold);
+        self.model_answer.hold(hold);
+    }
+}
+
+/// A group-commit statement, named for tests that probe its locking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchKind {
+    Ack,
+    Delivered,
+    ModelAnswer,
+    /// The heartbeat's lease renewal (one statement for a node's jobs).
+    Renew,
+}
+
+impl Store {
+    /// Test seam: while held, group-commit requests queue and no batch
+    /// starts; releasing runs everything queued (up to the batch limit) as
+    /// one batch per kind.
+    #[doc(hidden)]
+    pub fn hold_batches(&self, hold: bool) {
+        self.batches.all_hold(hold);
+    }
+
+    /// The most requests one group-commit batch has held, over every kind.
+    #[doc(hidden)]
+    pub fn largest_batch(&self) -> usize {
+        [
+            self.batches.ack.largest(),
+            self.batches.delivered.largest(),
+            self.batches.model_answer.largest(),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+    }
+
+    /// Test seam: runs the group-commit statement `kind` over `fences`
+    /// (nothing need move: the statement locks its job rows first, whatever
+    /// their state) inside a transaction, keeps it open for `hold`, then
+    /// rolls it back. A test checks meanwhile which rows are locked.
+    #[doc(hidden)]
+    pub async fn probe_batch_locks(
+        &self,
+        kind: BatchKind,
+        fences: &[Fence],
+        hold: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        use diesel_async::AsyncConnection;
+        let mut conn = self.db().conn().await?;
+        let result = conn
+            .transaction::<(), StoreError, _>(async |conn| {
+                match kind {
+                    BatchKind::Ack => {
+                        let requests: Vec<Ack> =
+                            fences.iter().map(|f| Ack { fence: f.clone() }).collect();
+                        ack_on(conn, &requests).await?;
+                    }
+                    BatchKind::Delivered => {
+                        let requests: Vec<Delivered> = fences
+                            .iter()
+                            .map(|f| Delivered {
+                                fence: f.clone(),
+                                key: crate::keys::completed(&f.job_id),
+                                status: 200,
+                            })
+                            .collect();
+                        delivered_on(conn, &requests).await?;
+                    }
+                    BatchKind::ModelAnswer => {
+                        let requests: Vec<ModelAnswer> = fences
+                            .iter()
+                            .map(|f| ModelAnswer {
+                                fence: f.clone(),
+                                key: format!("probe:{}", f.job_id),
+                                response: Value::Null,
+                                usage: (None, None),
+                            })
+                            .collect();
+                        model_answer_on(conn, &requests).await?;
+                    }
+                    BatchKind::Renew => {
+                        let held: Vec<(String, i64)> =
+                            fences.iter().map(|f| (f.job_id.clone(), f.epoch)).collect();
+                        let node = fences.first().map_or("", |f| f.worker.as_str());
+                        Store::renew_on(conn, node, &held, 1000).await?;
+                    }
+                }
+                tokio::time::sleep(hold).await;
+                Err(StoreError::Batch("probe rolled back".into()))
+            })
+            .await;
+        match result {
+            Err(StoreError::Batch(m)) if m == "probe rolled back" => Ok(()),
+            other => other,
+        }
+    }
 }

@@ -16,6 +16,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
+use super::lease::IdRow;
 use super::sql::sql;
 use super::{Checkpoint, Fence, Store};
 use crate::error::{ErrorEnvelope, StoreError};
@@ -178,9 +179,86 @@ fn in_flight(
     until: Option<DateTime<Utc>>,
     epoch: Option<i64>,
     now: DateTime<Utc>,
-    fence: &Fence,
+    fence_epoch: i64,
 ) -> Option<DateTime<Utc>> {
-    until.filter(|u| *u > now && epoch == Some(fence.epoch))
+    until.filter(|u| *u > now && epoch == Some(fence_epoch))
+}
+
+/// How a journal treats a send whose outcome was never recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendMode {
+    /// Send it again under the same key (the receiver drops the repeat).
+    AtLeastOnce,
+    /// Never send it again: its outcome is unknown and needs a human.
+    AtMostOnce,
+}
+
+/// A journal row of a send (model call, tool call, outbox row) as an
+/// attempt finds it, after its identity (key, request hash, tool-call id)
+/// matched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendRow {
+    /// The outcome is recorded (completed, delivered).
+    pub done: bool,
+    /// Set when a send started and cleared when its failure was recorded.
+    pub in_flight_until: Option<DateTime<Utc>>,
+    /// The lease epoch of the attempt that started that send.
+    pub in_flight_epoch: Option<i64>,
+    /// The database's clock when the row was read.
+    pub now: DateTime<Utc>,
+}
+
+/// What an attempt does with a send, decided from its journal row alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendDecision {
+    /// The outcome is journaled: return it, send nothing.
+    Done,
+    /// An attempt sharing this lease has it in flight until then: wait.
+    Wait { until: DateTime<Utc> },
+    /// Send (again) under the same key.
+    Send,
+    /// At-most-once and an earlier send's outcome was never recorded: it may
+    /// have arrived, so it is never sent again.
+    Unknown,
+}
+
+/// The one decision the model-call, tool-call and outbox journals share.
+pub fn decide_send(row: &SendRow, fence_epoch: i64, mode: SendMode) -> SendDecision {
+    if row.done {
+        return SendDecision::Done;
+    }
+    if let Some(until) = in_flight(
+        row.in_flight_until,
+        row.in_flight_epoch,
+        row.now,
+        fence_epoch,
+    ) {
+        return SendDecision::Wait { until };
+    }
+    match (mode, row.in_flight_until) {
+        (SendMode::AtMostOnce, Some(_)) => SendDecision::Unknown,
+        (SendMode::AtMostOnce, None) | (SendMode::AtLeastOnce, _) => SendDecision::Send,
+    }
+}
+
+/// Whether `v` holds a NUL character anywhere (PostgreSQL's `jsonb` and
+/// `text` reject it).
+pub(crate) fn contains_nul(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(contains_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
+}
+
+/// What a failed send does besides recording itself.
+#[derive(Debug, Clone, Copy)]
+pub struct KillWith<'a> {
+    /// The job's `dead_reason`.
+    pub reason: &'a str,
+    /// The outbox row's final status (`dead` or `unknown`).
+    pub outbox_status: &'a str,
 }
 
 impl Store {
@@ -194,10 +272,24 @@ impl Store {
         request_hash: &str,
         in_flight_ms: i64,
     ) -> Result<ModelCallStart, StoreError> {
+        retrying!(self, "begin_model_call", async || {
+            self.begin_model_call_once(fence, key, request_hash, in_flight_ms)
+                .await
+        })
+        .await
+    }
+
+    async fn begin_model_call_once(
+        &self,
+        fence: &Fence,
+        key: &str,
+        request_hash: &str,
+        in_flight_ms: i64,
+    ) -> Result<ModelCallStart, StoreError> {
         let mut conn = self.db().conn().await?;
         // The common case in one statement: the fenced insert of a fresh row,
-        // born in flight for us. An existing row that is completed or holds
-        // another request is final; anything else is decided under locks.
+        // born in flight for us. An existing row that holds another request
+        // or is completed is final; anything else is decided under locks.
         let rows: Vec<ModelCallRow> = sql(
             "INSERT INTO model_calls (job_id, idempotency_key, request_hash, attempts, \
                  in_flight_until, in_flight_epoch) \
@@ -217,6 +309,8 @@ impl Store {
         match rows.into_iter().next() {
             None => return Ok(ModelCallStart::LeaseLost),
             Some(row) if row.inserted => return Ok(ModelCallStart::Send { attempt: 1 }),
+            // The request is the key's identity, whatever the row's status: a
+            // completed call never answers a different prompt.
             Some(row) if row.request_hash != request_hash => {
                 return Ok(ModelCallStart::KeyConflict {
                     stored_hash: row.request_hash,
@@ -233,49 +327,47 @@ impl Store {
             .transaction::<_, TxError, _>(async move |conn| {
                 {
                     guard(conn, fence).await?;
-                    // Inserts the journal row, or locks the existing one (waiting
-                    // for an attempt that is writing it) and returns it as stored.
-                    // A fresh row is born in flight, ours (the common case: one
-                    // statement).
+                    // Locks the existing row (waiting for an attempt that is
+                    // writing it) and returns it as stored.
                     let row: ModelCallRow = sql(
-                        "INSERT INTO model_calls (job_id, idempotency_key, request_hash, attempts, \
-                             in_flight_until, in_flight_epoch) \
-                         VALUES ($1, $2, $3, 1, clock_timestamp() + $4 * interval '1 millisecond', $5) \
-                         ON CONFLICT (idempotency_key) DO UPDATE SET updated_at = model_calls.updated_at \
-                         RETURNING request_hash, status::text AS status, response, attempts, in_flight_until, \
-                             in_flight_epoch, clock_timestamp() AS now, (xmax = 0) AS inserted",
+                        "SELECT request_hash, status::text AS status, response, attempts, in_flight_until, \
+                             in_flight_epoch, clock_timestamp() AS now, false AS inserted \
+                         FROM model_calls WHERE idempotency_key = $1 FOR UPDATE",
                     )
-                    .bind::<Text, _>(&fence.job_id)
                     .bind::<Text, _>(key)
-                    .bind::<Text, _>(request_hash)
-                    .bind::<BigInt, _>(in_flight_ms)
-                    .bind::<BigInt, _>(fence.epoch)
                     .get_result(conn)
                     .await?;
-                    Ok(if row.inserted {
-                        ModelCallStart::Send { attempt: 1 }
-                    } else if row.request_hash != request_hash {
-                        ModelCallStart::KeyConflict {
+                    if row.request_hash != request_hash {
+                        return Ok(ModelCallStart::KeyConflict {
                             stored_hash: row.request_hash,
+                        });
+                    }
+                    let send = SendRow {
+                        done: row.status == "completed" && row.response.is_some(),
+                        in_flight_until: row.in_flight_until,
+                        in_flight_epoch: row.in_flight_epoch,
+                        now: row.now,
+                    };
+                    Ok(match decide_send(&send, fence.epoch, SendMode::AtLeastOnce) {
+                        SendDecision::Done => {
+                            ModelCallStart::Completed(row.response.expect("checked above"))
                         }
-                    } else if let (true, Some(response)) = (row.status == "completed", row.response) {
-                        ModelCallStart::Completed(response)
-                    } else if let Some(until) = in_flight(row.in_flight_until, row.in_flight_epoch, row.now, fence) {
-                        ModelCallStart::InFlight { until }
-                    } else {
-                        sql(
-                            "UPDATE model_calls SET attempts = attempts + 1, status = 'pending', \
-                                 in_flight_until = clock_timestamp() + $2 * interval '1 millisecond', \
-                                 in_flight_epoch = $3, updated_at = now() \
-                             WHERE idempotency_key = $1",
-                        )
-                        .bind::<Text, _>(key)
-                        .bind::<BigInt, _>(in_flight_ms)
-                        .bind::<BigInt, _>(fence.epoch)
-                        .execute(conn)
-                        .await?;
-                        ModelCallStart::Send {
-                            attempt: row.attempts + 1,
+                        SendDecision::Wait { until } => ModelCallStart::InFlight { until },
+                        SendDecision::Send | SendDecision::Unknown => {
+                            sql(
+                                "UPDATE model_calls SET attempts = attempts + 1, status = 'pending', \
+                                     in_flight_until = clock_timestamp() + $2 * interval '1 millisecond', \
+                                     in_flight_epoch = $3, updated_at = now() \
+                                 WHERE idempotency_key = $1",
+                            )
+                            .bind::<Text, _>(key)
+                            .bind::<BigInt, _>(in_flight_ms)
+                            .bind::<BigInt, _>(fence.epoch)
+                            .execute(conn)
+                            .await?;
+                            ModelCallStart::Send {
+                                attempt: row.attempts + 1,
+                            }
                         }
                     })
                 }
@@ -297,46 +389,81 @@ impl Store {
         usage: (Option<i32>, Option<i32>),
         faults: &Faults,
     ) -> Result<Checkpoint, StoreError> {
+        if contains_nul(response) {
+            return Err(StoreError::InvalidData(
+                "the model's response contains a NUL character (\\u0000)".into(),
+            ));
+        }
+        if usage.0.is_some_and(|n| n < 0) || usage.1.is_some_and(|n| n < 0) {
+            return Err(StoreError::InvalidData(format!(
+                "the model's response reports negative token usage ({:?}, {:?})",
+                usage.0, usage.1
+            )));
+        }
         if !before_commit(faults, &fence.job_id, &["model_call"]).await {
             return Ok(Checkpoint::Faulted);
         }
         // Fenced (the job row locked at the epoch first), and group-committed
         // with the answers of other jobs arriving at the same moment.
-        self.batches
-            .model_answer
-            .call(super::batched::ModelAnswer {
-                fence: fence.clone(),
-                key: key.to_owned(),
-                response: response.clone(),
-                usage,
-            })
-            .await
+        retrying!(self, "complete_model_call", async || {
+            self.batches
+                .model_answer
+                .call(super::batched::ModelAnswer {
+                    fence: fence.clone(),
+                    key: key.to_owned(),
+                    response: response.clone(),
+                    usage,
+                })
+                .await
+        })
+        .await
     }
 
     /// Records a failed send of `key` and frees it for the next attempt.
-    pub async fn fail_model_call(&self, key: &str, failed: &FailedSend) -> Result<(), StoreError> {
-        let mut conn = self.db().conn().await?;
-        sql(
-            "UPDATE model_calls SET last_error = $2, last_status = $3, in_flight_until = NULL, \
-                 in_flight_epoch = NULL, updated_at = now() \
-             WHERE idempotency_key = $1 AND status <> 'completed'",
-        )
-        .bind::<Text, _>(key)
-        .bind::<Jsonb, _>(serde_json::to_value(&failed.error).expect("envelope serialises"))
-        .bind::<Nullable<Integer>, _>(failed.status)
-        .execute(&mut conn)
-        .await?;
-        Ok(())
+    /// Fenced: false (nothing written) when the lease is lost, so a zombie
+    /// never clears a newer attempt's in-flight mark.
+    pub async fn fail_model_call(
+        &self,
+        fence: &Fence,
+        key: &str,
+        failed: &FailedSend,
+    ) -> Result<bool, StoreError> {
+        let error = serde_json::to_value(&failed.error).expect("envelope serialises");
+        retrying!(self, "fail_model_call", async || {
+            let mut conn = self.db().conn().await?;
+            let held: Vec<IdRow> = sql(
+                "WITH fence AS MATERIALIZED ( \
+                     SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 FOR NO KEY UPDATE), \
+                 failed AS ( \
+                     UPDATE model_calls m SET last_error = $4, last_status = $5, in_flight_until = NULL, \
+                         in_flight_epoch = NULL, updated_at = now() \
+                     FROM fence WHERE m.job_id = fence.id AND m.idempotency_key = $3 \
+                       AND m.status <> 'completed') \
+                 SELECT id FROM fence",
+            )
+            .bind::<Text, _>(&fence.job_id)
+            .bind::<BigInt, _>(fence.epoch)
+            .bind::<Text, _>(key)
+            .bind::<Jsonb, _>(&error)
+            .bind::<Nullable<Integer>, _>(failed.status)
+            .load(&mut conn)
+            .await?;
+            Ok(held.len() == 1)
+        })
+        .await
     }
 
     /// The persisted result of a job.
     pub async fn result_of(&self, job_id: &str) -> Result<Option<Value>, StoreError> {
-        let mut conn = self.db().conn().await?;
-        let rows: Vec<OutputRow> = sql("SELECT output FROM results WHERE job_id = $1")
-            .bind::<Text, _>(job_id)
-            .load(&mut conn)
-            .await?;
-        Ok(rows.into_iter().next().map(|r| r.output))
+        retrying!(self, "result_of", async || {
+            let mut conn = self.db().conn().await?;
+            let rows: Vec<OutputRow> = sql("SELECT output FROM results WHERE job_id = $1")
+                .bind::<Text, _>(job_id)
+                .load(&mut conn)
+                .await?;
+            Ok(rows.into_iter().next().map(|r| r.output))
+        })
+        .await
     }
 
     /// Commits the workflow's output and the claim of its completion event,
@@ -367,52 +494,64 @@ impl Store {
             !passed.is_empty() && !passed.contains(&"dead"),
             "commit_result from {from}: only received, generated and persisted move to claimed"
         );
+        if contains_nul(output) {
+            return Err(StoreError::InvalidData(
+                "the workflow's output contains a NUL character (\\u0000)".into(),
+            ));
+        }
         if !before_commit(faults, &fence.job_id, &passed).await {
             return Ok(Checkpoint::Faulted);
         }
-        let mut conn = self.db().conn().await?;
-        // The guarded move locks the job row first; the inserts and the
-        // history rows happen only if it moved.
-        let moved = sql("WITH moved AS ( \
-                 UPDATE jobs SET state = 'claimed', updated_at = now() \
-                 WHERE id = $1 AND state = $2::job_state AND lease_epoch = $3 \
-                 RETURNING id), \
-             result AS ( \
-                 INSERT INTO results (job_id, output) SELECT id, $4 FROM moved \
-                 ON CONFLICT (job_id) DO NOTHING), \
-             claim AS ( \
-                 INSERT INTO outbox (job_id, event, idempotency_key, url, body, attempts, \
-                     in_flight_until, in_flight_epoch) \
-                 SELECT id, $5, $6, $7, $8, CASE WHEN $9 IS NULL THEN 0 ELSE 1 END, \
-                     clock_timestamp() + $9 * interval '1 millisecond', \
-                     CASE WHEN $9 IS NULL THEN NULL ELSE $3 END \
-                 FROM moved \
-                 ON CONFLICT (idempotency_key) DO NOTHING) \
-             INSERT INTO job_history (job_id, state, attempt, worker) \
-             SELECT moved.id, s.state::job_state, $10, $11 \
-             FROM moved, unnest($12::text[]) WITH ORDINALITY AS s(state, n) ORDER BY s.n")
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<Text, _>(from.as_str())
-        .bind::<BigInt, _>(fence.epoch)
-        .bind::<Jsonb, _>(output)
-        .bind::<Text, _>(claim.event)
-        .bind::<Text, _>(claim.key)
-        .bind::<Text, _>(claim.url)
-        .bind::<Jsonb, _>(claim.body)
-        .bind::<Nullable<BigInt>, _>(claim.in_flight_ms)
-        .bind::<Integer, _>(fence.attempt)
-        .bind::<Text, _>(&fence.worker)
-        .bind::<Array<Text>, _>(&passed)
-        .execute(&mut conn)
-        .await?;
-        if moved == passed.len() {
-            return Ok(Checkpoint::Moved);
-        }
-        Store::why_not(&mut conn, fence).await
+        retrying!(self, "commit_result", async || {
+            let mut conn = self.db().conn().await?;
+            // The guarded move locks the job row first; the inserts and the
+            // history rows happen only if it moved.
+            let moved = sql("WITH moved AS ( \
+                     UPDATE jobs SET state = 'claimed', updated_at = now() \
+                     WHERE id = $1 AND state = $2::job_state AND lease_epoch = $3 \
+                     RETURNING id), \
+                 result AS ( \
+                     INSERT INTO results (job_id, output) SELECT id, $4 FROM moved \
+                     ON CONFLICT (job_id) DO NOTHING), \
+                 claim AS ( \
+                     INSERT INTO outbox (job_id, event, idempotency_key, url, body, attempts, \
+                         in_flight_until, in_flight_epoch) \
+                     SELECT id, $5, $6, $7, $8, CASE WHEN $9 IS NULL THEN 0 ELSE 1 END, \
+                         clock_timestamp() + $9 * interval '1 millisecond', \
+                         CASE WHEN $9 IS NULL THEN NULL ELSE $3 END \
+                     FROM moved \
+                     ON CONFLICT (idempotency_key) DO NOTHING) \
+                 INSERT INTO job_history (job_id, state, attempt, worker) \
+                 SELECT moved.id, s.state::job_state, $10, $11 \
+                 FROM moved, unnest($12::text[]) WITH ORDINALITY AS s(state, n) ORDER BY s.n")
+            .bind::<Text, _>(&fence.job_id)
+            .bind::<Text, _>(from.as_str())
+            .bind::<BigInt, _>(fence.epoch)
+            .bind::<Jsonb, _>(output)
+            .bind::<Text, _>(claim.event)
+            .bind::<Text, _>(claim.key)
+            .bind::<Text, _>(claim.url)
+            .bind::<Jsonb, _>(claim.body)
+            .bind::<Nullable<BigInt>, _>(claim.in_flight_ms)
+            .bind::<Integer, _>(fence.attempt)
+            .bind::<Text, _>(&fence.worker)
+            .bind::<Array<Text>, _>(&passed)
+            .execute(&mut conn)
+            .await?;
+            if moved == passed.len() {
+                return Ok(Checkpoint::Moved);
+            }
+            Store::why_not(&mut conn, fence).await
+        })
+        .await
     }
 
     /// Decides whether this attempt POSTs the webhook under `key`, and marks
-    /// the send in flight before anything leaves.
+    /// the send in flight before anything leaves. Under at-most-once, a
+    /// send whose outcome was never recorded turns the row `unknown` and the
+    /// job `dead` in the same transaction; a row found closed (`dead`,
+    /// `unknown`) under a live job closes the job too, so no attempt can
+    /// loop on it.
     pub async fn begin_delivery(
         &self,
         fence: &Fence,
@@ -420,6 +559,25 @@ impl Store {
         at_most_once: bool,
         in_flight_ms: i64,
     ) -> Result<DeliveryStart, StoreError> {
+        retrying!(self, "begin_delivery", async || {
+            self.begin_delivery_once(fence, key, at_most_once, in_flight_ms)
+                .await
+        })
+        .await
+    }
+
+    async fn begin_delivery_once(
+        &self,
+        fence: &Fence,
+        key: &str,
+        at_most_once: bool,
+        in_flight_ms: i64,
+    ) -> Result<DeliveryStart, StoreError> {
+        let mode = if at_most_once {
+            SendMode::AtMostOnce
+        } else {
+            SendMode::AtLeastOnce
+        };
         let mut conn = self.db().conn().await?;
         let result = conn
             .transaction::<_, TxError, _>(async move |conn| {
@@ -432,21 +590,56 @@ impl Store {
                     .bind::<Text, _>(key)
                     .get_result(conn)
                     .await?;
-                    let in_flight = in_flight(row.in_flight_until, row.in_flight_epoch, row.now, fence);
-                    Ok(match (row.status.as_str(), in_flight) {
-                        ("delivered", _) => DeliveryStart::Delivered,
-                        ("claimed", Some(until)) => DeliveryStart::InFlight { until },
-                        // A send started and its outcome was never recorded.
-                        ("claimed", None) if at_most_once && row.in_flight_until.is_some() => {
+                    if row.status != "claimed" && row.status != "delivered" {
+                        // Closed, yet the job is live (written by an older
+                        // build, or by hand): close the job with it.
+                        let error = ErrorEnvelope {
+                            code: format!("delivery_{}", row.status),
+                            message: format!("the outbox row {key} is {}", row.status),
+                            retryable: false,
+                        };
+                        let reason = format!("the completion event is {}", row.status);
+                        match Store::kill_in(conn, fence, &reason, &error).await? {
+                            Checkpoint::Moved | Checkpoint::AlreadyAt(_) => {}
+                            other => return Err(TxError::Abort(other)),
+                        }
+                        return Ok(DeliveryStart::Closed(row.status));
+                    }
+                    let send = SendRow {
+                        done: row.status == "delivered",
+                        in_flight_until: row.in_flight_until,
+                        in_flight_epoch: row.in_flight_epoch,
+                        now: row.now,
+                    };
+                    Ok(match decide_send(&send, fence.epoch, mode) {
+                        SendDecision::Done => DeliveryStart::Delivered,
+                        SendDecision::Wait { until } => DeliveryStart::InFlight { until },
+                        SendDecision::Unknown => {
+                            // A send started and its outcome was never
+                            // recorded: the row and the job close together.
+                            let error = ErrorEnvelope {
+                                code: "delivery_unknown".into(),
+                                message: format!(
+                                    "a send of {key} may have reached the consumer but its outcome was never \
+                                     recorded; the workflow delivers at most once, so it is not sent again"
+                                ),
+                                retryable: false,
+                            };
                             sql(
-                                "UPDATE outbox SET status = 'unknown', updated_at = now() WHERE idempotency_key = $1",
+                                "UPDATE outbox SET status = 'unknown', last_error = $2, in_flight_until = NULL, \
+                                     updated_at = now() WHERE idempotency_key = $1",
                             )
                             .bind::<Text, _>(key)
+                            .bind::<Jsonb, _>(serde_json::to_value(&error).expect("envelope serialises"))
                             .execute(conn)
                             .await?;
-                            DeliveryStart::Unknown
+                            let reason = "delivery outcome unknown (at-most-once): needs a human";
+                            match Store::kill_in(conn, fence, reason, &error).await? {
+                                Checkpoint::Moved => DeliveryStart::Unknown,
+                                other => return Err(TxError::Abort(other)),
+                            }
                         }
-                        ("claimed", None) => {
+                        SendDecision::Send => {
                             sql(
                                 "UPDATE outbox SET attempts = attempts + 1, updated_at = now(), \
                                      in_flight_until = clock_timestamp() + $2 * interval '1 millisecond', \
@@ -464,7 +657,6 @@ impl Store {
                                 body: row.body,
                             }
                         }
-                        (other, _) => DeliveryStart::Closed(other.to_owned()),
                     })
                 }
             })
@@ -489,42 +681,76 @@ impl Store {
         }
         // The guarded move (locking the job row first), the outbox row and
         // the history row: one statement, group-committed with other jobs'.
-        self.batches
-            .delivered
-            .call(super::batched::Delivered {
-                fence: fence.clone(),
-                key: key.to_owned(),
-                status,
-            })
-            .await
+        retrying!(self, "mark_delivered", async || {
+            self.batches
+                .delivered
+                .call(super::batched::Delivered {
+                    fence: fence.clone(),
+                    key: key.to_owned(),
+                    status,
+                })
+                .await
+        })
+        .await
     }
 
-    /// Records a failed POST and frees the row for the next attempt.
-    pub async fn fail_delivery(&self, key: &str, failed: &FailedSend) -> Result<(), StoreError> {
-        let mut conn = self.db().conn().await?;
-        sql(
-            "UPDATE outbox SET last_error = $2, last_status = $3, in_flight_until = NULL, \
-                 in_flight_epoch = NULL, updated_at = now() \
-             WHERE idempotency_key = $1 AND status = 'claimed'",
-        )
-        .bind::<Text, _>(key)
-        .bind::<Jsonb, _>(serde_json::to_value(&failed.error).expect("envelope serialises"))
-        .bind::<Nullable<Integer>, _>(failed.status)
-        .execute(&mut conn)
-        .await?;
-        Ok(())
+    /// Records a failed POST and frees the row for the next attempt; with
+    /// `kill`, dead-letters the job and closes the row instead, in the same
+    /// transaction (so an at-most-once send that failed after it left can
+    /// never be found "not in flight" and sent again). Fenced: `LeaseLost`
+    /// writes nothing.
+    pub async fn fail_delivery(
+        &self,
+        fence: &Fence,
+        key: &str,
+        failed: &FailedSend,
+        kill: Option<KillWith<'_>>,
+    ) -> Result<Checkpoint, StoreError> {
+        let error = serde_json::to_value(&failed.error).expect("envelope serialises");
+        retrying!(self, "fail_delivery", async || {
+            let mut conn = self.db().conn().await?;
+            let result = conn
+                .transaction::<_, TxError, _>(async |conn| {
+                    guard(conn, fence).await?;
+                    sql(
+                        "UPDATE outbox SET last_error = $2, last_status = $3, in_flight_until = NULL, \
+                             in_flight_epoch = NULL, updated_at = now(), \
+                             status = coalesce($4::outbox_status, status) \
+                         WHERE idempotency_key = $1 AND status = 'claimed'",
+                    )
+                    .bind::<Text, _>(key)
+                    .bind::<Jsonb, _>(&error)
+                    .bind::<Nullable<Integer>, _>(failed.status)
+                    .bind::<Nullable<Text>, _>(kill.map(|k| k.outbox_status))
+                    .execute(conn)
+                    .await?;
+                    if let Some(kill) = kill {
+                        match Store::kill_in(conn, fence, kill.reason, &failed.error).await? {
+                            Checkpoint::Moved => {}
+                            other => return Err(TxError::Abort(other)),
+                        }
+                    }
+                    Ok(())
+                })
+                .await;
+            finish(result)
+        })
+        .await
     }
 
     /// `delivered → acked`: the job is finished and leaves the runnable set.
     /// One statement (the guarded move with its history row); the ack seam is
     /// [`FailPoint::Ack`], hit by the actor just before.
     pub async fn ack(&self, fence: &Fence) -> Result<Checkpoint, StoreError> {
-        self.batches
-            .ack
-            .call(super::batched::Ack {
-                fence: fence.clone(),
-            })
-            .await
+        retrying!(self, "ack", async || {
+            self.batches
+                .ack
+                .call(super::batched::Ack {
+                    fence: fence.clone(),
+                })
+                .await
+        })
+        .await
     }
 
     /// Dead-letters the job (and its outbox row, if `outbox_status` is given).
@@ -535,30 +761,101 @@ impl Store {
         error: &ErrorEnvelope,
         outbox: Option<(&str, &str)>,
     ) -> Result<Checkpoint, StoreError> {
-        let mut conn = self.db().conn().await?;
-        let result = conn
-            .transaction::<_, TxError, _>(async move |conn| {
-                {
-                    guard(conn, fence).await?;
-                    if let Some((key, status)) = outbox {
-                        sql(
-                            "UPDATE outbox SET status = $2::outbox_status, last_error = $3, in_flight_until = NULL, \
-                                 updated_at = now() \
-                             WHERE idempotency_key = $1 AND status IN ('claimed', 'unknown')",
-                        )
-                        .bind::<Text, _>(key)
-                        .bind::<Text, _>(status)
-                        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
-                        .execute(conn)
-                        .await?;
+        retrying!(self, "kill", async || {
+            let mut conn = self.db().conn().await?;
+            let result = conn
+                .transaction::<_, TxError, _>(async move |conn| {
+                    {
+                        guard(conn, fence).await?;
+                        if let Some((key, status)) = outbox {
+                            sql(
+                                "UPDATE outbox SET status = $2::outbox_status, last_error = $3, in_flight_until = NULL, \
+                                     updated_at = now() \
+                                 WHERE idempotency_key = $1 AND status IN ('claimed', 'unknown')",
+                            )
+                            .bind::<Text, _>(key)
+                            .bind::<Text, _>(status)
+                            .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+                            .execute(conn)
+                            .await?;
+                        }
+                        match Store::kill_in(conn, fence, reason, error).await? {
+                            Checkpoint::Moved => Ok(()),
+                            other => Err(TxError::Abort(other)),
+                        }
                     }
-                    match Store::kill_in(conn, fence, reason, error).await? {
-                        Checkpoint::Moved => Ok(()),
-                        other => Err(TxError::Abort(other)),
-                    }
-                }
-            })
-            .await;
-        finish(result)
+                })
+                .await;
+            finish(result)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(done: bool, until_ms: Option<i64>, epoch: Option<i64>) -> SendRow {
+        let now = Utc::now();
+        SendRow {
+            done,
+            in_flight_until: until_ms.map(|ms| now + chrono::Duration::milliseconds(ms)),
+            in_flight_epoch: epoch,
+            now,
+        }
+    }
+
+    /// The whole matrix: recorded × in-flight mark (none, live, expired) ×
+    /// epoch (ours, older) × mode.
+    #[test]
+    fn decide_send_covers_every_case() {
+        use SendDecision::*;
+        use SendMode::*;
+        let ours = 7;
+        for mode in [AtLeastOnce, AtMostOnce] {
+            // Recorded: never sent again, whatever the marks say.
+            for (until, epoch) in [
+                (None, None),
+                (Some(5_000), Some(ours)),
+                (Some(-5_000), Some(3)),
+            ] {
+                assert_eq!(decide_send(&row(true, until, epoch), ours, mode), Done);
+            }
+            // A live mark of our own epoch: a sibling attempt is sending; wait.
+            assert!(matches!(
+                decide_send(&row(false, Some(5_000), Some(ours)), ours, mode),
+                Wait { .. }
+            ));
+            // Never sent (or its failure recorded): send.
+            assert_eq!(decide_send(&row(false, None, None), ours, mode), Send);
+        }
+        // A send whose outcome was never recorded: a live mark of an older
+        // epoch (a takeover) or an expired one of any epoch.
+        for (until, epoch) in [
+            (Some(5_000), Some(3)),
+            (Some(-5_000), Some(ours)),
+            (Some(-5_000), Some(3)),
+        ] {
+            assert_eq!(
+                decide_send(&row(false, until, epoch), ours, AtLeastOnce),
+                Send
+            );
+            assert_eq!(
+                decide_send(&row(false, until, epoch), ours, AtMostOnce),
+                Unknown
+            );
+        }
+    }
+
+    #[test]
+    fn nul_characters_are_found_anywhere() {
+        assert!(!contains_nul(
+            &serde_json::json!({"a": ["b", 1, null, {"c": "d"}]})
+        ));
+        assert!(contains_nul(
+            &serde_json::json!({"a": ["b", {"c": "d\u{0}"}]})
+        ));
+        assert!(contains_nul(&serde_json::json!({"a\u{0}": 1})));
     }
 }

@@ -75,6 +75,22 @@ struct LeasedRow {
     trace_context: Option<String>,
 }
 
+/// The job-row locks a statement over many jobs takes first, in id order
+/// (`$ids` is the array of job ids), as a `locked` CTE. PostgreSQL reads a CTE
+/// lazily, so a `locked` read only through `EXISTS` would lock its first row
+/// alone; every user reads it whole with `(SELECT count(*) FROM locked)`, a
+/// one-time filter evaluated before the statement touches any row.
+macro_rules! lock_in_order {
+    ($ids:literal) => {
+        concat!(
+            "locked AS MATERIALIZED (SELECT id FROM jobs WHERE id = ANY(",
+            $ids,
+            ") ORDER BY id FOR NO KEY UPDATE), "
+        )
+    };
+}
+pub(crate) use lock_in_order;
+
 #[derive(QueryableByName)]
 pub(crate) struct IdRow {
     #[diesel(sql_type = Text)]
@@ -95,12 +111,19 @@ impl Store {
     /// stalled attempt, on any node). With `reclaim_own`, also jobs still
     /// leased to `node` itself: a node that just started has nothing in
     /// flight, so whatever it held belonged to its previous incarnation.
+    ///
+    /// Only jobs of `workflows` (those registered on this node; `None`: any) are taken,
+    /// and never one in `running` (this node's attempts still alive: a lease
+    /// that lapsed while its heartbeat failed is not taken over by the node
+    /// that holds it, so one job has at most one actor per node).
     pub async fn acquire(
         &self,
         node: &str,
         limit: i64,
         lease_ms: i64,
         reclaim_own: bool,
+        workflows: Option<&[String]>,
+        running: &[String],
     ) -> Result<Vec<Leased>, StoreError> {
         let mut conn = self.db().conn().await?;
         let rows: Vec<LeasedRow> = sql(
@@ -109,6 +132,7 @@ impl Store {
                  WHERE finished_at IS NULL AND run_at <= now() \
                    AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp() \
                         OR ($4 AND lease_owner = $1)) \
+                   AND ($5::text[] IS NULL OR workflow = ANY($5)) AND NOT (id = ANY($6))  \
                  ORDER BY run_at LIMIT $2 \
                  FOR UPDATE SKIP LOCKED) \
              UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
@@ -122,6 +146,8 @@ impl Store {
         .bind::<BigInt, _>(limit)
         .bind::<BigInt, _>(lease_ms)
         .bind::<Bool, _>(reclaim_own)
+        .bind::<Nullable<Array<Text>>, _>(workflows)
+        .bind::<Array<Text>, _>(running)
         .load(&mut conn)
         .await?;
         rows.into_iter()
@@ -154,25 +180,37 @@ impl Store {
         if held.is_empty() {
             return Ok(Vec::new());
         }
+        let mut conn = self.db().conn().await?;
+        Self::renew_on(&mut conn, node, held, lease_ms).await
+    }
+
+    pub(crate) async fn renew_on(
+        conn: &mut AsyncPgConnection,
+        node: &str,
+        held: &[(String, i64)],
+        lease_ms: i64,
+    ) -> Result<Vec<String>, StoreError> {
         let ids: Vec<String> = held.iter().map(|(id, _)| id.clone()).collect();
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
-        let mut conn = self.db().conn().await?;
         let kept: Vec<IdRow> = sql(
             // Rows locked in id order, as batched checkpoints lock theirs, so
-            // a heartbeat and a batch never wait on each other in a cycle.
-            "WITH locked AS MATERIALIZED ( \
-                 SELECT id FROM jobs WHERE id = ANY($2) ORDER BY id FOR NO KEY UPDATE) \
-             UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
-             FROM unnest($2::text[], $3::bigint[]) AS l(id, epoch) \
-             WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
-               AND EXISTS (SELECT 1 FROM locked) \
-             RETURNING j.id",
+            // a heartbeat and a batch never wait on each other in a cycle
+            // (see `LOCK_IN_ORDER`).
+            concat!(
+                "WITH ",
+                lock_in_order!("$2"),
+                "UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
+                 FROM unnest($2::text[], $3::bigint[]) AS l(id, epoch) \
+                 WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
+                   AND (SELECT count(*) FROM locked) >= 0 \
+                 RETURNING j.id"
+            ),
         )
         .bind::<Text, _>(node)
         .bind::<Array<Text>, _>(&ids)
         .bind::<Array<BigInt>, _>(&epochs)
         .bind::<BigInt, _>(lease_ms)
-        .load(&mut conn)
+        .load(conn)
         .await?;
         let kept: std::collections::HashSet<String> = kept.into_iter().map(|r| r.id).collect();
         Ok(ids.into_iter().filter(|id| !kept.contains(id)).collect())
@@ -234,6 +272,18 @@ impl Store {
         run_at: DateTime<Utc>,
         error: &ErrorEnvelope,
     ) -> Result<Checkpoint, StoreError> {
+        retrying!(self, "reschedule", async || {
+            self.reschedule_once(fence, run_at, error).await
+        })
+        .await
+    }
+
+    async fn reschedule_once(
+        &self,
+        fence: &Fence,
+        run_at: DateTime<Utc>,
+        error: &ErrorEnvelope,
+    ) -> Result<Checkpoint, StoreError> {
         let mut conn = self.db().conn().await?;
         let moved = sql(
             "UPDATE jobs SET run_at = $3, last_error = $4, lease_owner = NULL, lease_expires_at = NULL, \
@@ -268,16 +318,19 @@ impl Store {
 
     /// The current state of a job (for an attempt that lost a race).
     pub async fn state_of(&self, job_id: &str) -> Result<Option<JobState>, StoreError> {
-        let mut conn = self.db().conn().await?;
-        let rows: Vec<StateRow> =
-            sql("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
-                .bind::<Text, _>(job_id)
-                .load(&mut conn)
-                .await?;
-        rows.into_iter()
-            .next()
-            .map(|r| parse_state(&r.state))
-            .transpose()
+        retrying!(self, "state_of", async || {
+            let mut conn = self.db().conn().await?;
+            let rows: Vec<StateRow> =
+                sql("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
+                    .bind::<Text, _>(job_id)
+                    .load(&mut conn)
+                    .await?;
+            rows.into_iter()
+                .next()
+                .map(|r| parse_state(&r.state))
+                .transpose()
+        })
+        .await
     }
 
     /// Why a guarded update changed nothing.

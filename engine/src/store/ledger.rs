@@ -8,6 +8,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
+use super::journal::{decide_send, SendDecision, SendMode, SendRow};
 use super::sql::sql;
 use super::{Fence, Store};
 use crate::error::{ErrorEnvelope, StoreError};
@@ -91,6 +92,18 @@ impl Store {
         call: &ToolCallSpec<'_>,
         in_flight_ms: i64,
     ) -> Result<ToolCallStart, StoreError> {
+        retrying!(self, "begin_tool_call", async || {
+            self.begin_tool_call_once(fence, call, in_flight_ms).await
+        })
+        .await
+    }
+
+    async fn begin_tool_call_once(
+        &self,
+        fence: &Fence,
+        call: &ToolCallSpec<'_>,
+        in_flight_ms: i64,
+    ) -> Result<ToolCallStart, StoreError> {
         let mut conn = self.db().conn().await?;
         let result = conn
             .transaction::<_, StoreError, _>(async move |conn| {
@@ -119,20 +132,26 @@ impl Store {
                 if row.inserted {
                     return Ok(ToolCallStart::Execute { attempt: 1 });
                 }
+                // The position's identity is the call id and the arguments
+                // together; either differing is another call.
                 if row.tool_call_id != call.tool_call_id || row.arguments_hash != call.arguments_hash {
                     return Ok(ToolCallStart::Conflict {
                         stored_id: row.tool_call_id,
                         stored_hash: row.arguments_hash,
                     });
                 }
-                if let (true, Some(result)) = (row.status == "completed", row.result) {
-                    return Ok(ToolCallStart::Completed(result));
-                }
-                if let Some(until) = row
-                    .in_flight_until
-                    .filter(|u| *u > row.now && row.in_flight_epoch == Some(fence.epoch))
-                {
-                    return Ok(ToolCallStart::InFlight { until });
+                let send = SendRow {
+                    done: row.status == "completed" && row.result.is_some(),
+                    in_flight_until: row.in_flight_until,
+                    in_flight_epoch: row.in_flight_epoch,
+                    now: row.now,
+                };
+                match decide_send(&send, fence.epoch, SendMode::AtLeastOnce) {
+                    SendDecision::Done => {
+                        return Ok(ToolCallStart::Completed(row.result.expect("checked above")))
+                    }
+                    SendDecision::Wait { until } => return Ok(ToolCallStart::InFlight { until }),
+                    SendDecision::Send | SendDecision::Unknown => {}
                 }
                 sql(
                     "UPDATE tool_calls SET attempts = attempts + 1, status = 'started', \
@@ -161,60 +180,83 @@ impl Store {
         position: Position,
         result: &str,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.db().conn().await?;
-        conn.transaction::<_, StoreError, _>(async move |conn| {
-            if !Store::hold_fence(conn, fence).await? {
-                return Ok(false);
-            }
-            sql(
-                "UPDATE tool_calls SET status = 'completed', result = $4, completed_at = now(), \
-                     in_flight_until = NULL, in_flight_epoch = NULL, last_error = NULL \
-                 WHERE job_id = $1 AND turn = $2 AND call_index = $3 AND status <> 'completed'",
-            )
-            .bind::<Text, _>(&fence.job_id)
-            .bind::<Integer, _>(position.turn)
-            .bind::<Integer, _>(position.index)
-            .bind::<Text, _>(result)
-            .execute(conn)
-            .await?;
-            Ok(true)
+        if result.contains('\0') {
+            return Err(StoreError::InvalidData(
+                "the tool's result contains a NUL character".into(),
+            ));
+        }
+        retrying!(self, "complete_tool_call", async || {
+            let mut conn = self.db().conn().await?;
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                if !Store::hold_fence(conn, fence).await? {
+                    return Ok(false);
+                }
+                sql(
+                    "UPDATE tool_calls SET status = 'completed', result = $4, completed_at = now(), \
+                         in_flight_until = NULL, in_flight_epoch = NULL, last_error = NULL \
+                     WHERE job_id = $1 AND turn = $2 AND call_index = $3 AND status <> 'completed'",
+                )
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<Integer, _>(position.turn)
+                .bind::<Integer, _>(position.index)
+                .bind::<Text, _>(result)
+                .execute(conn)
+                .await?;
+                Ok(true)
+            })
+            .await
         })
         .await
     }
 
     /// Records a failed execution and frees the call for the next attempt.
+    /// Fenced: false (nothing written) when the lease is lost.
     pub async fn fail_tool_call(
         &self,
         fence: &Fence,
         position: Position,
         error: &ErrorEnvelope,
         permanent: bool,
-    ) -> Result<(), StoreError> {
-        let mut conn = self.db().conn().await?;
-        sql(
-            "UPDATE tool_calls SET last_error = $4, in_flight_until = NULL, in_flight_epoch = NULL, \
-                 status = CASE WHEN $5 THEN 'failed'::tool_call_status ELSE status END \
-             WHERE job_id = $1 AND turn = $2 AND call_index = $3 AND status <> 'completed'",
-        )
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<Integer, _>(position.turn)
-        .bind::<Integer, _>(position.index)
-        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
-        .bind::<Bool, _>(permanent)
-        .execute(&mut conn)
-        .await?;
-        Ok(())
+    ) -> Result<bool, StoreError> {
+        let error = serde_json::to_value(error).expect("envelope serialises");
+        retrying!(self, "fail_tool_call", async || {
+            let mut conn = self.db().conn().await?;
+            let held: Vec<super::lease::IdRow> = sql(
+                "WITH fence AS MATERIALIZED ( \
+                     SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $6 FOR NO KEY UPDATE), \
+                 failed AS ( \
+                     UPDATE tool_calls t SET last_error = $4, in_flight_until = NULL, in_flight_epoch = NULL, \
+                         status = CASE WHEN $5 THEN 'failed'::tool_call_status ELSE t.status END \
+                     FROM fence WHERE t.job_id = fence.id AND t.turn = $2 AND t.call_index = $3 \
+                       AND t.status <> 'completed') \
+                 SELECT id FROM fence",
+            )
+            .bind::<Text, _>(&fence.job_id)
+            .bind::<Integer, _>(position.turn)
+            .bind::<Integer, _>(position.index)
+            .bind::<Jsonb, _>(&error)
+            .bind::<Bool, _>(permanent)
+            .bind::<BigInt, _>(fence.epoch)
+            .load(&mut conn)
+            .await?;
+            Ok(held.len() == 1)
+        })
+        .await
     }
 
     /// The journaled output of step `key`, if it ran.
     pub async fn step_output(&self, job_id: &str, key: &str) -> Result<Option<String>, StoreError> {
-        let mut conn = self.db().conn().await?;
-        let rows: Vec<Output> = sql("SELECT output FROM steps WHERE job_id = $1 AND step_key = $2")
-            .bind::<Text, _>(job_id)
-            .bind::<Text, _>(key)
-            .load(&mut conn)
-            .await?;
-        Ok(rows.into_iter().next().map(|r| r.output))
+        retrying!(self, "step_output", async || {
+            let mut conn = self.db().conn().await?;
+            let rows: Vec<Output> =
+                sql("SELECT output FROM steps WHERE job_id = $1 AND step_key = $2")
+                    .bind::<Text, _>(job_id)
+                    .bind::<Text, _>(key)
+                    .load(&mut conn)
+                    .await?;
+            Ok(rows.into_iter().next().map(|r| r.output))
+        })
+        .await
     }
 
     /// Journals step `key`'s output; returns what is stored (the first writer
@@ -225,22 +267,25 @@ impl Store {
         key: &str,
         output: &str,
     ) -> Result<Option<String>, StoreError> {
-        let mut conn = self.db().conn().await?;
-        conn.transaction::<_, StoreError, _>(async move |conn| {
-            if !Store::hold_fence(conn, fence).await? {
-                return Ok(None);
-            }
-            let stored: Output = sql(
-                "INSERT INTO steps (job_id, step_key, output) VALUES ($1, $2, $3) \
-                 ON CONFLICT (job_id, step_key) DO UPDATE SET output = steps.output \
-                 RETURNING output",
-            )
-            .bind::<Text, _>(&fence.job_id)
-            .bind::<Text, _>(key)
-            .bind::<Text, _>(output)
-            .get_result(conn)
-            .await?;
-            Ok(Some(stored.output))
+        retrying!(self, "record_step", async || {
+            let mut conn = self.db().conn().await?;
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                if !Store::hold_fence(conn, fence).await? {
+                    return Ok(None);
+                }
+                let stored: Output = sql(
+                    "INSERT INTO steps (job_id, step_key, output) VALUES ($1, $2, $3) \
+                     ON CONFLICT (job_id, step_key) DO UPDATE SET output = steps.output \
+                     RETURNING output",
+                )
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<Text, _>(key)
+                .bind::<Text, _>(output)
+                .get_result(conn)
+                .await?;
+                Ok(Some(stored.output))
+            })
+            .await
         })
         .await
     }
@@ -272,6 +317,18 @@ impl Store {
         rows.into_iter()
             .map(|r| Ok((super::jobs::parse_state(&r.state)?, r.n.max(0) as u64)))
             .collect()
+    }
+
+    /// Live jobs whose workflow is not in `workflows` (a node cannot run them).
+    pub async fn count_unrunnable(&self, workflows: &[String]) -> Result<u64, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let found: Count = sql(
+            "SELECT count(*) AS n FROM jobs WHERE finished_at IS NULL AND NOT (workflow = ANY($1))",
+        )
+        .bind::<diesel::sql_types::Array<Text>, _>(workflows)
+        .get_result(&mut conn)
+        .await?;
+        Ok(found.n.max(0) as u64)
     }
 
     async fn purge_in(

@@ -11,13 +11,40 @@
 //! * `batch`, `batched`: group commit — `delivered`, `acked` and model answers
 //!   from many actors written by one statement and one commit.
 
+/// Runs a statement until it succeeds, fails permanently, or the store's
+/// retry budget is spent, backing off (10 ms doubling to 1 s, with jitter)
+/// after each transient failure:
+/// `retrying!(self, "what", async || { … }).await`.
+///
+/// Every write is fenced by the lease epoch, so running one again is safe:
+/// if the lease was lost meanwhile, the write answers `LeaseLost` instead
+/// of writing. This is what keeps a recorded outcome from being redone: an
+/// attempt whose 2xx could not be recorded on the first try records it on
+/// the next, instead of leaving its in-flight mark for another attempt to
+/// treat as never sent.
+macro_rules! retrying {
+    ($store:expr, $what:literal, async || $body:block) => {
+        async {
+            let mut retry = $store.retry($what);
+            loop {
+                match async $body.await {
+                    Err(e) if retry.again(&e) => retry.wait().await,
+                    other => break other,
+                }
+            }
+        }
+    };
+}
+
 mod batch;
-mod batched;
+pub(crate) mod batched;
 pub mod jobs;
 pub mod journal;
 pub mod lease;
 pub mod ledger;
 pub mod sql;
+
+use std::time::{Duration, Instant};
 
 use diesel::sql_types::{Integer, Text};
 use diesel_async::RunQueryDsl;
@@ -26,6 +53,7 @@ use sql::sql;
 use crate::db::Db;
 use crate::error::StoreError;
 
+pub use batched::BatchKind;
 pub use jobs::{DeliveryView, HistoryEntry, Intake, JobView};
 pub use lease::{Checkpoint, Fence, Leased};
 
@@ -34,13 +62,40 @@ pub use lease::{Checkpoint, Fence, Leased};
 pub struct Store {
     db: Db,
     batches: std::sync::Arc<batched::Batches>,
+    retry_budget: Duration,
 }
+
+/// How long a statement that failed transiently is retried in place by default.
+pub const DEFAULT_RETRY_BUDGET: Duration = Duration::from_secs(30);
 
 impl Store {
     /// A store on `db`; starts its batching tasks on the database runtime.
     pub fn new(db: Db) -> Self {
         let batches = batched::Batches::start(&db);
-        Store { db, batches }
+        Store {
+            db,
+            batches,
+            retry_budget: DEFAULT_RETRY_BUDGET,
+        }
+    }
+
+    /// How long a statement that failed transiently (a lost connection, a
+    /// serialization failure, a deadlock, a terminated backend, a pool
+    /// timeout) is run again in place before the error reaches the caller.
+    pub fn with_retry_budget(mut self, budget: Duration) -> Self {
+        self.retry_budget = budget;
+        self
+    }
+
+    /// Starts the in-place retries of one statement (see [`retrying!`]).
+    pub(crate) fn retry(&self, what: &'static str) -> Retry {
+        Retry {
+            what,
+            budget: self.retry_budget,
+            started: Instant::now(),
+            backoff: Duration::from_millis(10),
+            tries: 1,
+        }
     }
 
     pub fn db(&self) -> &Db {
@@ -61,5 +116,38 @@ impl Store {
                 .get_result(&mut conn)
                 .await?;
         Ok(found.n == 1)
+    }
+}
+
+/// The in-place retries of one statement.
+#[derive(Debug)]
+pub(crate) struct Retry {
+    what: &'static str,
+    budget: Duration,
+    started: Instant,
+    backoff: Duration,
+    tries: u32,
+}
+
+impl Retry {
+    /// Whether to run the statement again after `e`.
+    pub(crate) fn again(&self, e: &StoreError) -> bool {
+        let again = e.is_retryable() && self.started.elapsed() < self.budget;
+        if again {
+            tracing::warn!(statement = self.what, tries = self.tries, error = %e, "transient database error; running the statement again");
+        }
+        again
+    }
+
+    /// Waits before the next try.
+    pub(crate) async fn wait(&mut self) {
+        let left = self.budget.saturating_sub(self.started.elapsed());
+        let wait = self
+            .backoff
+            .mul_f64(0.5 + rand::random::<f64>() * 0.5)
+            .min(left);
+        tokio::time::sleep(wait).await;
+        self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
+        self.tries += 1;
     }
 }

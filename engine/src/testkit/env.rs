@@ -153,7 +153,7 @@ impl TestEnv {
     pub async fn lease(&self, node: &str, lease: Duration) -> Leased {
         let mut leased = self
             .store
-            .acquire(node, 1, lease.as_millis() as i64, false)
+            .acquire(node, 1, lease.as_millis() as i64, false, None, &[])
             .await
             .expect("acquire");
         assert_eq!(leased.len(), 1, "expected exactly one runnable job");
