@@ -292,10 +292,12 @@ async fn batch_statements_lock_every_row_they_name_first() {
             !try_lock(&env, &ids[0]).await
         })
         .await;
-        assert!(
-            first_locked,
-            "{kind:?}: the statement never locked its first row"
-        );
+        if !first_locked {
+            panic!(
+                "{kind:?}: the statement never locked its first row: {:?}",
+                probe.await
+            );
+        }
         for id in &ids {
             assert!(
                 !try_lock(&env, id).await,
@@ -592,7 +594,9 @@ async fn a_heartbeat_failing_past_the_lease_does_not_start_a_second_actor() {
     )
     .await;
     env.provider.set_latency(Duration::from_secs(3));
-    let engine = env.start(registry(DeliveryPolicy::AtLeastOnce), env.config());
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(10);
+    let engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
     env.submit("hb-1", "hello").await;
     let job = env.wait_for("hb-1", JobState::Acked, WAIT).await;
     assert!(

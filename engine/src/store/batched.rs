@@ -126,6 +126,7 @@ pub(crate) async fn ack_on(
              AS i(id, epoch, attempt, worker)), \
 ",
         lock_in_order!("$1"),
+        ", ",
         "         moved AS ( \
              UPDATE jobs j SET state = 'acked', updated_at = now(), finished_at = now(), \
                  lease_owner = NULL, lease_expires_at = NULL \
@@ -167,6 +168,7 @@ pub(crate) async fn delivered_on(
              $5::text[], $6::int[]) AS i(id, epoch, attempt, worker, key, status)), \
 ",
         lock_in_order!("$1"),
+        ", ",
         "         moved AS ( \
              UPDATE jobs j SET state = 'delivered', updated_at = now() \
              FROM input i \
@@ -215,6 +217,7 @@ pub(crate) async fn model_answer_on(
              $5::int[], $6::int[]) AS i(id, epoch, key, response, input_tokens, output_tokens)), \
 ",
         lock_in_order!("$1"),
+        ", ",
         "         fenced AS ( \
              SELECT i.* FROM input i JOIN jobs j ON j.id = i.id AND j.lease_epoch = i.epoch \
              WHERE (SELECT count(*) FROM locked) >= 0), \

@@ -85,7 +85,7 @@ macro_rules! lock_in_order {
         concat!(
             "locked AS MATERIALIZED (SELECT id FROM jobs WHERE id = ANY(",
             $ids,
-            ") ORDER BY id FOR NO KEY UPDATE), "
+            ") ORDER BY id FOR NO KEY UPDATE) "
         )
     };
 }
