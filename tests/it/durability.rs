@@ -61,7 +61,7 @@ async fn a_clean_job_runs_the_six_states_once() {
     env.submit("clean-1", "hello").await;
     let job = env.wait_for("clean-1", JobState::Acked, WAIT).await;
     assert_clean_history(&env, "clean-1").await;
-    assert_eq!(job.result.as_ref().unwrap()["content"], "echo: hello");
+    assert_eq!(job.result.as_ref().unwrap()["content"], "echo: hello (#1)");
     assert_eq!(env.provider.requests_for(&gen_key("clean-1")), 1);
     assert_eq!(env.consumer.deliveries_for("clean-1").len(), 1);
     assert_one_delivery(&env, "clean-1");

@@ -10,6 +10,7 @@ mod durability;
 mod embedded;
 mod explorer;
 mod intake;
+mod journal;
 mod support;
 mod telemetry;
 mod tracing;

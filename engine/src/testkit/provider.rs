@@ -139,7 +139,7 @@ fn echo(request: &Value, n: u64) -> Value {
         "model": request["model"],
         "choices": [{
             "index": 0,
-            "message": { "role": "assistant", "content": format!("echo: {last}") },
+            "message": { "role": "assistant", "content": format!("echo: {last} (#{n})") },
             "finish_reason": "stop"
         }],
         "usage": { "prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10 }

@@ -1,0 +1,176 @@
+//! The journals' identities, checked with a workflow that changes what it
+//! asks for between attempts: a key reused with another request is a loud
+//! error even against a completed row, a ledger position reused by another
+//! tool call is a conflict, and a replayed tool call returns the stored
+//! result byte for byte. Also: idempotency is not determinism.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use onceflow_engine::intake::NewJob;
+use onceflow_engine::testkit::TestEnv;
+use onceflow_engine::{Context, ErrorEnvelope, JobState, Registry, StepError, Workflow};
+use onceflow_workflows::Completion;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A workflow whose first attempt fails retryably after its side effect, so
+/// the second attempt meets the journal.
+#[derive(Clone)]
+struct Changing {
+    tool_runs: Arc<AtomicU32>,
+}
+
+#[derive(Deserialize)]
+struct ChangingInput {
+    /// `prompt`: another prompt under the same model key on attempt 2;
+    /// `tool_id`: another tool-call id at the same position on attempt 2;
+    /// `tool_replay`: the same tool call on both attempts.
+    mode: String,
+}
+
+#[derive(Serialize)]
+struct ChangingOutput {
+    value: String,
+}
+
+fn retry_once(ctx: &Context) -> Result<(), StepError> {
+    if ctx.attempt() == 1 {
+        return Err(StepError::Retry {
+            error: ErrorEnvelope {
+                code: "test_retry".into(),
+                message: "the first attempt fails after its side effect".into(),
+                retryable: true,
+            },
+            attempt: 1,
+            retry_after: None,
+        });
+    }
+    Ok(())
+}
+
+impl Workflow for Changing {
+    const NAME: &'static str = "test.changing";
+    type Input = ChangingInput;
+    type Output = ChangingOutput;
+
+    async fn run(
+        &self,
+        ctx: &mut Context,
+        input: ChangingInput,
+    ) -> Result<ChangingOutput, StepError> {
+        let value = match input.mode.as_str() {
+            "prompt" => {
+                let request = json!({"model": "m", "messages": [
+                    {"role": "user", "content": format!("attempt {}", ctx.attempt())}]});
+                let answer = ctx.generate("generate", &request).await?;
+                answer["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            }
+            "tool_id" | "tool_replay" => {
+                let call_id = if input.mode == "tool_id" {
+                    format!("call-{}", ctx.attempt())
+                } else {
+                    "call-1".to_owned()
+                };
+                let runs = self.tool_runs.clone();
+                ctx.tool(0, 0, &call_id, "lookup", &json!({"q": 1}), |_| async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    Ok(format!("result of run #{n}"))
+                })
+                .await?
+            }
+            other => panic!("unknown mode {other}"),
+        };
+        retry_once(ctx)?;
+        Ok(ChangingOutput { value })
+    }
+}
+
+fn setup() -> (Registry, Arc<AtomicU32>) {
+    let tool_runs = Arc::new(AtomicU32::new(0));
+    let mut r = Registry::new();
+    r.register(Completion::default());
+    r.register(Changing {
+        tool_runs: tool_runs.clone(),
+    });
+    (r, tool_runs)
+}
+
+async fn submit(env: &TestEnv, id: &str, mode: &str) {
+    env.submit_job(NewJob {
+        id: id.into(),
+        workflow: "test.changing".into(),
+        input: json!({ "mode": mode }),
+        webhook_url: env.consumer.url(),
+    })
+    .await;
+}
+
+#[actix_rt::test]
+async fn a_model_key_reused_with_another_request_fails_even_after_it_completed() {
+    let env = TestEnv::new().await;
+    let (registry, _) = setup();
+    let _engine = env.start(registry, env.config());
+    submit(&env, "reuse-1", "prompt").await;
+    let job = env.wait_for("reuse-1", JobState::Dead, WAIT).await;
+    assert_eq!(job.last_error.as_ref().unwrap().code, "model_key_conflict");
+    assert_eq!(
+        env.provider.requests_for("job:reuse-1:generate"),
+        1,
+        "the second prompt was never sent"
+    );
+    assert_eq!(env.consumer.deliveries_for("reuse-1").len(), 0);
+    assert!(job.attempts >= 2);
+}
+
+#[actix_rt::test]
+async fn the_same_tool_position_with_another_call_id_is_a_conflict() {
+    let env = TestEnv::new().await;
+    let (registry, tool_runs) = setup();
+    let _engine = env.start(registry, env.config());
+    submit(&env, "tool-id-1", "tool_id").await;
+    let job = env.wait_for("tool-id-1", JobState::Dead, WAIT).await;
+    assert_eq!(job.last_error.as_ref().unwrap().code, "tool_call_conflict");
+    assert_eq!(tool_runs.load(Ordering::SeqCst), 1, "executed once");
+    assert_eq!(env.consumer.deliveries_for("tool-id-1").len(), 0);
+}
+
+#[actix_rt::test]
+async fn a_replayed_tool_call_returns_the_stored_result_byte_for_byte() {
+    let env = TestEnv::new().await;
+    let (registry, tool_runs) = setup();
+    let _engine = env.start(registry, env.config());
+    submit(&env, "replay-1", "tool_replay").await;
+    let job = env.wait_for("replay-1", JobState::Acked, WAIT).await;
+    assert!(job.attempts >= 2, "the replay happened on a later attempt");
+    assert_eq!(tool_runs.load(Ordering::SeqCst), 1, "executed once");
+    assert_eq!(job.result.unwrap()["value"], "result of run #1");
+    let stored = env
+        .sql("SELECT result FROM tool_calls WHERE job_id = 'replay-1'")
+        .await;
+    assert_eq!(stored[0]["result"], "result of run #1");
+}
+
+/// Two jobs with one prompt get different answers (the provider does the
+/// work twice); only a retry of the same job replays.
+#[actix_rt::test]
+async fn idempotency_is_not_determinism() {
+    let env = TestEnv::new().await;
+    let (registry, _) = setup();
+    let _engine = env.start(registry, env.config());
+    env.submit("same-a", "one prompt").await;
+    env.submit("same-b", "one prompt").await;
+    let a = env.wait_for("same-a", JobState::Acked, WAIT).await;
+    let b = env.wait_for("same-b", JobState::Acked, WAIT).await;
+    let content = |v: &Option<Value>| v.as_ref().unwrap()["content"].clone();
+    assert_ne!(content(&a.result), content(&b.result));
+    assert_eq!(env.provider.work_done("job:same-a:generate"), 1);
+    assert_eq!(env.provider.work_done("job:same-b:generate"), 1);
+    assert_eq!(env.provider.total_work(), 2);
+}
