@@ -253,7 +253,7 @@ impl JobRun {
     /// Commits the output and claims the completion webhook (through `claimed`).
     async fn commit_result(&mut self, output: &Value) -> Result<JobState, StepError> {
         let body = webhook::completed_body(&self.fence.job_id, output);
-        let key = keys::completed(&self.fence.job_id);
+        let key = keys::completed(&self.fence.key());
         let at_least_once = self.workflow.delivery_policy() == DeliveryPolicy::AtLeastOnce;
         let claim = Claim {
             event: keys::COMPLETED_EVENT,
@@ -307,7 +307,7 @@ impl JobRun {
     async fn deliver(&mut self) -> Result<JobState, StepError> {
         let store = &self.shared.store;
         let config = &self.shared.config;
-        let key = keys::completed(&self.fence.job_id);
+        let key = keys::completed(&self.fence.key());
         let at_most_once = self.workflow.delivery_policy() == DeliveryPolicy::AtMostOnce;
         let in_flight_ms = self.delivery_in_flight_ms();
         let metrics = self.ctx.scope.metrics().clone();
@@ -548,7 +548,7 @@ impl JobRun {
 
     async fn kill(&self, reason: &str, error: &StepError) -> Result<Outcome, StepError> {
         tracing::warn!(job.id = %self.fence.job_id, state = %self.state, reason, error = %error, "job is dead");
-        let key = keys::completed(&self.fence.job_id);
+        let key = keys::completed(&self.fence.key());
         let outbox = (self.state == JobState::Claimed).then_some((key.as_str(), "dead"));
         Ok(
             match self

@@ -73,7 +73,7 @@ impl Context {
         step: &str,
         request: &Value,
     ) -> Result<(Value, Served), StepError> {
-        let key = keys::model_call(self.job_id(), step);
+        let key = keys::model_call(&self.fence.key(), step);
         let hash = canonical_hash(request);
         // The in-flight mark outlives the request timeout a little, so a
         // concurrent attempt does not send while ours may still be answered.
@@ -378,7 +378,7 @@ impl Context {
             arguments_hash: &hash,
         };
         let in_flight_ms = (self.tool_timeout + Duration::from_secs(5)).as_millis() as i64;
-        let key = keys::tool(&self.fence.job_id, turn, index);
+        let key = keys::tool(&self.fence.key(), turn, index);
         let metrics = self.scope.metrics().clone();
         let mut span = self.scope.step(
             SPAN_TOOL,
@@ -491,7 +491,7 @@ impl Context {
         F: FnOnce(StepInvocation) -> Fut,
         Fut: std::future::Future<Output = Result<T, StepError>>,
     {
-        let key = keys::step(&self.fence.job_id, name);
+        let key = keys::step(&self.fence.key(), name);
         let decode = |text: &str| {
             serde_json::from_str::<T>(text)
                 .map_err(|e| StepError::Serialize(format!("journaled output of step {name}: {e}")))

@@ -1,44 +1,78 @@
-//! Idempotency keys, built in one place. Every key is a function of the job id
-//! and the step or event name: identical on every attempt, process and node.
-//! A per-attempt UUID, a timestamp or a queue message id here would be a bug.
+//! Idempotency keys, built in one place. Every key is a function of the job
+//! (its id and incarnation) and the step or event name: identical on every
+//! attempt, process and node. A per-attempt UUID, a timestamp or a queue
+//! message id here would be a bug.
+//!
+//! The first incarnation of an id keys its side effects `job:{id}:…`. An id
+//! submitted again after its job was purged (retention) is a new incarnation
+//! `n ≥ 2`, keyed `job:{id}#{n}:…`: ids cannot contain `#`, so no key of one
+//! incarnation is ever a key of another.
 
 /// The event name of the completion webhook.
 pub const COMPLETED_EVENT: &str = "job.completed";
 
-/// The key of a model call made by step `step` of job `job_id` (`job:{id}:{step}`).
-pub fn model_call(job_id: &str, step: &str) -> String {
-    format!("job:{job_id}:{step}")
+/// The prefix every key of one incarnation of a job shares: `job:{id}` for
+/// the first, `job:{id}#{n}` after that.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobKey(String);
+
+impl JobKey {
+    pub fn new(job_id: &str, incarnation: i32) -> Self {
+        if incarnation <= 1 {
+            JobKey(format!("job:{job_id}"))
+        } else {
+            JobKey(format!("job:{job_id}#{incarnation}"))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The key of a model call made by step `step` (`job:{id}:{step}`).
+pub fn model_call(job: &JobKey, step: &str) -> String {
+    format!("{}:{step}", job.0)
 }
 
 /// The key of the completion webhook (`job:{id}:completed`), sent as both
 /// `Idempotency-Key` and `webhook-id`.
-pub fn completed(job_id: &str) -> String {
-    format!("job:{job_id}:completed")
+pub fn completed(job: &JobKey) -> String {
+    format!("{}:completed", job.0)
 }
 
 /// The key of the model call of agent turn `turn` (`job:{id}:turn:{n}`).
-pub fn turn(job_id: &str, turn: u32) -> String {
-    format!("job:{job_id}:turn:{turn}")
+pub fn turn(job: &JobKey, turn: u32) -> String {
+    format!("{}:turn:{turn}", job.0)
 }
 
 /// The key a tool passes on with its own side effect: the call's position in
 /// the conversation (`job:{id}:tool:{turn}:{index}`), not the provider's
 /// tool-call id, which some providers regenerate or reuse.
-pub fn tool(job_id: &str, turn: i32, index: i32) -> String {
-    format!("job:{job_id}:tool:{turn}:{index}")
+pub fn tool(job: &JobKey, turn: i32, index: i32) -> String {
+    format!("{}:tool:{turn}:{index}", job.0)
 }
 
 /// The key of general step `name` (`job:{id}:step:{name}`).
-pub fn step(job_id: &str, name: &str) -> String {
-    format!("job:{job_id}:step:{name}")
+pub fn step(job: &JobKey, name: &str) -> String {
+    format!("{}:step:{name}", job.0)
 }
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
-    fn keys_are_functions_of_the_job() {
-        assert_eq!(super::model_call("a-1", "generate"), "job:a-1:generate");
-        assert_eq!(super::completed("a-1"), "job:a-1:completed");
-        assert_eq!(super::completed("a-1"), super::completed("a-1"));
+    fn keys_are_functions_of_the_job_and_its_incarnation() {
+        let first = JobKey::new("a-1", 1);
+        assert_eq!(model_call(&first, "generate"), "job:a-1:generate");
+        assert_eq!(completed(&first), "job:a-1:completed");
+        assert_eq!(completed(&first), completed(&JobKey::new("a-1", 1)));
+        assert_eq!(tool(&first, 2, 0), "job:a-1:tool:2:0");
+        assert_eq!(step(&first, "s"), "job:a-1:step:s");
+        let second = JobKey::new("a-1", 2);
+        assert_eq!(completed(&second), "job:a-1#2:completed");
+        assert_eq!(turn(&second, 3), "job:a-1#2:turn:3");
+        assert_ne!(completed(&first), completed(&second));
     }
 }

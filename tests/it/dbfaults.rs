@@ -276,6 +276,7 @@ async fn batch_statements_lock_every_row_they_name_first() {
             .iter()
             .map(|id| Fence {
                 job_id: id.clone(),
+                incarnation: 1,
                 epoch: 0,
                 attempt: 1,
                 worker: "probe".into(),

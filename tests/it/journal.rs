@@ -174,3 +174,73 @@ async fn idempotency_is_not_determinism() {
     assert_eq!(env.provider.work_done("job:same-b:generate"), 1);
     assert_eq!(env.provider.total_work(), 2);
 }
+
+/// An id submitted again after its job was purged is a new incarnation: the
+/// first keeps `job:{id}:completed`, the second is keyed `job:{id}#2:…`, so a
+/// consumer that de-duplicates by webhook-id processes it, and lease epochs
+/// continue from the first (a zombie of the old life cannot match).
+#[actix_rt::test]
+async fn a_purged_id_runs_again_as_a_new_incarnation_with_its_own_keys() {
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    config.retention = Duration::from_secs(3600);
+    let (registry, _) = setup();
+    let _engine = env.start(registry, config);
+    env.submit("again-1", "first life").await;
+    env.wait_for("again-1", JobState::Acked, WAIT).await;
+    let first_epoch = env
+        .sql("SELECT lease_epoch FROM jobs WHERE id = 'again-1'")
+        .await[0]["lease_epoch"]
+        .as_i64()
+        .unwrap();
+    env.execute("UPDATE jobs SET finished_at = now() - interval '2 hours' WHERE id = 'again-1'")
+        .await;
+    let purged = onceflow_engine::testkit::wait_until(WAIT, || async {
+        env.store.job("again-1").await.unwrap().is_none()
+    })
+    .await;
+    assert!(purged, "the supervisor purged the expired job");
+    let tomb = env
+        .sql("SELECT incarnation, last_epoch FROM job_tombstones WHERE id = 'again-1'")
+        .await;
+    assert_eq!(tomb[0]["incarnation"], 1);
+    assert_eq!(tomb[0]["last_epoch"], first_epoch);
+
+    let second = env.submit("again-1", "second life").await;
+    assert_eq!(second.incarnation, 2);
+    let job = env.wait_for("again-1", JobState::Acked, WAIT).await;
+    assert_eq!(job.incarnation, 2);
+    assert_eq!(
+        job.delivery.unwrap().idempotency_key,
+        "job:again-1#2:completed"
+    );
+    let epoch = env
+        .sql("SELECT lease_epoch FROM jobs WHERE id = 'again-1'")
+        .await[0]["lease_epoch"]
+        .as_i64()
+        .unwrap();
+    assert!(
+        epoch > first_epoch,
+        "epochs continue: {epoch} after {first_epoch}"
+    );
+    let ids: Vec<Option<String>> = env
+        .consumer
+        .deliveries_for("again-1")
+        .into_iter()
+        .map(|d| d.webhook_id)
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            Some("job:again-1:completed".to_owned()),
+            Some("job:again-1#2:completed".to_owned())
+        ]
+    );
+    assert_eq!(
+        env.consumer.processed_for("again-1"),
+        2,
+        "not dropped as a repeat"
+    );
+    assert_eq!(env.provider.requests_for("job:again-1:generate"), 1);
+    assert_eq!(env.provider.requests_for("job:again-1#2:generate"), 1);
+}

@@ -319,7 +319,7 @@ impl Store {
                             .iter()
                             .map(|f| Delivered {
                                 fence: f.clone(),
-                                key: crate::keys::completed(&f.job_id),
+                                key: crate::keys::completed(&f.key()),
                                 status: 200,
                             })
                             .collect();

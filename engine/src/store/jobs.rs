@@ -38,6 +38,9 @@ pub struct JobView {
     pub workflow: String,
     pub state: JobState,
     pub attempts: i32,
+    /// Which life of this id the job is: 1, or `n` when the id was purged
+    /// (retention) and submitted again; its keys are then `job:{id}#{n}:…`.
+    pub incarnation: i32,
     pub input: Value,
     pub webhook_url: String,
     pub result: Option<Value>,
@@ -86,6 +89,8 @@ struct JobRow {
     state: String,
     #[diesel(sql_type = Integer)]
     attempts: i32,
+    #[diesel(sql_type = Integer)]
+    incarnation: i32,
     #[diesel(sql_type = Nullable<Jsonb>)]
     last_error: Option<Value>,
     #[diesel(sql_type = Nullable<Text>)]
@@ -131,7 +136,7 @@ struct OutboxRow {
 }
 
 const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.request, j.request_hash, j.state::text AS state, \
-     j.attempts, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context \
+     j.attempts, j.incarnation, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 
 impl Store {
@@ -156,6 +161,8 @@ impl Store {
             created_at: DateTime<Utc>,
             #[diesel(sql_type = Timestamptz)]
             at: DateTime<Utc>,
+            #[diesel(sql_type = Integer)]
+            incarnation: i32,
         }
         let hash = job.request_hash();
         let request = job.request();
@@ -163,13 +170,14 @@ impl Store {
         // The job row, its first history row and the wake-up, in one
         // statement (one round trip, one commit); no row when the id exists.
         let inserted: Vec<Inserted> = sql("WITH job AS ( \
-                 INSERT INTO jobs (id, workflow, request, request_hash, trace_context) \
-                 VALUES ($1, $2, $3, $4, $7) \
-                 ON CONFLICT (id) DO NOTHING RETURNING id, created_at), \
+                 INSERT INTO jobs (id, workflow, request, request_hash, trace_context, incarnation, lease_epoch) \
+                 SELECT $1, $2, $3, $4, $7, coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0) \
+                 FROM (SELECT 1) one LEFT JOIN job_tombstones t ON t.id = $1 \
+                 ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation), \
              history AS ( \
                  INSERT INTO job_history (job_id, state, attempt, worker) \
                  SELECT id, 'received', 0, $5 FROM job RETURNING at) \
-             SELECT job.created_at, history.at, pg_notify($6, job.id) IS NULL AS notified \
+             SELECT job.created_at, history.at, job.incarnation, pg_notify($6, job.id) IS NULL AS notified \
              FROM job, history")
         .bind::<Text, _>(&job.id)
         .bind::<Text, _>(&job.workflow)
@@ -186,6 +194,7 @@ impl Store {
                 workflow: job.workflow.clone(),
                 state: JobState::Received,
                 attempts: 0,
+                incarnation: row.incarnation,
                 input: job.input.clone(),
                 webhook_url: job.webhook_url.clone(),
                 result: None,
@@ -274,6 +283,7 @@ impl Store {
             id: row.id,
             workflow: row.workflow,
             attempts: row.attempts,
+            incarnation: row.incarnation,
             input: request.get("input").cloned().unwrap_or(Value::Null),
             webhook_url: request
                 .get("webhook_url")

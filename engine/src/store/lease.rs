@@ -22,9 +22,18 @@ use crate::trace::TraceParent;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fence {
     pub job_id: String,
+    /// Which life of the id this is (1 unless it was purged and submitted again).
+    pub incarnation: i32,
     pub epoch: i64,
     pub attempt: i32,
     pub worker: String,
+}
+
+impl Fence {
+    /// The prefix of every idempotency key of this job's incarnation.
+    pub fn key(&self) -> crate::keys::JobKey {
+        crate::keys::JobKey::new(&self.job_id, self.incarnation)
+    }
 }
 
 /// A job leased to this node.
@@ -67,6 +76,8 @@ struct LeasedRow {
     state: String,
     #[diesel(sql_type = Integer)]
     attempts: i32,
+    #[diesel(sql_type = Integer)]
+    incarnation: i32,
     #[diesel(sql_type = BigInt)]
     lease_epoch: i64,
     #[diesel(sql_type = Nullable<Text>)]
@@ -139,7 +150,7 @@ impl Store {
                  lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \
                  attempts = j.attempts + 1, updated_at = now() \
              FROM picked WHERE j.id = picked.id \
-             RETURNING j.id, j.workflow, j.request, j.state::text AS state, j.attempts, j.lease_epoch, \
+             RETURNING j.id, j.workflow, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
                  picked.lease_owner AS previous_owner, j.trace_context",
         )
         .bind::<Text, _>(node)
@@ -156,6 +167,7 @@ impl Store {
                     state: parse_state(&r.state)?,
                     fence: Fence {
                         job_id: r.id,
+                        incarnation: r.incarnation,
                         epoch: r.lease_epoch,
                         attempt: r.attempts,
                         worker: node.to_owned(),

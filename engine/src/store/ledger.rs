@@ -336,12 +336,20 @@ impl Store {
         retention_ms: i64,
         batch: i64,
     ) -> Result<u64, StoreError> {
+        // Each purged id leaves a tombstone (its incarnation and last lease
+        // epoch), so a resubmission is a new incarnation with keys of its own
+        // and epochs that continue.
         let purged: Count = sql("WITH gone AS ( \
                  DELETE FROM jobs WHERE id IN ( \
                      SELECT id FROM jobs \
                      WHERE finished_at < now() - $1 * interval '1 millisecond' \
                      ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
-                 RETURNING id) \
+                 RETURNING id, incarnation, lease_epoch), \
+             tombstones AS ( \
+                 INSERT INTO job_tombstones (id, incarnation, last_epoch) \
+                 SELECT id, incarnation, lease_epoch FROM gone \
+                 ON CONFLICT (id) DO UPDATE SET incarnation = EXCLUDED.incarnation, \
+                     last_epoch = EXCLUDED.last_epoch, purged_at = now()) \
              SELECT count(*) AS n FROM gone")
         .bind::<BigInt, _>(retention_ms)
         .bind::<BigInt, _>(batch)

@@ -1,0 +1,2 @@
+DROP TABLE job_tombstones;
+ALTER TABLE jobs DROP COLUMN incarnation;
