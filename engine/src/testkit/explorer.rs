@@ -3,15 +3,20 @@
 //!
 //! 1. It runs one job to learn the workflow's boundaries (every failpoint the
 //!    job passes, with how many times).
-//! 2. For every boundary it runs a fresh job that crashes there, and another
-//!    that freezes there past the lease (the other node takes over while the
-//!    first attempt is still alive), on two nodes with separate memory.
+//! 2. For every boundary it runs a fresh job that crashes there twice over —
+//!    the node restarted under the same name (it reclaims its jobs at once),
+//!    and a new node with another name (it waits for the lease) — and
+//!    another that freezes there past the lease (the other node takes over
+//!    while the first attempt is still alive), on two nodes with separate
+//!    memory. Every armed failpoint must fire.
 //! 3. It checks each job against the invariants, by counting: the job ended
 //!    where the clean run ended; one distinct delivery key, processed once;
 //!    every model call's work done once, under as many keys as the clean run;
 //!    every side effect seen by the recorders processed once, under as many
-//!    keys as the clean run; a history that is an in-order prefix of the
-//!    lifecycle with no state skipped or repeated.
+//!    keys as the clean run; raw requests (model, webhook, effects) at most
+//!    one more than the clean run's (one interrupted send repeated under its
+//!    key); a history that is an in-order prefix of the lifecycle with no
+//!    state skipped or repeated. The clean run itself must end `acked`.
 //!
 //! ```no_run
 //! # async fn example(env: onceflow_engine::testkit::TestEnv, effects: onceflow_engine::testkit::FakeConsumer) {
@@ -41,8 +46,12 @@ use crate::workflow::Registry;
 /// How a boundary is exercised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// The attempt dies there (its lease expires; another attempt resumes).
+    /// The attempt dies there and its node restarts under the same name,
+    /// reclaiming the job at once.
     Crash,
+    /// The attempt dies there and a new node (another name) resumes the job
+    /// once the lease expires.
+    CrashNewNode,
     /// The attempt freezes there past its lease: the other node takes over
     /// while it is alive; then it wakes up as a zombie.
     Freeze,
@@ -61,6 +70,8 @@ pub struct Row {
     pub model_requests: usize,
     pub effect_requests: usize,
     pub webhook_requests: usize,
+    /// The armed failpoint fired.
+    pub fired: bool,
     /// Broken invariants; empty when the row holds.
     pub violations: Vec<String>,
 }
@@ -69,6 +80,12 @@ pub struct Row {
 #[derive(Debug, Clone)]
 pub struct Report {
     pub workflow: String,
+    /// The boundaries the clean run passed (each explored in every mode).
+    pub boundaries: Vec<(FailPoint, u32)>,
+    /// Where the clean run ended.
+    pub clean_state: Option<JobState>,
+    /// Raw requests of the clean run: model, webhook, recorded effects.
+    pub clean_requests: (usize, usize, usize),
     pub rows: Vec<Row>,
 }
 
@@ -91,9 +108,14 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "crash-point explorer: {} ({} runs)",
+            "crash-point explorer: {} ({} boundaries, {} runs; clean run {:?} with {} model, {} webhook, {} effect requests)",
             self.workflow,
-            self.rows.len()
+            self.boundaries.len(),
+            self.rows.len(),
+            self.clean_state,
+            self.clean_requests.0,
+            self.clean_requests.1,
+            self.clean_requests.2,
         )?;
         writeln!(
             f,
@@ -115,7 +137,11 @@ impl fmt::Display for Report {
             writeln!(
                 f,
                 "{boundary:<28} {:<7} {state:<10} {:>8} {:>6} {:>8} {:>8}  {verdict}",
-                format!("{:?}", r.mode).to_lowercase(),
+                match r.mode {
+                    Mode::Crash => "crash",
+                    Mode::CrashNewNode => "crash+n",
+                    Mode::Freeze => "freeze",
+                },
                 r.attempts,
                 r.model_requests,
                 r.effect_requests,
@@ -179,10 +205,15 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         let lease = config.lease;
         let freeze = lease * 3;
         let wait = Duration::from_secs(30);
-        let node = || env.start((self.make_registry)(), config.clone());
+        let base = config.node_id.clone();
+        let node = |name: &str| {
+            let mut config = config.clone();
+            config.node_id = format!("{base}-{name}");
+            env.start((self.make_registry)(), config)
+        };
 
         // 0. Warm up (connections, HTTP clients), so the clean run is clean.
-        let first = node();
+        let first = node("clean");
         let warm = format!("{}-warm", self.prefix);
         self.submit(&warm).await;
         self.settle(&warm, wait).await;
@@ -198,6 +229,12 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             "the clean run of {} needed {} attempts; the explorer needs one clean run to compare with",
             self.workflow, baseline.attempts
         );
+        assert_eq!(
+            baseline.state,
+            Some(JobState::Acked),
+            "the clean run of {} did not end acked",
+            self.workflow
+        );
         let mut boundaries: Vec<(FailPoint, u32)> = Vec::new();
         let mut seen: BTreeMap<String, u32> = BTreeMap::new();
         for (job, point) in env.faults.hits() {
@@ -208,28 +245,39 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             }
         }
 
-        // 2. Every boundary crashed: the node dies there and a new node,
-        //    with none of the old one's memory, resumes the job, as after a
-        //    process crash and restart.
+        // 2. Every boundary crashed: the node dies there and either restarts
+        //    under the same name (it reclaims its jobs at once) or a new
+        //    node, with another name, resumes the job once the lease
+        //    expires; neither has the old node's memory.
         let mut rows = Vec::new();
-        for (i, (point, nth)) in boundaries.iter().enumerate() {
-            let id = format!("{}-{i}-c", self.prefix);
-            env.faults.arm_nth(&id, *point, Action::Crash, *nth);
-            let crashing = node();
-            self.submit(&id).await;
-            super::wait_until(wait, || async { env.faults.fired(&id) }).await;
-            crashing.shutdown();
-            let restarted = node();
-            let counts = self.settle(&id, wait).await;
-            restarted.shutdown();
-            rows.push(row(*point, *nth, Mode::Crash, &id, &baseline, &counts));
+        for mode in [Mode::Crash, Mode::CrashNewNode] {
+            for (i, (point, nth)) in boundaries.iter().enumerate() {
+                let id = format!(
+                    "{}-{i}-{}",
+                    self.prefix,
+                    if mode == Mode::Crash { "c" } else { "n" }
+                );
+                env.faults.arm_nth(&id, *point, Action::Crash, *nth);
+                let crashing = node("crashing");
+                self.submit(&id).await;
+                let fired = super::wait_until(wait, || async { env.faults.fired(&id) }).await;
+                crashing.shutdown();
+                let resumed = node(if mode == Mode::Crash {
+                    "crashing"
+                } else {
+                    "resuming"
+                });
+                let counts = self.settle(&id, wait).await;
+                resumed.shutdown();
+                rows.push(row(*point, *nth, mode, &id, fired, &baseline, &counts));
+            }
         }
 
         // 3. Every boundary frozen past the lease, with two nodes of separate
         //    memory: a frozen node stands for a paused process and takes no
         //    work, so the other node takes the job over while the first
         //    attempt is alive; then the first wakes up as a zombie.
-        let (a, b) = (node(), node());
+        let (a, b) = (node("a"), node("b"));
         for (i, (point, nth)) in boundaries.iter().enumerate() {
             let id = format!("{}-{i}-f", self.prefix);
             env.faults
@@ -240,12 +288,28 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             super::wait_until(wait, || async { !env.faults.any_frozen() }).await;
             tokio::time::sleep(lease).await;
             let counts = self.count(&id).await;
-            rows.push(row(*point, *nth, Mode::Freeze, &id, &baseline, &counts));
+            let fired = env.faults.fired(&id);
+            rows.push(row(
+                *point,
+                *nth,
+                Mode::Freeze,
+                &id,
+                fired,
+                &baseline,
+                &counts,
+            ));
         }
         a.shutdown();
         b.shutdown();
         Report {
             workflow: self.workflow,
+            boundaries,
+            clean_state: baseline.state,
+            clean_requests: (
+                baseline.model_requests,
+                baseline.webhook_requests,
+                baseline.effect_requests,
+            ),
             rows,
         }
     }
@@ -342,7 +406,19 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
     }
 }
 
-fn row(boundary: FailPoint, nth: u32, mode: Mode, id: &str, baseline: &Counts, c: &Counts) -> Row {
+fn row(
+    boundary: FailPoint,
+    nth: u32,
+    mode: Mode,
+    id: &str,
+    fired: bool,
+    baseline: &Counts,
+    c: &Counts,
+) -> Row {
+    let mut violations = violations(baseline, c);
+    if !fired {
+        violations.push("the armed failpoint never fired".to_owned());
+    }
     Row {
         boundary,
         nth,
@@ -353,7 +429,8 @@ fn row(boundary: FailPoint, nth: u32, mode: Mode, id: &str, baseline: &Counts, c
         model_requests: c.model_requests,
         effect_requests: c.effect_requests,
         webhook_requests: c.webhook_requests,
-        violations: violations(baseline, c),
+        fired,
+        violations,
     }
 }
 
@@ -397,6 +474,16 @@ fn violations(baseline: &Counts, c: &Counts) -> Vec<String> {
             "side effects under {} keys, the clean run {}",
             c.effect_keys, baseline.effect_keys
         ));
+    }
+    // One interrupted send may be repeated under its key; never more.
+    for (what, clean, now) in [
+        ("model", baseline.model_requests, c.model_requests),
+        ("webhook", baseline.webhook_requests, c.webhook_requests),
+        ("side-effect", baseline.effect_requests, c.effect_requests),
+    ] {
+        if now > clean + 1 {
+            v.push(format!("{now} {what} requests, the clean run sent {clean}"));
+        }
     }
     if !is_lifecycle_prefix(&c.history) {
         v.push(format!("history {:?} skips or repeats a state", c.history));
