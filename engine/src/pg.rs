@@ -184,9 +184,20 @@ impl EmbeddedPg {
 
     /// Stops the server (fast shutdown: open transactions roll back).
     pub fn stop(&self) -> Result<(), PgError> {
+        self.stop_with("fast")
+    }
+
+    /// Crashes the server (`pg_ctl stop -m immediate`: every process quits
+    /// at once, nothing is flushed; the next start runs crash recovery from
+    /// the WAL), as a power loss or a killed postmaster would.
+    pub fn crash(&self) -> Result<(), PgError> {
+        self.stop_with("immediate")
+    }
+
+    fn stop_with(&self, mode: &str) -> Result<(), PgError> {
         let status = self
             .command("pg_ctl")
-            .args(["stop", "-w", "-m", "fast", "-D"])
+            .args(["stop", "-w", "-m", mode, "-D"])
             .arg(&self.data_dir)
             .stdout(Stdio::null())
             .status()

@@ -1,7 +1,9 @@
 //! A chaos run of the real binary: several hundred jobs against a slow
 //! provider, `onceflow serve` SIGKILLed at random moments and restarted, and
-//! PostgreSQL itself restarted once mid-run. Every job must end acked with its
-//! model work done once and its webhook processed once, under one key.
+//! PostgreSQL itself crashed once mid-run (`-m immediate`, fsync on, so crash
+//! recovery replays the WAL). Every job must end acked with its model work
+//! done once and its webhook processed once, under one key. The schedule is
+//! seeded and the seed printed: `CHAOS_SEED=<seed>` replays it.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -9,7 +11,7 @@ use std::time::{Duration, Instant};
 use onceflow_engine::db::{self, Db};
 use onceflow_engine::pg::{Durability, EmbeddedPg};
 use onceflow_engine::testkit::{wait_until, FakeConsumer, FakeProvider};
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use crate::support::{client, get, ServeProcess};
@@ -18,8 +20,16 @@ const JOBS: usize = 300;
 
 #[actix_rt::test]
 async fn jobs_survive_random_sigkills_and_a_postgres_restart() {
-    // A server of its own: this test restarts it.
+    let seed = std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("chaos: seed {seed} (CHAOS_SEED={seed} replays this schedule)");
+    // A server of its own, durable (fsync on): this test crashes it.
     let pg = EmbeddedPg::throwaway().expect("start PostgreSQL");
+    pg.stop().expect("stop the fast test server");
+    pg.restart(Durability::Durable)
+        .expect("start PostgreSQL with fsync on");
     db::create_database(&pg.url("postgres"), "chaos", None)
         .await
         .unwrap();
@@ -72,7 +82,7 @@ async fn jobs_survive_random_sigkills_and_a_postgres_restart() {
         }
     };
     let chaos = async {
-        let mut rng = rand::rng();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for round in 0..4 {
             tokio::time::sleep(Duration::from_millis(rng.random_range(500..2000))).await;
             eprintln!(
@@ -83,12 +93,13 @@ async fn jobs_survive_random_sigkills_and_a_postgres_restart() {
             serve.sigkill();
             if round == 1 {
                 eprintln!(
-                    "chaos: restarting PostgreSQL after {:.1} s",
+                    "chaos: crashing PostgreSQL (-m immediate) after {:.1} s",
                     started.elapsed().as_secs_f64()
                 );
-                pg.stop().expect("stop PostgreSQL");
+                pg.crash().expect("crash PostgreSQL");
                 tokio::time::sleep(Duration::from_millis(rng.random_range(200..800))).await;
-                pg.restart(Durability::Fast).expect("restart PostgreSQL");
+                pg.restart(Durability::Durable)
+                    .expect("restart PostgreSQL (crash recovery)");
             }
             serve.restart_on_same_port(&env, &log).await;
         }
@@ -152,7 +163,7 @@ async fn jobs_survive_random_sigkills_and_a_postgres_restart() {
     let repeats = consumer.deliveries().iter().filter(|d| d.duplicate).count();
     let model_requests = provider.requests().len();
     println!(
-        "chaos: {JOBS} jobs, 4 SIGKILLs, 1 PostgreSQL restart in {:.1} s: {model_requests} model requests for {JOBS} units of work, \
+        "chaos (seed {seed}): {JOBS} jobs, 4 SIGKILLs, 1 PostgreSQL crash in {:.1} s: {model_requests} model requests for {JOBS} units of work, \
          {repeats} repeated webhook requests (same key, dropped by the consumer)",
         started.elapsed().as_secs_f64()
     );
