@@ -26,6 +26,7 @@ use crate::retry::RetryPolicy;
 use crate::store::journal::{Claim, DeliveryStart, FailedSend, KillWith};
 use crate::store::{Checkpoint, Fence, Leased};
 use crate::supervisor::Supervisor;
+use crate::verdict::{on_failure, on_send_failure, SendFailure, Verdict};
 use crate::webhook;
 use crate::workflow::{DeliveryPolicy, DynWorkflow};
 
@@ -404,9 +405,23 @@ impl JobRun {
                         span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
                     }
                     span.set(KeyValue::new(ERROR_CODE, error.code.clone()));
-                    let dead = (at_most_once && !failure.never_sent()) || !failure.is_retryable();
-                    metrics.delivery(if dead { OUTCOME_DEAD } else { OUTCOME_RETRIED });
-                    span.end(if dead {
+                    let sends = attempt.max(1) as u32;
+                    let verdict = on_send_failure(
+                        self.workflow.delivery_policy(),
+                        SendFailure {
+                            may_have_arrived: !failure.never_sent(),
+                            retryable: failure.is_retryable(),
+                            sends,
+                        },
+                        &config.webhook_retry,
+                    );
+                    let closes = verdict.closes(&error.code, sends);
+                    metrics.delivery(if closes.is_some() {
+                        OUTCOME_DEAD
+                    } else {
+                        OUTCOME_RETRIED
+                    });
+                    span.end(if closes.is_some() {
                         OUTCOME_FAILED
                     } else {
                         OUTCOME_RETRIED
@@ -414,23 +429,9 @@ impl JobRun {
                     // The failure's record and, when the job is over, its
                     // death: one transaction, so no interleaving leaves a
                     // row that looks unsent under a dead-end job.
-                    let reason = if at_most_once && !failure.never_sent() {
-                        Some("delivery outcome unknown (at-most-once): the send failed after it left".to_owned())
-                    } else if !failure.is_retryable() {
-                        Some(format!(
-                            "the webhook consumer refused the delivery permanently ({})",
-                            error.code
-                        ))
-                    } else {
-                        None
-                    };
-                    let kill = reason.as_deref().map(|reason| KillWith {
+                    let kill = closes.as_ref().map(|(outbox_status, reason)| KillWith {
                         reason,
-                        outbox_status: if at_most_once && !failure.never_sent() {
-                            "unknown"
-                        } else {
-                            "dead"
-                        },
+                        outbox_status,
                     });
                     let c = store
                         .fail_delivery(
@@ -464,44 +465,30 @@ impl JobRun {
             .ok_or(StepError::LeaseLost)
     }
 
-    /// Turns a failed step into the job's next durable state.
+    /// Turns a failed step into the job's next durable state: the pure
+    /// [`on_failure`] decides, this carries it out.
     async fn settle(&mut self, error: StepError) -> Outcome {
         let policy = self.policy();
         let job_id = self.fence.job_id.clone();
-        let result = match &error {
-            StepError::LeaseLost => return Outcome::LeaseLost,
-            StepError::Injected(Injected::Crash(point)) => {
-                tracing::warn!(job.id = %job_id, %point, "attempt crashed (injected)");
-                return Outcome::Crashed;
+        let job_attempt = u32::try_from(self.fence.attempt).unwrap_or(1);
+        let result = match on_failure(&error, self.state, &policy, job_attempt) {
+            Verdict::Stop => {
+                return match &error {
+                    StepError::Injected(Injected::Crash(point)) => {
+                        tracing::warn!(job.id = %job_id, %point, "attempt crashed (injected)");
+                        Outcome::Crashed
+                    }
+                    _ => Outcome::LeaseLost,
+                };
             }
-            StepError::Retry {
+            Verdict::Retry {
                 attempt,
                 retry_after,
-                ..
-            } if !policy.exhausted(*attempt) => {
-                let delay = policy.delay(*attempt, *retry_after);
-                self.reschedule(delay, &error).await
+            } => {
+                self.reschedule(policy.delay(attempt, retry_after), &error)
+                    .await
             }
-            StepError::Retry { attempt, .. } => {
-                let reason = format!("retry budget exhausted after {attempt} sends");
-                self.kill(&reason, &error).await
-            }
-            StepError::Injected(Injected::Fail(_)) => {
-                self.reschedule(policy.delay(1, None), &error).await
-            }
-            // The statement was already retried in place for the store's
-            // whole budget: the database is down or overloaded. The job is
-            // not the problem, so it is never dead-lettered for it; it runs
-            // again later, backing off with its attempts.
-            StepError::Store(e) if e.is_retryable() => {
-                let attempt = u32::try_from(self.fence.attempt.max(1)).unwrap_or(1);
-                self.reschedule(policy.delay(attempt, None), &error).await
-            }
-            StepError::Permanent { reason, .. } => self.kill(reason, &error).await,
-            StepError::Store(_) | StepError::InvalidInput(_) | StepError::Serialize(_) => {
-                let reason = format!("permanent error in state {}", self.state);
-                self.kill(&reason, &error).await
-            }
+            Verdict::Dead { reason } => self.kill(&reason, &error).await,
         };
         match result {
             Ok(outcome) => outcome,

@@ -15,7 +15,8 @@
 //! * [`workflow`] + [`context`] — user workflows in Rust; every side effect
 //!   goes through the durable context, journaled under a key from [`keys`].
 //! * [`provider`], [`webhook`], [`outbound`], [`retry`] — the model call, the
-//!   completion webhook, failure classification and backoff.
+//!   completion webhook, failure classification and backoff; [`verdict`] —
+//!   what a failure means for the job, decided with no I/O.
 //! * [`store`] — all SQL; [`db`] the pool and migrations; [`pg`] the embedded
 //!   PostgreSQL.
 //! * [`trace`] — W3C trace context: one trace per job across its attempts;
@@ -45,6 +46,7 @@ pub mod retry;
 pub mod store;
 pub mod supervisor;
 pub mod trace;
+pub mod verdict;
 pub mod webhook;
 pub mod workflow;
 
