@@ -322,6 +322,16 @@ async fn a_model_call_longer_than_the_lease_keeps_the_job() {
             .load(std::sync::atomic::Ordering::Relaxed),
         0
     );
+    // The lease was kept by renewing it, not only because the node never
+    // takes its own running job again: a broken heartbeat shows here.
+    assert!(
+        engine
+            .counters()
+            .renewed_leases
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2,
+        "the heartbeat renewed the lease during the 2.5 s call"
+    );
 }
 
 #[actix_rt::test]
