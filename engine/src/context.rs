@@ -377,6 +377,15 @@ impl Context {
             arguments,
             arguments_hash: &hash,
         };
+        if crate::store::journal::contains_nul(arguments) {
+            return Err(StepError::permanent(
+                "invalid_tool_call",
+                format!(
+                    "tool call {tool_call_id} at turn {turn}, index {index} cannot be journaled"
+                ),
+                "its arguments contain a NUL character (\\u0000); nothing was executed",
+            ));
+        }
         let in_flight_ms = (self.tool_timeout + Duration::from_secs(5)).as_millis() as i64;
         let key = keys::tool(&self.fence.key(), turn, index);
         let metrics = self.scope.metrics().clone();
@@ -464,6 +473,29 @@ impl Context {
                 });
             }
         };
+        if result.contains('\0') {
+            // The ledger stores the result as text, which refuses NUL: the
+            // call failed for good, recorded as such (fenced).
+            let error = crate::error::ErrorEnvelope {
+                code: "invalid_tool_result".into(),
+                message: format!("the result of tool call {tool_call_id} contains a NUL character"),
+                retryable: false,
+            };
+            metrics.tool(OUTCOME_FAILED);
+            span.set(KeyValue::new(ERROR_CODE, "invalid_tool_result"));
+            span.end(OUTCOME_FAILED);
+            if !self
+                .store
+                .fail_tool_call(&self.fence, position, &error, true)
+                .await?
+            {
+                return Err(StepError::LeaseLost);
+            }
+            return Err(StepError::Permanent {
+                reason: format!("invalid tool result ({tool_name})"),
+                error,
+            });
+        }
         self.faults
             .hit(self.job_id(), crate::faults::FailPoint::ToolAfterEffect)
             .await?;

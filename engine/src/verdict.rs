@@ -15,6 +15,11 @@ use crate::lifecycle::JobState;
 use crate::retry::RetryPolicy;
 use crate::workflow::DeliveryPolicy;
 
+/// Attempts after which a transient-looking store error that never clears
+/// ends the job: with the in-place budget of 30 s each, about 25 minutes of
+/// a database that leases the job yet refuses the same statement.
+pub const STORE_ATTEMPTS: u32 = 50;
+
 /// What happens to a job after a step failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -66,9 +71,16 @@ pub fn on_failure(
         // budget: the database is down or overloaded. The job is not the
         // problem, so it is never dead-lettered for it; it runs again
         // later, backing off with its attempts.
-        StepError::Store(e) if e.is_retryable() => Verdict::Retry {
+        StepError::Store(e) if e.is_retryable() && job_attempt < STORE_ATTEMPTS => Verdict::Retry {
             attempt: job_attempt.max(1),
             retry_after: None,
+        },
+        // Still failing after this many attempts, each retrying in place for
+        // the store's whole budget, while the database answers well enough
+        // to lease the job: the statement itself is refused (bad data the
+        // driver cannot name), not the database down.
+        StepError::Store(e) if e.is_retryable() => Verdict::Dead {
+            reason: format!("a database statement kept failing over {job_attempt} attempts"),
         },
         StepError::Permanent { reason, .. } => Verdict::Dead {
             reason: reason.clone(),
@@ -266,8 +278,9 @@ mod tests {
             }
         }
         // A transient store error past its in-place budget: retried, backing
-        // off with the job's attempts, whatever their number; never dead.
-        for job_attempt in [0, 1, 50] {
+        // off with the job's attempts; dead only once it persisted over
+        // STORE_ATTEMPTS attempts (the statement, not the database, fails).
+        for job_attempt in [0, 1, STORE_ATTEMPTS - 1] {
             let e = StepError::Store(StoreError::Batch("database gone".into()));
             assert_eq!(
                 on_failure(&e, state, &POLICY, job_attempt),
@@ -277,6 +290,11 @@ mod tests {
                 }
             );
         }
+        let e = StepError::Store(StoreError::Batch("refused again".into()));
+        assert!(matches!(
+            on_failure(&e, state, &POLICY, STORE_ATTEMPTS),
+            Verdict::Dead { ref reason } if reason.contains("kept failing")
+        ));
         let invalid = StepError::Store(StoreError::InvalidData("NUL".into()));
         assert_eq!(
             on_failure(&invalid, JobState::Claimed, &POLICY, 1),

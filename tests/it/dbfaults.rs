@@ -132,7 +132,9 @@ async fn a_transient_error_recording_a_model_answer_is_retried_in_place_and_call
 }
 
 /// Every SQLSTATE a production database raises transiently, raised on the
-/// statement that records a delivery: each is retried in place.
+/// statement that records a delivery: each is retried in place. (A trigger
+/// cannot drop the connection: 08xxx raised this way exercise the
+/// classification, and the next test terminates real backends.)
 #[actix_rt::test]
 async fn every_transient_sqlstate_is_retried_in_place() {
     const CODES: [&str; 10] = [
@@ -155,11 +157,16 @@ async fn every_transient_sqlstate_is_retried_in_place() {
         ));
     }
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), long_lease(&env));
-    for (id, _) in &faults {
-        env.submit(id, "hello").await;
-    }
+    // One job at a time: each faulted write is a batch of one, so only the
+    // in-place retry (not a batch split) can save it.
     for (id, fault) in &faults {
+        let retried = env.store.statements_retried();
+        env.submit(id, "hello").await;
         let job = env.wait_for(id, JobState::Acked, WAIT).await;
+        assert!(
+            env.store.statements_retried() > retried,
+            "{id}: the statement was retried in place"
+        );
         assert_eq!(fault.fired(&env).await, 1, "{id}: the fault fired");
         assert_eq!(posts(&env, id), 1, "{id}: one POST");
         assert_eq!(env.provider.requests_for(&gen_key(id)), 1, "{id}");
@@ -228,10 +235,17 @@ async fn terminating_every_backend_mid_run_kills_no_job() {
     for id in &ids {
         let job = env.wait_for(id, JobState::Acked, WAIT).await;
         assert!(job.dead_reason.is_none(), "{id}");
-        assert_eq!(env.consumer.processed_for(id), 1, "{id}");
-        assert_eq!(env.provider.work_done(&gen_key(id)), 1, "{id}");
+        assert_eq!(posts(&env, id), 1, "{id}: one POST");
+        assert_eq!(
+            env.provider.requests_for(&gen_key(id)),
+            1,
+            "{id}: one model request"
+        );
     }
-    eprintln!("terminated {terminated} backends");
+    eprintln!(
+        "terminated {terminated} backends; {} statements retried in place",
+        env.store.statements_retried()
+    );
 }
 
 async fn terminate_backends(admin: &onceflow_engine::Db, db_name: &str) -> i64 {
@@ -321,7 +335,8 @@ async fn try_lock(env: &TestEnv, id: &str) -> bool {
 }
 
 /// A model answer PostgreSQL cannot store (a NUL character) fails its own job
-/// alone, with a clear reason; the answer journaled in the same batch commits.
+/// alone, with a clear reason, before it reaches a batch; a job answered at
+/// the same moment proceeds. (A row refused inside a batch: the next test.)
 #[actix_rt::test]
 async fn a_model_answer_with_a_nul_fails_its_job_only() {
     let env = TestEnv::new().await;
@@ -378,9 +393,8 @@ async fn one_refused_row_never_fails_its_batchmates() {
     env.submit("batch-bad", "one").await;
     env.submit("batch-good", "two").await;
     // Both answers are back and queued behind the held batch.
-    let both = wait_until(WAIT, || async { env.provider.requests().len() == 2 }).await;
-    assert!(both);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let both = wait_until(WAIT, || async { env.store.queued_batch_requests() == 2 }).await;
+    assert!(both, "both answers queued behind the held batch");
     env.store.hold_batches(false);
     let bad = env.wait_for("batch-bad", JobState::Dead, WAIT).await;
     env.wait_for("batch-good", JobState::Acked, WAIT).await;
@@ -564,14 +578,19 @@ async fn a_closed_outbox_row_under_a_live_job_closes_it_without_spinning() {
         FailPoint::AfterCommit("claimed"),
         Action::Crash,
     );
-    let _engine = env.start(registry(DeliveryPolicy::AtMostOnce), env.config());
+    let config = long_lease(&env);
+    let crashed = env.start(registry(DeliveryPolicy::AtMostOnce), config.clone());
     env.submit("closed-row", "hello").await;
     assert!(
         wait_until(WAIT, || async { env.faults.fired("closed-row") }).await,
         "the crash after the claim fired"
     );
+    crashed.shutdown();
+    // While nobody runs it (the 10 s lease holds), the row is closed by hand;
+    // the node restarted under its name reclaims the job at once.
     env.execute("UPDATE outbox SET status = 'unknown' WHERE job_id = 'closed-row'")
         .await;
+    let _restarted = env.start(registry(DeliveryPolicy::AtMostOnce), config);
     let job = env.wait_for("closed-row", JobState::Dead, WAIT).await;
     assert_eq!(posts(&env, "closed-row"), 0);
     assert_eq!(job.last_error.as_ref().unwrap().code, "delivery_unknown");
@@ -682,4 +701,58 @@ async fn a_2xx_with_an_unreadable_body_is_delivered() {
     let job = env.wait_for("body-1", JobState::Acked, WAIT).await;
     assert_eq!(requests.load(Ordering::SeqCst), 1);
     assert_eq!(job.delivery.unwrap().last_status, Some(200));
+}
+
+/// The failure's record and the job's death are one transaction: when the
+/// death is refused, the record rolls back with it (two transactions would
+/// leave the row looking unsent, free to be sent again).
+#[actix_rt::test]
+async fn a_failed_send_and_its_kill_commit_or_roll_back_together() {
+    let env = TestEnv::new().await;
+    env.submit("atomic-1", "hello").await;
+    let fence = env.lease("node-a", Duration::from_secs(30)).await.fence;
+    env.execute(&format!(
+        "INSERT INTO outbox (job_id, event, idempotency_key, url, body, attempts, in_flight_until, in_flight_epoch) \
+         VALUES ('atomic-1', 'job.completed', 'job:atomic-1:completed', 'http://127.0.0.1:9/', '{{}}', 1, \
+                 now() + interval '1 minute', {})",
+        fence.epoch
+    ))
+    .await;
+    // The death is refused for good (a CHECK violation), once.
+    let fault = DbFault::arm(&env, "jobs", "NEW.state = 'dead'", "23514", 1).await;
+    let failed = FailedSend {
+        error: ErrorEnvelope {
+            code: "http_503".into(),
+            message: "HTTP 503".into(),
+            retryable: true,
+        },
+        status: Some(503),
+    };
+    let kill = onceflow_engine::store::journal::KillWith {
+        reason: "delivery outcome unknown (at-most-once)",
+        outbox_status: "unknown",
+    };
+    let refused = env
+        .store
+        .fail_delivery(&fence, "job:atomic-1:completed", &failed, Some(kill))
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(fault.fired(&env).await, 1);
+    let row = env
+        .sql("SELECT status::text AS status, in_flight_until IS NOT NULL AS marked, last_status FROM outbox WHERE job_id = 'atomic-1'")
+        .await;
+    assert_eq!(row[0]["status"], "claimed", "{row}");
+    assert_eq!(row[0]["marked"], true, "the in-flight mark survives: {row}");
+    assert_eq!(row[0]["last_status"], Value::Null, "{row}");
+    // Once the death is allowed, both commit.
+    assert_eq!(
+        env.store
+            .fail_delivery(&fence, "job:atomic-1:completed", &failed, Some(kill))
+            .await
+            .unwrap(),
+        Checkpoint::Moved
+    );
+    let job = env.job("atomic-1").await;
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(job.delivery.unwrap().status, "unknown");
 }

@@ -81,7 +81,7 @@ impl Workflow for Changing {
                 let runs = self.tool_runs.clone();
                 ctx.tool(0, 0, &call_id, "lookup", &json!({"q": 1}), |_| async move {
                     let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                    Ok(format!("result of run #{n}"))
+                    Ok(format!("résultat  \u{2014} run #{n}\n{{\"a\": 1}}  "))
                 })
                 .await?
             }
@@ -150,11 +150,14 @@ async fn a_replayed_tool_call_returns_the_stored_result_byte_for_byte() {
     let job = env.wait_for("replay-1", JobState::Acked, WAIT).await;
     assert!(job.attempts >= 2, "the replay happened on a later attempt");
     assert_eq!(tool_runs.load(Ordering::SeqCst), 1, "executed once");
-    assert_eq!(job.result.unwrap()["value"], "result of run #1");
+    // Non-ASCII, inner and trailing whitespace, a newline, JSON-looking
+    // text: returned exactly as the tool produced it.
+    let first = "résultat  \u{2014} run #1\n{\"a\": 1}  ";
+    assert_eq!(job.result.unwrap()["value"], first);
     let stored = env
         .sql("SELECT result FROM tool_calls WHERE job_id = 'replay-1'")
         .await;
-    assert_eq!(stored[0]["result"], "result of run #1");
+    assert_eq!(stored[0]["result"], first);
 }
 
 /// Two jobs with one prompt get different answers (the provider does the

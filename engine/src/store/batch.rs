@@ -63,6 +63,8 @@ pub(crate) struct Batcher<R, O> {
     hold: tokio::sync::watch::Sender<bool>,
     /// The most requests one batch has held.
     largest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Requests handed in and not yet taken into a batch.
+    queued: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<R, O> std::fmt::Debug for Batcher<R, O> {
@@ -86,6 +88,8 @@ where
         let (hold, mut held) = tokio::sync::watch::channel(false);
         let largest = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let largest_seen = largest.clone();
+        let queued = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let taken = queued.clone();
         db.spawn(async move {
             let mut carried: Vec<(R, Reply<O>)> = Vec::new();
             loop {
@@ -119,6 +123,7 @@ where
                 let (requests, replies): (Vec<R>, Vec<Reply<O>>) = batch.into_iter().unzip();
                 let n = requests.len();
                 largest_seen.fetch_max(n, std::sync::atomic::Ordering::Relaxed);
+                taken.fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
                 let (run, pool) = (run.clone(), pool.clone());
                 tokio::spawn(async move {
                     let _slot = slot;
@@ -156,12 +161,22 @@ where
                 });
             }
         });
-        Batcher { tx, hold, largest }
+        Batcher {
+            tx,
+            hold,
+            largest,
+            queued,
+        }
     }
 
     /// Holds (true) or releases (false) the batches of this kind.
     pub(crate) fn hold(&self, hold: bool) {
         self.hold.send_replace(hold);
+    }
+
+    /// Requests handed in and not yet taken into a batch.
+    pub(crate) fn queued(&self) -> usize {
+        self.queued.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The most requests one batch of this kind has held.
@@ -172,6 +187,8 @@ where
     /// Submits `request` and waits for its outcome (after the commit).
     pub(crate) async fn call(&self, request: R) -> Result<O, StoreError> {
         let (reply, outcome) = oneshot::channel();
+        self.queued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.tx
             .send((request, reply))
             .map_err(|_| StoreError::Batch("the batching task is gone".into()))?;

@@ -219,7 +219,7 @@ pub(crate) async fn model_answer_on(
         lock_in_order!("$1"),
         ", ",
         "         fenced AS ( \
-             SELECT i.* FROM input i JOIN jobs j ON j.id = i.id AND j.lease_epoch = i.epoch \
+             SELECT i.* FROM input i JOIN locked l ON l.id = i.id AND l.lease_epoch = i.epoch \
              WHERE (SELECT count(*) FROM locked) >= 0), \
          written AS ( \
              UPDATE model_calls m SET status = 'completed', response = f.response, \
@@ -278,6 +278,14 @@ impl Store {
     #[doc(hidden)]
     pub fn hold_batches(&self, hold: bool) {
         self.batches.all_hold(hold);
+    }
+
+    /// Group-commit requests handed in and not yet taken into a batch.
+    #[doc(hidden)]
+    pub fn queued_batch_requests(&self) -> usize {
+        self.batches.ack.queued()
+            + self.batches.delivered.queued()
+            + self.batches.model_answer.queued()
     }
 
     /// The most requests one group-commit batch has held, over every kind.

@@ -90,11 +90,15 @@ struct LeasedRow {
 /// (`$ids` is the array of job ids), as a `locked` CTE. PostgreSQL reads a CTE
 /// lazily, so a `locked` read only through `EXISTS` would lock its first row
 /// alone; every user reads it whole with `(SELECT count(*) FROM locked)`, a
-/// one-time filter evaluated before the statement touches any row.
+/// one-time filter evaluated before the statement touches any row. Its
+/// `lease_epoch` is the row's latest committed version (a locking read
+/// re-reads a row updated meanwhile), unlike a plain join on `jobs`, which
+/// sees the statement's snapshot: a fence that is not an `UPDATE`'s own
+/// `WHERE` must compare against `locked.lease_epoch`.
 macro_rules! lock_in_order {
     ($ids:literal) => {
         concat!(
-            "locked AS MATERIALIZED (SELECT id FROM jobs WHERE id = ANY(",
+            "locked AS MATERIALIZED (SELECT id, lease_epoch FROM jobs WHERE id = ANY(",
             $ids,
             ") ORDER BY id FOR NO KEY UPDATE) "
         )

@@ -63,6 +63,8 @@ pub struct Store {
     db: Db,
     batches: std::sync::Arc<batched::Batches>,
     retry_budget: Duration,
+    /// Statements run again in place after a transient failure.
+    retried: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// How long a statement that failed transiently is retried in place by default.
@@ -76,6 +78,7 @@ impl Store {
             db,
             batches,
             retry_budget: DEFAULT_RETRY_BUDGET,
+            retried: Default::default(),
         }
     }
 
@@ -87,9 +90,16 @@ impl Store {
         self
     }
 
+    /// How many times a statement was run again in place after a transient
+    /// failure (since this store was made).
+    pub fn statements_retried(&self) -> u64 {
+        std::sync::atomic::AtomicU64::load(&self.retried, std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Starts the in-place retries of one statement (see [`retrying!`]).
     pub(crate) fn retry(&self, what: &'static str) -> Retry {
         Retry {
+            counter: self.retried.clone(),
             what,
             budget: self.retry_budget,
             started: Instant::now(),
@@ -122,6 +132,7 @@ impl Store {
 /// The in-place retries of one statement.
 #[derive(Debug)]
 pub(crate) struct Retry {
+    counter: std::sync::Arc<std::sync::atomic::AtomicU64>,
     what: &'static str,
     budget: Duration,
     started: Instant,
@@ -149,5 +160,7 @@ impl Retry {
         tokio::time::sleep(wait).await;
         self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
         self.tries += 1;
+        self.counter
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }

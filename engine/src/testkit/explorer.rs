@@ -14,8 +14,8 @@
 //!    every model call's work done once, under as many keys as the clean run;
 //!    every side effect seen by the recorders processed once, under as many
 //!    keys as the clean run; raw requests (model, webhook, effects) at most
-//!    one more than the clean run's (one interrupted send repeated under its
-//!    key); a history that is an in-order prefix of the lifecycle with no
+//!    two more than the clean run's (one interrupted send repeated under its
+//!    key, one more if a lease lapses on a busy machine); a history that is an in-order prefix of the lifecycle with no
 //!    state skipped or repeated. The clean run itself must end `acked`.
 //!
 //! ```no_run
@@ -475,13 +475,14 @@ fn violations(baseline: &Counts, c: &Counts) -> Vec<String> {
             c.effect_keys, baseline.effect_keys
         ));
     }
-    // One interrupted send may be repeated under its key; never more.
+    // One interrupted send may be repeated under its key, and on a busy
+    // machine one more if a 1 s lease lapses once in a takeover; never more.
     for (what, clean, now) in [
         ("model", baseline.model_requests, c.model_requests),
         ("webhook", baseline.webhook_requests, c.webhook_requests),
         ("side-effect", baseline.effect_requests, c.effect_requests),
     ] {
-        if now > clean + 1 {
+        if now > clean + 2 {
             v.push(format!("{now} {what} requests, the clean run sent {clean}"));
         }
     }
