@@ -171,10 +171,13 @@ async fn bench(
     let consumer = FakeConsumer::start();
     let store = Store::new(db.clone());
     let registry = onceflow_workflows::registry();
+    // The loopback consumer is the only private address webhooks may reach.
+    let guard = onceflow_engine::UrlGuard::strict().allowing_url(&consumer.url());
     let mut config = EngineConfig {
         max_in_flight: args.max_in_flight,
         poll_interval: Duration::from_millis(200),
         telemetry: telemetry.clone(),
+        url_guard: guard.clone(),
         ..EngineConfig::default()
     };
     config.provider.base_url = provider.base_url();
@@ -187,6 +190,8 @@ async fn bench(
         registry,
         body_limit: api::DEFAULT_BODY_LIMIT,
         telemetry,
+        url_guard: guard,
+        hosts: api::Hosts::Any,
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))
@@ -548,6 +553,7 @@ async fn hold(
         lease: Duration::from_millis(args.lease_ms),
         poll_interval: Duration::from_millis(500),
         telemetry: telemetry.clone(),
+        url_guard: onceflow_engine::UrlGuard::strict().allowing_url(&hook),
         ..EngineConfig::default()
     };
     config.provider.base_url = provider_url;

@@ -81,6 +81,16 @@ pub struct ServeArgs {
     /// HTTP worker threads.
     #[arg(long, env = "ONCEFLOW_HTTP_WORKERS", default_value_t = 2)]
     pub http_workers: usize,
+    /// Let webhooks and tools reach loopback, private and link-local
+    /// addresses. For local development and tests only: it turns the SSRF
+    /// guard off.
+    #[arg(long, env = "ONCEFLOW_ALLOW_PRIVATE_URLS")]
+    pub allow_private_urls: bool,
+    /// Extra `Host` names the API answers (comma-separated, `name` or
+    /// `name:port`), besides the listen address and, on loopback,
+    /// `localhost:<port>`: what a load balancer or DNS name in front sends.
+    #[arg(long, env = "ONCEFLOW_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
 }
 
 impl ServeArgs {
@@ -91,6 +101,11 @@ impl ServeArgs {
             max_in_flight: self.max_in_flight.max(1),
             webhook_timeout: Duration::from_millis(self.webhook_timeout_ms),
             retention: self.retention,
+            url_guard: if self.allow_private_urls {
+                onceflow_engine::UrlGuard::allow_private()
+            } else {
+                onceflow_engine::UrlGuard::strict()
+            },
             webhook_secret: self
                 .webhook_secret
                 .as_deref()

@@ -109,6 +109,8 @@ async fn demo(args: &DemoArgs, database: &crate::config::Database) -> anyhow::Re
         webhook_timeout: Duration::from_secs(2),
         model_retry: fast,
         webhook_retry: fast,
+        // The loopback consumer is the only private address it may reach.
+        url_guard: onceflow_engine::UrlGuard::strict().allowing_url(&consumer.url()),
         ..EngineConfig::default()
     };
     config.provider.base_url = provider.base_url();

@@ -26,12 +26,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let db = database.open(args.db.db_pool).await?;
         let store = Store::new(db);
         let registry = onceflow_workflows::registry_with(args.tool_post_url.as_deref());
+        let config_guard = config.url_guard.clone();
         let engine = Engine::start(store.clone(), registry.clone(), Faults::new(), config);
+        if args.allow_private_urls {
+            tracing::warn!("ONCEFLOW_ALLOW_PRIVATE_URLS is set: webhooks and tools may reach loopback, private and link-local addresses (the SSRF guard is off). For local development and tests only");
+        }
         let state = ApiState {
             store,
             registry,
             body_limit: args.body_limit,
             telemetry: telemetry.clone(),
+            url_guard: config_guard,
+            hosts: api::Hosts::for_listen(args.listen, &args.allowed_hosts),
         };
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))

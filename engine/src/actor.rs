@@ -146,6 +146,8 @@ impl JobRun {
             wait_poll: shared.config.wait_poll,
             client: shared.client.clone(),
             tool_timeout: shared.config.webhook_timeout,
+            guard: shared.config.url_guard.clone(),
+            tool_response_limit: shared.config.tool_response_limit,
             scope,
         };
         JobRun {
@@ -360,6 +362,7 @@ impl JobRun {
                     let mut span = step(Some(attempt));
                     let sender = webhook::Sender {
                         client: &self.shared.client,
+                        guard: &config.url_guard,
                         secret: config.webhook_secret.as_ref(),
                         timeout: config.webhook_timeout,
                     };

@@ -32,6 +32,66 @@ pub struct ApiState {
     pub body_limit: usize,
     /// The node's telemetry (share the engine's, so `/metrics` shows both).
     pub telemetry: Arc<Telemetry>,
+    /// Where a `webhook_url` may point (checked at intake for literal
+    /// addresses; names are checked again when the webhook is sent).
+    pub url_guard: crate::guard::UrlGuard,
+    /// The `Host` headers the API answers (DNS-rebinding defence).
+    pub hosts: Hosts,
+}
+
+/// Which `Host` header values the API answers; anything else is `421`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hosts {
+    /// Any (an in-process API in tests).
+    Any,
+    /// Exactly these `host[:port]` values (lower case).
+    Only(Vec<String>),
+}
+
+impl Hosts {
+    /// The listen address itself, `localhost:<port>` when it is loopback,
+    /// and every name in `extra` (`ONCEFLOW_ALLOWED_HOSTS`, with or
+    /// without a port).
+    pub fn for_listen(listen: std::net::SocketAddr, extra: &[String]) -> Hosts {
+        let port = listen.port();
+        let mut hosts = vec![listen.to_string()];
+        if listen.ip().is_loopback() {
+            hosts.push(format!("localhost:{port}"));
+            if listen.is_ipv4() {
+                hosts.push(format!("[::1]:{port}"));
+            } else {
+                hosts.push(format!("127.0.0.1:{port}"));
+            }
+        }
+        for name in extra {
+            let name = name.trim().to_ascii_lowercase();
+            if name.is_empty() {
+                continue;
+            }
+            let has_port = if name.starts_with('[') {
+                name.contains("]:")
+            } else {
+                name.contains(':')
+            };
+            if has_port {
+                hosts.push(name);
+            } else {
+                hosts.push(format!("{name}:{port}"));
+                hosts.push(name);
+            }
+        }
+        Hosts::Only(hosts)
+    }
+
+    fn allows(&self, host: Option<&str>) -> bool {
+        match self {
+            Hosts::Any => true,
+            Hosts::Only(list) => host.is_some_and(|h| {
+                let h = h.to_ascii_lowercase();
+                list.contains(&h)
+            }),
+        }
+    }
 }
 
 /// Mounts the API on an actix-web app.
@@ -69,11 +129,46 @@ fn unavailable(e: impl std::fmt::Display) -> HttpResponse {
     )
 }
 
+/// `421` unless the request's `Host` is one this API answers.
+fn misdirected(state: &ApiState, req: &HttpRequest) -> Option<HttpResponse> {
+    let host = req
+        .headers()
+        .get(actix_web::http::header::HOST)
+        .and_then(|v| v.to_str().ok());
+    (!state.hosts.allows(host)).then(|| {
+        error(
+            StatusCode::MISDIRECTED_REQUEST,
+            "misdirected",
+            "this server does not answer for that Host; add the name to ONCEFLOW_ALLOWED_HOSTS",
+            None,
+        )
+    })
+}
+
 async fn submit(
     state: web::Data<ApiState>,
     req: HttpRequest,
     mut payload: web::Payload,
 ) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    // A form or text/plain POST is what a web page can send cross-site
+    // without a preflight: JSON only.
+    let json = req
+        .headers()
+        .get(actix_web::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "the body must be JSON, sent with Content-Type: application/json",
+            None,
+        );
+    }
     let limit = state.body_limit;
     let too_large = || {
         error(
@@ -106,7 +201,7 @@ async fn submit(
         }
         body.extend_from_slice(&chunk);
     }
-    let job = match intake::parse(&body, &state.registry) {
+    let job = match intake::parse(&body, &state.registry, &state.url_guard) {
         Ok(job) => job,
         Err(IntakeError::Malformed(m)) => {
             return error(StatusCode::BAD_REQUEST, "malformed_json", m, None)
@@ -186,7 +281,14 @@ async fn submit(
     }
 }
 
-async fn get_job(state: web::Data<ApiState>, id: web::Path<String>) -> HttpResponse {
+async fn get_job(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
     match state.store.job(&id).await {
         Ok(Some(view)) => HttpResponse::Ok().json(view),
         Ok(None) => error(
@@ -199,7 +301,10 @@ async fn get_job(state: web::Data<ApiState>, id: web::Path<String>) -> HttpRespo
     }
 }
 
-async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
+async fn healthz(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
     match state.store.healthy().await {
         Ok(true) => HttpResponse::Ok().json(json!({ "status": "ok" })),
         Ok(false) => error(
@@ -212,7 +317,10 @@ async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
     }
 }
 
-async fn metrics(state: web::Data<ApiState>) -> HttpResponse {
+async fn metrics(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(state.telemetry.prometheus())
@@ -225,4 +333,28 @@ async fn not_found(req: HttpRequest) -> HttpResponse {
         format!("no route for {} {}", req.method(), req.path()),
         None,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_answered_for_a_listen_address() {
+        let loopback = Hosts::for_listen("127.0.0.1:8080".parse().unwrap(), &[]);
+        assert!(loopback.allows(Some("127.0.0.1:8080")));
+        assert!(loopback.allows(Some("LOCALHOST:8080")));
+        assert!(!loopback.allows(Some("evil.example:8080")));
+        assert!(!loopback.allows(Some("localhost:9090")));
+        assert!(!loopback.allows(None));
+        let public = Hosts::for_listen(
+            "0.0.0.0:8080".parse().unwrap(),
+            &["api.example.com".into(), "lb.internal:443".into()],
+        );
+        assert!(public.allows(Some("api.example.com")));
+        assert!(public.allows(Some("api.example.com:8080")));
+        assert!(public.allows(Some("lb.internal:443")));
+        assert!(!public.allows(Some("localhost:8080")));
+        assert!(Hosts::Any.allows(None));
+    }
 }

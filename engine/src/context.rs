@@ -32,6 +32,10 @@ pub struct Context {
     pub(crate) client: reqwest::Client,
     /// Timeout of a tool's own requests.
     pub(crate) tool_timeout: Duration,
+    /// The SSRF guard for the URLs tools and steps post to.
+    pub(crate) guard: crate::guard::UrlGuard,
+    /// Largest tool or step answer read.
+    pub(crate) tool_response_limit: usize,
     /// This attempt's `job` span and the node's instruments.
     pub(crate) scope: Scope,
 }
@@ -294,10 +298,17 @@ pub struct ToolInvocation {
     /// `job:{id}:tool:{turn}:{index}`: send it with the tool's own outbound
     /// request so the receiver can drop a repeat.
     pub idempotency_key: String,
+    /// The guarded client (no redirects; names resolved through the guard).
     pub client: reqwest::Client,
     pub timeout: Duration,
     /// The job's W3C trace context, to send along (`traceparent`).
     pub traceparent: String,
+    /// The SSRF guard: the model chooses a tool's arguments, so whatever URL
+    /// a tool posts to is checked like a caller's `webhook_url`.
+    pub guard: crate::guard::UrlGuard,
+    /// Largest answer [`post_json`](Self::post_json) reads; more is
+    /// `response_too_large`.
+    pub response_limit: usize,
 }
 
 /// What a general step's work gets.
@@ -306,9 +317,14 @@ pub struct StepInvocation {
     pub job_id: String,
     /// `job:{id}:step:{name}`: send it with the step's own side effect.
     pub idempotency_key: String,
+    /// The guarded client (no redirects; names resolved through the guard).
     pub client: reqwest::Client,
     /// The job's W3C trace context, to send along (`traceparent`).
     pub traceparent: String,
+    /// The SSRF guard for the step's own requests.
+    pub guard: crate::guard::UrlGuard,
+    /// Largest answer a step should read.
+    pub response_limit: usize,
 }
 
 impl ToolInvocation {
@@ -325,7 +341,10 @@ impl ToolInvocation {
             ],
             body: serde_json::to_vec(body).expect("a JSON value serialises"),
             timeout: self.timeout,
-            need_body: true,
+            read: crate::outbound::Read::Body {
+                limit: self.response_limit,
+            },
+            guard: Some(&self.guard),
         };
         match crate::outbound::post(&self.client, request, None).await {
             Ok((_, bytes)) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
@@ -441,6 +460,8 @@ impl Context {
             client: self.client.clone(),
             timeout: self.tool_timeout,
             traceparent: span.traceparent(),
+            guard: self.guard.clone(),
+            response_limit: self.tool_response_limit,
         };
         let result = match execute(invocation).await {
             Ok(result) => result,
@@ -545,6 +566,8 @@ impl Context {
             idempotency_key: key.clone(),
             client: self.client.clone(),
             traceparent: span.traceparent(),
+            guard: self.guard.clone(),
+            response_limit: self.tool_response_limit,
         })
         .await?;
         self.faults

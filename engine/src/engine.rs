@@ -42,6 +42,10 @@ pub struct EngineConfig {
     pub retention: Duration,
     /// Spans and metrics (OTLP export when configured; `/metrics` always).
     pub telemetry: Arc<Telemetry>,
+    /// Where webhooks and tools may send (default: public addresses only).
+    pub url_guard: crate::guard::UrlGuard,
+    /// Largest tool or step answer read (default 1 MiB).
+    pub tool_response_limit: usize,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +63,8 @@ impl Default for EngineConfig {
             webhook_retry: RetryPolicy::DEFAULT_WEBHOOK,
             retention: Duration::from_secs(24 * 3600),
             telemetry: Arc::new(Telemetry::disabled()),
+            url_guard: crate::guard::UrlGuard::strict(),
+            tool_response_limit: 1 << 20,
         }
     }
 }
@@ -89,19 +95,26 @@ impl Shared {
         faults: Faults,
         config: EngineConfig,
     ) -> Self {
+        // Webhooks and tools go to URLs callers and models choose: no
+        // redirects, and names resolved through the SSRF guard.
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(64)
+            .redirect(reqwest::redirect::Policy::none())
+            .dns_resolver(crate::guard::GuardedResolver::new(config.url_guard.clone()))
             .build()
             .expect("the HTTP client builds");
-        // The provider gets a client of its own when it speaks h2c (every
-        // request on that client is HTTP/2).
+        // The provider is the operator's own: a client of its own, unguarded
+        // (HTTP/2 only when it speaks h2c).
         let provider_client = if config.provider.h2c {
             reqwest::Client::builder()
                 .http2_prior_knowledge()
                 .build()
                 .expect("the HTTP/2 client builds")
         } else {
-            client.clone()
+            reqwest::Client::builder()
+                .pool_max_idle_per_host(64)
+                .build()
+                .expect("the HTTP client builds")
         };
         Shared {
             provider: Arc::new(Provider::new(provider_client, config.provider.clone())),

@@ -7,10 +7,14 @@
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
+use crate::guard::UrlGuard;
 use crate::workflow::{InvalidInput, Registry};
 
 /// Longest accepted job id.
 pub const MAX_ID_LEN: usize = 200;
+
+/// Longest accepted `webhook_url`.
+pub const MAX_URL_LEN: usize = 2048;
 
 /// A validated submission.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,10 +59,17 @@ impl From<InvalidInput> for IntakeError {
     }
 }
 
-/// Parses and validates a submission body against the registered workflows.
-pub fn parse(body: &[u8], registry: &Registry) -> Result<NewJob, IntakeError> {
-    let value: Value =
-        serde_json::from_slice(body).map_err(|e| IntakeError::Malformed(e.to_string()))?;
+/// Parses and validates a submission body against the registered workflows
+/// and the SSRF guard.
+pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJob, IntakeError> {
+    let value = parse_json(body)?;
+    if let Some(field) = find_nul(&value, "") {
+        return Err(InvalidInput::new(
+            field,
+            "contains a NUL character (\\u0000), which onceflow cannot store",
+        )
+        .into());
+    }
     let Value::Object(mut obj) = value else {
         return Err(InvalidInput::new("body", "must be a JSON object").into());
     };
@@ -77,7 +88,7 @@ pub fn parse(body: &[u8], registry: &Registry) -> Result<NewJob, IntakeError> {
         .into());
     };
     let webhook_url = take_string(&mut obj, "webhook_url")?;
-    validate_webhook_url(&webhook_url)?;
+    validate_webhook_url(&webhook_url, guard)?;
     let input = obj
         .remove("input")
         .ok_or_else(|| InvalidInput::new("input", "is required"))?;
@@ -94,6 +105,111 @@ pub fn parse(body: &[u8], registry: &Registry) -> Result<NewJob, IntakeError> {
         input,
         webhook_url,
     })
+}
+
+/// Parses JSON, refusing an object with the same key twice (which parsers
+/// resolve differently: one would see another request than the other).
+fn parse_json(body: &[u8]) -> Result<Value, IntakeError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = <Strict as serde::Deserialize>::deserialize(&mut de)
+        .map_err(|e| IntakeError::Malformed(e.to_string()))?;
+    de.end()
+        .map_err(|e| IntakeError::Malformed(e.to_string()))?;
+    Ok(value.0)
+}
+
+/// A JSON value whose objects have distinct keys.
+struct Strict(Value);
+
+impl<'de> serde::Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Strict(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut obj = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let Strict(value) = map.next_value()?;
+            if obj.insert(key.clone(), value).is_some() {
+                return Err(serde::de::Error::custom(format!(
+                    "duplicate key {key:?} in an object"
+                )));
+            }
+        }
+        Ok(Value::Object(obj))
+    }
+}
+
+/// The path (`input.messages[0].content`) of the first string or key that
+/// holds a NUL character.
+fn find_nul(value: &Value, path: &str) -> Option<String> {
+    let here = |p: &str| {
+        if p.is_empty() {
+            "body".to_owned()
+        } else {
+            p.to_owned()
+        }
+    };
+    match value {
+        Value::String(s) if s.contains('\0') => Some(here(path)),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| find_nul(v, &format!("{path}[{i}]"))),
+        Value::Object(map) => map.iter().find_map(|(k, v)| {
+            let child = if path.is_empty() {
+                k.clone()
+            } else {
+                format!("{path}.{k}")
+            };
+            if k.contains('\0') {
+                Some(child)
+            } else {
+                find_nul(v, &child)
+            }
+        }),
+        Value::Null | Value::Bool(_) | Value::Number(_) | Value::String(_) => None,
+    }
 }
 
 fn take_string(obj: &mut Map<String, Value>, field: &str) -> Result<String, InvalidInput> {
@@ -127,7 +243,16 @@ pub fn validate_id(id: &str) -> Result<(), InvalidInput> {
     Ok(())
 }
 
-fn validate_webhook_url(raw: &str) -> Result<(), InvalidInput> {
+fn validate_webhook_url(raw: &str, guard: &UrlGuard) -> Result<(), InvalidInput> {
+    if raw.len() > MAX_URL_LEN {
+        return Err(InvalidInput::new(
+            "webhook_url",
+            format!(
+                "must be at most {MAX_URL_LEN} characters (got {})",
+                raw.len()
+            ),
+        ));
+    }
     let parsed = url::Url::parse(raw).map_err(|e| {
         InvalidInput::new(
             "webhook_url",
@@ -140,7 +265,15 @@ fn validate_webhook_url(raw: &str) -> Result<(), InvalidInput> {
             "must be an absolute http(s) URL with a host",
         ));
     }
-    Ok(())
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(InvalidInput::new(
+            "webhook_url",
+            "must not carry credentials (user:password@)",
+        ));
+    }
+    guard
+        .check(&parsed)
+        .map_err(|r| InvalidInput::new("webhook_url", r.0))
 }
 
 /// SHA-256 (hex) of `value` serialised canonically: object keys sorted,
@@ -208,10 +341,32 @@ mod tests {
 
     #[test]
     fn webhook_urls() {
-        assert!(validate_webhook_url("http://127.0.0.1:9/hook").is_ok());
-        assert!(validate_webhook_url("https://example.com/h?x=1").is_ok());
-        assert!(validate_webhook_url("/relative").is_err());
-        assert!(validate_webhook_url("ftp://example.com/").is_err());
-        assert!(validate_webhook_url("mailto:a@b.c").is_err());
+        let open = UrlGuard::allow_private();
+        let strict = UrlGuard::strict();
+        assert!(validate_webhook_url("http://127.0.0.1:9/hook", &open).is_ok());
+        assert!(validate_webhook_url("http://127.0.0.1:9/hook", &strict).is_err());
+        assert!(validate_webhook_url("http://2130706433/", &strict).is_err());
+        assert!(validate_webhook_url("https://example.com/h?x=1", &strict).is_ok());
+        assert!(validate_webhook_url("/relative", &open).is_err());
+        assert!(validate_webhook_url("ftp://example.com/", &open).is_err());
+        assert!(validate_webhook_url("mailto:a@b.c", &open).is_err());
+        assert!(validate_webhook_url("https://u:p@example.com/", &open).is_err());
+        let long = format!("https://example.com/{}", "a".repeat(MAX_URL_LEN));
+        assert!(validate_webhook_url(&long, &open).is_err());
+    }
+
+    #[test]
+    fn duplicate_keys_are_malformed_and_nul_is_found_by_path() {
+        assert!(parse_json(br#"{"a": 1, "b": {"c": 2}}"#).is_ok());
+        let dup = parse_json(br#"{"a": 1, "b": {"c": 2, "c": 3}}"#).unwrap_err();
+        assert!(matches!(dup, IntakeError::Malformed(ref m) if m.contains("duplicate key")));
+        assert!(parse_json(br#"{"a": 1} trailing"#).is_err());
+        let v =
+            serde_json::json!({"input": {"messages": [{"content": "ok"}, {"content": "a\u{0}b"}]}});
+        assert_eq!(
+            find_nul(&v, "").as_deref(),
+            Some("input.messages[1].content")
+        );
+        assert_eq!(find_nul(&serde_json::json!({"x": "fine"}), ""), None);
     }
 }

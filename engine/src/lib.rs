@@ -14,6 +14,7 @@
 //!   acked, or dead) from its last checkpoint.
 //! * [`workflow`] + [`context`] — user workflows in Rust; every side effect
 //!   goes through the durable context, journaled under a key from [`keys`].
+//! * [`guard`] — the SSRF guard for caller- and model-chosen URLs.
 //! * [`provider`], [`webhook`], [`outbound`], [`retry`] — the model call, the
 //!   completion webhook, failure classification and backoff; [`verdict`] —
 //!   what a failure means for the job, decided with no I/O.
@@ -35,6 +36,7 @@ pub mod db;
 pub mod engine;
 pub mod error;
 pub mod faults;
+pub mod guard;
 pub mod intake;
 pub mod keys;
 pub mod lifecycle;
@@ -55,6 +57,7 @@ pub use db::Db;
 pub use engine::{Engine, EngineConfig};
 pub use error::{ErrorEnvelope, StepError, StoreError};
 pub use faults::{Action, FailPoint, Faults};
+pub use guard::UrlGuard;
 pub use lifecycle::JobState;
 pub use store::Store;
 pub use workflow::{DeliveryPolicy, InvalidInput, Registry, Workflow};

@@ -22,6 +22,10 @@ pub enum Failure {
     },
     /// A 2xx whose body we could not read or understand.
     BadResponse(String),
+    /// The SSRF guard refused the destination: nothing was sent.
+    Refused(String),
+    /// The answer was larger than the cap for it; onceflow hung up.
+    TooLarge { limit: usize },
 }
 
 impl Failure {
@@ -30,43 +34,67 @@ impl Failure {
         match self {
             Failure::NotSent(_) | Failure::Ambiguous(_) | Failure::BadResponse(_) => true,
             Failure::Status { status, .. } => matches!(status, 408 | 429 | 500..=599),
+            Failure::Refused(_) | Failure::TooLarge { .. } => false,
         }
     }
 
     /// The request certainly did not reach the server.
     pub fn never_sent(&self) -> bool {
         match self {
-            Failure::NotSent(_) => true,
-            Failure::Ambiguous(_) | Failure::Status { .. } | Failure::BadResponse(_) => false,
+            Failure::NotSent(_) | Failure::Refused(_) => true,
+            Failure::Ambiguous(_)
+            | Failure::Status { .. }
+            | Failure::BadResponse(_)
+            | Failure::TooLarge { .. } => false,
         }
     }
 
     pub fn status(&self) -> Option<u16> {
         match self {
             Failure::Status { status, .. } => Some(*status),
-            Failure::NotSent(_) | Failure::Ambiguous(_) | Failure::BadResponse(_) => None,
+            Failure::NotSent(_)
+            | Failure::Ambiguous(_)
+            | Failure::BadResponse(_)
+            | Failure::Refused(_)
+            | Failure::TooLarge { .. } => None,
         }
     }
 
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Failure::Status { retry_after, .. } => *retry_after,
-            Failure::NotSent(_) | Failure::Ambiguous(_) | Failure::BadResponse(_) => None,
+            Failure::NotSent(_)
+            | Failure::Ambiguous(_)
+            | Failure::BadResponse(_)
+            | Failure::Refused(_)
+            | Failure::TooLarge { .. } => None,
         }
     }
 
+    /// What is stored and shown: onceflow's own short reason and the
+    /// status. The body of a non-2xx answer is kept only when the request
+    /// kept it (the provider's, with credentials redacted), never a webhook
+    /// consumer's or a tool target's.
     pub fn envelope(&self) -> ErrorEnvelope {
         let (code, message) = match self {
             Failure::NotSent(m) => ("not_sent".to_owned(), m.clone()),
             Failure::Ambiguous(m) => ("ambiguous".to_owned(), m.clone()),
             Failure::Status { status, body, .. } => (
                 format!("http_{status}"),
-                format!(
-                    "HTTP {status}: {}",
-                    body.chars().take(500).collect::<String>()
-                ),
+                match (status, body.is_empty()) {
+                    (300..=399, _) => {
+                        format!("HTTP {status}: redirects are not followed")
+                    }
+                    (_, true) => format!("HTTP {status}"),
+                    (_, false) => format!("HTTP {status}: {body}"),
+                },
             ),
             Failure::BadResponse(m) => ("bad_response".to_owned(), m.clone()),
+            Failure::Refused(m) => ("url_refused".to_owned(), m.clone()),
+            Failure::TooLarge { limit } => (
+                "response_too_large".to_owned(),
+                format!("the answer exceeded {limit} bytes; onceflow stopped reading it"),
+            ),
         };
         ErrorEnvelope {
             code,
@@ -90,10 +118,25 @@ pub struct Post<'a> {
     pub headers: Vec<(&'static str, String)>,
     pub body: Vec<u8>,
     pub timeout: Duration,
-    /// Whether a 2xx answer's body matters. When it does not (a webhook:
-    /// the status alone decides), a 2xx is success even if its body cannot
-    /// be read, and the body is not read at all.
-    pub need_body: bool,
+    /// What of the answer is read.
+    pub read: Read,
+    /// The SSRF guard for a caller- or model-chosen URL (`None`: the
+    /// operator's own, e.g. the provider). Names are checked again when they
+    /// resolve, by the client's [`GuardedResolver`](crate::guard::GuardedResolver).
+    pub guard: Option<&'a crate::guard::UrlGuard>,
+}
+
+/// How much of an answer is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Read {
+    /// The status alone decides (a webhook): no body is read or kept.
+    Status,
+    /// A 2xx body is returned, read up to `limit` bytes (more is
+    /// `response_too_large`); a non-2xx body is dropped.
+    Body { limit: usize },
+    /// As `Body`, and a non-2xx body is kept (its first 500 characters,
+    /// credentials redacted) for the operator: the provider's.
+    BodyAndErrors { limit: usize },
 }
 
 /// The failpoint hit once the server has answered and before the answer is read.
@@ -116,8 +159,17 @@ pub async fn post(
         headers,
         body,
         timeout,
-        need_body,
+        read,
+        guard,
     } = post;
+    if let Some(guard) = guard {
+        // Literal addresses here; names when they resolve.
+        let parsed = url::Url::parse(url)
+            .map_err(|e| PostError::Failed(Failure::Refused(format!("not a valid URL: {e}"))))?;
+        guard
+            .check(&parsed)
+            .map_err(|r| PostError::Failed(Failure::Refused(r.0)))?;
+    }
     let mut request = client
         .post(url)
         .timeout(timeout)
@@ -142,28 +194,134 @@ pub async fn post(
         .get("retry-after")
         .and_then(|v| v.to_str().ok())
         .and_then(parse_retry_after);
-    if (200..300).contains(&status) && !need_body {
-        return Ok((status, Vec::new()));
-    }
-    let bytes = response
-        .bytes()
-        .await
-        .map_err(|e| PostError::Failed(Failure::Ambiguous(format!("reading the response: {e}"))))?;
-    if (200..300).contains(&status) {
-        Ok((status, bytes.to_vec()))
+    let success = (200..300).contains(&status);
+    let (limit, keep_errors) = match read {
+        // Dropped unread: the connection closes; the status decides.
+        Read::Status => (None, false),
+        Read::Body { limit } => (Some(limit), false),
+        Read::BodyAndErrors { limit } => (Some(limit), true),
+    };
+    let bytes = match limit {
+        Some(limit) if success || keep_errors => read_capped(response, limit).await?,
+        _ => Vec::new(),
+    };
+    if success {
+        Ok((status, bytes))
     } else {
         Err(PostError::Failed(Failure::Status {
             status,
             retry_after,
-            body: String::from_utf8_lossy(&bytes).into_owned(),
+            body: redact(&String::from_utf8_lossy(&bytes)),
         }))
     }
+}
+
+/// Reads at most `limit` bytes of `response`; more is `response_too_large`
+/// and the rest is never read (the connection is dropped).
+async fn read_capped(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, PostError> {
+    if response.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(PostError::Failed(Failure::TooLarge { limit }));
+    }
+    let mut bytes = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if bytes.len() + chunk.len() > limit {
+                    return Err(PostError::Failed(Failure::TooLarge { limit }));
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(bytes),
+            Err(e) => {
+                return Err(PostError::Failed(Failure::Ambiguous(format!(
+                    "reading the response: {e}"
+                ))))
+            }
+        }
+    }
+}
+
+/// The first 500 characters of an error body, with anything that looks like
+/// a credential replaced by `[redacted]`: `sk-…` keys, `Bearer …` tokens,
+/// and the values of keys named like `*key*`, `*token*`, `*secret*`,
+/// `*password*` or `authorization`.
+pub fn redact(body: &str) -> String {
+    let short: String = body.chars().take(500).collect();
+    let mut out = String::with_capacity(short.len());
+    let mut rest = short.as_str();
+    let sensitive = |name: &str| {
+        let n = name.to_ascii_lowercase();
+        ["key", "token", "secret", "password", "authorization"]
+            .iter()
+            .any(|w| n.contains(w))
+    };
+    while !rest.is_empty() {
+        // A run of word characters (the token) and what follows it.
+        let end = rest
+            .find(|c: char| !(c.is_alphanumeric() || c == '-' || c == '_' || c == '.'))
+            .unwrap_or(rest.len());
+        let (word, after) = rest.split_at(end);
+        if word.starts_with("sk-") && word.len() > 8 {
+            out.push_str("[redacted]");
+        } else if word.eq_ignore_ascii_case("bearer") && after.starts_with(' ') {
+            out.push_str(word);
+            out.push(' ');
+            let value = after[1..]
+                .find(|c: char| c.is_whitespace() || c == '"' || c == ',')
+                .unwrap_or(after.len() - 1);
+            out.push_str("[redacted]");
+            rest = &after[1 + value..];
+            continue;
+        } else if !word.is_empty() && sensitive(word) {
+            // `"api_key": "…"` or `api_key=…`: keep the name, drop the value.
+            out.push_str(word);
+            let sep = after
+                .find(|c: char| !(c == '"' || c == '\'' || c == ':' || c == '=' || c == ' '))
+                .unwrap_or(after.len());
+            if sep > 0 && after[..sep].contains([':', '=']) {
+                out.push_str(&after[..sep]);
+                // `Authorization: Bearer <token>`: the scheme stays, the token goes.
+                let mut sep = sep;
+                if let Some(scheme) = after
+                    .get(sep..sep + 7)
+                    .filter(|s| s.eq_ignore_ascii_case("bearer "))
+                {
+                    out.push_str(scheme);
+                    sep += 7;
+                }
+                let value_end = after[sep..]
+                    .find(|c: char| {
+                        c == '"' || c == '\'' || c == ',' || c == '}' || c.is_whitespace()
+                    })
+                    .map_or(after.len(), |i| sep + i);
+                out.push_str("[redacted]");
+                rest = &after[value_end..];
+                continue;
+            }
+            rest = after;
+            continue;
+        } else {
+            out.push_str(word);
+        }
+        let mut chars = after.chars();
+        match chars.next() {
+            Some(c) => {
+                out.push(c);
+                rest = chars.as_str();
+            }
+            None => rest = "",
+        }
+    }
+    out
 }
 
 fn classify(e: &reqwest::Error) -> Failure {
     let mut message = e.to_string();
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
+        if let Some(refused) = s.downcast_ref::<crate::guard::Refused>() {
+            return Failure::Refused(refused.0.clone());
+        }
         message.push_str(": ");
         message.push_str(&s.to_string());
         source = s.source();
@@ -172,5 +330,55 @@ fn classify(e: &reqwest::Error) -> Failure {
         Failure::NotSent(message)
     } else {
         Failure::Ambiguous(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_in_error_bodies_are_redacted() {
+        let body = r#"{"error": {"message": "Incorrect API key provided: sk-proj-abcdef123456. Header Authorization: Bearer abc.def-ghi", "api_key": "hunter2", "code": "invalid"}}"#;
+        let out = redact(body);
+        assert!(!out.contains("sk-proj-abcdef123456"), "{out}");
+        assert!(!out.contains("abc.def-ghi"), "{out}");
+        assert!(!out.contains("hunter2"), "{out}");
+        assert!(out.contains("Incorrect API"), "{out}");
+        assert!(out.contains("\"code\": \"invalid\""), "{out}");
+        assert_eq!(redact(&"x".repeat(2000)).len(), 500);
+        // Never panics on multi-byte text around the names it looks for.
+        for text in [
+            "token: é",
+            "key=ü",
+            "Bearer ☃",
+            "authorization:béarer x",
+            "sk-ééééééééé",
+        ] {
+            let _ = redact(text);
+        }
+    }
+
+    #[test]
+    fn non_2xx_bodies_are_not_reflected_and_redirects_say_so() {
+        let f = Failure::Status {
+            status: 302,
+            retry_after: None,
+            body: String::new(),
+        };
+        assert!(!f.is_retryable());
+        assert!(f.envelope().message.contains("redirects are not followed"));
+        let f = Failure::Status {
+            status: 500,
+            retry_after: None,
+            body: String::new(),
+        };
+        assert_eq!(f.envelope().message, "HTTP 500");
+        let f = Failure::TooLarge { limit: 10 };
+        assert_eq!(f.envelope().code, "response_too_large");
+        assert!(!f.is_retryable() && !f.never_sent());
+        let f = Failure::Refused("x".into());
+        assert_eq!(f.envelope().code, "url_refused");
+        assert!(!f.is_retryable() && f.never_sent());
     }
 }

@@ -8,8 +8,8 @@ use serde_json::Value;
 use crate::faults::{FailPoint, Faults};
 use crate::outbound::{post, Failure, Post, PostError, Seam};
 
-/// Where and how to reach the model.
-#[derive(Debug, Clone)]
+/// Where and how to reach the model. `Debug` never shows the API key.
+#[derive(Clone)]
 pub struct ProviderConfig {
     /// `OPENAI_BASE_URL`, e.g. `https://api.openai.com/v1`.
     pub base_url: String,
@@ -21,7 +21,24 @@ pub struct ProviderConfig {
     /// provider or gateway that supports it: every in-flight call shares one
     /// connection. HTTPS providers negotiate HTTP/2 by ALPN without this.
     pub h2c: bool,
+    /// Largest answer read (default 8 MiB); more is `response_too_large`.
+    pub max_response_bytes: usize,
 }
+
+impl std::fmt::Debug for ProviderConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProviderConfig")
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            .field("timeout", &self.timeout)
+            .field("h2c", &self.h2c)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .finish()
+    }
+}
+
+/// The default cap on a provider's answer.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 8 << 20;
 
 impl Default for ProviderConfig {
     fn default() -> Self {
@@ -30,6 +47,7 @@ impl Default for ProviderConfig {
             api_key: None,
             timeout: Duration::from_secs(120),
             h2c: false,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
         }
     }
 }
@@ -84,7 +102,10 @@ impl Provider {
             headers,
             body,
             timeout: self.config.timeout,
-            need_body: true,
+            read: crate::outbound::Read::BodyAndErrors {
+                limit: self.config.max_response_bytes,
+            },
+            guard: None,
         };
         let seam = Seam {
             faults,

@@ -68,7 +68,10 @@ pub fn completed_body(job_id: &str, result: &Value) -> Value {
 /// How webhooks leave this node.
 #[derive(Debug, Clone, Copy)]
 pub struct Sender<'a> {
+    /// The guarded client: no redirects, names resolved through the guard.
     pub client: &'a reqwest::Client,
+    /// The SSRF guard (literal addresses are checked before the send).
+    pub guard: &'a crate::guard::UrlGuard,
     pub secret: Option<&'a WebhookSecret>,
     pub timeout: Duration,
 }
@@ -99,7 +102,8 @@ pub async fn send(
         headers,
         body: bytes,
         timeout: sender.timeout,
-        need_body: false,
+        read: crate::outbound::Read::Status,
+        guard: Some(sender.guard),
     };
     let seam = Seam {
         faults,

@@ -17,13 +17,22 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
         registry,
         body_limit: body_limit.unwrap_or(DEFAULT_BODY_LIMIT),
         telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
+        url_guard: onceflow_engine::UrlGuard::allow_private(),
+        hosts: onceflow_engine::api::Hosts::Any,
     })
 }
 
 /// Serves the API with this state (e.g. an engine's telemetry).
 pub fn serve_api_state(state: ApiState) -> String {
+    serve_api_for(|_| state)
+}
+
+/// Serves the API with the state `make` builds for its address (e.g. a
+/// `Host` list naming that address).
+pub fn serve_api_for(make: impl FnOnce(std::net::SocketAddr) -> ApiState) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
+    let state = make(addr);
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))
     })
@@ -102,6 +111,8 @@ impl ServeProcess {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceflow"));
         cmd.arg("serve")
             .env_remove("DATABASE_URL")
+            // The fakes live on loopback; one test checks the default refuses them.
+            .env("ONCEFLOW_ALLOW_PRIVATE_URLS", "true")
             .env("ONCEFLOW_LISTEN", format!("127.0.0.1:{port}"))
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())

@@ -76,6 +76,8 @@ impl Workflow for Onboarding {
                     client: step.client,
                     timeout: std::time::Duration::from_secs(10),
                     traceparent: step.traceparent,
+                    guard: step.guard,
+                    response_limit: step.response_limit,
                 };
                 let text = invocation.post_json(&url, &body).await?;
                 Ok(serde_json::from_str::<Value>(&text).unwrap_or(Value::String(text)))

@@ -70,6 +70,9 @@ impl TestEnv {
                 retry_after_cap: Duration::from_secs(5),
                 budget: 6,
             },
+            // The fakes live on loopback: tests open the SSRF guard
+            // explicitly (one test checks that the default refuses them).
+            url_guard: crate::guard::UrlGuard::allow_private(),
             ..EngineConfig::default()
         };
         config.provider.base_url = self.provider.base_url();
