@@ -192,6 +192,7 @@ async fn bench(
         telemetry,
         url_guard: guard,
         hosts: api::Hosts::Any,
+        auth: api::Auth::Off,
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))

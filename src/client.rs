@@ -33,6 +33,9 @@ pub struct SubmitArgs {
     /// The onceflow server.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub server: String,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -45,6 +48,17 @@ pub struct StatusArgs {
     /// Print the raw JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// Adds the bearer token, when there is one.
+fn with_token(request: reqwest::RequestBuilder, token: Option<&str>) -> reqwest::RequestBuilder {
+    match token {
+        Some(t) => request.bearer_auth(t),
+        None => request,
+    }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -89,8 +103,7 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
     });
     let url = format!("{}/v1/jobs", args.server.trim_end_matches('/'));
     runtime()?.block_on(async {
-        let response = reqwest::Client::new()
-            .post(&url)
+        let response = with_token(reqwest::Client::new().post(&url), args.token.as_deref())
             .json(&body)
             .send()
             .await
@@ -121,8 +134,7 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
 pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     let url = format!("{}/v1/jobs/{}", args.server.trim_end_matches('/'), args.id);
     runtime()?.block_on(async {
-        let response = reqwest::Client::new()
-            .get(&url)
+        let response = with_token(reqwest::Client::new().get(&url), args.token.as_deref())
             .send()
             .await
             .with_context(|| format!("cannot reach the onceflow server at {}", args.server))?;

@@ -10,6 +10,7 @@ mod client;
 mod config;
 mod demo;
 mod serve;
+mod token;
 
 use clap::{Parser, Subcommand};
 
@@ -36,6 +37,8 @@ enum Command {
     Submit(client::SubmitArgs),
     /// Print a job's state and history.
     Status(client::StatusArgs),
+    /// Manage API tokens (create, list, revoke).
+    Token(token::TokenArgs),
     /// Benchmark: jobs end to end through the HTTP API against a loopback provider and consumer.
     Bench(bench::BenchArgs),
     /// The loopback provider `bench --hold` runs as a child process.
@@ -52,6 +55,7 @@ fn main() -> std::process::ExitCode {
         Command::Migrate(args) => serve::migrate(args),
         Command::Submit(args) => client::submit(args),
         Command::Status(args) => client::status(args),
+        Command::Token(args) => token::run(args),
         Command::Bench(args) => bench::run(args),
         Command::FakeProvider(args) => bench::fake_provider(args),
     };

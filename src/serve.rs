@@ -25,6 +25,26 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let result = actix_web::rt::System::new().block_on(async {
         let db = database.open(args.db.db_pool).await?;
         let store = Store::new(db);
+        // Off loopback, tokens are required, and there must be one to use.
+        let loopback = args.listen.ip().is_loopback();
+        let tokens = store.tokens_exist().await.context("reading the API tokens")?;
+        if !loopback && !tokens {
+            anyhow::bail!(
+                "refusing to listen on {} without API tokens: anyone who reaches the port could \
+                 spend your model budget and read every job. Create one first \
+                 (`onceflow token create --name NAME`, sent as `Authorization: Bearer <token>`), \
+                 or listen on 127.0.0.1 for development",
+                args.listen
+            );
+        }
+        if loopback && !tokens {
+            tracing::warn!(
+                listen = %args.listen,
+                "DEVELOPMENT MODE: no API tokens exist, so the API answers anyone on this machine \
+                 without one. Create a token (`onceflow token create --name NAME`) and every \
+                 request will need it"
+            );
+        }
         let registry = onceflow_workflows::registry_with(args.tool_post_url.as_deref());
         let config_guard = config.url_guard.clone();
         let engine = Engine::start(store.clone(), registry.clone(), Faults::new(), config);
@@ -38,6 +58,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             telemetry: telemetry.clone(),
             url_guard: config_guard,
             hosts: api::Hosts::for_listen(args.listen, &args.allowed_hosts),
+            auth: api::Auth::Tokens { loopback },
         };
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))

@@ -1,6 +1,11 @@
 //! The HTTP API (actix-web): intake, the job view, health, and `/metrics`
 //! (Prometheus text from the node's OpenTelemetry instruments).
 //!
+//! Requests are authenticated with API tokens ([`Auth`]): a token sees its
+//! own jobs (another's is `404`), an admin token all of them. `POST` bodies
+//! must be JSON (`415`), and the `Host` must be one this server answers
+//! (`421`, against DNS rebinding).
+//!
 //! Errors are `{"error":{"code","message"[,"field"]}}`. No bad request changes
 //! stored state: the body is read under a size limit, parsed, validated, and
 //! only then offered to the store, whose primary key decides races.
@@ -37,6 +42,95 @@ pub struct ApiState {
     pub url_guard: crate::guard::UrlGuard,
     /// The `Host` headers the API answers (DNS-rebinding defence).
     pub hosts: Hosts,
+    /// Who may call it.
+    pub auth: Auth,
+}
+
+/// How requests are authenticated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Auth {
+    /// Nobody is asked (an in-process API in tests and `bench`): every
+    /// request sees every job.
+    Off,
+    /// API tokens (`Authorization: Bearer …`). With `loopback` (the server
+    /// listens on a loopback address) and no live token at all, requests
+    /// need none: development mode, announced at start-up. Off loopback, or
+    /// once any token exists, every request needs a live one (`401`).
+    /// Revoking the last token never reopens a non-loopback server.
+    Tokens { loopback: bool },
+}
+
+/// Who a request acts for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Who {
+    /// No authentication applies: sees every job; submits jobs with no owner.
+    Anyone,
+    /// A token: sees its own jobs, or all of them when admin.
+    Token(crate::store::tokens::Caller),
+}
+
+impl Who {
+    fn owner(self) -> Option<i64> {
+        match self {
+            Who::Anyone => None,
+            Who::Token(c) => Some(c.token),
+        }
+    }
+
+    fn sees(self, owner: Option<i64>) -> bool {
+        match self {
+            Who::Anyone => true,
+            Who::Token(c) => c.admin || owner == Some(c.token),
+        }
+    }
+}
+
+fn unauthorized(message: &str) -> HttpResponse {
+    let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", message, None);
+    r.headers_mut().insert(
+        actix_web::http::header::WWW_AUTHENTICATE,
+        actix_web::http::header::HeaderValue::from_static("Bearer"),
+    );
+    r
+}
+
+/// Checks the request's token (never taken from the URL).
+async fn authenticate(state: &ApiState, req: &HttpRequest) -> Result<Who, HttpResponse> {
+    let loopback = match state.auth {
+        Auth::Off => return Ok(Who::Anyone),
+        Auth::Tokens { loopback } => loopback,
+    };
+    match req.headers().get(actix_web::http::header::AUTHORIZATION) {
+        Some(value) => {
+            let token = value
+                .to_str()
+                .ok()
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .map(str::trim)
+                .filter(|t| !t.is_empty());
+            let Some(token) = token else {
+                return Err(unauthorized(
+                    "the Authorization header must be `Bearer <token>`",
+                ));
+            };
+            match state.store.authenticate(token).await {
+                Ok(Some(caller)) => Ok(Who::Token(caller)),
+                Ok(None) => Err(unauthorized("the token is unknown or revoked")),
+                Err(e) => Err(unavailable(e)),
+            }
+        }
+        None if !loopback => Err(unauthorized(
+            "an API token is required: send `Authorization: Bearer <token>` \
+             (create one with `onceflow token create --name NAME`)",
+        )),
+        None => match state.store.tokens_exist().await {
+            Ok(false) => Ok(Who::Anyone),
+            Ok(true) => Err(unauthorized(
+                "an API token is required: send `Authorization: Bearer <token>`",
+            )),
+            Err(e) => Err(unavailable(e)),
+        },
+    }
 }
 
 /// Which `Host` header values the API answers; anything else is `421`.
@@ -161,6 +255,10 @@ async fn submit(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
     if !json {
         return error(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -247,7 +345,7 @@ async fn submit(
             ],
         );
     };
-    let result = state.store.submit_traced(&job, trace).await;
+    let result = state.store.submit_owned(&job, trace, who.owner()).await;
     let outcome = match &result {
         Ok(Intake::Created(_)) => "created",
         Ok(Intake::Existing(_)) => "existing",
@@ -263,6 +361,15 @@ async fn submit(
         Ok(Intake::Created(view)) => {
             submitted("created");
             HttpResponse::Created().json(view)
+        }
+        // Another token's job: the id is taken, and nothing more is said.
+        Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {
+            error(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!("job id {:?} is not available", job.id),
+                Some("id"),
+            )
         }
         Ok(Intake::Existing(view)) => {
             submitted("existing");
@@ -289,9 +396,14 @@ async fn get_job(
     if let Some(refused) = misdirected(&state, &req) {
         return refused;
     }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
     match state.store.job(&id).await {
-        Ok(Some(view)) => HttpResponse::Ok().json(view),
-        Ok(None) => error(
+        // Another token's job is as absent as a job that never was.
+        Ok(Some(view)) if who.sees(view.owner_token) => HttpResponse::Ok().json(view),
+        Ok(_) => error(
             StatusCode::NOT_FOUND,
             "not_found",
             format!("no job {:?}", id.as_str()),
@@ -301,10 +413,9 @@ async fn get_job(
     }
 }
 
-async fn healthz(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
-        return refused;
-    }
+/// Open to anyone and any `Host` (load balancers probe by address): it
+/// says nothing but whether the database answers.
+async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
     match state.store.healthy().await {
         Ok(true) => HttpResponse::Ok().json(json!({ "status": "ok" })),
         Ok(false) => error(
@@ -319,6 +430,9 @@ async fn healthz(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
 
 async fn metrics(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    if let Err(refused) = authenticate(&state, &req).await {
         return refused;
     }
     HttpResponse::Ok()

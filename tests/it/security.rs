@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use onceflow_engine::api::{ApiState, Hosts, DEFAULT_BODY_LIMIT};
+use onceflow_engine::api::{ApiState, Auth, Hosts, DEFAULT_BODY_LIMIT};
 use onceflow_engine::intake::NewJob;
 use onceflow_engine::testkit::{Behaviour, FakeConsumer, TestEnv};
 use onceflow_engine::{JobState, Registry, UrlGuard};
@@ -25,6 +25,10 @@ fn registry() -> Registry {
 }
 
 fn api(env: &TestEnv, guard: UrlGuard, hosts: Hosts) -> String {
+    api_with(env, guard, hosts, Auth::Off)
+}
+
+fn api_with(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth) -> String {
     serve_api_state(ApiState {
         store: env.store.clone(),
         registry: registry(),
@@ -32,6 +36,7 @@ fn api(env: &TestEnv, guard: UrlGuard, hosts: Hosts) -> String {
         telemetry: Arc::new(onceflow_observability::Telemetry::disabled()),
         url_guard: guard,
         hosts,
+        auth,
     })
 }
 
@@ -286,6 +291,7 @@ async fn posts_must_be_json_and_hosts_must_be_known() {
         telemetry: Arc::new(onceflow_observability::Telemetry::disabled()),
         url_guard: UrlGuard::allow_private(),
         hosts: Hosts::for_listen(addr, &[]),
+        auth: Auth::Off,
     });
     let body = serde_json::to_vec(&job_body("ct-1", &env.consumer.url())).unwrap();
     for content_type in [
@@ -339,4 +345,255 @@ async fn intake_refuses_nul_duplicate_keys_and_long_urls() {
     assert_eq!(status, 422, "{answer}");
     assert_eq!(answer["error"]["field"], "webhook_url");
     assert_eq!(env.sql("SELECT id FROM jobs").await, json!([]));
+}
+
+async fn call(
+    method: reqwest::Method,
+    url: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> (u16, Value, Option<String>) {
+    let mut r = client().request(method, url);
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    if let Some(b) = body {
+        r = r.json(b);
+    }
+    let r = r.send().await.unwrap();
+    let status = r.status().as_u16();
+    let challenge = r
+        .headers()
+        .get("www-authenticate")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (status, r.json().await.unwrap_or(Value::Null), challenge)
+}
+
+/// API tokens: once one exists every request needs one; a token sees only
+/// its own jobs (another's is a 404 like a missing one, and its id a 409
+/// that says nothing more); an admin token sees all; revoked is 401.
+#[actix_rt::test]
+async fn tokens_scope_every_job_to_its_owner() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: true },
+    );
+    let hook = env.consumer.url();
+    // Development mode: no token exists yet, so none is needed on loopback.
+    let (status, _, _) = call(
+        Method::POST,
+        &format!("{base}/v1/jobs"),
+        None,
+        Some(&job_body("dev-1", &hook)),
+    )
+    .await;
+    assert_eq!(status, 201);
+
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let bob = env.store.create_token("bob", false).await.unwrap();
+    let admin = env.store.create_token("ops", true).await.unwrap();
+    assert!(alice.starts_with("of_") && alice != bob);
+    let stored = env.sql("SELECT token_hash FROM api_tokens").await;
+    assert!(!stored.to_string().contains(&alice), "stored hashed");
+
+    let jobs = format!("{base}/v1/jobs");
+    let (status, body, challenge) =
+        call(Method::POST, &jobs, None, Some(&job_body("a-1", &hook))).await;
+    assert_eq!(status, 401, "{body}");
+    assert_eq!(challenge.as_deref(), Some("Bearer"));
+    let (status, _, _) = call(
+        Method::POST,
+        &jobs,
+        Some("of_not-a-token"),
+        Some(&job_body("a-1", &hook)),
+    )
+    .await;
+    assert_eq!(status, 401);
+    // Tokens never travel in URLs: a query parameter is not a credential.
+    let (status, _, _) = call(
+        Method::GET,
+        &format!("{jobs}/dev-1?token={alice}"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 401);
+
+    let (status, _, _) = call(
+        Method::POST,
+        &jobs,
+        Some(&alice),
+        Some(&job_body("a-1", &hook)),
+    )
+    .await;
+    assert_eq!(status, 201);
+    let (status, _, _) = call(Method::GET, &format!("{jobs}/a-1"), Some(&alice), None).await;
+    assert_eq!(status, 200);
+    // Bob: alice's job looks exactly like a job that does not exist.
+    let (status, theirs, _) = call(Method::GET, &format!("{jobs}/a-1"), Some(&bob), None).await;
+    let (_, missing, _) = call(Method::GET, &format!("{jobs}/a-9"), Some(&bob), None).await;
+    assert_eq!(status, 404);
+    assert_eq!(theirs["error"]["code"], missing["error"]["code"]);
+    // Her id is taken, identical request or not, and that is all he learns.
+    let (s1, same, _) = call(
+        Method::POST,
+        &jobs,
+        Some(&bob),
+        Some(&job_body("a-1", &hook)),
+    )
+    .await;
+    let mut other = job_body("a-1", &hook);
+    other["input"]["model"] = json!("other");
+    let (s2, different, _) = call(Method::POST, &jobs, Some(&bob), Some(&other)).await;
+    assert_eq!((s1, s2), (409, 409));
+    assert_eq!(same, different, "identical and different look the same");
+    assert!(!same.to_string().contains("different"), "{same}");
+    assert_eq!(env.job("a-1").await.input["model"], "m", "untouched");
+    // The admin token sees every job, alice only hers.
+    for id in ["a-1", "dev-1"] {
+        let (status, _, _) = call(Method::GET, &format!("{jobs}/{id}"), Some(&admin), None).await;
+        assert_eq!(status, 200, "{id}");
+    }
+    let (status, _, _) = call(Method::GET, &format!("{jobs}/dev-1"), Some(&alice), None).await;
+    assert_eq!(status, 404);
+    // /metrics needs a token; /healthz never does.
+    let (status, _, _) = call(Method::GET, &format!("{base}/metrics"), None, None).await;
+    assert_eq!(status, 401);
+    let r = client()
+        .get(format!("{base}/metrics"))
+        .bearer_auth(&bob)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let (status, _, _) = call(Method::GET, &format!("{base}/healthz"), None, None).await;
+    assert_eq!(status, 200);
+    // Revoked: 401.
+    assert!(env.store.revoke_token("alice").await.unwrap());
+    let (status, _, _) = call(Method::GET, &format!("{jobs}/a-1"), Some(&alice), None).await;
+    assert_eq!(status, 401);
+}
+
+/// Off loopback there is no development mode: no token means 401, before
+/// any token exists and after the last one is revoked.
+#[actix_rt::test]
+async fn off_loopback_every_request_needs_a_token_even_with_none_left() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: false },
+    );
+    let jobs = format!("{base}/v1/jobs");
+    let body = job_body("x-1", &env.consumer.url());
+    assert_eq!(call(Method::POST, &jobs, None, Some(&body)).await.0, 401);
+    let token = env.store.create_token("only", false).await.unwrap();
+    assert_eq!(
+        call(Method::POST, &jobs, Some(&token), Some(&body)).await.0,
+        201
+    );
+    assert!(env.store.revoke_token("only").await.unwrap());
+    assert_eq!(
+        call(Method::GET, &format!("{jobs}/x-1"), None, None)
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        call(
+            Method::POST,
+            &jobs,
+            None,
+            Some(&job_body("x-2", &env.consumer.url()))
+        )
+        .await
+        .0,
+        401
+    );
+    assert_eq!(env.sql("SELECT id FROM jobs").await, json!([{"id": "x-1"}]));
+}
+
+/// The binary: `serve` refuses a non-loopback address until a token
+/// exists; `token create` prints the token alone on its last line; the CLI
+/// sends `ONCEFLOW_TOKEN`.
+#[actix_rt::test]
+async fn serve_off_loopback_needs_a_token_and_the_cli_sends_it() {
+    use std::process::{Command, Stdio};
+    let env = TestEnv::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let bin = env!("CARGO_BIN_EXE_onceflow");
+    let port = crate::support::free_port();
+    let refused = Command::new(bin)
+        .arg("serve")
+        .env("DATABASE_URL", &env.db_url)
+        .env("ONCEFLOW_LISTEN", format!("0.0.0.0:{port}"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("token create"), "{stderr}");
+
+    let created = Command::new(bin)
+        .args(["token", "create", "--name", "ci", "--admin"])
+        .env("DATABASE_URL", &env.db_url)
+        .output()
+        .unwrap();
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    let stdout = String::from_utf8(created.stdout).unwrap();
+    let token = stdout.lines().last().unwrap().trim().to_owned();
+    assert!(token.starts_with("of_") && token.len() > 40, "{stdout:?}");
+
+    let serve = ServeProcess::start_on(
+        port,
+        &[
+            ("DATABASE_URL", env.db_url.clone()),
+            ("ONCEFLOW_LISTEN", format!("0.0.0.0:{port}")),
+            ("ONCEFLOW_ALLOWED_HOSTS", "127.0.0.1".to_owned()),
+        ],
+        &dir.path().join("serve.log"),
+    )
+    .await;
+    let submit = |token: Option<&str>| {
+        let mut cmd = Command::new(bin);
+        cmd.args(["submit", "--id", "cli-1", "--prompt", "hi", "--webhook-url"])
+            .arg(env.consumer.url())
+            .args(["--server", &serve.base])
+            .env_remove("ONCEFLOW_TOKEN");
+        if let Some(t) = token {
+            cmd.env("ONCEFLOW_TOKEN", t);
+        }
+        cmd.output().unwrap()
+    };
+    let anonymous = submit(None);
+    assert!(!anonymous.status.success());
+    assert!(String::from_utf8_lossy(&anonymous.stderr).contains("401"));
+    let ok = submit(Some(&token));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let status = Command::new(bin)
+        .args(["status", "cli-1", "--json", "--server", &serve.base])
+        .env("ONCEFLOW_TOKEN", &token)
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let job: Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(job["id"], "cli-1");
 }

@@ -19,6 +19,7 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
         telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
         url_guard: onceflow_engine::UrlGuard::allow_private(),
         hosts: onceflow_engine::api::Hosts::Any,
+        auth: onceflow_engine::api::Auth::Off,
     })
 }
 
@@ -102,7 +103,7 @@ impl ServeProcess {
         *self = Self::start_on(port, env, log).await;
     }
 
-    async fn start_on(port: u16, env: &[(&str, String)], log: &Path) -> ServeProcess {
+    pub async fn start_on(port: u16, env: &[(&str, String)], log: &Path) -> ServeProcess {
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

@@ -1,7 +1,7 @@
 //! Intake and the job view.
 
 use chrono::{DateTime, Utc};
-use diesel::sql_types::{Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::RunQueryDsl;
 use serde::Serialize;
@@ -53,6 +53,9 @@ pub struct JobView {
     pub finished_at: Option<DateTime<Utc>>,
     /// The W3C trace id every attempt and outgoing request of the job carries.
     pub trace_id: Option<String>,
+    /// The API token that submitted it (`None`: no authentication). Not shown.
+    #[serde(skip)]
+    pub owner_token: Option<i64>,
 }
 
 /// One transition.
@@ -91,6 +94,8 @@ struct JobRow {
     attempts: i32,
     #[diesel(sql_type = Integer)]
     incarnation: i32,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    owner_token: Option<i64>,
     #[diesel(sql_type = Nullable<Jsonb>)]
     last_error: Option<Value>,
     #[diesel(sql_type = Nullable<Text>)]
@@ -136,7 +141,7 @@ struct OutboxRow {
 }
 
 const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.request, j.request_hash, j.state::text AS state, \
-     j.attempts, j.incarnation, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context \
+     j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 
 impl Store {
@@ -155,6 +160,17 @@ impl Store {
         job: &NewJob,
         trace: TraceParent,
     ) -> Result<Intake, StoreError> {
+        self.submit_owned(job, trace, None).await
+    }
+
+    /// [`submit_traced`](Self::submit_traced) on behalf of API token
+    /// `owner`: the job belongs to it.
+    pub async fn submit_owned(
+        &self,
+        job: &NewJob,
+        trace: TraceParent,
+        owner: Option<i64>,
+    ) -> Result<Intake, StoreError> {
         #[derive(QueryableByName)]
         struct Inserted {
             #[diesel(sql_type = Timestamptz)]
@@ -170,8 +186,8 @@ impl Store {
         // The job row, its first history row and the wake-up, in one
         // statement (one round trip, one commit); no row when the id exists.
         let inserted: Vec<Inserted> = sql("WITH job AS ( \
-                 INSERT INTO jobs (id, workflow, request, request_hash, trace_context, incarnation, lease_epoch) \
-                 SELECT $1, $2, $3, $4, $7, coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0) \
+                 INSERT INTO jobs (id, workflow, request, request_hash, trace_context, incarnation, lease_epoch, owner_token) \
+                 SELECT $1, $2, $3, $4, $7, coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), $8 \
                  FROM (SELECT 1) one LEFT JOIN job_tombstones t ON t.id = $1 \
                  ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation), \
              history AS ( \
@@ -186,6 +202,7 @@ impl Store {
         .bind::<Text, _>(INTAKE_WORKER)
         .bind::<Text, _>(NEW_JOB_CHANNEL)
         .bind::<Text, _>(trace.to_string())
+        .bind::<Nullable<BigInt>, _>(owner)
         .load(&mut conn)
         .await?;
         if let Some(row) = inserted.into_iter().next() {
@@ -211,6 +228,7 @@ impl Store {
                 updated_at: row.created_at,
                 finished_at: None,
                 trace_id: Some(trace.trace_id_hex()),
+                owner_token: owner,
             }));
         }
         let (view, stored_hash) = self
@@ -303,6 +321,7 @@ impl Store {
                 .as_deref()
                 .and_then(TraceParent::parse)
                 .map(|t| t.trace_id_hex()),
+            owner_token: row.owner_token,
         };
         Ok(Some((view, row.request_hash)))
     }

@@ -8,6 +8,7 @@
 //! * [`journal`]: model calls, results and the webhook outbox.
 //! * [`ledger`]: the tool ledger, the general step journal, retention purges.
 //! * [`sql`]: hand-written statements whose prepared form is cached.
+//! * [`tokens`]: API tokens, stored hashed.
 //! * `batch`, `batched`: group commit — `delivered`, `acked` and model answers
 //!   from many actors written by one statement and one commit.
 
@@ -43,6 +44,7 @@ pub mod journal;
 pub mod lease;
 pub mod ledger;
 pub mod sql;
+pub mod tokens;
 
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,139 @@
+//! API tokens: created and revoked by the operator (`onceflow token …`),
+//! stored as their SHA-256, looked up by it on every authenticated request.
+
+use diesel::sql_types::{BigInt, Bool, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::RunQueryDsl;
+use sha2::{Digest, Sha256};
+
+use super::sql::sql;
+use super::Store;
+use crate::error::StoreError;
+
+/// Who is calling, once their token checked out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// The token's id; jobs it submits belong to it.
+    pub token: i64,
+    /// Sees and acts on every job.
+    pub admin: bool,
+}
+
+/// A token as `token list` shows it (never the token itself).
+#[derive(Debug, Clone, QueryableByName)]
+pub struct TokenInfo {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = Text)]
+    pub name: String,
+    #[diesel(sql_type = Bool)]
+    pub admin: bool,
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Why a token could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("a token named {0:?} already exists (names are never reused, even once revoked)")]
+    NameTaken(String),
+    #[error("token names are 1 to 100 characters of A-Z a-z 0-9 _ . : -")]
+    BadName,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The SHA-256 (hex) a token is stored and looked up as.
+pub fn token_hash(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+impl Store {
+    /// Creates a token; returns it (shown once: only its hash is kept).
+    pub async fn create_token(&self, name: &str, admin: bool) -> Result<String, TokenError> {
+        if name.is_empty()
+            || name.len() > 100
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'))
+        {
+            return Err(TokenError::BadName);
+        }
+        let secret: [u8; 32] = rand::random();
+        let token = format!("of_{}", hex::encode(secret));
+        let mut conn = self.db().conn().await.map_err(TokenError::Store)?;
+        let inserted = sql(
+            "INSERT INTO api_tokens (name, token_hash, admin) VALUES ($1, $2, $3) \
+             ON CONFLICT (name) DO NOTHING",
+        )
+        .bind::<Text, _>(name)
+        .bind::<Text, _>(token_hash(&token))
+        .bind::<Bool, _>(admin)
+        .execute(&mut conn)
+        .await
+        .map_err(|e| TokenError::Store(e.into()))?;
+        if inserted == 0 {
+            return Err(TokenError::NameTaken(name.to_owned()));
+        }
+        Ok(token)
+    }
+
+    /// Every token, oldest first (revoked ones included, marked).
+    pub async fn list_tokens(&self) -> Result<Vec<TokenInfo>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        Ok(
+            sql("SELECT id, name, admin, created_at, revoked_at FROM api_tokens ORDER BY id")
+                .load(&mut conn)
+                .await?,
+        )
+    }
+
+    /// Revokes the token `name`; false when there is no live token by that name.
+    pub async fn revoke_token(&self, name: &str) -> Result<bool, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let n =
+            sql("UPDATE api_tokens SET revoked_at = now() WHERE name = $1 AND revoked_at IS NULL")
+                .bind::<Text, _>(name)
+                .execute(&mut conn)
+                .await?;
+        Ok(n == 1)
+    }
+
+    /// The live token with this value, if any.
+    pub async fn authenticate(&self, token: &str) -> Result<Option<Caller>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = BigInt)]
+            id: i64,
+            #[diesel(sql_type = Bool)]
+            admin: bool,
+        }
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<Row> =
+            sql("SELECT id, admin FROM api_tokens WHERE token_hash = $1 AND revoked_at IS NULL")
+                .bind::<Text, _>(token_hash(token))
+                .load(&mut conn)
+                .await?;
+        Ok(rows.into_iter().next().map(|r| Caller {
+            token: r.id,
+            admin: r.admin,
+        }))
+    }
+
+    /// Whether any live token exists (then every API request needs one).
+    pub async fn tokens_exist(&self) -> Result<bool, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Bool)]
+            exists: bool,
+        }
+        let mut conn = self.db().conn().await?;
+        let row: Row =
+            sql("SELECT EXISTS (SELECT 1 FROM api_tokens WHERE revoked_at IS NULL) AS exists")
+                .get_result(&mut conn)
+                .await?;
+        Ok(row.exists)
+    }
+}

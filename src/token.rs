@@ -1,0 +1,82 @@
+//! `onceflow token create|list|revoke`: API tokens, managed against the
+//! database directly (like `migrate`), never over the API.
+
+use clap::{Args, Subcommand};
+
+use crate::config::DbArgs;
+
+#[derive(Debug, Args)]
+pub struct TokenArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(subcommand)]
+    pub command: TokenCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokenCommand {
+    /// Create a token; it is printed once, alone on the last line (only its hash is kept).
+    Create {
+        /// A name to know it by (1–100 of A-Z a-z 0-9 _ . : -); never reused.
+        #[arg(long)]
+        name: String,
+        /// An operator token: sees and acts on every job.
+        #[arg(long)]
+        admin: bool,
+    },
+    /// List the tokens (names, never the tokens themselves).
+    List,
+    /// Revoke the token with this name: requests carrying it get 401.
+    Revoke {
+        /// The token's name.
+        name: String,
+    },
+}
+
+pub fn run(args: TokenArgs) -> anyhow::Result<()> {
+    let database = args.db.resolve()?;
+    let result = actix_web::rt::System::new().block_on(async {
+        let db = database.open(1).await?;
+        let store = onceflow_engine::Store::new(db);
+        match args.command {
+            TokenCommand::Create { name, admin } => {
+                let token = store.create_token(&name, admin).await?;
+                eprintln!(
+                    "created {} token {name:?}; it is shown once, below. Send it as \
+                     `Authorization: Bearer <token>` (the CLI reads ONCEFLOW_TOKEN).",
+                    if admin { "an admin" } else { "a" }
+                );
+                println!("{token}");
+            }
+            TokenCommand::List => {
+                let tokens = store.list_tokens().await?;
+                if tokens.is_empty() {
+                    println!("no tokens (the API answers without one on loopback only)");
+                }
+                for t in tokens {
+                    println!(
+                        "{:<30} {:<6} created {}{}",
+                        t.name,
+                        if t.admin { "admin" } else { "" },
+                        t.created_at.format("%Y-%m-%d %H:%M:%S"),
+                        t.revoked_at
+                            .map(|r| format!(", revoked {}", r.format("%Y-%m-%d %H:%M:%S")))
+                            .unwrap_or_default()
+                    );
+                }
+            }
+            TokenCommand::Revoke { name } => {
+                if store.revoke_token(&name).await? {
+                    println!("revoked {name:?}");
+                } else {
+                    anyhow::bail!("no live token named {name:?}");
+                }
+            }
+        }
+        anyhow::Ok(())
+    });
+    if let Some(pg) = database.embedded.as_ref().filter(|pg| pg.started_here()) {
+        let _ = pg.stop();
+    }
+    result
+}
