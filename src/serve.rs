@@ -47,7 +47,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         let registry = onceflow_workflows::registry_with(args.tool_post_url.as_deref());
         let config_guard = config.url_guard.clone();
+        let config_secret = config.webhook_secret.clone();
         let engine = Engine::start(store.clone(), registry.clone(), Faults::new(), config);
+        match &config_secret {
+            Some(secret) => tracing::info!(secrets = secret.len(), "webhooks are signed (Standard Webhooks)"),
+            None => tracing::warn!("ONCEFLOW_WEBHOOK_SECRET is unset: webhooks go out UNSIGNED, so consumers cannot tell them from forgeries. Set one or more `whsec_…` secrets"),
+        }
         if args.allow_private_urls {
             tracing::warn!("ONCEFLOW_ALLOW_PRIVATE_URLS is set: webhooks and tools may reach loopback, private and link-local addresses (the SSRF guard is off). For local development and tests only");
         }

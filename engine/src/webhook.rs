@@ -18,45 +18,81 @@ use crate::faults::{FailPoint, Faults};
 use crate::keys::COMPLETED_EVENT;
 use crate::outbound::{post, Post, PostError, Seam};
 
-/// A Standard Webhooks signing secret (`whsec_` + base64 key).
+/// The Standard Webhooks signing secrets (`whsec_` + base64 key each; several,
+/// space-separated, while rotating): every delivery carries one `v1,`
+/// signature per secret, so a consumer that knows either verifies it.
 #[derive(Clone)]
-pub struct WebhookSecret(Vec<u8>);
+pub struct WebhookSecret(Vec<Vec<u8>>);
 
 impl std::fmt::Debug for WebhookSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("WebhookSecret(…)")
+        write!(f, "WebhookSecret({} secrets, redacted)", self.0.len())
     }
 }
 
-/// The secret is not `whsec_` followed by base64.
+/// Shortest decoded secret accepted (Standard Webhooks keys are 24–64 bytes).
+pub const MIN_SECRET_BYTES: usize = 24;
+
+/// A secret is not `whsec_` followed by base64 of at least 24 bytes.
 #[derive(Debug, thiserror::Error)]
-#[error("ONCEFLOW_WEBHOOK_SECRET must be `whsec_` followed by base64 ({0})")]
+#[error("ONCEFLOW_WEBHOOK_SECRET must be one or more space-separated `whsec_` + base64 secrets of at least 24 bytes each: {0}")]
 pub struct BadSecret(String);
 
 impl std::str::FromStr for WebhookSecret {
     type Err = BadSecret;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let b64 = s
-            .strip_prefix("whsec_")
-            .ok_or_else(|| BadSecret("missing prefix".into()))?;
-        let key = B64.decode(b64).map_err(|e| BadSecret(e.to_string()))?;
-        if key.is_empty() {
-            return Err(BadSecret("empty key".into()));
+        let mut keys = Vec::new();
+        for (i, part) in s.split_whitespace().enumerate() {
+            let n = i + 1;
+            let b64 = part
+                .strip_prefix("whsec_")
+                .ok_or_else(|| BadSecret(format!("secret {n} lacks the whsec_ prefix")))?;
+            let key = B64
+                .decode(b64)
+                .map_err(|e| BadSecret(format!("secret {n} is not base64 ({e})")))?;
+            if key.len() < MIN_SECRET_BYTES {
+                return Err(BadSecret(format!(
+                    "secret {n} is {} bytes; at least {MIN_SECRET_BYTES} are needed",
+                    key.len()
+                )));
+            }
+            keys.push(key);
         }
-        Ok(WebhookSecret(key))
+        if keys.is_empty() {
+            return Err(BadSecret("no secret given".into()));
+        }
+        Ok(WebhookSecret(keys))
     }
 }
 
 impl WebhookSecret {
-    /// `v1,<base64 signature>` of `id.timestamp.body`.
+    /// The `webhook-signature` value: `v1,<base64>` per secret, space-separated,
+    /// each over `id.timestamp.body`.
     pub fn sign(&self, id: &str, timestamp: i64, body: &[u8]) -> String {
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes any key length");
-        mac.update(id.as_bytes());
-        mac.update(b".");
-        mac.update(timestamp.to_string().as_bytes());
-        mac.update(b".");
-        mac.update(body);
-        format!("v1,{}", B64.encode(mac.finalize().into_bytes()))
+        self.0
+            .iter()
+            .map(|key| {
+                let mut mac =
+                    Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes any key length");
+                mac.update(id.as_bytes());
+                mac.update(b".");
+                mac.update(timestamp.to_string().as_bytes());
+                mac.update(b".");
+                mac.update(body);
+                format!("v1,{}", B64.encode(mac.finalize().into_bytes()))
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// How many secrets sign each delivery.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Never true: parsing refuses an empty list.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -131,10 +167,47 @@ mod tests {
     }
 
     #[test]
-    fn rejects_malformed_secrets() {
+    fn rejects_malformed_and_short_secrets() {
         assert!("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
             .parse::<WebhookSecret>()
             .is_err());
         assert!("whsec_!!!".parse::<WebhookSecret>().is_err());
+        // 16 bytes decoded: too short.
+        let short = format!("whsec_{}", B64.encode([7u8; 16]));
+        let e = short.parse::<WebhookSecret>().unwrap_err().to_string();
+        assert!(e.contains("16 bytes"), "{e}");
+        assert!("".parse::<WebhookSecret>().is_err());
+        assert!(!format!(
+            "{:?}",
+            "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+                .parse::<WebhookSecret>()
+                .unwrap()
+        )
+        .contains("MfKQ"));
+    }
+
+    #[test]
+    fn several_secrets_sign_once_each_for_rotation() {
+        let old = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        let new = format!("whsec_{}", B64.encode([42u8; 32]));
+        let both: WebhookSecret = format!("{old} {new}").parse().unwrap();
+        assert_eq!(both.len(), 2);
+        let sig = both.sign(
+            "msg_p5jXN8AQM9LWM0D4loKWxJek",
+            1614265330,
+            br#"{"test": 2432232314}"#,
+        );
+        let parts: Vec<&str> = sig.split(' ').collect();
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0], "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+        let only_new: WebhookSecret = new.parse().unwrap();
+        assert_eq!(
+            parts[1],
+            only_new.sign(
+                "msg_p5jXN8AQM9LWM0D4loKWxJek",
+                1614265330,
+                br#"{"test": 2432232314}"#
+            )
+        );
     }
 }

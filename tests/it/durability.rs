@@ -467,7 +467,9 @@ async fn a_provider_4xx_is_permanent_and_the_budget_ends_in_dead() {
 #[actix_rt::test]
 async fn signed_webhooks_verify() {
     let env = TestEnv::new().await;
-    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    // Two secrets while rotating: one `v1,` signature for each.
+    let secret =
+        "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw whsec_KioqKioqKioqKioqKioqKioqKioqKioqKioqKioqKio=";
     let mut config = env.config();
     config.webhook_secret = Some(secret.parse().unwrap());
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
@@ -478,6 +480,14 @@ async fn signed_webhooks_verify() {
     let ts: i64 = d.timestamp.as_deref().unwrap().parse().unwrap();
     let expected = key.sign(d.webhook_id.as_deref().unwrap(), ts, &d.raw);
     assert_eq!(d.signature.as_deref(), Some(expected.as_str()));
+    assert_eq!(expected.matches("v1,").count(), 2, "{expected}");
+    for (one, signature) in secret.split(' ').zip(expected.split(' ')) {
+        let alone: onceflow_engine::webhook::WebhookSecret = one.parse().unwrap();
+        assert_eq!(
+            alone.sign(d.webhook_id.as_deref().unwrap(), ts, &d.raw),
+            signature
+        );
+    }
 }
 
 #[actix_rt::test]
