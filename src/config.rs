@@ -179,12 +179,39 @@ impl DbArgs {
 }
 
 impl Database {
-    /// Creates the embedded `onceflow` database if needed, connects and migrates.
+    /// Creates the embedded `onceflow` database if needed, migrates, and
+    /// connects. On the embedded server, migrations run as its superuser and
+    /// the application connects as `onceflow_app`, a role that is not one.
     pub async fn open(&self, pool: u32) -> anyhow::Result<Db> {
         if let Some(pg) = &self.embedded {
             db::create_database(&pg.url("postgres"), "onceflow", None)
                 .await
                 .context("creating the onceflow database")?;
+            let admin = Db::connect(&self.url, 1)
+                .await
+                .context("connecting to PostgreSQL")?;
+            let applied = admin.migrate().await.context("applying migrations")?;
+            if !applied.is_empty() {
+                tracing::info!(?applied, "migrations applied");
+            }
+            drop(admin);
+            let password = pg
+                .app_password()
+                .context("the embedded server has no application role")?;
+            db::grant_app_role(
+                &self.url,
+                "onceflow",
+                onceflow_engine::pg::APP_ROLE,
+                password,
+            )
+            .await
+            .context("granting the application role")?;
+            let app_url = pg
+                .app_url("onceflow")
+                .context("the application role's URL")?;
+            return Db::connect(&app_url, pool)
+                .await
+                .context("connecting to PostgreSQL as the application role");
         }
         let db = Db::connect(&self.url, pool)
             .await

@@ -166,6 +166,39 @@ fn run_migrations_blocking(url: &str) -> Result<Vec<String>, StoreError> {
     applied
 }
 
+/// Makes (or updates) the application role `role` with `password` and gives
+/// it what the engine needs in database `database` and nothing more: it
+/// reads and writes the tables and sequences, it does not own the schema.
+/// Run as the superuser after every migration, so new tables are granted.
+pub async fn grant_app_role(
+    admin_url: &str,
+    database: &str,
+    role: &str,
+    password: &str,
+) -> Result<(), StoreError> {
+    use diesel_async::SimpleAsyncConnection;
+    let plain = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    assert!(
+        plain(database) && plain(role) && plain(password),
+        "role, database and password are plain identifiers"
+    );
+    let mut conn = AsyncPgConnection::establish(admin_url).await?;
+    conn.batch_execute(&format!(
+        "DO $$ BEGIN \
+             IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN \
+                 CREATE ROLE {role} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION; \
+             END IF; \
+         END $$; \
+         ALTER ROLE {role} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION PASSWORD '{password}'; \
+         GRANT CONNECT ON DATABASE {database} TO {role}; \
+         GRANT USAGE ON SCHEMA public TO {role}; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}; \
+         GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role};"
+    ))
+    .await?;
+    Ok(())
+}
+
 /// Creates database `name` on the server at `admin_url` unless it exists,
 /// optionally as a copy of `template`.
 pub async fn create_database(

@@ -33,6 +33,12 @@ pub enum PgError {
         data_dir: PathBuf,
         mode: u32,
     },
+    #[error("refusing {path}: it {problem}. Fix: {fix}")]
+    Unsafe {
+        path: PathBuf,
+        problem: String,
+        fix: String,
+    },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -24,8 +24,11 @@ use std::process::{Command, Stdio};
 
 use crate::error::PgError;
 
-/// The database role initdb creates.
+/// The database role initdb creates (migrations run as it).
 const SUPERUSER: &str = "onceflow";
+/// The role the application connects as: not a superuser; it may read and
+/// write the tables, not change the schema or the server.
+pub const APP_ROLE: &str = "onceflow_app";
 /// The system user the server runs as when we are root.
 const SERVICE_USER: &str = "postgres";
 
@@ -36,6 +39,8 @@ pub struct EmbeddedPg {
     data_dir: PathBuf,
     port: u16,
     password: String,
+    /// The application role's password (`None` for a throwaway test server).
+    app_password: Option<String>,
     run_as: Option<RunAs>,
     /// False when we adopted a server that was already running.
     started_here: bool,
@@ -63,8 +68,12 @@ impl EmbeddedPg {
         let root = root.canonicalize().map_err(|e| PgError::io(root, e))?;
         let bin_dir = find_bin_dir()?;
         let run_as = service_user()?;
+        // The folder holds the server's passwords: nobody else may plant or
+        // swap a file in it.
+        check_private_folder(&root, run_as)?;
         let data_dir = root.join("pg");
         let password_file = root.join("pg.password");
+        let app_password_file = root.join("pg.app-password");
 
         if !data_dir.join("PG_VERSION").exists() {
             prepare_dir(&root, &data_dir, run_as)?;
@@ -72,16 +81,19 @@ impl EmbeddedPg {
             write_private(&password_file, &password)?;
             initdb(&bin_dir, &data_dir, &password, run_as)?;
         }
-        let password = fs::read_to_string(&password_file)
-            .map_err(|e| PgError::io(&password_file, e))?
-            .trim()
-            .to_owned();
+        let password = read_private(&password_file)?;
+        // Installations from before the application role get one now.
+        if fs::symlink_metadata(&app_password_file).is_err() {
+            write_private(&app_password_file, &random_password())?;
+        }
+        let app_password = read_private(&app_password_file)?;
 
         let mut pg = EmbeddedPg {
             bin_dir,
             data_dir,
             port: 0,
             password,
+            app_password: Some(app_password),
             run_as,
             started_here: false,
             _reaper: None,
@@ -119,6 +131,7 @@ impl EmbeddedPg {
             data_dir,
             port: free_port()?,
             password,
+            app_password: None,
             run_as,
             started_here: true,
             _reaper: None,
@@ -172,6 +185,23 @@ impl EmbeddedPg {
     /// The data directory.
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
+    }
+
+    /// A connection URL for `database` as the application role (see
+    /// [`APP_ROLE`]; [`grant_app_role`](crate::db::grant_app_role) makes it);
+    /// `None` for a throwaway test server, which has only its superuser.
+    pub fn app_url(&self, database: &str) -> Option<String> {
+        self.app_password.as_ref().map(|password| {
+            format!(
+                "postgres://{APP_ROLE}:{password}@127.0.0.1:{}/{database}",
+                self.port
+            )
+        })
+    }
+
+    /// The application role's password, for `grant_app_role`.
+    pub fn app_password(&self) -> Option<&str> {
+        self.app_password.as_deref()
     }
 
     /// A connection URL for `database` as the superuser.
@@ -451,15 +481,98 @@ fn random_password() -> String {
     hex::encode(bytes)
 }
 
+/// Creates `path` with mode 0600, exclusively (`O_EXCL`: a file already
+/// there, planted or left over, is an error, never reused) and without
+/// following a symlink.
 fn write_private(path: &Path, contents: &str) -> Result<(), PgError> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
         .open(path)
-        .map_err(|e| PgError::io(path, e))?;
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => PgError::Unsafe {
+                path: path.to_path_buf(),
+                problem: "already exists, so it was not written by onceflow".into(),
+                fix: format!(
+                    "remove it if you did not put it there: rm {}",
+                    path.display()
+                ),
+            },
+            _ => PgError::io(path, e),
+        })?;
     f.write_all(contents.as_bytes())
         .map_err(|e| PgError::io(path, e))
+}
+
+/// Reads a secret file onceflow wrote: a plain file (not a symlink), ours,
+/// readable by nobody else; anything else is refused.
+fn read_private(path: &Path) -> Result<String, PgError> {
+    let meta = fs::symlink_metadata(path).map_err(|e| PgError::io(path, e))?;
+    let me = nix::unistd::geteuid().as_raw();
+    let problem = if !meta.file_type().is_file() {
+        Some("is not a plain file (a symlink?)".to_owned())
+    } else if meta.uid() != me {
+        Some(format!(
+            "belongs to uid {}, not to this user ({me})",
+            meta.uid()
+        ))
+    } else if meta.mode() & 0o077 != 0 {
+        Some(format!(
+            "has mode {:o}; others may read it",
+            meta.mode() & 0o777
+        ))
+    } else {
+        None
+    };
+    if let Some(problem) = problem {
+        return Err(PgError::Unsafe {
+            path: path.to_path_buf(),
+            problem,
+            fix: format!(
+                "if you did not put it there, remove it and the data folder's pg/ with it; \
+                 otherwise `chown $(id -u) {0} && chmod 600 {0}`",
+                path.display()
+            ),
+        });
+    }
+    Ok(fs::read_to_string(path)
+        .map_err(|e| PgError::io(path, e))?
+        .trim()
+        .to_owned())
+}
+
+/// The data folder must belong to this user (or the service user) and be
+/// writable by nobody else: otherwise another account could plant the
+/// password file, or swap the server's files.
+fn check_private_folder(root: &Path, run_as: Option<RunAs>) -> Result<(), PgError> {
+    let meta = fs::metadata(root).map_err(|e| PgError::io(root, e))?;
+    let me = nix::unistd::geteuid().as_raw();
+    let owner_ok = meta.uid() == me || run_as.is_some_and(|u| u.uid == meta.uid());
+    let problem = if !owner_ok {
+        Some(format!(
+            "belongs to uid {}, not to this user ({me})",
+            meta.uid()
+        ))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!(
+            "has mode {:o}: other users may create files in it",
+            meta.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match problem {
+        None => Ok(()),
+        Some(problem) => Err(PgError::Unsafe {
+            path: root.to_path_buf(),
+            problem,
+            fix: format!(
+                "use a folder of your own (ONCEFLOW_DATA_DIR), or `chown $(id -u) {0} && chmod go-w {0}`",
+                root.display()
+            ),
+        }),
+    }
 }

@@ -48,6 +48,15 @@ async fn the_embedded_postgres_is_reused_across_runs_and_after_sigkill() {
         .await
     );
     let pg_pid = postmaster_pid(&data).expect("postmaster.pid");
+    // The application connects as a role that is not a superuser.
+    let roles = app_roles(&data).await;
+    assert!(!roles.is_empty(), "serve has connections open");
+    assert!(
+        roles
+            .iter()
+            .all(|(name, superuser)| name == "onceflow_app" && !superuser),
+        "{roles:?}"
+    );
     first.sigkill();
     assert!(alive(pg_pid), "PostgreSQL outlives a SIGKILLed serve");
 
@@ -163,4 +172,33 @@ async fn a_hundred_jobs_survive_two_sigkills_of_serve() {
     assert!(provider.keys_worked_twice().is_empty());
     let raw_repeats = consumer.deliveries().iter().filter(|d| d.duplicate).count();
     println!("100 jobs, 2 SIGKILLs: {raw_repeats} repeated webhook requests (same key, dropped by the consumer)");
+}
+
+/// The roles (and whether each is a superuser) of the connections to the
+/// `onceflow` database, read as the embedded server's superuser.
+async fn app_roles(data: &std::path::Path) -> Vec<(String, bool)> {
+    use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+    #[derive(diesel::QueryableByName)]
+    struct Role {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        rolname: String,
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        rolsuper: bool,
+    }
+    let password = std::fs::read_to_string(data.join("pg.password")).unwrap();
+    let pid_file = std::fs::read_to_string(data.join("pg/postmaster.pid")).unwrap();
+    let port = pid_file.lines().nth(3).unwrap().trim();
+    let url = format!(
+        "postgres://onceflow:{}@127.0.0.1:{port}/postgres",
+        password.trim()
+    );
+    let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+    let rows: Vec<Role> = diesel::sql_query(
+        "SELECT r.rolname::text AS rolname, r.rolsuper FROM pg_stat_activity a \
+         JOIN pg_roles r ON r.oid = a.usesysid WHERE a.datname = 'onceflow'",
+    )
+    .load(&mut conn)
+    .await
+    .unwrap();
+    rows.into_iter().map(|r| (r.rolname, r.rolsuper)).collect()
 }

@@ -89,3 +89,45 @@ fn a_data_directory_the_service_user_cannot_reach_fails_with_the_fix() {
         pg.stop().unwrap();
     }
 }
+
+/// A password file planted in the data folder before the first start is
+/// refused (the file is created exclusively), and so is a folder other users
+/// may write to.
+#[test]
+fn a_planted_password_file_or_a_shared_folder_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new()
+        .prefix("onceflow-planted-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(data.join("pg.password"), "attacker-chosen").unwrap();
+    let message = onceflow_engine::pg::EmbeddedPg::start(&data)
+        .expect_err("must refuse the planted file")
+        .to_string();
+    assert!(message.contains("pg.password"), "{message}");
+    assert!(message.contains("already exists"), "{message}");
+    assert!(
+        !data.join("pg/PG_VERSION").exists(),
+        "no server was initialised with it"
+    );
+
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let message = onceflow_engine::pg::EmbeddedPg::start(&shared)
+        .expect_err("must refuse a world-writable folder")
+        .to_string();
+    assert!(
+        message.contains("other users may create files"),
+        "{message}"
+    );
+    assert!(message.contains("chmod go-w"), "{message}");
+    assert!(
+        !shared.join("pg.password").exists(),
+        "no secret written there"
+    );
+}
