@@ -193,6 +193,7 @@ async fn bench(
         url_guard: guard,
         hosts: api::Hosts::Any,
         auth: api::Auth::Off,
+        limits: Default::default(),
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))

@@ -91,6 +91,12 @@ pub struct ServeArgs {
     /// `localhost:<port>`: what a load balancer or DNS name in front sends.
     #[arg(long, env = "ONCEFLOW_ALLOWED_HOSTS", value_delimiter = ',')]
     pub allowed_hosts: Vec<String>,
+    /// Unfinished jobs above which intake answers 429 with Retry-After.
+    #[arg(long, env = "ONCEFLOW_MAX_BACKLOG", default_value_t = 100_000)]
+    pub max_backlog: u64,
+    /// The same bound per API token.
+    #[arg(long, env = "ONCEFLOW_MAX_BACKLOG_PER_TOKEN", default_value_t = 10_000)]
+    pub max_backlog_per_token: u64,
 }
 
 impl ServeArgs {

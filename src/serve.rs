@@ -64,6 +64,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             url_guard: config_guard,
             hosts: api::Hosts::for_listen(args.listen, &args.allowed_hosts),
             auth: api::Auth::Tokens { loopback },
+            limits: api::Limits::backlog(args.max_backlog, args.max_backlog_per_token),
         };
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))

@@ -44,6 +44,73 @@ pub struct ApiState {
     pub hosts: Hosts,
     /// Who may call it.
     pub auth: Auth,
+    /// Resource bounds of intake.
+    pub limits: Limits,
+}
+
+/// Per token (`None`: no token): when the backlog was read, in total and its own.
+type BacklogSeen = std::collections::HashMap<Option<i64>, (std::time::Instant, u64, u64)>;
+
+/// Resource bounds of intake.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// A request body must arrive within this long (a client dribbling it,
+    /// slowloris-style, gets `408`).
+    pub body_timeout: std::time::Duration,
+    /// Unfinished jobs in the database above which new jobs are refused
+    /// with `429` and `Retry-After`.
+    pub max_backlog: u64,
+    /// The same bound per API token.
+    pub max_backlog_per_token: u64,
+    /// The last counts read, with when (refreshed at most once a second).
+    seen: Arc<std::sync::Mutex<BacklogSeen>>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            body_timeout: std::time::Duration::from_secs(30),
+            max_backlog: 100_000,
+            max_backlog_per_token: 10_000,
+            seen: Default::default(),
+        }
+    }
+}
+
+impl Limits {
+    /// These bounds, with the default body timeout.
+    pub fn backlog(max_backlog: u64, max_backlog_per_token: u64) -> Self {
+        Limits {
+            max_backlog,
+            max_backlog_per_token,
+            ..Limits::default()
+        }
+    }
+
+    /// The backlog (in total, and of `owner`), at most a second old: one
+    /// indexed count per second per token, not one per request.
+    async fn counts(
+        &self,
+        store: &Store,
+        owner: Option<i64>,
+    ) -> Result<(u64, u64), crate::error::StoreError> {
+        let fresh = self
+            .seen
+            .lock()
+            .expect("limits lock")
+            .get(&owner)
+            .filter(|(at, _, _)| at.elapsed() < std::time::Duration::from_secs(1))
+            .map(|(_, total, mine)| (*total, *mine));
+        if let Some(counts) = fresh {
+            return Ok(counts);
+        }
+        let (total, mine) = store.backlog(owner).await?;
+        self.seen
+            .lock()
+            .expect("limits lock")
+            .insert(owner, (std::time::Instant::now(), total, mine));
+        Ok((total, mine))
+    }
 }
 
 /// How requests are authenticated.
@@ -267,6 +334,33 @@ async fn submit(
             None,
         );
     }
+    // Refuse before reading the body when the backlog is full.
+    match state.limits.counts(&state.store, who.owner()).await {
+        Ok((total, mine)) => {
+            let over = if total >= state.limits.max_backlog {
+                Some(format!(
+                    "{total} unfinished jobs; the limit is {}",
+                    state.limits.max_backlog
+                ))
+            } else if who.owner().is_some() && mine >= state.limits.max_backlog_per_token {
+                Some(format!(
+                    "this token has {mine} unfinished jobs; the limit is {}",
+                    state.limits.max_backlog_per_token
+                ))
+            } else {
+                None
+            };
+            if let Some(message) = over {
+                let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
+                r.headers_mut().insert(
+                    actix_web::http::header::RETRY_AFTER,
+                    actix_web::http::header::HeaderValue::from_static("5"),
+                );
+                return r;
+            }
+        }
+        Err(e) => return unavailable(e),
+    }
     let limit = state.body_limit;
     let too_large = || {
         error(
@@ -285,19 +379,37 @@ async fn submit(
         return too_large();
     }
     let mut body = web::BytesMut::new();
-    while let Some(chunk) = payload.next().await {
-        let Ok(chunk) = chunk else {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "bad_body",
-                "could not read the request body",
-                None,
-            );
-        };
-        if body.len() + chunk.len() > limit {
-            return too_large();
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let Ok(chunk) = chunk else {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    "could not read the request body",
+                    None,
+                ));
+            };
+            if body.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
         }
-        body.extend_from_slice(&chunk);
+        Ok(())
+    };
+    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
+        Ok(Ok(())) => {}
+        Ok(Err(refused)) => return refused,
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!(
+                    "the request body did not arrive within {} s",
+                    state.limits.body_timeout.as_secs_f64()
+                ),
+                None,
+            )
+        }
     }
     let job = match intake::parse(&body, &state.registry, &state.url_guard) {
         Ok(job) => job,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use onceflow_engine::api::{ApiState, Auth, Hosts, DEFAULT_BODY_LIMIT};
+use onceflow_engine::api::{ApiState, Auth, Hosts, Limits, DEFAULT_BODY_LIMIT};
 use onceflow_engine::intake::NewJob;
 use onceflow_engine::testkit::{Behaviour, FakeConsumer, TestEnv};
 use onceflow_engine::{JobState, Registry, UrlGuard};
@@ -21,6 +21,7 @@ const WAIT: Duration = Duration::from_secs(20);
 fn registry() -> Registry {
     let mut r = Registry::new();
     r.register(Completion::default());
+    r.register(Agent::new());
     r
 }
 
@@ -29,6 +30,10 @@ fn api(env: &TestEnv, guard: UrlGuard, hosts: Hosts) -> String {
 }
 
 fn api_with(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth) -> String {
+    api_limited(env, guard, hosts, auth, Limits::default())
+}
+
+fn api_limited(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth, limits: Limits) -> String {
     serve_api_state(ApiState {
         store: env.store.clone(),
         registry: registry(),
@@ -37,6 +42,7 @@ fn api_with(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth) -> String 
         url_guard: guard,
         hosts,
         auth,
+        limits,
     })
 }
 
@@ -292,6 +298,7 @@ async fn posts_must_be_json_and_hosts_must_be_known() {
         url_guard: UrlGuard::allow_private(),
         hosts: Hosts::for_listen(addr, &[]),
         auth: Auth::Off,
+        limits: Default::default(),
     });
     let body = serde_json::to_vec(&job_body("ct-1", &env.consumer.url())).unwrap();
     for content_type in [
@@ -344,6 +351,22 @@ async fn intake_refuses_nul_duplicate_keys_and_long_urls() {
     let (status, answer) = post_json(&base, &job_body("long-1", &long)).await;
     assert_eq!(status, 422, "{answer}");
     assert_eq!(answer["error"]["field"], "webhook_url");
+    // Documented upper bounds on what a job may cost.
+    let mut body = job_body("tokens-1", &env.consumer.url());
+    body["input"]["max_tokens"] = json!(2_000_000);
+    let (status, answer) = post_json(&base, &body).await;
+    assert_eq!(
+        (status, answer["error"]["field"].clone()),
+        (422, json!("input.max_tokens"))
+    );
+    let mut body = job_body("turns-1", &env.consumer.url());
+    body["workflow"] = json!("agent");
+    body["input"]["max_turns"] = json!(65);
+    let (status, answer) = post_json(&base, &body).await;
+    assert_eq!(
+        (status, answer["error"]["field"].clone()),
+        (422, json!("input.max_turns"))
+    );
     assert_eq!(env.sql("SELECT id FROM jobs").await, json!([]));
 }
 
@@ -596,4 +619,103 @@ async fn serve_off_loopback_needs_a_token_and_the_cli_sends_it() {
     );
     let job: Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(job["id"], "cli-1");
+}
+
+/// A full backlog is refused with `429` and `Retry-After`, in total and per
+/// token; nothing is stored.
+#[actix_rt::test]
+async fn a_full_backlog_is_refused_with_retry_after() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api_limited(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: true },
+        Limits::backlog(3, 2),
+    );
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let bob = env.store.create_token("bob", false).await.unwrap();
+    let jobs = format!("{base}/v1/jobs");
+    let hook = env.consumer.url();
+    for id in ["b-1", "b-2"] {
+        assert_eq!(
+            call(
+                Method::POST,
+                &jobs,
+                Some(&alice),
+                Some(&job_body(id, &hook))
+            )
+            .await
+            .0,
+            201
+        );
+    }
+    // The counts are read at most once a second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let r = client()
+        .post(&jobs)
+        .bearer_auth(&alice)
+        .json(&job_body("b-3", &hook))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 429, "alice's own backlog is full");
+    assert_eq!(r.headers()["retry-after"], "5");
+    // Bob has room of his own, until the total is reached.
+    assert_eq!(
+        call(
+            Method::POST,
+            &jobs,
+            Some(&bob),
+            Some(&job_body("c-1", &hook))
+        )
+        .await
+        .0,
+        201
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (status, body, _) = call(
+        Method::POST,
+        &jobs,
+        Some(&bob),
+        Some(&job_body("c-2", &hook)),
+    )
+    .await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "backlog_full");
+    assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 3);
+}
+
+/// A client that dribbles its body is cut off (`408`), not waited for.
+#[actix_rt::test]
+async fn a_dribbled_body_times_out() {
+    let env = TestEnv::new().await;
+    let mut limits = Limits::default();
+    limits.body_timeout = Duration::from_millis(500);
+    let base = api_limited(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Off,
+        limits,
+    );
+    let addr = base.trim_start_matches("http://").to_owned();
+    let answer = tokio::task::spawn_blocking(move || {
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .write_all(
+                b"POST /v1/jobs HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\"",
+            )
+            .unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = [0u8; 4096];
+        let n = stream.read(&mut buf).unwrap_or(0);
+        (String::from_utf8_lossy(&buf[..n]).into_owned(), started.elapsed())
+    })
+    .await
+    .unwrap();
+    assert!(answer.0.starts_with("HTTP/1.1 408"), "{:?}", answer.0);
+    assert!(answer.1 < Duration::from_secs(5), "{:?}", answer.1);
 }

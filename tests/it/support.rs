@@ -20,6 +20,7 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
         url_guard: onceflow_engine::UrlGuard::allow_private(),
         hosts: onceflow_engine::api::Hosts::Any,
         auth: onceflow_engine::api::Auth::Off,
+        limits: Default::default(),
     })
 }
 

@@ -68,6 +68,9 @@ pub struct AgentOutput {
     pub tool_calls: u32,
 }
 
+/// Largest `max_turns` accepted: each turn is a paid model call.
+pub const MAX_TURNS: u32 = 64;
+
 impl Workflow for Agent {
     const NAME: &'static str = "agent";
     type Input = AgentInput;
@@ -83,8 +86,13 @@ impl Workflow for Agent {
                 ));
             }
         }
-        if input.max_turns == Some(0) {
-            return Err(InvalidInput::new("input.max_turns", "must be at least 1"));
+        if let Some(turns) = input.max_turns {
+            if !(1..=MAX_TURNS).contains(&turns) {
+                return Err(InvalidInput::new(
+                    "input.max_turns",
+                    format!("must be between 1 and {MAX_TURNS}"),
+                ));
+            }
         }
         Ok(())
     }

@@ -58,6 +58,9 @@ pub struct CompletionOutput {
     pub usage: Option<Value>,
 }
 
+/// Largest `max_tokens` accepted (above every current model's output limit).
+pub const MAX_TOKENS: u32 = 1_000_000;
+
 impl Workflow for Completion {
     const NAME: &'static str = "completion";
     type Input = CompletionInput;
@@ -69,6 +72,14 @@ impl Workflow for Completion {
 
     fn validate(input: &CompletionInput) -> Result<(), InvalidInput> {
         crate::validate_chat(&input.model, input.messages.len())?;
+        if let Some(m) = input.max_tokens {
+            if !(1..=MAX_TOKENS).contains(&m) {
+                return Err(InvalidInput::new(
+                    "input.max_tokens",
+                    format!("must be between 1 and {MAX_TOKENS}"),
+                ));
+            }
+        }
         if let Some(t) = input.temperature {
             if !(0.0..=2.0).contains(&t) {
                 return Err(InvalidInput::new(

@@ -319,6 +319,26 @@ impl Store {
             .collect()
     }
 
+    /// Unfinished jobs in all, and of API token `owner` (0 for `None`).
+    pub async fn backlog(&self, owner: Option<i64>) -> Result<(u64, u64), StoreError> {
+        #[derive(QueryableByName)]
+        struct Counts {
+            #[diesel(sql_type = BigInt)]
+            total: i64,
+            #[diesel(sql_type = BigInt)]
+            mine: i64,
+        }
+        let mut conn = self.db().conn().await?;
+        let c: Counts = sql(
+            "SELECT count(*) AS total, count(*) FILTER (WHERE owner_token = $1) AS mine \
+             FROM jobs WHERE finished_at IS NULL",
+        )
+        .bind::<Nullable<BigInt>, _>(owner)
+        .get_result(&mut conn)
+        .await?;
+        Ok((c.total.max(0) as u64, c.mine.max(0) as u64))
+    }
+
     /// Live jobs whose workflow is not in `workflows` (a node cannot run them).
     pub async fn count_unrunnable(&self, workflows: &[String]) -> Result<u64, StoreError> {
         let mut conn = self.db().conn().await?;
