@@ -9,12 +9,35 @@ use clap::Args;
 use onceflow_engine::pg::EmbeddedPg;
 use onceflow_engine::{db, Db};
 
+/// A value that must not show up in logs: `Debug` prints `[redacted]`.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
 /// Where the database is.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
     /// PostgreSQL URL; unset: an embedded server in $ONCEFLOW_DATA_DIR/pg.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: Option<String>,
+    pub database_url: Option<Secret>,
     /// Where the embedded PostgreSQL keeps its data.
     #[arg(long, env = "ONCEFLOW_DATA_DIR", default_value = "./.onceflow")]
     pub data_dir: PathBuf,
@@ -40,14 +63,14 @@ pub struct ServeArgs {
     pub openai_base_url: String,
     /// Provider API key (sent as a bearer token).
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
-    pub openai_api_key: Option<String>,
+    pub openai_api_key: Option<Secret>,
     /// Speak HTTP/2 without TLS (h2c, prior knowledge) to a plain-http
     /// provider or gateway that supports it; HTTPS providers negotiate HTTP/2 by themselves.
     #[arg(long, env = "ONCEFLOW_PROVIDER_H2C")]
     pub provider_h2c: bool,
     /// Standard Webhooks signing secret (`whsec_…`); unset: webhooks are unsigned.
     #[arg(long, env = "ONCEFLOW_WEBHOOK_SECRET", hide_env_values = true)]
-    pub webhook_secret: Option<String>,
+    pub webhook_secret: Option<Secret>,
     /// Lease (visibility timeout) length in milliseconds.
     #[arg(long, env = "ONCEFLOW_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u64,
@@ -114,7 +137,8 @@ impl ServeArgs {
             },
             webhook_secret: self
                 .webhook_secret
-                .as_deref()
+                .as_ref()
+                .map(Secret::expose)
                 .map(str::parse)
                 .transpose()
                 .context("ONCEFLOW_WEBHOOK_SECRET")?,
@@ -124,7 +148,7 @@ impl ServeArgs {
             config.node_id = node.clone();
         }
         config.provider.base_url = self.openai_base_url.clone();
-        config.provider.api_key = self.openai_api_key.clone();
+        config.provider.api_key = self.openai_api_key.as_ref().map(|k| k.expose().to_owned());
         config.provider.h2c = self.provider_h2c;
         config.provider.timeout = Duration::from_millis(self.model_timeout_ms);
         if let Some(base) = self.retry_base_ms {
@@ -171,7 +195,7 @@ impl DbArgs {
     pub fn resolve(&self) -> anyhow::Result<Database> {
         if let Some(url) = &self.database_url {
             return Ok(Database {
-                url: url.clone(),
+                url: url.expose().to_owned(),
                 embedded: None,
             });
         }
@@ -227,5 +251,40 @@ impl Database {
             tracing::info!(?applied, "migrations applied");
         }
         Ok(db)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    #[test]
+    fn debug_output_redacts_every_secret() {
+        let cli = Cli::parse_from([
+            "onceflow",
+            "--database-url",
+            "postgres://u:db-password-1@h/d",
+            "--openai-api-key",
+            "sk-live-key-2",
+            "--webhook-secret",
+            "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+        ]);
+        let config = cli.serve.engine_config().unwrap();
+        let shown = format!("{cli:?} {config:?}");
+        for secret in [
+            "db-password-1",
+            "sk-live-key-2",
+            "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+        ] {
+            assert!(!shown.contains(secret), "{secret} shown in {shown}");
+        }
+        assert_eq!(config.provider.api_key.as_deref(), Some("sk-live-key-2"));
     }
 }

@@ -32,8 +32,7 @@ pub const APP_ROLE: &str = "onceflow_app";
 /// The system user the server runs as when we are root.
 const SERVICE_USER: &str = "postgres";
 
-/// A running PostgreSQL server we started (or adopted).
-#[derive(Debug)]
+/// A running PostgreSQL server we started (or adopted). `Debug` shows no password.
 pub struct EmbeddedPg {
     bin_dir: PathBuf,
     data_dir: PathBuf,
@@ -46,6 +45,16 @@ pub struct EmbeddedPg {
     started_here: bool,
     /// Keeps the reaper's stdin open; the reaper stops the server when it closes.
     _reaper: Option<std::process::ChildStdin>,
+}
+
+impl std::fmt::Debug for EmbeddedPg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedPg")
+            .field("data_dir", &self.data_dir)
+            .field("port", &self.port)
+            .field("started_here", &self.started_here)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
