@@ -190,6 +190,17 @@ async fn authenticate(state: &ApiState, req: &HttpRequest) -> Result<Who, HttpRe
             "an API token is required: send `Authorization: Bearer <token>` \
              (create one with `onceflow token create --name NAME`)",
         )),
+        // A reverse proxy in front of a loopback node would open development
+        // mode to the world: a proxied request needs a token.
+        None if ["forwarded", "x-forwarded-for", "x-real-ip"]
+            .iter()
+            .any(|h| req.headers().contains_key(*h)) =>
+        {
+            Err(unauthorized(
+                "this request came through a proxy: development mode (no tokens) answers only \
+                 direct loopback requests; create a token with `onceflow token create --name NAME`",
+            ))
+        }
         None => match state.store.tokens_exist().await {
             Ok(false) => Ok(Who::Anyone),
             Ok(true) => Err(unauthorized(

@@ -178,10 +178,13 @@ pub async fn grant_app_role(
 ) -> Result<(), StoreError> {
     use diesel_async::SimpleAsyncConnection;
     let plain = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-    assert!(
-        plain(database) && plain(role) && plain(password),
-        "role, database and password are plain identifiers"
-    );
+    if !(plain(database) && plain(role) && plain(password)) {
+        return Err(StoreError::Migrate(
+            "the application role's name, database and password must be plain letters, digits and _ \
+             (is the password file onceflow's own?)"
+                .into(),
+        ));
+    }
     let mut conn = AsyncPgConnection::establish(admin_url).await?;
     conn.batch_execute(&format!(
         "DO $$ BEGIN \

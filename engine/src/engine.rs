@@ -97,8 +97,11 @@ impl Shared {
     ) -> Self {
         // Webhooks and tools go to URLs callers and models choose: no
         // redirects, and names resolved through the SSRF guard.
+        // No proxy from the environment either: a proxy resolves the name
+        // itself, past the guard.
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(64)
+            .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .dns_resolver(crate::guard::GuardedResolver::new(config.url_guard.clone()))
             .build()

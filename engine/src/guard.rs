@@ -139,14 +139,28 @@ pub fn forbidden(ip: IpAddr) -> Option<&'static str> {
             // IPv4 inside IPv6: mapped (::ffff:a.b.c.d), compatible
             // (::a.b.c.d) and NAT64 (64:ff9b::a.b.c.d) reach the IPv4 address.
             let s = v6.segments();
+            let low_v4 = Ipv4Addr::from(((s[6] as u32) << 16) | s[7] as u32);
             if let Some(v4) = v6.to_ipv4_mapped() {
                 return forbidden_v4(v4);
             }
+            // IPv4-compatible (::a.b.c.d), IPv4-translated (::ffff:0:a.b.c.d)
+            // and NAT64 (64:ff9b::a.b.c.d) carry an IPv4 address in the low bits.
             if s[..6] == [0, 0, 0, 0, 0, 0] && !v6.is_loopback() && !v6.is_unspecified() {
-                return forbidden_v4(Ipv4Addr::from(((s[6] as u32) << 16) | s[7] as u32));
+                return forbidden_v4(low_v4);
+            }
+            if s[..6] == [0, 0, 0, 0, 0xffff, 0] {
+                return forbidden_v4(low_v4);
             }
             if s[0] == 0x64 && s[1] == 0xff9b && s[2..6] == [0, 0, 0, 0] {
-                return forbidden_v4(Ipv4Addr::from(((s[6] as u32) << 16) | s[7] as u32));
+                return forbidden_v4(low_v4);
+            }
+            // 6to4 (2002:a.b.c.d::/48) embeds the IPv4 address after the prefix.
+            if s[0] == 0x2002 {
+                return forbidden_v4(Ipv4Addr::from(((s[1] as u32) << 16) | s[2] as u32));
+            }
+            // The local-use NAT64 prefix and Teredo tunnels lead anywhere.
+            if (s[0] == 0x64 && s[1] == 0xff9b && s[2] == 1) || (s[0] == 0x2001 && s[1] == 0) {
+                return Some("translated (NAT64 local-use or Teredo)");
             }
             forbidden_v6(v6)
         }
@@ -169,6 +183,8 @@ fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
         Some("multicast")
     } else if ip.is_broadcast() || a >= 240 {
         Some("reserved")
+    } else if (a == 198 && (b == 18 || b == 19)) || (a == 192 && b == 0 && ip.octets()[2] == 0) {
+        Some("reserved (benchmarking, IETF protocol assignments)")
     } else {
         None
     }
@@ -220,12 +236,16 @@ impl reqwest::dns::Resolve for GuardedResolver {
                 .filter(|a| guard.permits(a.ip()))
                 .collect();
             if allowed.is_empty() {
-                let kinds: Vec<String> = found
+                // The kinds, never the addresses: a caller must not map the
+                // internal network through error messages.
+                let mut kinds: Vec<&str> = found
                     .iter()
-                    .map(|a| format!("{} ({})", a.ip(), forbidden(a.ip()).unwrap_or("public")))
+                    .map(|a| forbidden(a.ip()).unwrap_or("public"))
                     .collect();
+                kinds.sort_unstable();
+                kinds.dedup();
                 let refused = Refused(format!(
-                    "{host} resolves only to addresses onceflow does not send to: {}",
+                    "{host} resolves only to addresses onceflow does not send to ({})",
                     kinds.join(", ")
                 ));
                 return Err(Box::new(refused) as Box<dyn std::error::Error + Send + Sync>);
@@ -268,6 +288,12 @@ mod tests {
             "http://[fc12::1]/",
             "http://[fe80::1]/",
             "http://[ff02::1]/",
+            "http://[::ffff:0:7f00:1]/",
+            "http://[2002:7f00:1::]/",
+            "http://[2001:0:1::1]/",
+            "http://[64:ff9b:1::1]/",
+            "http://198.18.0.1/",
+            "http://192.0.0.8/",
             "http://localhost:8080/",
             "http://LOCALHOST./",
             "http://api.localhost/",
@@ -303,6 +329,10 @@ mod tests {
         };
         let refused = refused.downcast_ref::<Refused>().expect("a Refused error");
         assert!(refused.0.contains("loopback"), "{refused}");
+        assert!(
+            !refused.0.contains("127.0.0.1"),
+            "no addresses in the message: {refused}"
+        );
         let name: reqwest::dns::Name = "localhost".parse().unwrap();
         let open = GuardedResolver::new(UrlGuard::allow_private())
             .resolve(name)

@@ -178,10 +178,11 @@ pub async fn post(
     for (name, value) in headers {
         request = request.header(name, value);
     }
+    // The URL stays out of the error (it may carry a key in its query).
     let response = request
         .send()
         .await
-        .map_err(|e| PostError::Failed(classify(&e)))?;
+        .map_err(|e| PostError::Failed(classify(&e.without_url())))?;
     if let Some(seam) = seam {
         seam.faults
             .hit(seam.job_id, seam.point)
@@ -263,14 +264,20 @@ pub fn redact(body: &str) -> String {
         let (word, after) = rest.split_at(end);
         if word.starts_with("sk-") && word.len() > 8 {
             out.push_str("[redacted]");
-        } else if word.eq_ignore_ascii_case("bearer") && after.starts_with(' ') {
+        } else if ["bearer", "basic", "token"]
+            .iter()
+            .any(|scheme| word.eq_ignore_ascii_case(scheme))
+            && after.starts_with(char::is_whitespace)
+        {
+            // `Bearer <token>`, `Basic <credentials>`, `Token <token>`.
             out.push_str(word);
             out.push(' ');
-            let value = after[1..]
+            let value = after.trim_start();
+            let end = value
                 .find(|c: char| c.is_whitespace() || c == '"' || c == ',')
-                .unwrap_or(after.len() - 1);
+                .unwrap_or(value.len());
             out.push_str("[redacted]");
-            rest = &after[1 + value..];
+            rest = &value[end..];
             continue;
         } else if !word.is_empty() && sensitive(word) {
             // `"api_key": "…"` or `api_key=…`: keep the name, drop the value.
@@ -339,11 +346,13 @@ mod tests {
 
     #[test]
     fn credentials_in_error_bodies_are_redacted() {
-        let body = r#"{"error": {"message": "Incorrect API key provided: sk-proj-abcdef123456. Header Authorization: Bearer abc.def-ghi", "api_key": "hunter2", "code": "invalid"}}"#;
+        let body = r#"{"error": {"message": "Incorrect API key provided: sk-proj-abcdef123456. Header Authorization: Bearer abc.def-ghi, or Basic dXNlcjpwdw== or token  tok123", "api_key": "hunter2", "code": "invalid"}}"#;
         let out = redact(body);
         assert!(!out.contains("sk-proj-abcdef123456"), "{out}");
         assert!(!out.contains("abc.def-ghi"), "{out}");
         assert!(!out.contains("hunter2"), "{out}");
+        assert!(!out.contains("dXNlcjpwdw"), "{out}");
+        assert!(!out.contains("tok123"), "{out}");
         assert!(out.contains("Incorrect API"), "{out}");
         assert!(out.contains("\"code\": \"invalid\""), "{out}");
         assert_eq!(redact(&"x".repeat(2000)).len(), 500);

@@ -573,6 +573,21 @@ fn check_private_folder(root: &Path, run_as: Option<RunAs>) -> Result<(), PgErro
     } else {
         None
     };
+    // A folder above that others may write to (without the sticky bit,
+    // which keeps them from renaming what is not theirs) lets them swap
+    // this one after the check.
+    let problem = problem.or_else(|| {
+        root.ancestors().skip(1).find_map(|ancestor| {
+            let m = fs::metadata(ancestor).ok()?;
+            (m.mode() & 0o002 != 0 && m.mode() & 0o1000 == 0).then(|| {
+                format!(
+                    "lies under {}, which other users may write to (mode {:o}) and so replace it",
+                    ancestor.display(),
+                    m.mode() & 0o7777
+                )
+            })
+        })
+    });
     match problem {
         None => Ok(()),
         Some(problem) => Err(PgError::Unsafe {

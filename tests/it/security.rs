@@ -415,6 +415,14 @@ async fn tokens_scope_every_job_to_its_owner() {
     )
     .await;
     assert_eq!(status, 201);
+    // ...but not through a reverse proxy, which would open it to the world.
+    let proxied = client()
+        .get(format!("{base}/v1/jobs/dev-1"))
+        .header("x-forwarded-for", "203.0.113.7")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(proxied.status().as_u16(), 401);
 
     let alice = env.store.create_token("alice", false).await.unwrap();
     let bob = env.store.create_token("bob", false).await.unwrap();
