@@ -194,6 +194,7 @@ async fn bench(
         hosts: api::Hosts::Any,
         auth: api::Auth::Off,
         limits: Default::default(),
+        draining: Default::default(),
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))

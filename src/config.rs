@@ -114,6 +114,10 @@ pub struct ServeArgs {
     /// `localhost:<port>`: what a load balancer or DNS name in front sends.
     #[arg(long, env = "ONCEFLOW_ALLOWED_HOSTS", value_delimiter = ',')]
     pub allowed_hosts: Vec<String>,
+    /// On SIGTERM/SIGINT, how long requests in flight get to finish and be
+    /// recorded before the node hands its jobs over (e.g. 10s, 1m).
+    #[arg(long, env = "ONCEFLOW_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
     /// Unfinished jobs above which intake answers 429 with Retry-After.
     #[arg(long, env = "ONCEFLOW_MAX_BACKLOG", default_value_t = 100_000)]
     pub max_backlog: u64,

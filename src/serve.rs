@@ -56,6 +56,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         if args.allow_private_urls {
             tracing::warn!("ONCEFLOW_ALLOW_PRIVATE_URLS is set: webhooks and tools may reach loopback, private and link-local addresses (the SSRF guard is off). For local development and tests only");
         }
+        let draining = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let state = ApiState {
             store,
             registry,
@@ -65,22 +66,51 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             hosts: api::Hosts::for_listen(args.listen, &args.allowed_hosts),
             auth: api::Auth::Tokens { loopback },
             limits: api::Limits::backlog(args.max_backlog, args.max_backlog_per_token),
+            draining: draining.clone(),
         };
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))
         })
         .workers(args.http_workers.max(1))
+        // Signals are ours: the API keeps answering (503) while the node drains.
+        .disable_signals()
         .shutdown_timeout(5)
         .bind(args.listen)
         .with_context(|| format!("binding {}", args.listen))?
         .run();
+        let http = server.handle();
+        let mut serving = actix_web::rt::spawn(server);
         tracing::info!(listen = %args.listen, "onceflow is serving");
-        // Resolves on SIGINT/SIGTERM once in-flight requests are done.
-        server.await.context("HTTP server")?;
+        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("listening for SIGTERM")?;
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+            stopped = &mut serving => {
+                engine.shutdown();
+                return match stopped {
+                    Ok(Ok(())) => Err(anyhow::anyhow!("the HTTP server stopped by itself")),
+                    Ok(Err(e)) => Err(anyhow::Error::from(e).context("HTTP server")),
+                    Err(e) => Err(anyhow::anyhow!("the HTTP server task failed: {e}")),
+                };
+            }
+        }
+        // Drain: no new jobs (intake and /healthz answer 503), requests in
+        // flight answered and recorded, then the leases handed over.
+        draining.store(true, std::sync::atomic::Ordering::Release);
         tracing::info!(
-            "shutting down: in-flight jobs stop here and resume from their last checkpoint"
+            timeout_s = args.drain_timeout.as_secs_f64(),
+            "draining: taking no new work; requests in flight finish and are recorded"
         );
-        engine.shutdown();
+        match engine.drain(args.drain_timeout).await {
+            Ok(released) => tracing::info!(
+                released,
+                "drained: leases released, other nodes resume those jobs at once"
+            ),
+            Err(e) => tracing::warn!(error = %e, "could not release the leases; they will expire"),
+        }
+        http.stop(true).await;
+        let _ = serving.await;
         anyhow::Ok(())
     });
     // Off the runtime: the exporters flush with a blocking client.

@@ -45,6 +45,9 @@ pub enum Outcome {
     Crashed,
     /// The database failed while settling the attempt; the lease expires and it is resumed.
     Abandoned(String),
+    /// The node is draining: the attempt stopped at a step boundary, with
+    /// everything it did recorded; the engine releases the lease.
+    Drained,
 }
 
 // ---- messages ---------------------------------------------------------------
@@ -145,6 +148,7 @@ impl JobRun {
             faults: shared.faults.clone(),
             wait_poll: shared.config.wait_poll,
             client: shared.client.clone(),
+            draining: shared.draining.clone(),
             tool_timeout: shared.config.webhook_timeout,
             guard: shared.config.url_guard.clone(),
             tool_response_limit: shared.config.tool_response_limit,
@@ -185,6 +189,7 @@ impl JobRun {
             Outcome::LeaseLost => ("lease_lost", false),
             Outcome::Crashed => ("crashed", true),
             Outcome::Abandoned(_) => ("abandoned", true),
+            Outcome::Drained => ("drained", false),
         };
         self.ctx.scope.end_job(name, error);
         outcome
@@ -193,6 +198,11 @@ impl JobRun {
     async fn drive(&mut self) -> Result<Outcome, StepError> {
         let faults = self.shared.faults.clone();
         loop {
+            // A drain lets the step in progress finish and record itself,
+            // and starts nothing new.
+            if self.shared.is_draining() && !self.state.is_terminal() {
+                return Err(StepError::Draining);
+            }
             let reached = match next_step(self.state) {
                 Step::RunBody | Step::Persist => {
                     // From `generated` the body replays from the journal: no
@@ -325,6 +335,9 @@ impl JobRun {
             self.ctx.scope.step(SPAN_DELIVER, SpanKind::Client, attrs)
         };
         loop {
+            if self.shared.is_draining() {
+                return Err(StepError::Draining);
+            }
             let start = match self.first_send.take() {
                 // We claimed the event in this attempt: send 1 is ours already.
                 Some((url, body)) => DeliveryStart::Send {
@@ -481,6 +494,7 @@ impl JobRun {
                         tracing::warn!(job.id = %job_id, %point, "attempt crashed (injected)");
                         Outcome::Crashed
                     }
+                    StepError::Draining => Outcome::Drained,
                     _ => Outcome::LeaseLost,
                 };
             }

@@ -46,6 +46,8 @@ pub struct ApiState {
     pub auth: Auth,
     /// Resource bounds of intake.
     pub limits: Limits,
+    /// Set while the node drains: intake and `/healthz` answer `503`.
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Per token (`None`: no token): when the backlog was read, in total and its own.
@@ -333,6 +335,19 @@ async fn submit(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
+        let mut r = error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "this node is shutting down and takes no new jobs; retry (another node, or this one restarted)",
+            None,
+        );
+        r.headers_mut().insert(
+            actix_web::http::header::RETRY_AFTER,
+            actix_web::http::header::HeaderValue::from_static("2"),
+        );
+        return r;
+    }
     let who = match authenticate(&state, &req).await {
         Ok(who) => who,
         Err(refused) => return refused,
@@ -539,6 +554,14 @@ async fn get_job(
 /// Open to anyone and any `Host` (load balancers probe by address): it
 /// says nothing but whether the database answers.
 async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
+    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "this node is shutting down",
+            None,
+        );
+    }
     match state.store.healthy().await {
         Ok(true) => HttpResponse::Ok().json(json!({ "status": "ok" })),
         Ok(false) => error(

@@ -30,6 +30,8 @@ pub struct Context {
     /// How often a step waiting on a concurrent attempt looks again.
     pub(crate) wait_poll: Duration,
     pub(crate) client: reqwest::Client,
+    /// Set when the node drains: no new side effect starts.
+    pub(crate) draining: Arc<std::sync::atomic::AtomicBool>,
     /// Timeout of a tool's own requests.
     pub(crate) tool_timeout: Duration,
     /// The SSRF guard for the URLs tools and steps post to.
@@ -50,6 +52,15 @@ pub enum Served {
 }
 
 impl Context {
+    /// `Err(Draining)` when the node drains: a side effect must not start.
+    fn not_draining(&self) -> Result<(), StepError> {
+        if self.draining.load(std::sync::atomic::Ordering::Acquire) {
+            Err(StepError::Draining)
+        } else {
+            Ok(())
+        }
+    }
+
     /// The job's id (its business id).
     pub fn job_id(&self) -> &str {
         &self.fence.job_id
@@ -99,6 +110,7 @@ impl Context {
             ],
         );
         let attempt = loop {
+            self.not_draining()?;
             // Boxed: the journal writes are not live while the model call
             // waits, so they need not widen the future every job keeps.
             match Box::pin(
@@ -418,6 +430,7 @@ impl Context {
             ],
         );
         let attempt = loop {
+            self.not_draining()?;
             match self
                 .store
                 .begin_tool_call(&self.fence, &spec, in_flight_ms)
@@ -561,6 +574,7 @@ impl Context {
             span.end(OUTCOME_REPLAYED);
             return decode(&stored);
         }
+        self.not_draining()?;
         let output = work(StepInvocation {
             job_id: self.fence.job_id.clone(),
             idempotency_key: key.clone(),

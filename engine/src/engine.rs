@@ -86,6 +86,8 @@ pub(crate) struct Shared {
     pub(crate) client: reqwest::Client,
     pub(crate) faults: Faults,
     pub(crate) counters: Arc<Counters>,
+    /// Set by [`Engine::drain`]: attempts start no new side effect.
+    pub(crate) draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Shared {
@@ -127,7 +129,12 @@ impl Shared {
             client,
             faults,
             counters: Arc::new(Counters::default()),
+            draining: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
+    }
+
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
@@ -138,6 +145,7 @@ pub struct Engine {
     node_id: String,
     stop_listener: tokio::sync::watch::Sender<bool>,
     counters: Arc<Counters>,
+    draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -152,6 +160,7 @@ impl Engine {
         let node_id = config.node_id.clone();
         let shared = Arc::new(Shared::new(store.clone(), registry, faults, config));
         let counters = shared.counters.clone();
+        let draining = shared.draining.clone();
         let supervisor = Supervisor::new(shared).start();
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
         actix::spawn(listen(store.clone(), supervisor.clone(), stopped));
@@ -161,6 +170,7 @@ impl Engine {
             node_id,
             stop_listener,
             counters,
+            draining,
         }
     }
 
@@ -188,6 +198,37 @@ impl Engine {
     pub fn shutdown(&self) {
         let _ = self.stop_listener.send(true);
         self.supervisor.do_send(Shutdown);
+    }
+
+    /// Drains the node: takes no new work, lets every attempt finish the
+    /// request it has in flight and record it (so no provider or consumer is
+    /// asked twice for a deploy), starts no new side effect, then — once all
+    /// attempts stopped, or after `timeout` — aborts what is left and
+    /// releases the node's leases, so another node resumes the jobs at once.
+    /// Returns how many leases were released.
+    pub async fn drain(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Result<usize, crate::error::StoreError> {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
+        let _ = self.stop_listener.send(true);
+        let _ = self.supervisor.send(crate::supervisor::Drain).await;
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.in_flight().await > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let left = self.in_flight().await;
+        if left > 0 {
+            tracing::warn!(left, "drain timed out; aborting the attempts still running");
+        }
+        let _ = self.supervisor.send(Shutdown).await;
+        self.store.release_leases(&self.node_id).await
+    }
+
+    /// Whether [`drain`](Self::drain) has begun.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Aborts every attempt and releases their leases, so another node (or

@@ -154,6 +154,10 @@ pub enum StepError {
     /// Another attempt owns the job (the epoch moved on): stop, write nothing.
     #[error("lease lost")]
     LeaseLost,
+    /// The node is draining: stop before the next side effect starts; the
+    /// engine releases the lease and another node resumes the job.
+    #[error("the node is draining")]
+    Draining,
     /// A failpoint crashed the attempt: stop on the spot, keep the lease until it expires.
     #[error("{0}")]
     Injected(#[from] crate::faults::Injected),
@@ -207,6 +211,7 @@ impl StepError {
             StepError::Injected(crate::faults::Injected::Crash(_)) => false,
             StepError::Store(e) => e.is_retryable(),
             StepError::LeaseLost
+            | StepError::Draining
             | StepError::Permanent { .. }
             | StepError::InvalidInput(_)
             | StepError::Serialize(_) => false,
@@ -220,6 +225,7 @@ impl StepError {
             other => ErrorEnvelope {
                 code: match other {
                     StepError::LeaseLost => "lease_lost",
+                    StepError::Draining => "draining",
                     StepError::Injected(_) => "injected",
                     StepError::InvalidInput(_) => "invalid_input",
                     StepError::Serialize(_) => "serialize",

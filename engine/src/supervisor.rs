@@ -43,6 +43,11 @@ pub struct InFlight;
 #[rtype(result = "()")]
 pub struct Shutdown;
 
+/// Take no new work (the node drains); attempts in flight carry on.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
 /// Counts of what the supervisor has done, for tests and `/metrics`.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -370,6 +375,13 @@ impl Handler<InFlight> for Supervisor {
     type Result = usize;
     fn handle(&mut self, _: InFlight, _: &mut Self::Context) -> usize {
         self.in_flight.len()
+    }
+}
+
+impl Handler<Drain> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, _: Drain, _: &mut Self::Context) {
+        self.stopping = true;
     }
 }
 

@@ -46,7 +46,9 @@ pub fn on_failure(
     job_attempt: u32,
 ) -> Verdict {
     match error {
-        StepError::LeaseLost | StepError::Injected(Injected::Crash(_)) => Verdict::Stop,
+        StepError::LeaseLost | StepError::Draining | StepError::Injected(Injected::Crash(_)) => {
+            Verdict::Stop
+        }
         StepError::Retry {
             attempt,
             retry_after,

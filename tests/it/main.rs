@@ -11,6 +11,7 @@ mod embedded;
 mod explorer;
 mod intake;
 mod journal;
+mod operations;
 mod security;
 mod support;
 mod telemetry;

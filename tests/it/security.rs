@@ -43,6 +43,7 @@ fn api_limited(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth, limits:
         hosts,
         auth,
         limits,
+        draining: Default::default(),
     })
 }
 
@@ -299,6 +300,7 @@ async fn posts_must_be_json_and_hosts_must_be_known() {
         hosts: Hosts::for_listen(addr, &[]),
         auth: Auth::Off,
         limits: Default::default(),
+        draining: Default::default(),
     });
     let body = serde_json::to_vec(&job_body("ct-1", &env.consumer.url())).unwrap();
     for content_type in [

@@ -21,6 +21,7 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
         hosts: onceflow_engine::api::Hosts::Any,
         auth: onceflow_engine::api::Auth::Off,
         limits: Default::default(),
+        draining: Default::default(),
     })
 }
 
