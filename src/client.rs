@@ -200,3 +200,98 @@ pub fn render_status(job: &Value) -> String {
     }
     out
 }
+
+#[derive(Debug, Args)]
+pub struct JobsArgs {
+    /// Only jobs in this state (received, …, acked, dead).
+    #[arg(long)]
+    pub state: Option<String>,
+    /// Only jobs of this workflow.
+    #[arg(long)]
+    pub workflow: Option<String>,
+    /// How many (1–500).
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+    /// Continue after a previous page (its `next_cursor`).
+    #[arg(long)]
+    pub cursor: Option<String>,
+    /// Print the raw JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// `onceflow jobs`: one page of jobs, newest first.
+pub fn jobs(args: JobsArgs) -> anyhow::Result<()> {
+    let url = format!("{}/v1/jobs", args.server.trim_end_matches('/'));
+    let mut query: Vec<(&str, String)> = vec![("limit", args.limit.to_string())];
+    if let Some(s) = &args.state {
+        query.push(("state", s.clone()));
+    }
+    if let Some(w) = &args.workflow {
+        query.push(("workflow", w.clone()));
+    }
+    if let Some(c) = &args.cursor {
+        query.push(("cursor", c.clone()));
+    }
+    let encode = |v: &str| {
+        v.bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    (b as char).to_string()
+                }
+                other => format!("%{other:02X}"),
+            })
+            .collect::<String>()
+    };
+    let url = format!(
+        "{url}?{}",
+        query
+            .iter()
+            .map(|(k, v)| format!("{k}={}", encode(v)))
+            .collect::<Vec<_>>()
+            .join("&")
+    );
+    runtime()?.block_on(async {
+        let response = with_token(reqwest::Client::new().get(&url), args.token.as_deref())
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the onceflow server at {}", args.server))?;
+        let status = response.status();
+        let page: Value = response
+            .json()
+            .await
+            .context("the server's answer is not JSON")?;
+        if !status.is_success() {
+            return Err(api_error(status, &page));
+        }
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&page)?);
+            return Ok(());
+        }
+        println!(
+            "{:<40} {:<20} {:<10} {:>8}  {:<25}  reason",
+            "id", "workflow", "state", "attempts", "created"
+        );
+        for j in page["jobs"].as_array().into_iter().flatten() {
+            println!(
+                "{:<40} {:<20} {:<10} {:>8}  {:<25}  {}",
+                j["id"].as_str().unwrap_or_default(),
+                j["workflow"].as_str().unwrap_or_default(),
+                j["state"].as_str().unwrap_or_default(),
+                j["attempts"],
+                j["created_at"].as_str().unwrap_or_default(),
+                j["dead_reason"].as_str().unwrap_or_default()
+            );
+        }
+        if let Some(next) = page["next_cursor"].as_str() {
+            println!("\nmore: onceflow jobs --cursor {next}");
+        }
+        Ok(())
+    })
+}

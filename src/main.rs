@@ -37,6 +37,8 @@ enum Command {
     Submit(client::SubmitArgs),
     /// Print a job's state and history.
     Status(client::StatusArgs),
+    /// List jobs, newest first (filter by state or workflow).
+    Jobs(client::JobsArgs),
     /// Manage API tokens (create, list, revoke).
     Token(token::TokenArgs),
     /// Benchmark: jobs end to end through the HTTP API against a loopback provider and consumer.
@@ -56,6 +58,7 @@ fn main() -> std::process::ExitCode {
         Command::Submit(args) => client::submit(args),
         Command::Status(args) => client::status(args),
         Command::Token(args) => token::run(args),
+        Command::Jobs(args) => client::jobs(args),
         Command::Bench(args) => bench::run(args),
         Command::FakeProvider(args) => bench::fake_provider(args),
     };

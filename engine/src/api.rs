@@ -146,6 +146,15 @@ impl Who {
         }
     }
 
+    /// The owner filter of a listing: `None` (all jobs) unless a plain token.
+    fn scope(self) -> Option<i64> {
+        match self {
+            Who::Anyone => None,
+            Who::Token(c) if c.admin => None,
+            Who::Token(c) => Some(c.token),
+        }
+    }
+
     fn sees(self, owner: Option<i64>) -> bool {
         match self {
             Who::Anyone => true,
@@ -273,6 +282,8 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
         cfg.app_data(web::Data::new(state))
             .route("/v1/jobs", web::post().to(submit))
+            .route("/v1/jobs", web::get().to(list_jobs))
+            .route("/v1/stats", web::get().to(stats))
             .route("/v1/jobs/{id}", web::get().to(get_job))
             .route("/healthz", web::get().to(healthz))
             .route("/metrics", web::get().to(metrics))
@@ -547,6 +558,136 @@ async fn get_job(
             format!("no job {:?}", id.as_str()),
             None,
         ),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// The query of `GET /v1/jobs`.
+#[derive(Debug, serde::Deserialize)]
+struct ListQuery {
+    state: Option<String>,
+    workflow: Option<String>,
+    since: Option<String>,
+    limit: Option<String>,
+    cursor: Option<String>,
+}
+
+/// Largest page of `GET /v1/jobs`.
+pub const MAX_PAGE: i64 = 500;
+
+/// A keyset cursor: the last row of a page, as `created_at` (µs) and id,
+/// URL-safe base64. Opaque to clients.
+fn encode_cursor(at: chrono::DateTime<chrono::Utc>, id: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .encode(format!("{}|{id}", at.timestamp_micros()))
+}
+
+fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Utc>, String)> {
+    use base64::Engine as _;
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(cursor)
+        .ok()?;
+    let text = String::from_utf8(raw).ok()?;
+    let (micros, id) = text.split_once('|')?;
+    let at = chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?;
+    crate::intake::validate_id(id).ok()?;
+    Some((at, id.to_owned()))
+}
+
+/// `GET /v1/jobs?state=&workflow=&since=&limit=&cursor=`: newest first,
+/// keyset-paginated; a token sees its own jobs, an admin token all.
+async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let query = match web::Query::<ListQuery>::from_query(req.query_string()) {
+        Ok(q) => q.into_inner(),
+        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_query", e.to_string(), None),
+    };
+    let invalid = |field: &str, message: String| {
+        error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            message,
+            Some(field),
+        )
+    };
+    let job_state = match query
+        .state
+        .as_deref()
+        .map(str::parse::<crate::lifecycle::JobState>)
+    {
+        None => None,
+        Some(Ok(s)) => Some(s),
+        Some(Err(_)) => {
+            let names: Vec<&str> = crate::lifecycle::JobState::ALL
+                .iter()
+                .map(|s| s.as_str())
+                .collect();
+            return invalid("state", format!("must be one of {}", names.join(", ")));
+        }
+    };
+    let since = match query
+        .since
+        .as_deref()
+        .map(chrono::DateTime::parse_from_rfc3339)
+    {
+        None => None,
+        Some(Ok(t)) => Some(t.with_timezone(&chrono::Utc)),
+        Some(Err(e)) => return invalid("since", format!("must be an RFC 3339 time: {e}")),
+    };
+    let limit = match query.limit.as_deref().map(str::parse::<i64>) {
+        None => 50,
+        Some(Ok(n)) if (1..=MAX_PAGE).contains(&n) => n,
+        Some(_) => return invalid("limit", format!("must be a number from 1 to {MAX_PAGE}")),
+    };
+    let before = match query.cursor.as_deref().map(decode_cursor) {
+        None => None,
+        Some(Some(c)) => Some(c),
+        Some(None) => return invalid("cursor", "is not a cursor this server gave out".into()),
+    };
+    let filter = crate::store::ListFilter {
+        state: job_state,
+        workflow: query.workflow,
+        since,
+        owner: who.scope(),
+        before,
+        limit,
+    };
+    match state.store.list_jobs(&filter).await {
+        Ok((jobs, more)) => {
+            let next_cursor = more
+                .then(|| jobs.last().map(|j| encode_cursor(j.created_at, &j.id)))
+                .flatten();
+            HttpResponse::Ok().json(json!({ "jobs": jobs, "next_cursor": next_cursor }))
+        }
+        Err(e) => unavailable(e),
+    }
+}
+
+/// `GET /v1/stats`: jobs per state (every state), of the token's own jobs or,
+/// for an admin token, of all.
+async fn stats(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    match state.store.stats(who.scope()).await {
+        Ok(counts) => {
+            let states: serde_json::Map<String, serde_json::Value> = counts
+                .into_iter()
+                .map(|(s, n)| (s.as_str().to_owned(), json!(n)))
+                .collect();
+            HttpResponse::Ok().json(json!({ "states": states }))
+        }
         Err(e) => unavailable(e),
     }
 }

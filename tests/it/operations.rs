@@ -122,3 +122,164 @@ async fn sigterm_drains_and_hands_jobs_over_without_paying_twice() {
         "no job taken while draining"
     );
 }
+
+fn list_api(env: &TestEnv, auth: onceflow_engine::api::Auth) -> String {
+    let mut registry = onceflow_engine::Registry::new();
+    registry.register(onceflow_workflows::Completion::default());
+    crate::support::serve_api_state(onceflow_engine::api::ApiState {
+        store: env.store.clone(),
+        registry,
+        body_limit: onceflow_engine::api::DEFAULT_BODY_LIMIT,
+        telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
+        url_guard: onceflow_engine::UrlGuard::allow_private(),
+        hosts: onceflow_engine::api::Hosts::Any,
+        auth,
+        limits: Default::default(),
+        draining: Default::default(),
+    })
+}
+
+async fn get_as(url: &str, token: Option<&str>) -> (u16, Value) {
+    let mut r = client().get(url);
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    let r = r.send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+fn ids_of(page: &Value) -> Vec<String> {
+    page["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// `GET /v1/jobs`: newest first, keyset pages that neither repeat nor skip
+/// when jobs arrive between them, filters, and a token sees its own jobs;
+/// `GET /v1/stats` counts every state.
+#[actix_rt::test]
+async fn jobs_are_listed_newest_first_in_stable_pages() {
+    let env = TestEnv::new().await;
+    let base = list_api(&env, onceflow_engine::api::Auth::Tokens { loopback: true });
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let admin = env.store.create_token("ops", true).await.unwrap();
+    let hook = env.consumer.url();
+    for i in 0..7 {
+        let r = client()
+            .post(format!("{base}/v1/jobs"))
+            .bearer_auth(&alice)
+            .json(&job(&format!("list-{i}"), &hook))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201);
+    }
+    // Someone else's job: alice never sees it.
+    let r = client()
+        .post(format!("{base}/v1/jobs"))
+        .bearer_auth(&admin)
+        .json(&job("ops-1", &hook))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+
+    let (status, first) = get_as(&format!("{base}/v1/jobs?limit=3"), Some(&alice)).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(ids_of(&first), ["list-6", "list-5", "list-4"]);
+    // A job arriving between pages does not shift them.
+    let r = client()
+        .post(format!("{base}/v1/jobs"))
+        .bearer_auth(&alice)
+        .json(&job("list-7", &hook))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let cursor = first["next_cursor"].as_str().unwrap();
+    let (_, second) = get_as(
+        &format!("{base}/v1/jobs?limit=3&cursor={cursor}"),
+        Some(&alice),
+    )
+    .await;
+    assert_eq!(ids_of(&second), ["list-3", "list-2", "list-1"]);
+    let cursor = second["next_cursor"].as_str().unwrap();
+    let (_, third) = get_as(
+        &format!("{base}/v1/jobs?limit=3&cursor={cursor}"),
+        Some(&alice),
+    )
+    .await;
+    assert_eq!(ids_of(&third), ["list-0"]);
+    assert_eq!(third["next_cursor"], Value::Null);
+
+    // Filters, and the admin's view of everything.
+    env.execute("UPDATE jobs SET state = 'dead', dead_reason = 'test', finished_at = now() WHERE id = 'list-2'")
+        .await;
+    let (_, dead) = get_as(&format!("{base}/v1/jobs?state=dead"), Some(&alice)).await;
+    assert_eq!(ids_of(&dead), ["list-2"]);
+    assert_eq!(dead["jobs"][0]["dead_reason"], "test");
+    let (_, all) = get_as(&format!("{base}/v1/jobs?limit=500"), Some(&admin)).await;
+    assert_eq!(ids_of(&all).len(), 9);
+    let (_, none) = get_as(&format!("{base}/v1/jobs?workflow=agent"), Some(&admin)).await;
+    assert!(ids_of(&none).is_empty());
+    for (query, field) in [
+        ("state=running", "state"),
+        ("limit=0", "limit"),
+        ("limit=501", "limit"),
+        ("since=yesterday", "since"),
+        ("cursor=bm9wZQ", "cursor"),
+    ] {
+        let (status, body) = get_as(&format!("{base}/v1/jobs?{query}"), Some(&alice)).await;
+        assert_eq!(
+            (status, body["error"]["field"].clone()),
+            (422, json!(field)),
+            "{query}"
+        );
+    }
+    let (status, _) = get_as(&format!("{base}/v1/jobs"), None).await;
+    assert_eq!(status, 401);
+
+    let (_, mine) = get_as(&format!("{base}/v1/stats"), Some(&alice)).await;
+    assert_eq!(mine["states"]["received"], 7);
+    assert_eq!(mine["states"]["dead"], 1);
+    assert_eq!(mine["states"]["acked"], 0, "every state is present");
+    let (_, everyone) = get_as(&format!("{base}/v1/stats"), Some(&admin)).await;
+    assert_eq!(everyone["states"]["received"], 8);
+}
+
+/// `onceflow jobs --state dead` prints the dead jobs.
+#[actix_rt::test]
+async fn the_cli_lists_jobs() {
+    let env = TestEnv::new().await;
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    for id in ["cli-a", "cli-b"] {
+        let (status, _) = post_job(&base, &job(id, &env.consumer.url())).await;
+        assert_eq!(status, 201);
+    }
+    env.execute("UPDATE jobs SET state = 'dead', dead_reason = 'gone for good', finished_at = now() WHERE id = 'cli-b'")
+        .await;
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"))
+            .args(["jobs", "--state", "dead", "--server", &base])
+            .env_remove("ONCEFLOW_TOKEN")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("cli-b") && text.contains("gone for good"),
+        "{text}"
+    );
+    assert!(!text.contains("cli-a"), "{text}");
+}

@@ -341,3 +341,106 @@ pub(crate) fn not_found_is_none<T>(
         other => Err(other),
     }
 }
+
+/// One job in a list: what an operator scans for, not the whole record.
+#[derive(Debug, Clone, Serialize, QueryableByName)]
+pub struct JobSummary {
+    #[diesel(sql_type = Text)]
+    pub id: String,
+    #[diesel(sql_type = Text)]
+    pub workflow: String,
+    #[diesel(sql_type = Text)]
+    pub state: String,
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
+    #[diesel(sql_type = Integer)]
+    pub incarnation: i32,
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    pub updated_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub finished_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub dead_reason: Option<String>,
+}
+
+/// Which jobs to list.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub state: Option<JobState>,
+    pub workflow: Option<String>,
+    /// Created at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Only this token's jobs (`None`: everyone's).
+    pub owner: Option<i64>,
+    /// Strictly older than this (created_at, id): the keyset cursor.
+    pub before: Option<(DateTime<Utc>, String)>,
+    pub limit: i64,
+}
+
+impl Store {
+    /// Jobs newest first by (created_at, id), at most `filter.limit`, and
+    /// whether more follow. Keyset-paginated: a page continues strictly
+    /// after the last row of the previous one, so jobs submitted meanwhile
+    /// (newer) never shift or repeat a page.
+    pub async fn list_jobs(
+        &self,
+        filter: &ListFilter,
+    ) -> Result<(Vec<JobSummary>, bool), StoreError> {
+        let mut conn = self.db.conn().await?;
+        let (before_at, before_id) = match &filter.before {
+            Some((at, id)) => (Some(*at), Some(id.as_str())),
+            None => (None, None),
+        };
+        let mut rows: Vec<JobSummary> = sql(
+            "SELECT id, workflow, state::text AS state, attempts, incarnation, created_at, \
+                 updated_at, finished_at, dead_reason \
+             FROM jobs \
+             WHERE ($1::text IS NULL OR state::text = $1) \
+               AND ($2::text IS NULL OR workflow = $2) \
+               AND ($3::timestamptz IS NULL OR created_at >= $3) \
+               AND ($4::bigint IS NULL OR owner_token = $4) \
+               AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6::text)) \
+             ORDER BY created_at DESC, id DESC \
+             LIMIT $7",
+        )
+        .bind::<Nullable<Text>, _>(filter.state.map(JobState::as_str))
+        .bind::<Nullable<Text>, _>(filter.workflow.as_deref())
+        .bind::<Nullable<Timestamptz>, _>(filter.since)
+        .bind::<Nullable<BigInt>, _>(filter.owner)
+        .bind::<Nullable<Timestamptz>, _>(before_at)
+        .bind::<Nullable<Text>, _>(before_id)
+        .bind::<BigInt, _>(filter.limit + 1)
+        .load(&mut conn)
+        .await?;
+        let more = rows.len() as i64 > filter.limit;
+        rows.truncate(filter.limit.max(0) as usize);
+        Ok((rows, more))
+    }
+
+    /// Jobs per state (every state, zeros included), of `owner` or of all.
+    pub async fn stats(&self, owner: Option<i64>) -> Result<Vec<(JobState, u64)>, StoreError> {
+        #[derive(QueryableByName)]
+        struct StateCount {
+            #[diesel(sql_type = Text)]
+            state: String,
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let mut conn = self.db.conn().await?;
+        let rows: Vec<StateCount> = sql("SELECT state::text AS state, count(*) AS n FROM jobs \
+             WHERE ($1::bigint IS NULL OR owner_token = $1) GROUP BY state")
+        .bind::<Nullable<BigInt>, _>(owner)
+        .load(&mut conn)
+        .await?;
+        let mut counts: Vec<(JobState, u64)> = JobState::ALL.iter().map(|s| (*s, 0)).collect();
+        for r in rows {
+            let state = parse_state(&r.state)?;
+            if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == state) {
+                slot.1 = r.n.max(0) as u64;
+            }
+        }
+        Ok(counts)
+    }
+}

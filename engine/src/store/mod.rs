@@ -56,7 +56,7 @@ use crate::db::Db;
 use crate::error::StoreError;
 
 pub use batched::BatchKind;
-pub use jobs::{DeliveryView, HistoryEntry, Intake, JobView};
+pub use jobs::{DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter};
 pub use lease::{Checkpoint, Fence, Leased};
 
 /// The Postgres store.
