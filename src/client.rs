@@ -295,3 +295,130 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// The job id.
+    pub id: String,
+    /// Why (kept in the job's history).
+    #[arg(long, default_value = "cancelled from the CLI")]
+    pub reason: String,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RedriveArgs {
+    /// The dead job to resume (or --all-dead).
+    #[arg(required_unless_present = "all_dead", conflicts_with = "all_dead")]
+    pub id: Option<String>,
+    /// Every dead job (yours; an admin token: everyone's), oldest death first.
+    #[arg(long)]
+    pub all_dead: bool,
+    /// With --all-dead: only this workflow's.
+    #[arg(long, requires = "all_dead")]
+    pub workflow: Option<String>,
+    /// Why (kept in each job's history).
+    #[arg(long)]
+    pub reason: String,
+    /// Also re-send webhooks whose outcome is unknown (at-most-once), under the same webhook-id.
+    #[arg(long)]
+    pub confirm_unknown: bool,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+async fn post_action(
+    url: &str,
+    token: Option<&str>,
+    body: &Value,
+    server: &str,
+) -> anyhow::Result<Value> {
+    let response = with_token(reqwest::Client::new().post(url), token)
+        .json(body)
+        .send()
+        .await
+        .with_context(|| format!("cannot reach the onceflow server at {server}"))?;
+    let status = response.status();
+    let value: Value = response
+        .json()
+        .await
+        .context("the server's answer is not JSON")?;
+    if !status.is_success() {
+        return Err(api_error(status, &value));
+    }
+    Ok(value)
+}
+
+/// `onceflow cancel ID`.
+pub fn cancel(args: CancelArgs) -> anyhow::Result<()> {
+    let url = format!(
+        "{}/v1/jobs/{}/cancel",
+        args.server.trim_end_matches('/'),
+        args.id
+    );
+    runtime()?.block_on(async {
+        let job = post_action(
+            &url,
+            args.token.as_deref(),
+            &json!({ "reason": args.reason }),
+            &args.server,
+        )
+        .await?;
+        println!(
+            "job {} is {}",
+            args.id,
+            job["state"].as_str().unwrap_or("?")
+        );
+        Ok(())
+    })
+}
+
+/// `onceflow redrive ID | --all-dead`.
+pub fn redrive(args: RedriveArgs) -> anyhow::Result<()> {
+    let base = args.server.trim_end_matches('/');
+    let confirm = if args.confirm_unknown {
+        "?confirm_unknown=true"
+    } else {
+        ""
+    };
+    runtime()?.block_on(async {
+        match &args.id {
+            Some(id) => {
+                let url = format!("{base}/v1/jobs/{id}/redrive{confirm}");
+                let job = post_action(
+                    &url,
+                    args.token.as_deref(),
+                    &json!({ "reason": args.reason }),
+                    &args.server,
+                )
+                .await?;
+                println!(
+                    "job {id} resumes at {}",
+                    job["state"].as_str().unwrap_or("?")
+                );
+            }
+            None => {
+                let url = format!("{base}/v1/jobs/redrive{confirm}");
+                let mut body = json!({ "reason": args.reason });
+                if let Some(w) = &args.workflow {
+                    body["workflow"] = json!(w);
+                }
+                let counts = post_action(&url, args.token.as_deref(), &body, &args.server).await?;
+                println!(
+                    "redriven: {}, skipped (delivery unknown, needs --confirm-unknown): {}",
+                    counts["redriven"], counts["skipped_unknown"]
+                );
+            }
+        }
+        Ok(())
+    })
+}

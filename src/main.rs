@@ -39,6 +39,10 @@ enum Command {
     Status(client::StatusArgs),
     /// List jobs, newest first (filter by state or workflow).
     Jobs(client::JobsArgs),
+    /// Cancel a live job: nothing new starts; it ends `cancelled`.
+    Cancel(client::CancelArgs),
+    /// Resume a dead job (or every dead job) from its last checkpoint, with the same keys.
+    Redrive(client::RedriveArgs),
     /// Manage API tokens (create, list, revoke).
     Token(token::TokenArgs),
     /// Benchmark: jobs end to end through the HTTP API against a loopback provider and consumer.
@@ -59,6 +63,8 @@ fn main() -> std::process::ExitCode {
         Command::Status(args) => client::status(args),
         Command::Token(args) => token::run(args),
         Command::Jobs(args) => client::jobs(args),
+        Command::Cancel(args) => client::cancel(args),
+        Command::Redrive(args) => client::redrive(args),
         Command::Bench(args) => bench::run(args),
         Command::FakeProvider(args) => bench::fake_provider(args),
     };

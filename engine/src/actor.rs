@@ -240,6 +240,7 @@ impl JobRun {
                 Step::Done => {
                     return Ok(match self.state {
                         JobState::Dead => Outcome::Dead,
+                        JobState::Cancelled => Outcome::LeaseLost,
                         _ => Outcome::Acked,
                     })
                 }
@@ -523,7 +524,8 @@ impl JobRun {
             | JobState::Generated
             | JobState::Persisted
             | JobState::Acked
-            | JobState::Dead => self.shared.config.model_retry,
+            | JobState::Dead
+            | JobState::Cancelled => self.shared.config.model_retry,
         }
     }
 

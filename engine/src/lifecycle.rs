@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! received → generated → persisted → claimed → delivered → acked
-//!     \__________ any step may end in ____________/→ dead
+//!     \__________ any step may end in ____________/→ dead ─(redrive)→ its last live state
+//!     \__________ an operator may end any in ______/→ cancelled
 //! ```
 //!
 //! [`next_step`] decides what to do after a checkpoint with no I/O; the job
@@ -35,13 +36,18 @@ pub enum JobState {
     Delivered,
     /// Finished; out of the runnable set. Terminal (purged after retention).
     Acked,
-    /// A permanent failure, kept with its reason. Terminal until re-driven.
+    /// A permanent failure, kept with its reason. Terminal until re-driven:
+    /// `Store::redrive` moves it back to the last live state it reached.
     Dead,
+    /// An operator cancelled it (`Store::cancel`, from any live state). Final:
+    /// the cancel bumps the lease epoch, so an attempt still running records
+    /// nothing more and starts no new side effect.
+    Cancelled,
 }
 
 impl JobState {
     /// Every state, in lifecycle order.
-    pub const ALL: [JobState; 7] = [
+    pub const ALL: [JobState; 8] = [
         JobState::Received,
         JobState::Generated,
         JobState::Persisted,
@@ -49,6 +55,7 @@ impl JobState {
         JobState::Delivered,
         JobState::Acked,
         JobState::Dead,
+        JobState::Cancelled,
     ];
 
     /// The name stored in Postgres.
@@ -61,13 +68,14 @@ impl JobState {
             JobState::Delivered => "delivered",
             JobState::Acked => "acked",
             JobState::Dead => "dead",
+            JobState::Cancelled => "cancelled",
         }
     }
 
-    /// Acked and dead jobs are no longer runnable.
+    /// Acked, dead and cancelled jobs are no longer runnable.
     pub const fn is_terminal(self) -> bool {
         match self {
-            JobState::Acked | JobState::Dead => true,
+            JobState::Acked | JobState::Dead | JobState::Cancelled => true,
             JobState::Received
             | JobState::Generated
             | JobState::Persisted
@@ -84,13 +92,15 @@ impl JobState {
             JobState::Persisted => Some(JobState::Claimed),
             JobState::Claimed => Some(JobState::Delivered),
             JobState::Delivered => Some(JobState::Acked),
-            JobState::Acked | JobState::Dead => None,
+            JobState::Acked | JobState::Dead | JobState::Cancelled => None,
         }
     }
 
-    /// Whether `self → to` is a transition of the lifecycle.
+    /// Whether `self → to` is a transition of the lifecycle (a redrive,
+    /// `dead →` a live state, is the operator's and checked by `Store::redrive`).
     pub fn can_move_to(self, to: JobState) -> bool {
-        (to == JobState::Dead && !self.is_terminal()) || self.successor() == Some(to)
+        (matches!(to, JobState::Dead | JobState::Cancelled) && !self.is_terminal())
+            || self.successor() == Some(to)
     }
 }
 
@@ -141,7 +151,7 @@ pub const fn next_step(state: JobState) -> Step {
         JobState::Persisted => Step::Claim,
         JobState::Claimed => Step::Deliver,
         JobState::Delivered => Step::Ack,
-        JobState::Acked | JobState::Dead => Step::Done,
+        JobState::Acked | JobState::Dead | JobState::Cancelled => Step::Done,
     }
 }
 
@@ -168,9 +178,14 @@ mod tests {
     }
 
     #[test]
-    fn dead_is_reachable_from_every_live_state_only() {
+    fn dead_and_cancelled_are_reachable_from_every_live_state_only() {
         for st in JobState::ALL {
             assert_eq!(st.can_move_to(JobState::Dead), !st.is_terminal(), "{st}");
+            assert_eq!(
+                st.can_move_to(JobState::Cancelled),
+                !st.is_terminal(),
+                "{st}"
+            );
         }
         assert!(!JobState::Received.can_move_to(JobState::Persisted));
         assert!(!JobState::Acked.can_move_to(JobState::Received));
@@ -185,5 +200,6 @@ mod tests {
         assert_eq!(next_step(JobState::Delivered), Step::Ack);
         assert_eq!(next_step(JobState::Acked), Step::Done);
         assert_eq!(next_step(JobState::Dead), Step::Done);
+        assert_eq!(next_step(JobState::Cancelled), Step::Done);
     }
 }

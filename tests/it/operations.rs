@@ -262,6 +262,7 @@ async fn the_cli_lists_jobs() {
     }
     env.execute("UPDATE jobs SET state = 'dead', dead_reason = 'gone for good', finished_at = now() WHERE id = 'cli-b'")
         .await;
+    let base_for_cli = base.clone();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"))
             .args(["jobs", "--state", "dead", "--server", &base])
@@ -282,4 +283,293 @@ async fn the_cli_lists_jobs() {
         "{text}"
     );
     assert!(!text.contains("cli-a"), "{text}");
+    // `onceflow redrive` and `onceflow cancel` act through the same API.
+    let run = |args: Vec<String>| async move {
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"))
+                .args(args)
+                .env_remove("ONCEFLOW_TOKEN")
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap()
+    };
+    let base = base_for_cli;
+    let out = run(vec![
+        "redrive".into(),
+        "cli-b".into(),
+        "--reason".into(),
+        "retry it".into(),
+        "--server".into(),
+        base.clone(),
+    ])
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        env.job("cli-b").await.state,
+        onceflow_engine::JobState::Received
+    );
+    let out = run(vec![
+        "cancel".into(),
+        "cli-a".into(),
+        "--server".into(),
+        base.clone(),
+    ])
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        env.job("cli-a").await.state,
+        onceflow_engine::JobState::Cancelled
+    );
+    let again = run(vec![
+        "redrive".into(),
+        "cli-a".into(),
+        "--reason".into(),
+        "x".into(),
+        "--server".into(),
+        base,
+    ])
+    .await;
+    assert!(!again.status.success(), "a cancelled job is not dead");
+    assert!(String::from_utf8_lossy(&again.stderr).contains("409"));
+}
+
+async fn post_action(url: &str, body: Value) -> (u16, Value) {
+    let r = client().post(url).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+fn engine_registry(delivery: onceflow_engine::DeliveryPolicy) -> onceflow_engine::Registry {
+    let mut r = onceflow_engine::Registry::new();
+    r.register(onceflow_workflows::Completion::with_delivery(delivery));
+    r
+}
+
+/// Cancel: a job mid model call ends `cancelled`; the call may finish but
+/// nothing more is recorded or sent; repeats are no-ops; a finished job is 409.
+#[actix_rt::test]
+async fn a_cancelled_job_starts_nothing_more() {
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(1500));
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(10);
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        config,
+    );
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    env.submit("cancel-1", "hello").await;
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            env.provider.requests().len() == 1
+        })
+        .await
+    );
+    let (status, view) = post_action(
+        &format!("{base}/v1/jobs/cancel-1/cancel"),
+        json!({"reason": "customer withdrew"}),
+    )
+    .await;
+    assert_eq!(status, 202, "{view}");
+    assert_eq!(view["state"], "cancelled");
+    // The call in flight finishes; nothing is journaled, claimed or sent.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let job = env.job("cancel-1").await;
+    assert_eq!(job.state, JobState::Cancelled);
+    assert_eq!(env.provider.requests().len(), 1);
+    assert_eq!(
+        env.consumer.deliveries().len(),
+        0,
+        "no webhook after the cancel"
+    );
+    let journaled = env
+        .sql("SELECT status::text AS status FROM model_calls WHERE job_id = 'cancel-1'")
+        .await;
+    assert_eq!(
+        journaled[0]["status"], "pending",
+        "the late answer was not recorded"
+    );
+    let last = job.history.last().unwrap();
+    assert_eq!(last.state, JobState::Cancelled);
+    assert_eq!(last.note.as_deref(), Some("customer withdrew"));
+    assert_eq!(job.last_error.unwrap().code, "cancelled");
+    // Idempotent; a finished job cannot be cancelled; an unknown one is 404.
+    assert_eq!(
+        post_action(&format!("{base}/v1/jobs/cancel-1/cancel"), json!({}))
+            .await
+            .0,
+        202
+    );
+    env.submit("done-1", "hello").await;
+    env.wait_for("done-1", JobState::Acked, Duration::from_secs(20))
+        .await;
+    assert_eq!(
+        post_action(&format!("{base}/v1/jobs/done-1/cancel"), json!({}))
+            .await
+            .0,
+        409
+    );
+    assert_eq!(
+        post_action(&format!("{base}/v1/jobs/nobody/cancel"), json!({}))
+            .await
+            .0,
+        404
+    );
+    let history_count = env.sql("SELECT count(*) AS n FROM job_history WHERE job_id = 'cancel-1' AND state = 'cancelled'").await;
+    assert_eq!(history_count[0]["n"], 1, "the repeat wrote nothing");
+}
+
+/// Redrive: a job that died at delivery resumes at `claimed` with the same
+/// keys (no new model call), once even when redriven twice at once; a job
+/// that is not dead is a 409.
+#[actix_rt::test]
+async fn a_dead_job_is_redriven_from_its_last_checkpoint_once() {
+    use onceflow_engine::testkit::Behaviour;
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    env.consumer.push(Behaviour::Status(410, None));
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        env.config(),
+    );
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    env.submit("redrive-1", "hello").await;
+    env.wait_for("redrive-1", JobState::Dead, Duration::from_secs(20))
+        .await;
+    let url = format!("{base}/v1/jobs/redrive-1/redrive");
+    let (a, b) = tokio::join!(
+        post_action(&url, json!({"reason": "consumer fixed"})),
+        post_action(&url, json!({"reason": "consumer fixed"})),
+    );
+    let mut statuses = [a.0, b.0];
+    statuses.sort();
+    assert_eq!(statuses, [202, 409], "{a:?} {b:?}");
+    let job = env
+        .wait_for("redrive-1", JobState::Acked, Duration::from_secs(20))
+        .await;
+    assert_eq!(
+        env.provider.requests_for("job:redrive-1:generate"),
+        1,
+        "no second model call"
+    );
+    let deliveries = env.consumer.deliveries_for("redrive-1");
+    assert_eq!(deliveries.len(), 2);
+    assert!(deliveries
+        .iter()
+        .all(|d| d.webhook_id.as_deref() == Some("job:redrive-1:completed")));
+    assert_eq!(env.consumer.processed_for("redrive-1"), 1);
+    let redrives: Vec<_> = job
+        .history
+        .iter()
+        .filter(|h| h.note.as_deref() == Some("redrive: consumer fixed"))
+        .collect();
+    assert_eq!(
+        redrives.len(),
+        1,
+        "one redrive in the history: {:#?}",
+        job.history
+    );
+    assert_eq!(redrives[0].state, JobState::Claimed);
+    assert_eq!(
+        post_action(&url, json!({})).await.0,
+        409,
+        "an acked job is not dead"
+    );
+}
+
+/// At-most-once: a dead job whose delivery is `unknown` is re-sent only with
+/// an explicit confirmation, under the same webhook-id.
+#[actix_rt::test]
+async fn an_unknown_delivery_is_resent_only_when_confirmed() {
+    use onceflow_engine::faults::{Action, FailPoint};
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    env.faults
+        .arm_once("amo-r", FailPoint::WebhookAfterSend, Action::Crash);
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtMostOnce),
+        env.config(),
+    );
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    env.submit("amo-r", "hello").await;
+    let job = env
+        .wait_for("amo-r", JobState::Dead, Duration::from_secs(20))
+        .await;
+    assert_eq!(job.delivery.unwrap().status, "unknown");
+    let url = format!("{base}/v1/jobs/amo-r/redrive");
+    let (status, body) = post_action(&url, json!({"reason": "checked with the consumer"})).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["error"]["code"], "delivery_unknown");
+    assert_eq!(env.job("amo-r").await.state, JobState::Dead);
+    let (status, _) = post_action(
+        &format!("{url}?confirm_unknown=true"),
+        json!({"reason": "checked"}),
+    )
+    .await;
+    assert_eq!(status, 202);
+    env.wait_for("amo-r", JobState::Acked, Duration::from_secs(20))
+        .await;
+    let ids: Vec<_> = env
+        .consumer
+        .deliveries_for("amo-r")
+        .into_iter()
+        .map(|d| d.webhook_id)
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            Some("job:amo-r:completed".to_owned()),
+            Some("job:amo-r:completed".to_owned())
+        ]
+    );
+}
+
+/// Bulk redrive: every dead job of a filter, with a count.
+#[actix_rt::test]
+async fn dead_jobs_are_redriven_in_bulk() {
+    use onceflow_engine::testkit::Behaviour;
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    for _ in 0..3 {
+        env.provider.push(Behaviour::Status(400, None));
+    }
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        env.config(),
+    );
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    let ids = ["bulk-0", "bulk-1", "bulk-2"];
+    for id in ids {
+        env.submit(id, "hello").await;
+        env.wait_for(id, JobState::Dead, Duration::from_secs(20))
+            .await;
+    }
+    let (status, body) = post_action(
+        &format!("{base}/v1/jobs/redrive"),
+        json!({"reason": "provider fixed", "workflow": "completion"}),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["redriven"], 3);
+    for id in ids {
+        env.wait_for(id, JobState::Acked, Duration::from_secs(20))
+            .await;
+        assert_eq!(
+            env.provider.requests_for(&format!("job:{id}:generate")),
+            2,
+            "{id}: the refused call and one more"
+        );
+        assert_eq!(env.consumer.processed_for(id), 1);
+    }
 }

@@ -65,6 +65,9 @@ pub struct HistoryEntry {
     pub at: DateTime<Utc>,
     pub attempt: i32,
     pub worker: String,
+    /// Who asked and why, for an operator's transition (redrive, cancel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// The completion webhook's outbox row.
@@ -122,6 +125,8 @@ struct HistoryRow {
     attempt: i32,
     #[diesel(sql_type = Text)]
     worker: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    note: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -220,6 +225,7 @@ impl Store {
                     at: row.at,
                     attempt: 0,
                     worker: INTAKE_WORKER.to_owned(),
+                    note: None,
                 }],
                 delivery: None,
                 last_error: None,
@@ -263,7 +269,7 @@ impl Store {
             return Ok(None);
         };
         let history = sql(
-            "SELECT state::text AS state, at, attempt, worker FROM job_history WHERE job_id = $1 ORDER BY id",
+            "SELECT state::text AS state, at, attempt, worker, note FROM job_history WHERE job_id = $1 ORDER BY id",
         )
         .bind::<Text, _>(id)
         .load::<HistoryRow>(conn)
@@ -275,6 +281,7 @@ impl Store {
                 at: h.at,
                 attempt: h.attempt,
                 worker: h.worker,
+                note: h.note,
             })
         })
         .collect::<Result<Vec<_>, StoreError>>()?;

@@ -261,7 +261,7 @@ impl Store {
             "WITH moved AS ( \
                  UPDATE jobs SET state = 'dead', dead_reason = $3, last_error = $4, finished_at = now(), \
                      updated_at = now(), lease_owner = NULL, lease_expires_at = NULL \
-                 WHERE id = $1 AND lease_epoch = $2 AND state NOT IN ('acked', 'dead') \
+                 WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL \
                  RETURNING id) \
              INSERT INTO job_history (job_id, state, attempt, worker) \
              SELECT id, 'dead', $5, $6 FROM moved",
@@ -304,7 +304,7 @@ impl Store {
         let moved = sql(
             "UPDATE jobs SET run_at = $3, last_error = $4, lease_owner = NULL, lease_expires_at = NULL, \
                  updated_at = now() \
-             WHERE id = $1 AND lease_epoch = $2 AND state NOT IN ('acked', 'dead')",
+             WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
         )
         .bind::<Text, _>(&fence.job_id)
         .bind::<BigInt, _>(fence.epoch)
@@ -325,7 +325,7 @@ impl Store {
         let mut conn = self.db().conn().await?;
         Ok(sql(
             "UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now() \
-             WHERE lease_owner = $1 AND state NOT IN ('acked', 'dead')",
+             WHERE lease_owner = $1 AND finished_at IS NULL",
         )
         .bind::<Text, _>(node)
         .execute(&mut conn)

@@ -7,6 +7,7 @@
 //!   fenced checkpoints.
 //! * [`journal`]: model calls, results and the webhook outbox.
 //! * [`ledger`]: the tool ledger, the general step journal, retention purges.
+//! * [`operate`]: an operator's transitions, cancel and redrive.
 //! * [`sql`]: hand-written statements whose prepared form is cached.
 //! * [`tokens`]: API tokens, stored hashed.
 //! * `batch`, `batched`: group commit — `delivered`, `acked` and model answers
@@ -43,6 +44,7 @@ pub mod jobs;
 pub mod journal;
 pub mod lease;
 pub mod ledger;
+pub mod operate;
 pub mod sql;
 pub mod tokens;
 

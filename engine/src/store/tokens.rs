@@ -19,6 +19,10 @@ pub struct Caller {
     pub admin: bool,
 }
 
+/// A caller as recorded in history rows: `token:<name>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallerName(pub String);
+
 /// A token as `token list` shows it (never the token itself).
 #[derive(Debug, Clone, QueryableByName)]
 pub struct TokenInfo {
@@ -99,6 +103,21 @@ impl Store {
                 .execute(&mut conn)
                 .await?;
         Ok(n == 1)
+    }
+
+    /// The name of token `id` (for history rows).
+    pub async fn token_name(&self, id: i64) -> Result<Option<String>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Text)]
+            name: String,
+        }
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<Row> = sql("SELECT name FROM api_tokens WHERE id = $1")
+            .bind::<BigInt, _>(id)
+            .load(&mut conn)
+            .await?;
+        Ok(rows.into_iter().next().map(|r| r.name))
     }
 
     /// The live token with this value, if any.

@@ -1,0 +1,231 @@
+//! An operator's transitions: cancel (any live state → `cancelled`) and
+//! redrive (`dead` → the last live state the job reached), each one
+//! transaction with a history row saying who asked and why.
+
+use diesel::sql_types::{BigInt, Bool, Jsonb, Text};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, RunQueryDsl};
+
+use super::jobs::{parse_state, NEW_JOB_CHANNEL};
+use super::sql::sql;
+use super::Store;
+use crate::error::{ErrorEnvelope, StoreError};
+use crate::lifecycle::JobState;
+
+/// What a cancel found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancelled {
+    /// The job was live and is `cancelled` now.
+    Now,
+    /// It was cancelled already (a repeat is a no-op).
+    Already,
+    /// It finished first (`acked` or `dead`): not cancelled.
+    Finished(JobState),
+    /// No such job.
+    Missing,
+}
+
+/// What a redrive found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Redriven {
+    /// The job resumes at this state, with the same keys.
+    Resumed(JobState),
+    /// Only `dead` jobs can be redriven.
+    NotDead(JobState),
+    /// Its webhook's outcome is unknown (at-most-once): resending needs
+    /// an explicit confirmation.
+    UnknownDelivery,
+    /// No such job.
+    Missing,
+}
+
+#[derive(QueryableByName)]
+struct StateRow {
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    attempts: i32,
+}
+
+impl Store {
+    /// Cancels job `id`: any live state → `cancelled`, in one statement that
+    /// also bumps the lease epoch (an attempt still running is fenced out:
+    /// it records nothing more and starts no new side effect) and closes an
+    /// unsent webhook. Idempotent.
+    pub async fn cancel(&self, id: &str, by: &str, reason: &str) -> Result<Cancelled, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Bool)]
+            moved: bool,
+            #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+            state: Option<String>,
+        }
+        let error = serde_json::to_value(ErrorEnvelope {
+            code: "cancelled".into(),
+            message: format!("cancelled by {by}: {reason}"),
+            retryable: false,
+        })
+        .expect("envelope serialises");
+        let mut conn = self.db().conn().await?;
+        let row: Row = sql(
+            "WITH moved AS ( \
+                 UPDATE jobs SET state = 'cancelled', finished_at = now(), updated_at = now(), \
+                     lease_owner = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1, \
+                     last_error = $3 \
+                 WHERE id = $1 AND finished_at IS NULL \
+                 RETURNING id, attempts), \
+             closed AS ( \
+                 UPDATE outbox SET status = 'dead', in_flight_until = NULL, last_error = $3, updated_at = now() \
+                 WHERE job_id IN (SELECT id FROM moved) AND status = 'claimed'), \
+             history AS ( \
+                 INSERT INTO job_history (job_id, state, attempt, worker, note) \
+                 SELECT id, 'cancelled', attempts, $2, $4 FROM moved) \
+             SELECT EXISTS (SELECT 1 FROM moved) AS moved, \
+                 (SELECT state::text FROM jobs WHERE id = $1) AS state",
+        )
+        .bind::<Text, _>(id)
+        .bind::<Text, _>(by)
+        .bind::<Jsonb, _>(&error)
+        .bind::<Text, _>(reason)
+        .get_result(&mut conn)
+        .await?;
+        Ok(match (row.moved, row.state) {
+            (true, _) => Cancelled::Now,
+            (false, None) => Cancelled::Missing,
+            (false, Some(s)) => match parse_state(&s)? {
+                JobState::Cancelled => Cancelled::Already,
+                other => Cancelled::Finished(other),
+            },
+        })
+    }
+
+    /// Brings `dead` job `id` back to the last live state it reached, with
+    /// the same keys: journaled model calls and tool calls replay, a
+    /// persisted result is not regenerated. The retry budgets of the sends
+    /// that failed start afresh. A webhook whose outcome is `unknown`
+    /// (at-most-once) is sent again only with `confirm_unknown`. One
+    /// transaction, the job row locked: two concurrent redrives resume it
+    /// once (the second finds it no longer dead).
+    pub async fn redrive(
+        &self,
+        id: &str,
+        by: &str,
+        reason: &str,
+        confirm_unknown: bool,
+    ) -> Result<Redriven, StoreError> {
+        let mut conn = self.db().conn().await?;
+        conn.transaction::<_, StoreError, _>(async move |conn| {
+            let rows: Vec<StateRow> =
+                sql("SELECT state::text AS state, attempts FROM jobs WHERE id = $1 FOR UPDATE")
+                    .bind::<Text, _>(id)
+                    .load(conn)
+                    .await?;
+            let Some(job) = rows.into_iter().next() else {
+                return Ok(Redriven::Missing);
+            };
+            let state = parse_state(&job.state)?;
+            if state != JobState::Dead {
+                return Ok(Redriven::NotDead(state));
+            }
+            #[derive(QueryableByName)]
+            struct Outbox {
+                #[diesel(sql_type = Text)]
+                status: String,
+            }
+            let outbox: Vec<Outbox> =
+                sql("SELECT status::text AS status FROM outbox WHERE job_id = $1")
+                    .bind::<Text, _>(id)
+                    .load(conn)
+                    .await?;
+            if outbox.iter().any(|o| o.status == "unknown") && !confirm_unknown {
+                return Ok(Redriven::UnknownDelivery);
+            }
+            // The last live state it reached (history is in order).
+            let last: Vec<StateRow> = sql(
+                "SELECT state::text AS state, attempt AS attempts FROM job_history \
+                 WHERE job_id = $1 AND state NOT IN ('dead', 'cancelled') ORDER BY id DESC LIMIT 1",
+            )
+            .bind::<Text, _>(id)
+            .load(conn)
+            .await?;
+            let resume = match last.into_iter().next() {
+                Some(row) => parse_state(&row.state)?,
+                None => JobState::Received,
+            };
+            sql(
+                "UPDATE jobs SET state = $2::job_state, dead_reason = NULL, finished_at = NULL, \
+                     run_at = now(), updated_at = now() \
+                 WHERE id = $1 AND state = 'dead'",
+            )
+            .bind::<Text, _>(id)
+            .bind::<Text, _>(resume.as_str())
+            .execute(conn)
+            .await?;
+            // Fresh budgets for the sends that failed; the same keys.
+            sql(
+                "UPDATE outbox SET status = 'claimed', attempts = 0, in_flight_until = NULL, \
+                     in_flight_epoch = NULL, updated_at = now() \
+                 WHERE job_id = $1 AND status IN ('dead', 'unknown')",
+            )
+            .bind::<Text, _>(id)
+            .execute(conn)
+            .await?;
+            sql(
+                "UPDATE model_calls SET attempts = 0, in_flight_until = NULL, in_flight_epoch = NULL, \
+                     updated_at = now() \
+                 WHERE job_id = $1 AND status <> 'completed'",
+            )
+            .bind::<Text, _>(id)
+            .execute(conn)
+            .await?;
+            sql(
+                "UPDATE tool_calls SET status = 'started', attempts = 0, in_flight_until = NULL, \
+                     in_flight_epoch = NULL \
+                 WHERE job_id = $1 AND status = 'failed'",
+            )
+            .bind::<Text, _>(id)
+            .execute(conn)
+            .await?;
+            sql(
+                "INSERT INTO job_history (job_id, state, attempt, worker, note) \
+                 VALUES ($1, $2::job_state, $3, $4, $5)",
+            )
+            .bind::<Text, _>(id)
+            .bind::<Text, _>(resume.as_str())
+            .bind::<diesel::sql_types::Integer, _>(job.attempts)
+            .bind::<Text, _>(by)
+            .bind::<Text, _>(format!("redrive: {reason}"))
+            .execute(conn)
+            .await?;
+            sql("SELECT pg_notify($1, $2)")
+                .bind::<Text, _>(NEW_JOB_CHANNEL)
+                .bind::<Text, _>(id)
+                .execute(conn)
+                .await?;
+            Ok(Redriven::Resumed(resume))
+        })
+        .await
+    }
+
+    /// The ids of dead jobs (of `owner`, or all), oldest death first, at
+    /// most `limit`: what a bulk redrive works through.
+    pub async fn dead_ids(
+        &self,
+        workflow: Option<&str>,
+        owner: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<super::lease::IdRow> = sql(
+            "SELECT id FROM jobs WHERE state = 'dead' \
+               AND ($1::text IS NULL OR workflow = $1) AND ($2::bigint IS NULL OR owner_token = $2) \
+             ORDER BY finished_at LIMIT $3",
+        )
+        .bind::<diesel::sql_types::Nullable<Text>, _>(workflow)
+        .bind::<diesel::sql_types::Nullable<BigInt>, _>(owner)
+        .bind::<BigInt, _>(limit)
+        .load(&mut conn)
+        .await?;
+        Ok(rows.into_iter().map(|r| r.id).collect())
+    }
+}

@@ -1,0 +1,2 @@
+-- PostgreSQL cannot drop an enum value; `cancelled` stays (unused).
+SELECT 1;
