@@ -11,7 +11,9 @@ use crate::config::{DbArgs, ServeArgs};
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut config = args.engine_config()?;
-    let telemetry = Arc::new(Telemetry::from_env().context("OpenTelemetry configuration")?);
+    let telemetry = Arc::new(
+        Telemetry::from_env_for_node(&config.node_id).context("OpenTelemetry configuration")?,
+    );
     match telemetry.otlp() {
         Some(otlp) => tracing::info!(
             traces = otlp.traces.as_deref().unwrap_or("off"),

@@ -158,6 +158,9 @@ impl Engine {
     /// Starts the supervisor and the new-job listener.
     pub fn start(store: Store, registry: Registry, faults: Faults, config: EngineConfig) -> Engine {
         let node_id = config.node_id.clone();
+        // Every series at zero from the start, so dashboards see the first increment.
+        let names: Vec<&str> = registry.names().collect();
+        config.telemetry.metrics().zero(&names);
         let shared = Arc::new(Shared::new(store.clone(), registry, faults, config));
         let counters = shared.counters.clone();
         let draining = shared.draining.clone();

@@ -103,7 +103,8 @@ impl Scope {
             name,
             started: Instant::now(),
             telemetry: self.telemetry.clone(),
-            fallback: self.fallback,
+            // Each step (each send) has a span id of its own, recorded or not.
+            fallback: self.fallback.child(),
             stored_span: self.stored_span,
             ended: false,
         }

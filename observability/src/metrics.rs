@@ -5,6 +5,18 @@ use opentelemetry::KeyValue;
 
 use crate::names::*;
 
+/// Every job state's stored name (`onceflow.state` values).
+const STATES: &[&str] = &[
+    "received",
+    "generated",
+    "persisted",
+    "claimed",
+    "delivered",
+    "acked",
+    "dead",
+    "cancelled",
+];
+
 /// Step durations from 1 ms to 2 minutes (model calls are slow).
 const DURATION_BOUNDS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -77,6 +89,60 @@ impl Metrics {
                 .with_boundaries(DURATION_BOUNDS.to_vec())
                 .build(),
         }
+    }
+
+    /// Records every counter's known label sets at zero (and the gauges at
+    /// zero), so a scrape of a fresh node shows every series: `rate()` and
+    /// `increase()` then see the first increment, instead of a series that
+    /// appears already at 1. `workflows` are the registered workflow names.
+    pub fn zero(&self, workflows: &[&str]) {
+        for w in workflows {
+            for outcome in ["created", "existing"] {
+                self.jobs_submitted.add(
+                    0,
+                    &[
+                        KeyValue::new(WORKFLOW_NAME, w.to_string()),
+                        KeyValue::new(SUBMIT_OUTCOME, outcome),
+                    ],
+                );
+            }
+        }
+        for state in STATES {
+            self.transitions.add(0, &[KeyValue::new(STATE, *state)]);
+            self.jobs.record(0, &[KeyValue::new(STATE, *state)]);
+        }
+        for outcome in [
+            OUTCOME_PERFORMED,
+            OUTCOME_REPLAYED,
+            OUTCOME_RETRIED,
+            OUTCOME_FAILED,
+        ] {
+            self.model_calls.add(0, &[KeyValue::new(OUTCOME, outcome)]);
+            self.tool_executions
+                .add(0, &[KeyValue::new(OUTCOME, outcome)]);
+        }
+        for kind in ["input", "output"] {
+            for retry in [false, true] {
+                self.model_tokens.add(
+                    0,
+                    &[
+                        KeyValue::new(GEN_AI_TOKEN_TYPE, kind),
+                        KeyValue::new(RETRY, retry),
+                    ],
+                );
+            }
+        }
+        for outcome in [
+            OUTCOME_DELIVERED,
+            OUTCOME_RETRIED,
+            OUTCOME_DUPLICATE_SUPPRESSED,
+            OUTCOME_DEAD,
+        ] {
+            self.deliveries.add(0, &[KeyValue::new(OUTCOME, outcome)]);
+        }
+        self.lease_takeovers.add(0, &[]);
+        self.actors_in_flight.add(0, &[]);
+        self.jobs_unrunnable.record(0, &[]);
     }
 
     /// Counts one model call by outcome.

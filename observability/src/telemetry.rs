@@ -56,6 +56,19 @@ pub struct TelemetryConfig {
 }
 
 impl TelemetryConfig {
+    /// Sets `service.instance.id` to `instance` unless the resource has one.
+    pub fn with_instance(mut self, instance: &str) -> Self {
+        if !self
+            .resource
+            .iter()
+            .any(|kv| kv.key.as_str() == "service.instance.id")
+        {
+            self.resource
+                .push(KeyValue::new("service.instance.id", instance.to_owned()));
+        }
+        self
+    }
+
     /// From the standard `OTEL_*` variables of the process.
     pub fn from_env() -> Result<Self, TelemetryError> {
         Self::from_lookup(|name| std::env::var(name).ok())
@@ -269,6 +282,13 @@ impl Telemetry {
         Self::new(TelemetryConfig::from_env()?)
     }
 
+    /// From the process's `OTEL_*` variables, with `service.instance.id`
+    /// set to `node` unless `OTEL_RESOURCE_ATTRIBUTES` names one: several
+    /// nodes behind one collector stay apart.
+    pub fn from_env_for_node(node: &str) -> Result<Self, TelemetryError> {
+        Self::new(TelemetryConfig::from_env()?.with_instance(node))
+    }
+
     /// Metrics for `/metrics` only; no spans recorded, nothing exported.
     pub fn disabled() -> Self {
         Self::new(TelemetryConfig {
@@ -474,6 +494,25 @@ mod tests {
             let e = config(&vars).unwrap_err().to_string();
             assert!(e.starts_with(variable), "{e}");
         }
+    }
+
+    #[test]
+    fn the_node_is_the_service_instance_unless_one_is_given() {
+        let c = config(&[]).unwrap().with_instance("node-a");
+        assert!(c
+            .resource
+            .iter()
+            .any(|kv| kv.key.as_str() == "service.instance.id" && kv.value.as_str() == "node-a"));
+        let given = config(&[("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-7")])
+            .unwrap()
+            .with_instance("node-a");
+        let ids: Vec<String> = given
+            .resource
+            .iter()
+            .filter(|kv| kv.key.as_str() == "service.instance.id")
+            .map(|kv| kv.value.as_str().into_owned())
+            .collect();
+        assert_eq!(ids, ["pod-7"]);
     }
 
     #[test]

@@ -105,3 +105,62 @@ fn collect(v: &serde_json::Value, out: &mut Vec<String>) {
         _ => {}
     }
 }
+
+/// A fresh node (nothing happened yet) already exports every counter and
+/// gauge the dashboard queries, at zero: `rate()` and `increase()` then see
+/// the first dead delivery, the first takeover, the first retry.
+#[test]
+fn a_fresh_node_exports_every_dashboard_series_at_zero() {
+    let t = Telemetry::disabled();
+    t.metrics().zero(&["completion", "agent"]);
+    let text = t.prometheus();
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/grafana/onceflow-dashboard.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let mut exprs = Vec::new();
+    collect(&dashboard, &mut exprs);
+    let mut checked = 0;
+    for expr in &exprs {
+        for name in expr
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|t| t.starts_with("onceflow_"))
+        {
+            // The step-duration histogram has no meaningful zero; label
+            // names (`onceflow_state="…"`) are not series.
+            const LABELS: [&str; 5] = [
+                "onceflow_step",
+                "onceflow_state",
+                "onceflow_outcome",
+                "onceflow_submit_outcome",
+                "onceflow_retry",
+            ];
+            if name.starts_with("onceflow_step_duration") || LABELS.contains(&name) {
+                continue;
+            }
+            let present = text
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .any(|l| l.starts_with(name) && l.trim_end().ends_with(" 0"));
+            assert!(
+                present,
+                "{name} is not exported at zero on a fresh node:\n{text}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 8, "{checked}");
+    // The series a panel filters on are there before anything happens.
+    for series in [
+        "onceflow_deliveries_total{onceflow_outcome=\"dead\"",
+        "onceflow_lease_takeovers_total",
+        "onceflow_model_tokens_total{gen_ai_token_type=\"input\",onceflow_retry=\"true\"",
+        "onceflow_jobs_submitted_total{onceflow_submit_outcome=\"created\",workflow_name=\"agent\"",
+    ] {
+        assert!(text.contains(series), "{series} missing:\n{text}");
+    }
+}
