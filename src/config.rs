@@ -98,6 +98,12 @@ pub struct ServeArgs {
     /// How long finished jobs and their keys are kept (e.g. 24h, 30m, 90s, 7d).
     #[arg(long, env = "ONCEFLOW_RETENTION", default_value = "24h", value_parser = parse_duration)]
     pub retention: Duration,
+    /// How long dead jobs are kept for a redrive (e.g. 7d).
+    #[arg(long, env = "ONCEFLOW_DEAD_RETENTION", default_value = "7d", value_parser = parse_duration)]
+    pub dead_retention: Duration,
+    /// Every workflow sends `job.dead` / `job.cancelled` webhooks when its jobs fail or are cancelled.
+    #[arg(long, env = "ONCEFLOW_FAILURE_EVENTS")]
+    pub failure_events: bool,
     /// Where the agent's built-in `http_post` tool posts; unset: the agent has no tools.
     #[arg(long, env = "ONCEFLOW_TOOL_POST_URL")]
     pub tool_post_url: Option<String>,
@@ -134,6 +140,7 @@ impl ServeArgs {
             max_in_flight: self.max_in_flight.max(1),
             webhook_timeout: Duration::from_millis(self.webhook_timeout_ms),
             retention: self.retention,
+            dead_retention: self.dead_retention,
             url_guard: if self.allow_private_urls {
                 onceflow_engine::UrlGuard::allow_private()
             } else {

@@ -47,7 +47,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                  request will need it"
             );
         }
-        let registry = onceflow_workflows::registry_with(args.tool_post_url.as_deref());
+        let mut registry = onceflow_workflows::registry_with(args.tool_post_url.as_deref());
+        registry.with_failure_events(args.failure_events);
         let config_guard = config.url_guard.clone();
         let config_secret = config.webhook_secret.clone();
         let engine = Engine::start(store.clone(), registry.clone(), Faults::new(), config);

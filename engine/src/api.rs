@@ -497,7 +497,11 @@ async fn submit(
             ],
         );
     };
-    let result = state.store.submit_owned(&job, trace, who.owner()).await;
+    let notify = state.registry.failure_events(&job.workflow);
+    let result = state
+        .store
+        .submit_owned(&job, trace, who.owner(), notify)
+        .await;
     let outcome = match &result {
         Ok(Intake::Created(_)) => "created",
         Ok(Intake::Existing(_)) => "existing",

@@ -40,6 +40,9 @@ pub struct EngineConfig {
     /// Finished jobs (with their keys and ledgers) are purged this long after
     /// they finished; a resubmission of a purged id is a new job.
     pub retention: Duration,
+    /// Dead letters are kept this long (default 7 days), so they can be
+    /// redriven after finished jobs are gone.
+    pub dead_retention: Duration,
     /// Spans and metrics (OTLP export when configured; `/metrics` always).
     pub telemetry: Arc<Telemetry>,
     /// Where webhooks and tools may send (default: public addresses only).
@@ -62,6 +65,7 @@ impl Default for EngineConfig {
             model_retry: RetryPolicy::DEFAULT_MODEL,
             webhook_retry: RetryPolicy::DEFAULT_WEBHOOK,
             retention: Duration::from_secs(24 * 3600),
+            dead_retention: Duration::from_secs(7 * 24 * 3600),
             telemetry: Arc::new(Telemetry::disabled()),
             url_guard: crate::guard::UrlGuard::strict(),
             tool_response_limit: 1 << 20,

@@ -41,6 +41,15 @@ pub fn completed(job: &JobKey) -> String {
     format!("{}:completed", job.0)
 }
 
+/// The event name of the failure webhooks.
+pub const DEAD_EVENT: &str = "job.dead";
+pub const CANCELLED_EVENT: &str = "job.cancelled";
+
+/// The key of a failure event (`job:{id}:dead`, `job:{id}:cancelled`).
+pub fn failure(job: &JobKey, what: &str) -> String {
+    format!("{}:{what}", job.0)
+}
+
 /// The key of the model call of agent turn `turn` (`job:{id}:turn:{n}`).
 pub fn turn(job: &JobKey, turn: u32) -> String {
     format!("{}:turn:{turn}", job.0)

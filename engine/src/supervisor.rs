@@ -25,6 +25,14 @@ pub struct Poll;
 #[rtype(result = "()")]
 struct Heartbeat;
 
+/// Send the failure events that are due (any node may).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct SendEvents;
+
+/// Failure events one node sends per tick.
+const EVENT_BATCH: i64 = 32;
+
 /// Purge one small batch of jobs past their retention.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -68,6 +76,7 @@ pub struct Supervisor {
     poll_again: bool,
     renewing: bool,
     purging: bool,
+    sending_events: bool,
     reclaimed_own: bool,
     stopping: bool,
     /// Actors in flight last reported to the up-down counter.
@@ -83,6 +92,7 @@ impl Supervisor {
             poll_again: false,
             renewing: false,
             purging: false,
+            sending_events: false,
             reclaimed_own: false,
             stopping: false,
             reported_in_flight: 0,
@@ -100,6 +110,7 @@ impl Actor for Supervisor {
         // Purging is one indexed DELETE of at most PURGE_BATCH rows: cheap
         // enough to run every ten polls.
         ctx.run_interval(config.poll_interval * 10, |_, ctx| ctx.notify(Purge));
+        ctx.run_interval(config.poll_interval, |_, ctx| ctx.notify(SendEvents));
         // On start, recover whatever this node's previous incarnation held.
         ctx.notify(Poll);
     }
@@ -318,7 +329,11 @@ impl Handler<Purge> for Supervisor {
         let shared = self.shared.clone();
         let purge = async move {
             let retention_ms = shared.config.retention.as_millis() as i64;
-            let purged = shared.store.purge_finished(retention_ms, PURGE_BATCH).await;
+            let dead_retention_ms = shared.config.dead_retention.as_millis() as i64;
+            let purged = shared
+                .store
+                .purge_finished_keeping_dead(retention_ms, dead_retention_ms, PURGE_BATCH)
+                .await;
             // The jobs-by-state gauge rides on the same cadence: one
             // GROUP BY over the (retention-bounded) jobs table.
             match shared.store.count_by_state().await {
@@ -369,6 +384,98 @@ impl Handler<Purge> for Supervisor {
             }
         }));
     }
+}
+
+impl Handler<SendEvents> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: SendEvents, ctx: &mut Self::Context) {
+        if self.sending_events || self.stopping {
+            return;
+        }
+        self.sending_events = true;
+        let shared = self.shared.clone();
+        ctx.spawn(
+            async move { send_events(&shared).await }
+                .into_actor(self)
+                .map(|result, act, ctx| {
+                    act.sending_events = false;
+                    match result {
+                        // A full batch: more may be due.
+                        Ok(n) if n as i64 == EVENT_BATCH => ctx.notify(SendEvents),
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not send failure events; will retry")
+                        }
+                    }
+                }),
+        );
+    }
+}
+
+/// Sends one batch of due failure events; returns how many were claimed.
+async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError> {
+    let config = &shared.config;
+    let in_flight_ms =
+        (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
+    let events = shared.store.claim_events(EVENT_BATCH, in_flight_ms).await?;
+    let n = events.len();
+    for event in events {
+        let sender = crate::webhook::Sender {
+            client: &shared.client,
+            guard: &config.url_guard,
+            secret: config.webhook_secret.as_ref(),
+            timeout: config.webhook_timeout,
+        };
+        let traceparent = crate::trace::TraceParent::new_root().to_string();
+        let sent = crate::webhook::send(
+            sender,
+            &event.url,
+            &event.idempotency_key,
+            &event.body,
+            &traceparent,
+            &shared.faults,
+            &event.job_id,
+        )
+        .await;
+        let metrics = config.telemetry.metrics();
+        match sent {
+            Ok(status) => {
+                metrics.delivery(onceflow_observability::names::OUTCOME_DELIVERED);
+                shared
+                    .store
+                    .event_outcome(&event.idempotency_key, Some(i32::from(status)), None, None)
+                    .await?;
+            }
+            Err(crate::outbound::PostError::Injected(_)) => {
+                // A failpoint after the send: the mark expires, it is sent again.
+            }
+            Err(crate::outbound::PostError::Failed(failure)) => {
+                let attempts = u32::try_from(event.attempts).unwrap_or(1).max(1);
+                let policy = config.webhook_retry;
+                let retry_at = (failure.is_retryable() && !policy.exhausted(attempts)).then(|| {
+                    let delay = policy.delay(attempts, failure.retry_after());
+                    chrono::Utc::now()
+                        + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX)
+                });
+                metrics.delivery(if retry_at.is_some() {
+                    onceflow_observability::names::OUTCOME_RETRIED
+                } else {
+                    onceflow_observability::names::OUTCOME_DEAD
+                });
+                shared
+                    .store
+                    .event_outcome(
+                        &event.idempotency_key,
+                        failure.status().map(i32::from),
+                        Some(&failure.envelope()),
+                        retry_at,
+                    )
+                    .await?;
+            }
+        }
+    }
+    Ok(n)
 }
 
 impl Handler<InFlight> for Supervisor {

@@ -66,6 +66,14 @@ pub trait Workflow: Send + Sync + 'static {
         DeliveryPolicy::AtLeastOnce
     }
 
+    /// Whether a job that ends `dead` or `cancelled` sends a `job.dead` /
+    /// `job.cancelled` webhook (key `job:{id}:dead` / `job:{id}:cancelled`),
+    /// so consumers learn of failures without polling. Default: no (a node
+    /// can turn it on for every workflow, `ONCEFLOW_FAILURE_EVENTS`).
+    fn failure_events(&self) -> bool {
+        false
+    }
+
     /// Checks an input beyond its type (non-empty lists, ranges). Runs at intake.
     fn validate(_input: &Self::Input) -> Result<(), InvalidInput> {
         Ok(())
@@ -83,6 +91,7 @@ pub trait Workflow: Send + Sync + 'static {
 pub trait DynWorkflow: Send + Sync {
     fn name(&self) -> &'static str;
     fn delivery_policy(&self) -> DeliveryPolicy;
+    fn failure_events(&self) -> bool;
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
     fn run<'a>(
         &'a self,
@@ -98,6 +107,10 @@ impl<W: Workflow> DynWorkflow for W {
 
     fn delivery_policy(&self) -> DeliveryPolicy {
         Workflow::delivery(self)
+    }
+
+    fn failure_events(&self) -> bool {
+        Workflow::failure_events(self)
     }
 
     fn validate(&self, input: &Value) -> Result<(), InvalidInput> {
@@ -135,6 +148,8 @@ fn decode<T: DeserializeOwned>(input: &Value) -> Result<T, InvalidInput> {
 #[derive(Clone, Default)]
 pub struct Registry {
     by_name: BTreeMap<&'static str, Arc<dyn DynWorkflow>>,
+    /// Every workflow sends failure events (`ONCEFLOW_FAILURE_EVENTS`).
+    failure_events: bool,
 }
 
 impl std::fmt::Debug for Registry {
@@ -171,5 +186,16 @@ impl Registry {
 
     pub fn names(&self) -> impl Iterator<Item = &'static str> + '_ {
         self.by_name.keys().copied()
+    }
+
+    /// Makes every workflow send failure events (`job.dead`, `job.cancelled`).
+    pub fn with_failure_events(&mut self, on: bool) -> &mut Self {
+        self.failure_events = on;
+        self
+    }
+
+    /// Whether jobs of `workflow` send failure events.
+    pub fn failure_events(&self, workflow: &str) -> bool {
+        self.failure_events || self.get(workflow).is_some_and(|w| w.failure_events())
     }
 }

@@ -573,3 +573,151 @@ async fn dead_jobs_are_redriven_in_bulk() {
         assert_eq!(env.consumer.processed_for(id), 1);
     }
 }
+
+async fn submit_notifying(env: &TestEnv, id: &str, notify: bool) {
+    let job = onceflow_engine::intake::NewJob {
+        id: id.into(),
+        workflow: "completion".into(),
+        input: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+        webhook_url: env.consumer.url(),
+    };
+    let created = env
+        .store
+        .submit_owned(
+            &job,
+            onceflow_engine::trace::TraceParent::new_root(),
+            None,
+            notify,
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        created,
+        onceflow_engine::store::Intake::Created(_)
+    ));
+}
+
+/// Failure is an event too: a job that asked for it sends `job.dead` /
+/// `job.cancelled` under its own stable key, retried like any webhook; a job
+/// that did not ask sends nothing.
+#[actix_rt::test]
+async fn dead_and_cancelled_jobs_send_their_event_once() {
+    use onceflow_engine::testkit::Behaviour;
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    env.provider.push(Behaviour::Status(400, None));
+    env.provider.push(Behaviour::Status(400, None));
+    env.consumer
+        .push_for("fail-ev", Behaviour::Status(503, None));
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        env.config(),
+    );
+    submit_notifying(&env, "fail-ev", true).await;
+    env.wait_for("fail-ev", JobState::Dead, Duration::from_secs(20))
+        .await;
+    submit_notifying(&env, "fail-quiet", false).await;
+    env.wait_for("fail-quiet", JobState::Dead, Duration::from_secs(20))
+        .await;
+    let delivered = wait_until(Duration::from_secs(20), || async {
+        env.consumer.processed_for("fail-ev") == 1
+    })
+    .await;
+    assert!(delivered, "{:#?}", env.consumer.deliveries_for("fail-ev"));
+    let events = env.consumer.deliveries_for("fail-ev");
+    assert_eq!(events.len(), 2, "the 503 was retried once");
+    for e in &events {
+        assert_eq!(e.webhook_id.as_deref(), Some("job:fail-ev:dead"));
+        assert_eq!(e.idempotency_key.as_deref(), Some("job:fail-ev:dead"));
+        assert_eq!(e.body["type"], "job.dead");
+        assert!(
+            e.body["reason"].as_str().unwrap().contains("refused"),
+            "{}",
+            e.body
+        );
+    }
+    let row = env
+        .sql("SELECT status::text AS status FROM outbox WHERE idempotency_key = 'job:fail-ev:dead'")
+        .await;
+    assert_eq!(row[0]["status"], "delivered");
+
+    // Cancelled: its own event and key.
+    env.provider.set_latency(Duration::from_secs(3));
+    submit_notifying(&env, "cancel-ev", true).await;
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            env.provider
+                .requests()
+                .iter()
+                .any(|r| r.idempotency_key.as_deref() == Some("job:cancel-ev:generate"))
+        })
+        .await
+    );
+    assert_eq!(
+        env.store
+            .cancel("cancel-ev", "test", "no longer needed")
+            .await
+            .unwrap(),
+        onceflow_engine::store::operate::Cancelled::Now
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            env.consumer.processed_for("cancel-ev") == 1
+        })
+        .await
+    );
+    let event = &env.consumer.deliveries_for("cancel-ev")[0];
+    assert_eq!(event.webhook_id.as_deref(), Some("job:cancel-ev:cancelled"));
+    assert_eq!(event.body["type"], "job.cancelled");
+    assert_eq!(event.body["reason"], "no longer needed");
+
+    // The quiet one sent nothing, ever.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(env.consumer.deliveries_for("fail-quiet").len(), 0);
+    assert_eq!(env.consumer.deliveries_for("fail-ev").len(), 2);
+}
+
+/// Dead letters outlive finished jobs: kept `dead_retention`, so they can
+/// still be redriven after acked jobs of the same age are purged.
+#[actix_rt::test]
+async fn dead_letters_are_kept_longer_than_finished_jobs() {
+    use onceflow_engine::testkit::Behaviour;
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    env.provider.push(Behaviour::Status(400, None));
+    let mut config = env.config();
+    config.retention = Duration::from_secs(3600);
+    config.dead_retention = Duration::from_secs(3 * 3600);
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        config,
+    );
+    env.submit("kept-dead", "hello").await;
+    env.wait_for("kept-dead", JobState::Dead, Duration::from_secs(20))
+        .await;
+    env.submit("gone-acked", "hello").await;
+    env.wait_for("gone-acked", JobState::Acked, Duration::from_secs(20))
+        .await;
+    env.submit("old-dead", "hello").await;
+    env.wait_for("old-dead", JobState::Acked, Duration::from_secs(20))
+        .await;
+    env.execute("UPDATE jobs SET state = 'dead', dead_reason = 'x', finished_at = now(), lease_owner = NULL, lease_expires_at = NULL WHERE id = 'old-dead'").await;
+    env.execute("UPDATE jobs SET finished_at = now() - interval '2 hours' WHERE id IN ('kept-dead', 'gone-acked')")
+        .await;
+    env.execute("UPDATE jobs SET finished_at = now() - interval '4 hours' WHERE id = 'old-dead'")
+        .await;
+    let purged = wait_until(Duration::from_secs(20), || async {
+        env.store.job("gone-acked").await.unwrap().is_none()
+            && env.store.job("old-dead").await.unwrap().is_none()
+    })
+    .await;
+    assert!(
+        purged,
+        "the acked job (past 1 h) and the old dead one (past 3 h) were purged"
+    );
+    assert_eq!(
+        env.job("kept-dead").await.state,
+        JobState::Dead,
+        "a 2 h old dead letter stays"
+    );
+}

@@ -165,7 +165,7 @@ impl Store {
         job: &NewJob,
         trace: TraceParent,
     ) -> Result<Intake, StoreError> {
-        self.submit_owned(job, trace, None).await
+        self.submit_owned(job, trace, None, false).await
     }
 
     /// [`submit_traced`](Self::submit_traced) on behalf of API token
@@ -175,6 +175,7 @@ impl Store {
         job: &NewJob,
         trace: TraceParent,
         owner: Option<i64>,
+        notify_failures: bool,
     ) -> Result<Intake, StoreError> {
         #[derive(QueryableByName)]
         struct Inserted {
@@ -191,8 +192,9 @@ impl Store {
         // The job row, its first history row and the wake-up, in one
         // statement (one round trip, one commit); no row when the id exists.
         let inserted: Vec<Inserted> = sql("WITH job AS ( \
-                 INSERT INTO jobs (id, workflow, request, request_hash, trace_context, incarnation, lease_epoch, owner_token) \
-                 SELECT $1, $2, $3, $4, $7, coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), $8 \
+                 INSERT INTO jobs (id, workflow, request, request_hash, trace_context, incarnation, lease_epoch, owner_token, \
+                     notify_failures) \
+                 SELECT $1, $2, $3, $4, $7, coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), $8, $9 \
                  FROM (SELECT 1) one LEFT JOIN job_tombstones t ON t.id = $1 \
                  ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation), \
              history AS ( \
@@ -208,6 +210,7 @@ impl Store {
         .bind::<Text, _>(NEW_JOB_CHANNEL)
         .bind::<Text, _>(trace.to_string())
         .bind::<Nullable<BigInt>, _>(owner)
+        .bind::<diesel::sql_types::Bool, _>(notify_failures)
         .load(&mut conn)
         .await?;
         if let Some(row) = inserted.into_iter().next() {

@@ -257,12 +257,19 @@ impl Store {
         reason: &str,
         error: &ErrorEnvelope,
     ) -> Result<Checkpoint, StoreError> {
+        // With its job.dead event, when the job asked for failure events.
         let moved = sql(
             "WITH moved AS ( \
                  UPDATE jobs SET state = 'dead', dead_reason = $3, last_error = $4, finished_at = now(), \
                      updated_at = now(), lease_owner = NULL, lease_expires_at = NULL \
                  WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL \
-                 RETURNING id) \
+                 RETURNING id, request, notify_failures), \
+             event AS ( \
+                 INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
+                 SELECT id, $7, $8, request->>'webhook_url', \
+                     jsonb_build_object('type', $7, 'job_id', id, 'reason', $3, 'error', $4) \
+                 FROM moved WHERE notify_failures \
+                 ON CONFLICT DO NOTHING) \
              INSERT INTO job_history (job_id, state, attempt, worker) \
              SELECT id, 'dead', $5, $6 FROM moved",
         )
@@ -272,6 +279,8 @@ impl Store {
         .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
         .bind::<Integer, _>(fence.attempt)
         .bind::<Text, _>(&fence.worker)
+        .bind::<Text, _>(crate::keys::DEAD_EVENT)
+        .bind::<Text, _>(crate::keys::failure(&fence.key(), "dead"))
         .execute(conn)
         .await?;
         if moved == 1 {

@@ -294,8 +294,20 @@ impl Store {
     /// with their history, results, journals and keys (foreign keys cascade).
     /// After this, a submission of one of their ids is a new job.
     pub async fn purge_finished(&self, retention_ms: i64, batch: i64) -> Result<u64, StoreError> {
+        self.purge_finished_keeping_dead(retention_ms, retention_ms, batch)
+            .await
+    }
+
+    /// As [`purge_finished`](Self::purge_finished), with dead letters kept
+    /// for `dead_retention_ms` instead (an operator may still redrive them).
+    pub async fn purge_finished_keeping_dead(
+        &self,
+        retention_ms: i64,
+        dead_retention_ms: i64,
+        batch: i64,
+    ) -> Result<u64, StoreError> {
         let mut conn = self.db().conn().await?;
-        Self::purge_in(&mut conn, retention_ms, batch).await
+        Self::purge_in(&mut conn, retention_ms, dead_retention_ms, batch).await
     }
 
     /// How many jobs are in each state (states with none are absent).
@@ -354,6 +366,7 @@ impl Store {
     async fn purge_in(
         conn: &mut AsyncPgConnection,
         retention_ms: i64,
+        dead_retention_ms: i64,
         batch: i64,
     ) -> Result<u64, StoreError> {
         // Each purged id leaves a tombstone (its incarnation and last lease
@@ -362,7 +375,9 @@ impl Store {
         let purged: Count = sql("WITH gone AS ( \
                  DELETE FROM jobs WHERE id IN ( \
                      SELECT id FROM jobs \
-                     WHERE finished_at < now() - $1 * interval '1 millisecond' \
+                     WHERE finished_at < now() - least($1, $3) * interval '1 millisecond' \
+                       AND finished_at < now() - (CASE WHEN state = 'dead' THEN $3 ELSE $1 END) \
+                           * interval '1 millisecond' \
                      ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
                  RETURNING id, incarnation, lease_epoch), \
              tombstones AS ( \
@@ -373,6 +388,7 @@ impl Store {
              SELECT count(*) AS n FROM gone")
         .bind::<BigInt, _>(retention_ms)
         .bind::<BigInt, _>(batch)
+        .bind::<BigInt, _>(dead_retention_ms)
         .get_result(conn)
         .await?;
         Ok(purged.n as u64)

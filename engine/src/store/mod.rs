@@ -8,6 +8,7 @@
 //! * [`journal`]: model calls, results and the webhook outbox.
 //! * [`ledger`]: the tool ledger, the general step journal, retention purges.
 //! * [`operate`]: an operator's transitions, cancel and redrive.
+//! * [`events`]: the failure events of finished jobs (`job.dead`, `job.cancelled`).
 //! * [`sql`]: hand-written statements whose prepared form is cached.
 //! * [`tokens`]: API tokens, stored hashed.
 //! * `batch`, `batched`: group commit — `delivered`, `acked` and model answers
@@ -40,6 +41,7 @@ macro_rules! retrying {
 
 mod batch;
 pub(crate) mod batched;
+pub mod events;
 pub mod jobs;
 pub mod journal;
 pub mod lease;

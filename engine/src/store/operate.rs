@@ -67,16 +67,38 @@ impl Store {
         })
         .expect("envelope serialises");
         let mut conn = self.db().conn().await?;
+        #[derive(QueryableByName)]
+        struct Incarnation {
+            #[diesel(sql_type = diesel::sql_types::Integer)]
+            incarnation: i32,
+        }
+        let incarnation: Vec<Incarnation> = sql("SELECT incarnation FROM jobs WHERE id = $1")
+            .bind::<Text, _>(id)
+            .load(&mut conn)
+            .await?;
+        let Some(incarnation) = incarnation.into_iter().next() else {
+            return Ok(Cancelled::Missing);
+        };
+        let event_key = crate::keys::failure(
+            &crate::keys::JobKey::new(id, incarnation.incarnation),
+            "cancelled",
+        );
         let row: Row = sql(
             "WITH moved AS ( \
                  UPDATE jobs SET state = 'cancelled', finished_at = now(), updated_at = now(), \
                      lease_owner = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1, \
                      last_error = $3 \
                  WHERE id = $1 AND finished_at IS NULL \
-                 RETURNING id, attempts), \
+                 RETURNING id, attempts, request, notify_failures), \
+             event AS ( \
+                 INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
+                 SELECT id, $5, $6, request->>'webhook_url', \
+                     jsonb_build_object('type', $5, 'job_id', id, 'reason', $4, 'by', $2) \
+                 FROM moved WHERE notify_failures \
+                 ON CONFLICT DO NOTHING), \
              closed AS ( \
                  UPDATE outbox SET status = 'dead', in_flight_until = NULL, last_error = $3, updated_at = now() \
-                 WHERE job_id IN (SELECT id FROM moved) AND status = 'claimed'), \
+                 WHERE job_id IN (SELECT id FROM moved) AND status = 'claimed' AND event = 'job.completed'), \
              history AS ( \
                  INSERT INTO job_history (job_id, state, attempt, worker, note) \
                  SELECT id, 'cancelled', attempts, $2, $4 FROM moved) \
@@ -87,6 +109,8 @@ impl Store {
         .bind::<Text, _>(by)
         .bind::<Jsonb, _>(&error)
         .bind::<Text, _>(reason)
+        .bind::<Text, _>(crate::keys::CANCELLED_EVENT)
+        .bind::<Text, _>(&event_key)
         .get_result(&mut conn)
         .await?;
         Ok(match (row.moved, row.state) {
@@ -133,7 +157,7 @@ impl Store {
                 status: String,
             }
             let outbox: Vec<Outbox> =
-                sql("SELECT status::text AS status FROM outbox WHERE job_id = $1")
+                sql("SELECT status::text AS status FROM outbox WHERE job_id = $1 AND event = 'job.completed'")
                     .bind::<Text, _>(id)
                     .load(conn)
                     .await?;
@@ -165,7 +189,7 @@ impl Store {
             sql(
                 "UPDATE outbox SET status = 'claimed', attempts = 0, in_flight_until = NULL, \
                      in_flight_epoch = NULL, updated_at = now() \
-                 WHERE job_id = $1 AND status IN ('dead', 'unknown')",
+                 WHERE job_id = $1 AND status IN ('dead', 'unknown') AND event = 'job.completed'",
             )
             .bind::<Text, _>(id)
             .execute(conn)

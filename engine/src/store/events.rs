@@ -1,0 +1,90 @@
+//! Failure events (`job.dead`, `job.cancelled`): outbox rows of jobs that
+//! are already finished, so no job actor sends them. Any node's supervisor
+//! claims the due ones (`FOR UPDATE SKIP LOCKED`), sends them under their
+//! stable key, and records the outcome; a failed send is retried with
+//! backoff until the webhook budget is spent.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::RunQueryDsl;
+use serde_json::Value;
+
+use super::sql::sql;
+use super::Store;
+use crate::error::{ErrorEnvelope, StoreError};
+
+/// An event send this node claimed.
+#[derive(Debug, Clone, QueryableByName)]
+pub struct EventSend {
+    #[diesel(sql_type = Text)]
+    pub job_id: String,
+    #[diesel(sql_type = Text)]
+    pub idempotency_key: String,
+    #[diesel(sql_type = Text)]
+    pub url: String,
+    #[diesel(sql_type = Jsonb)]
+    pub body: Value,
+    /// Sends of this event so far, this one included.
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
+}
+
+impl Store {
+    /// Claims up to `limit` due event sends, marking each in flight for
+    /// `in_flight_ms` (a node that dies mid-send leaves the mark to expire;
+    /// the next claim sends again under the same key: at least once).
+    pub async fn claim_events(
+        &self,
+        limit: i64,
+        in_flight_ms: i64,
+    ) -> Result<Vec<EventSend>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        Ok(sql(
+            "UPDATE outbox o SET attempts = o.attempts + 1, updated_at = now(), \
+                 in_flight_until = clock_timestamp() + $2 * interval '1 millisecond' \
+             WHERE o.id IN ( \
+                 SELECT id FROM outbox \
+                 WHERE status = 'claimed' AND event <> 'job.completed' AND run_at <= now() \
+                   AND (in_flight_until IS NULL OR in_flight_until < clock_timestamp()) \
+                 ORDER BY run_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
+             RETURNING o.job_id, o.idempotency_key, o.url, o.body, o.attempts",
+        )
+        .bind::<BigInt, _>(limit)
+        .bind::<BigInt, _>(in_flight_ms)
+        .load(&mut conn)
+        .await?)
+    }
+
+    /// Records an event's outcome: delivered (`status` set), retried at
+    /// `retry_at`, or closed `dead` (`retry_at` none).
+    pub async fn event_outcome(
+        &self,
+        key: &str,
+        status: Option<i32>,
+        error: Option<&ErrorEnvelope>,
+        retry_at: Option<DateTime<Utc>>,
+    ) -> Result<(), StoreError> {
+        let error = error.map(|e| serde_json::to_value(e).expect("envelope serialises"));
+        retrying!(self, "event_outcome", async || {
+            let mut conn = self.db().conn().await?;
+            sql(
+                "UPDATE outbox SET in_flight_until = NULL, updated_at = now(), last_status = $2, \
+                     last_error = $3, \
+                     status = CASE WHEN $3 IS NULL THEN 'delivered'::outbox_status \
+                                   WHEN $4 IS NULL THEN 'dead'::outbox_status ELSE status END, \
+                     delivered_at = CASE WHEN $3 IS NULL THEN now() ELSE delivered_at END, \
+                     run_at = coalesce($4, run_at) \
+                 WHERE idempotency_key = $1 AND status = 'claimed'",
+            )
+            .bind::<Text, _>(key)
+            .bind::<Nullable<Integer>, _>(status)
+            .bind::<Nullable<Jsonb>, _>(&error)
+            .bind::<Nullable<Timestamptz>, _>(retry_at)
+            .execute(&mut conn)
+            .await?;
+            Ok(())
+        })
+        .await
+    }
+}
