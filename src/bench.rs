@@ -195,6 +195,7 @@ async fn bench(
         auth: api::Auth::Off,
         limits: Default::default(),
         draining: Default::default(),
+        trace_url: None,
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))

@@ -98,6 +98,10 @@ pub struct ServeArgs {
     /// How long finished jobs and their keys are kept (e.g. 24h, 30m, 90s, 7d).
     #[arg(long, env = "ONCEFLOW_RETENTION", default_value = "24h", value_parser = parse_duration)]
     pub retention: Duration,
+    /// The web console's link to a job's trace, with `{trace_id}` (e.g.
+    /// `http://localhost:16686/trace/{trace_id}` for Jaeger).
+    #[arg(long, env = "ONCEFLOW_TRACE_URL")]
+    pub trace_url: Option<String>,
     /// How long dead jobs are kept for a redrive (e.g. 7d).
     #[arg(long, env = "ONCEFLOW_DEAD_RETENTION", default_value = "7d", value_parser = parse_duration)]
     pub dead_retention: Duration,

@@ -70,6 +70,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             auth: api::Auth::Tokens { loopback },
             limits: api::Limits::backlog(args.max_backlog, args.max_backlog_per_token),
             draining: draining.clone(),
+            trace_url: args.trace_url.clone(),
         };
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))

@@ -48,6 +48,9 @@ pub struct ApiState {
     pub limits: Limits,
     /// Set while the node drains: intake and `/healthz` answer `503`.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
+    /// The web console's link to a job's trace: a URL with `{trace_id}`
+    /// (e.g. Jaeger's or Tempo's), or `None` for plain text.
+    pub trace_url: Option<String>,
 }
 
 /// Per token (`None`: no token): when the backlog was read, in total and its own.
@@ -288,6 +291,9 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
             .route("/v1/jobs/{id}", web::get().to(get_job))
             .route("/v1/jobs/{id}/cancel", web::post().to(cancel))
             .route("/v1/jobs/{id}/redrive", web::post().to(redrive))
+            .route("/", web::get().to(console_page))
+            .route("/console.js", web::get().to(console_js))
+            .route("/console.css", web::get().to(console_css))
             .route("/healthz", web::get().to(healthz))
             .route("/metrics", web::get().to(metrics))
             .default_service(web::to(not_found));
@@ -986,6 +992,51 @@ async fn stats(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
         }
         Err(e) => unavailable(e),
     }
+}
+
+/// The console's files, embedded in the binary.
+const CONSOLE_HTML: &str = include_str!("console/index.html");
+const CONSOLE_JS: &str = include_str!("console/console.js");
+const CONSOLE_CSS: &str = include_str!("console/console.css");
+
+/// Headers every console file carries: its own origin only, no framing.
+fn console_response(content_type: &'static str, body: String) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type(content_type)
+        .insert_header((
+            "content-security-policy",
+            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+             img-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+        ))
+        .insert_header(("x-content-type-options", "nosniff"))
+        .insert_header(("referrer-policy", "no-referrer"))
+        .insert_header(("cache-control", "no-cache"))
+        .body(body)
+}
+
+/// `GET /`: the web console (it asks for a token itself, when one is needed).
+async fn console_page(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let trace_url = state.trace_url.as_deref().unwrap_or_default();
+    let escaped = trace_url
+        .replace('&', "&amp;")
+        .replace('"', "&quot;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;");
+    console_response(
+        "text/html; charset=utf-8",
+        CONSOLE_HTML.replace("{{TRACE_URL}}", &escaped),
+    )
+}
+
+async fn console_js() -> HttpResponse {
+    console_response("text/javascript; charset=utf-8", CONSOLE_JS.to_owned())
+}
+
+async fn console_css() -> HttpResponse {
+    console_response("text/css; charset=utf-8", CONSOLE_CSS.to_owned())
 }
 
 /// Open to anyone and any `Host` (load balancers probe by address): it

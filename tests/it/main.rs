@@ -5,6 +5,7 @@
 mod agent;
 mod binary;
 mod chaos;
+mod console;
 mod dbfaults;
 mod durability;
 mod embedded;

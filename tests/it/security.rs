@@ -44,6 +44,7 @@ fn api_limited(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth, limits:
         auth,
         limits,
         draining: Default::default(),
+        trace_url: None,
     })
 }
 
@@ -301,6 +302,7 @@ async fn posts_must_be_json_and_hosts_must_be_known() {
         auth: Auth::Off,
         limits: Default::default(),
         draining: Default::default(),
+        trace_url: None,
     });
     let body = serde_json::to_vec(&job_body("ct-1", &env.consumer.url())).unwrap();
     for content_type in [

@@ -22,6 +22,7 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
         auth: onceflow_engine::api::Auth::Off,
         limits: Default::default(),
         draining: Default::default(),
+        trace_url: None,
     })
 }
 

@@ -56,6 +56,44 @@ pub struct JobView {
     /// The API token that submitted it (`None`: no authentication). Not shown.
     #[serde(skip)]
     pub owner_token: Option<i64>,
+    /// The model-call journal: key, status, sends, tokens.
+    pub model_calls: Vec<ModelCallView>,
+    /// The tool ledger: position, tool, call id, status, executions.
+    pub tool_calls: Vec<ToolCallView>,
+}
+
+/// One model call as the job view shows it.
+#[derive(Debug, Clone, Serialize, QueryableByName)]
+pub struct ModelCallView {
+    #[diesel(sql_type = Text)]
+    pub idempotency_key: String,
+    #[diesel(sql_type = Text)]
+    pub status: String,
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub input_tokens: Option<i32>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub output_tokens: Option<i32>,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    pub last_error: Option<Value>,
+}
+
+/// One tool call as the job view shows it.
+#[derive(Debug, Clone, Serialize, QueryableByName)]
+pub struct ToolCallView {
+    #[diesel(sql_type = Integer)]
+    pub turn: i32,
+    #[diesel(sql_type = Integer)]
+    pub index: i32,
+    #[diesel(sql_type = Text)]
+    pub tool_name: String,
+    #[diesel(sql_type = Text)]
+    pub tool_call_id: String,
+    #[diesel(sql_type = Text)]
+    pub status: String,
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
 }
 
 /// One transition.
@@ -238,6 +276,8 @@ impl Store {
                 finished_at: None,
                 trace_id: Some(trace.trace_id_hex()),
                 owner_token: owner,
+                model_calls: Vec::new(),
+                tool_calls: Vec::new(),
             }));
         }
         let (view, stored_hash) = self
@@ -305,8 +345,24 @@ impl Store {
             last_error: o.last_error.and_then(|e| serde_json::from_value(e).ok()),
             delivered_at: o.delivered_at,
         });
+        let model_calls: Vec<ModelCallView> = sql(
+            "SELECT idempotency_key, status::text AS status, attempts, input_tokens, output_tokens, last_error \
+             FROM model_calls WHERE job_id = $1 ORDER BY id",
+        )
+        .bind::<Text, _>(id)
+        .load(conn)
+        .await?;
+        let tool_calls: Vec<ToolCallView> = sql(
+            "SELECT turn, call_index AS index, tool_name, tool_call_id, status::text AS status, attempts \
+             FROM tool_calls WHERE job_id = $1 ORDER BY turn, call_index",
+        )
+        .bind::<Text, _>(id)
+        .load(conn)
+        .await?;
         let request = row.request;
         let view = JobView {
+            model_calls,
+            tool_calls,
             state: parse_state(&row.state)?,
             id: row.id,
             workflow: row.workflow,

@@ -1,0 +1,275 @@
+// The onceflow console: the same HTTP API as every client, in plain
+// JavaScript. The token (when the server wants one) is kept in this tab's
+// sessionStorage and sent as `Authorization: Bearer …`, never in a URL.
+// Job pages are refreshed with fetch (EventSource cannot send headers).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const STATES = ["received", "generated", "persisted", "claimed", "delivered", "acked", "dead", "cancelled"];
+const LIVE = new Set(["received", "generated", "persisted", "claimed", "delivered"]);
+let cursors = [];      // the cursor of each page shown, for "Newest"
+let nextCursor = null; // the page after this one
+let refresh = null;
+
+function token() { return sessionStorage.getItem("onceflow-token"); }
+
+async function api(path, options = {}) {
+  const headers = Object.assign({}, options.headers || {});
+  if (token()) headers["Authorization"] = "Bearer " + token();
+  if (options.body) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, Object.assign({}, options, { headers }));
+  if (response.status === 401) {
+    showLogin();
+    throw new Error("unauthorized");
+  }
+  const body = await response.json().catch(() => null);
+  if (!response.ok) {
+    const message = body && body.error ? body.error.message : "HTTP " + response.status;
+    throw new Error(message);
+  }
+  return body;
+}
+
+function say(text) { $("status").textContent = text || ""; }
+
+function cell(row, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text == null ? "" : String(text);
+  if (cls) td.className = cls;
+  row.appendChild(td);
+  return td;
+}
+
+function stateCell(row, state) {
+  const td = cell(row, state, "state state-" + state);
+  td.dataset.state = state;
+  return td;
+}
+
+function when(t) { return t ? new Date(t).toLocaleString() : ""; }
+
+function show(section) {
+  for (const id of ["login", "list", "job"]) $(id).hidden = id !== section;
+  $("signout").hidden = !token();
+}
+
+function showLogin() {
+  show("login");
+  if (refresh) { clearInterval(refresh); refresh = null; }
+  $("token").focus();
+}
+
+async function loadCounts() {
+  const stats = await api("/v1/stats");
+  const list = $("counts");
+  list.replaceChildren();
+  for (const s of STATES) {
+    const li = document.createElement("li");
+    const a = document.createElement("a");
+    a.href = "#/?state=" + s;
+    a.textContent = s + " " + (stats.states[s] || 0);
+    a.dataset.state = s;
+    a.dataset.count = stats.states[s] || 0;
+    li.appendChild(a);
+    list.appendChild(li);
+  }
+}
+
+async function loadList(cursor) {
+  const state = $("state-filter").value;
+  const params = new URLSearchParams({ limit: "50" });
+  if (state) params.set("state", state);
+  if (cursor) params.set("cursor", cursor);
+  const page = await api("/v1/jobs?" + params);
+  const needle = $("search").value.trim();
+  const rows = $("rows");
+  rows.replaceChildren();
+  for (const j of page.jobs) {
+    if (needle && !j.id.includes(needle)) continue;
+    const tr = document.createElement("tr");
+    tr.dataset.id = j.id;
+    const td = document.createElement("td");
+    const a = document.createElement("a");
+    a.href = "#/jobs/" + encodeURIComponent(j.id);
+    a.textContent = j.id;
+    td.appendChild(a);
+    td.className = "wrap";
+    tr.appendChild(td);
+    cell(tr, j.workflow);
+    stateCell(tr, j.state);
+    cell(tr, j.attempts);
+    cell(tr, when(j.created_at));
+    cell(tr, j.dead_reason || "", "wrap");
+    rows.appendChild(tr);
+  }
+  nextCursor = page.next_cursor;
+  $("next-page").disabled = !nextCursor;
+}
+
+function fact(dl, name, value, href) {
+  const dt = document.createElement("dt");
+  dt.textContent = name;
+  const dd = document.createElement("dd");
+  if (href) {
+    const a = document.createElement("a");
+    a.href = href;
+    a.textContent = value;
+    a.rel = "noopener";
+    dd.appendChild(a);
+  } else {
+    dd.textContent = value == null ? "—" : String(value);
+  }
+  dd.dataset.fact = name;
+  dl.append(dt, dd);
+}
+
+async function loadJob(id) {
+  const job = await api("/v1/jobs/" + encodeURIComponent(id));
+  $("job-title").textContent = "Job " + job.id;
+  const facts = $("job-facts");
+  facts.replaceChildren();
+  fact(facts, "state", job.state);
+  fact(facts, "workflow", job.workflow);
+  fact(facts, "attempts", job.attempts);
+  fact(facts, "incarnation", job.incarnation);
+  fact(facts, "dead reason", job.dead_reason);
+  fact(facts, "last error", job.last_error ? job.last_error.code + ": " + job.last_error.message : null);
+  const template = document.querySelector('meta[name="onceflow-trace-url"]').content;
+  const traceHref = job.trace_id && template && template.includes("{trace_id}")
+    ? template.replace("{trace_id}", encodeURIComponent(job.trace_id)) : null;
+  fact(facts, "trace id", job.trace_id, traceHref);
+  fact(facts, "created", when(job.created_at));
+  fact(facts, "finished", when(job.finished_at));
+
+  const timeline = $("timeline");
+  timeline.replaceChildren();
+  job.history.forEach((h, i) => {
+    const tr = document.createElement("tr");
+    cell(tr, i + 1);
+    stateCell(tr, h.state);
+    cell(tr, h.attempt);
+    cell(tr, h.worker, "wrap");
+    cell(tr, when(h.at));
+    cell(tr, h.note || "", "wrap");
+    timeline.appendChild(tr);
+  });
+  const calls = $("model-calls");
+  calls.replaceChildren();
+  for (const m of job.model_calls || []) {
+    const tr = document.createElement("tr");
+    cell(tr, m.idempotency_key, "wrap");
+    cell(tr, m.status);
+    cell(tr, m.attempts);
+    cell(tr, (m.input_tokens ?? "–") + " / " + (m.output_tokens ?? "–"));
+    cell(tr, m.last_error ? m.last_error.code : "", "wrap");
+    calls.appendChild(tr);
+  }
+  const tools = $("tool-calls");
+  tools.replaceChildren();
+  for (const t of job.tool_calls || []) {
+    const tr = document.createElement("tr");
+    cell(tr, t.turn + "." + t.index);
+    cell(tr, t.tool_name);
+    cell(tr, t.tool_call_id, "wrap");
+    cell(tr, t.status);
+    cell(tr, t.attempts);
+    tools.appendChild(tr);
+  }
+  const delivery = $("delivery");
+  delivery.replaceChildren();
+  if (job.delivery) {
+    fact(delivery, "key", job.delivery.idempotency_key);
+    fact(delivery, "status", job.delivery.status);
+    fact(delivery, "sends", job.delivery.attempts);
+    fact(delivery, "last status code", job.delivery.last_status);
+    fact(delivery, "last error", job.delivery.last_error ? job.delivery.last_error.code : null);
+    fact(delivery, "delivered", when(job.delivery.delivered_at));
+  } else {
+    fact(delivery, "status", "not claimed yet");
+  }
+  $("redrive").hidden = job.state !== "dead";
+  $("cancel").hidden = !LIVE.has(job.state);
+  $("redrive").dataset.id = job.id;
+  $("cancel").dataset.id = job.id;
+}
+
+async function act(kind) {
+  const id = $(kind).dataset.id;
+  const reason = $("reason").value.trim() || kind + " from the console";
+  try {
+    let path = "/v1/jobs/" + encodeURIComponent(id) + "/" + kind;
+    let answer;
+    try {
+      answer = await api(path, { method: "POST", body: JSON.stringify({ reason }) });
+    } catch (e) {
+      if (kind === "redrive" && /confirm_unknown/.test(e.message)
+          && window.confirm(e.message + "\n\nSend it again under the same webhook-id?")) {
+        answer = await api(path + "?confirm_unknown=true", { method: "POST", body: JSON.stringify({ reason }) });
+      } else {
+        throw e;
+      }
+    }
+    say("Job " + id + " is " + answer.state + ".");
+    await loadJob(id);
+  } catch (e) {
+    if (e.message !== "unauthorized") say(kind + " failed: " + e.message);
+  }
+}
+
+async function route() {
+  if (refresh) { clearInterval(refresh); refresh = null; }
+  const hash = location.hash || "#/";
+  try {
+    await loadCounts();
+    if (hash.startsWith("#/jobs/")) {
+      const id = decodeURIComponent(hash.slice("#/jobs/".length));
+      show("job");
+      await loadJob(id);
+      refresh = setInterval(() => { loadJob(id).catch(() => {}); loadCounts().catch(() => {}); }, 1500);
+    } else {
+      const query = new URLSearchParams(hash.split("?")[1] || "");
+      if (query.has("state")) $("state-filter").value = query.get("state");
+      show("list");
+      cursors = [];
+      await loadList(null);
+      refresh = setInterval(() => {
+        loadList(cursors[cursors.length - 1] || null).catch(() => {});
+        loadCounts().catch(() => {});
+      }, 2000);
+    }
+    say("");
+  } catch (e) {
+    if (e.message !== "unauthorized") say(e.message);
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("login-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem("onceflow-token", $("token").value.trim());
+    $("token").value = "";
+    route();
+  });
+  $("signout").addEventListener("click", () => { sessionStorage.removeItem("onceflow-token"); showLogin(); });
+  $("filters").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const needle = $("search").value.trim();
+    // An exact id opens its page; anything else filters the list.
+    if (needle && !/[^A-Za-z0-9_.:-]/.test(needle)) {
+      try {
+        await api("/v1/jobs/" + encodeURIComponent(needle));
+        location.hash = "#/jobs/" + encodeURIComponent(needle);
+        return;
+      } catch (e) { /* not an id: filter instead */ }
+    }
+    cursors = [];
+    loadList(null).catch((e) => say(e.message));
+  });
+  $("state-filter").addEventListener("change", () => { cursors = []; loadList(null).catch((e) => say(e.message)); });
+  $("next-page").addEventListener("click", () => { cursors.push(nextCursor); loadList(nextCursor).catch((e) => say(e.message)); });
+  $("first-page").addEventListener("click", () => { cursors = []; loadList(null).catch((e) => say(e.message)); });
+  $("redrive").addEventListener("click", () => act("redrive"));
+  $("cancel").addEventListener("click", () => act("cancel"));
+  window.addEventListener("hashchange", route);
+  route();
+});

@@ -1,0 +1,260 @@
+//! The web console in a real browser: Debian's Chromium driven over the W3C
+//! WebDriver protocol (chromedriver), against a real `serve`.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use base64::Engine as _;
+use onceflow_engine::testkit::{wait_until, Behaviour, TestEnv};
+use serde_json::{json, Value};
+
+use crate::support::{client, free_port, ServeProcess};
+
+const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
+
+/// A chromedriver child and one headless Chromium session in it.
+struct Browser {
+    driver: Child,
+    base: String,
+    session: String,
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let port = free_port();
+        let driver = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver (Debian: apt-get install chromium chromium-driver)");
+        let base = format!("http://127.0.0.1:{port}");
+        let ready = wait_until(Duration::from_secs(20), || async {
+            client()
+                .get(format!("{base}/status"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        })
+        .await;
+        assert!(ready, "chromedriver did not start");
+        let caps = json!({ "capabilities": { "alwaysMatch": {
+            "browserName": "chrome",
+            "goog:chromeOptions": {
+                "binary": "/usr/bin/chromium",
+                "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                         "--no-first-run", "--window-size=1280,900"]
+            }
+        }}});
+        let answer: Value = client()
+            .post(format!("{base}/session"))
+            .json(&caps)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let session = answer["value"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no WebDriver session: {answer}"))
+            .to_owned();
+        Browser {
+            driver,
+            base,
+            session,
+        }
+    }
+
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let url = format!("{}/session/{}{path}", self.base, self.session);
+        let mut r = client().request(method, url);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        r.send().await.unwrap().json().await.unwrap()
+    }
+
+    async fn go(&self, url: &str) {
+        self.call(reqwest::Method::POST, "/url", Some(json!({ "url": url })))
+            .await;
+    }
+
+    /// The element matching `css`, if there is one now.
+    async fn find(&self, css: &str) -> Option<String> {
+        let v = self
+            .call(
+                reqwest::Method::POST,
+                "/element",
+                Some(json!({ "using": "css selector", "value": css })),
+            )
+            .await;
+        v["value"][ELEMENT].as_str().map(str::to_owned)
+    }
+
+    async fn text(&self, css: &str) -> Option<String> {
+        let id = self.find(css).await?;
+        let v = self
+            .call(reqwest::Method::GET, &format!("/element/{id}/text"), None)
+            .await;
+        v["value"].as_str().map(str::to_owned)
+    }
+
+    /// Waits until `css` shows text for which `ok` holds.
+    async fn wait_text(&self, css: &str, ok: impl Fn(&str) -> bool) -> bool {
+        wait_until(Duration::from_secs(20), || async {
+            self.text(css).await.is_some_and(|t| ok(&t))
+        })
+        .await
+    }
+
+    async fn click(&self, css: &str) {
+        let id = self.find(css).await.unwrap_or_else(|| panic!("no {css}"));
+        self.call(
+            reqwest::Method::POST,
+            &format!("/element/{id}/click"),
+            Some(json!({})),
+        )
+        .await;
+    }
+
+    async fn type_into(&self, css: &str, text: &str) {
+        let id = self.find(css).await.unwrap_or_else(|| panic!("no {css}"));
+        self.call(
+            reqwest::Method::POST,
+            &format!("/element/{id}/value"),
+            Some(json!({ "text": text })),
+        )
+        .await;
+    }
+
+    async fn screenshot(&self, path: &std::path::Path) {
+        let v = self.call(reqwest::Method::GET, "/screenshot", None).await;
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(v["value"].as_str().unwrap())
+            .unwrap();
+        std::fs::write(path, png).unwrap();
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+/// The console asks for a token, lists a job reaching `acked`, shows a dead
+/// job's reason, and its redrive button brings that job to `acked` with one
+/// delivery at the consumer.
+#[actix_rt::test]
+async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
+    let env = TestEnv::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let serve = ServeProcess::start(
+        &[
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OPENAI_BASE_URL", env.provider.base_url()),
+            ("ONCEFLOW_LEASE_MS", "2000".to_owned()),
+            ("ONCEFLOW_POLL_MS", "200".to_owned()),
+            (
+                "ONCEFLOW_TRACE_URL",
+                "http://tempo.example/trace/{trace_id}".to_owned(),
+            ),
+        ],
+        &dir.path().join("serve.log"),
+    )
+    .await;
+    let token = env.store.create_token("console", true).await.unwrap();
+    env.consumer
+        .push_for("ui-dead", Behaviour::Status(410, None));
+    for id in ["ui-ok", "ui-dead"] {
+        let r = client()
+            .post(format!("{}/v1/jobs", serve.base))
+            .bearer_auth(&token)
+            .json(&json!({
+                "id": id, "workflow": "completion", "webhook_url": env.consumer.url(),
+                "input": { "model": "m", "messages": [{ "role": "user", "content": id }] },
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201);
+    }
+
+    let browser = Browser::start().await;
+    browser.go(&format!("{}/", serve.base)).await;
+    // A token exists: the console asks for one.
+    if !browser
+        .wait_text("#login-title", |t| t == "API token")
+        .await
+    {
+        let found = browser
+            .call(
+                reqwest::Method::POST,
+                "/element",
+                Some(json!({ "using": "css selector", "value": "#login-title" })),
+            )
+            .await;
+        panic!("no token form: {found}");
+    }
+    browser.type_into("#token", &token).await;
+    browser.click("#login-form button").await;
+    assert!(
+        browser
+            .wait_text("tr[data-id=\"ui-ok\"] td[data-state]", |t| t == "acked")
+            .await,
+        "the list shows ui-ok acked"
+    );
+    assert!(
+        browser
+            .wait_text("a[data-state=\"acked\"]", |t| t == "acked 1")
+            .await
+    );
+
+    // The dead job's page gives its reason.
+    browser.go(&format!("{}/#/jobs/ui-dead", serve.base)).await;
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"dead reason\"]", |t| t.contains("refused"))
+            .await,
+        "the dead job's page shows why"
+    );
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"trace id\"] a", |t| t.len() == 32)
+            .await
+    );
+    let shots = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    browser
+        .screenshot(&shots.join("console-dead-job.png"))
+        .await;
+
+    // Redrive from the page.
+    browser.type_into("#reason", "consumer fixed").await;
+    browser.click("#redrive").await;
+    let acked = wait_until(Duration::from_secs(20), || async {
+        env.store
+            .job("ui-dead")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.state == onceflow_engine::JobState::Acked)
+    })
+    .await;
+    assert!(acked, "the redrive button brought ui-dead to acked");
+    assert_eq!(env.consumer.processed_for("ui-dead"), 1, "one delivery");
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"state\"]", |t| t == "acked")
+            .await
+    );
+    browser.go(&format!("{}/", serve.base)).await;
+    assert!(
+        browser
+            .wait_text("a[data-state=\"acked\"]", |t| t == "acked 2")
+            .await
+    );
+    browser.screenshot(&shots.join("console.png")).await;
+}
