@@ -30,7 +30,7 @@ enum Command {
     /// See the guarantee hold: jobs with injected faults against a loopback provider and consumer.
     Demo(demo::DemoArgs),
     /// Run the HTTP API and a worker node (starts an embedded PostgreSQL when DATABASE_URL is unset).
-    Serve(config::ServeArgs),
+    Serve(Box<config::ServeArgs>),
     /// Apply pending database migrations and exit.
     Migrate(config::DbArgs),
     /// Submit a completion job to a running server and print it.
@@ -57,7 +57,7 @@ fn main() -> std::process::ExitCode {
     onceflow_observability::init_logging();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Migrate(args) => serve::migrate(args),
         Command::Submit(args) => client::submit(args),
         Command::Status(args) => client::status(args),
