@@ -9,7 +9,7 @@ use onceflow_observability::Telemetry;
 
 use crate::config::{DbArgs, ServeArgs};
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::Result<()> {
     let mut config = args.engine_config()?;
     let telemetry = Arc::new(
         Telemetry::from_env_for_node(&config.node_id).context("OpenTelemetry configuration")?,
@@ -47,7 +47,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                  request will need it"
             );
         }
-        let mut registry = onceflow_workflows::registry_with(args.tool_post_url.as_deref());
         registry.with_failure_events(args.failure_events);
         let config_guard = config.url_guard.clone();
         let config_secret = config.webhook_secret.clone();

@@ -188,6 +188,16 @@ impl Registry {
         self.by_name.keys().copied()
     }
 
+    /// Registers every workflow of `other` too. Panics on a name registered
+    /// in both.
+    pub fn extend(&mut self, other: &Registry) -> &mut Self {
+        for (name, workflow) in &other.by_name {
+            let previous = self.by_name.insert(name, workflow.clone());
+            assert!(previous.is_none(), "workflow {name:?} registered twice");
+        }
+        self
+    }
+
     /// Makes every workflow send failure events (`job.dead`, `job.cancelled`).
     pub fn with_failure_events(&mut self, on: bool) -> &mut Self {
         self.failure_events = on;

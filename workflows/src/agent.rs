@@ -37,6 +37,14 @@ impl Agent {
         Self::default()
     }
 
+    /// Adds a tool given as a shared pointer; panics on a duplicate name.
+    pub fn with_shared_tool(mut self, tool: Arc<dyn Tool>) -> Self {
+        let name = tool.name().to_owned();
+        let previous = self.tools.insert(name.clone(), tool);
+        assert!(previous.is_none(), "tool {name:?} registered twice");
+        self
+    }
+
     /// Adds a tool; panics on a duplicate name.
     pub fn with_tool(mut self, tool: impl Tool) -> Self {
         let name = tool.name().to_owned();

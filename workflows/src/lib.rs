@@ -38,6 +38,24 @@ pub fn registry_with(tool_post_url: Option<&str>) -> Registry {
     registry
 }
 
+/// As [`registry_with`], with `tools` given to the agent beside `http_post`.
+pub fn registry_with_tools(
+    tool_post_url: Option<&str>,
+    tools: &[std::sync::Arc<dyn Tool>],
+) -> Registry {
+    let mut registry = Registry::new();
+    registry.register(Completion::default());
+    let mut agent = Agent::new();
+    if let Some(url) = tool_post_url {
+        agent = agent.with_tool(HttpPost::new(url));
+    }
+    for tool in tools {
+        agent = agent.with_shared_tool(tool.clone());
+    }
+    registry.register(agent);
+    registry
+}
+
 /// The checks every chat input shares: a model name and at least one message.
 pub(crate) fn validate_chat(
     model: &str,

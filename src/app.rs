@@ -1,0 +1,120 @@
+//! [`App`]: a onceflow node in your own binary, with your workflows and tools.
+
+use onceflow_engine::Registry;
+
+use crate::{bench, client, config, demo, serve, token};
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "onceflow",
+    version,
+    about = "A durable, actor-based workflow engine for LLM jobs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// See the guarantee hold: jobs with injected faults against a loopback provider and consumer.
+    Demo(demo::DemoArgs),
+    /// Run the HTTP API and a worker node (starts an embedded PostgreSQL when DATABASE_URL is unset).
+    Serve(Box<config::ServeArgs>),
+    /// Apply pending database migrations and exit.
+    Migrate(config::DbArgs),
+    /// Submit a completion job to a running server and print it.
+    Submit(client::SubmitArgs),
+    /// Print a job's state and history.
+    Status(client::StatusArgs),
+    /// List jobs, newest first (filter by state or workflow).
+    Jobs(client::JobsArgs),
+    /// Cancel a live job: nothing new starts; it ends `cancelled`.
+    Cancel(client::CancelArgs),
+    /// Resume a dead job (or every dead job) from its last checkpoint, with the same keys.
+    Redrive(client::RedriveArgs),
+    /// Manage API tokens (create, list, revoke).
+    Token(token::TokenArgs),
+    /// Benchmark: jobs end to end through the HTTP API against a loopback provider and consumer.
+    Bench(bench::BenchArgs),
+    /// The loopback provider `bench --hold` runs as a child process.
+    #[command(hide = true)]
+    FakeProvider(bench::FakeProviderArgs),
+}
+
+/// A onceflow node with your workflows and tools: the same command line as
+/// the `onceflow` binary (`serve`, `migrate`, `submit`, `status`, `jobs`,
+/// `cancel`, `redrive`, `token`, `demo`, `bench`; the same flags and
+/// environment; the embedded PostgreSQL by default), with the built-in
+/// `completion` and `agent` plus what you register.
+///
+/// ```no_run
+/// # struct Greet;
+/// # impl onceflow::Workflow for Greet {
+/// #     const NAME: &'static str = "greet";
+/// #     type Input = serde_json::Value;
+/// #     type Output = serde_json::Value;
+/// #     async fn run(&self, _: &mut onceflow::Context, i: serde_json::Value) -> Result<serde_json::Value, onceflow::StepError> { Ok(i) }
+/// # }
+/// fn main() -> anyhow::Result<()> {
+///     onceflow::App::new().workflow(Greet).run()
+/// }
+/// ```
+#[derive(Default)]
+pub struct App {
+    workflows: Registry,
+    tools: Vec<std::sync::Arc<dyn onceflow_workflows::Tool>>,
+}
+
+impl App {
+    /// The built-in workflows only (what the `onceflow` binary runs).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers your workflow beside the built-ins. Panics when its `NAME`
+    /// is taken: two workflows sharing a durable name would run each other's jobs.
+    pub fn workflow<W: onceflow_engine::Workflow>(mut self, workflow: W) -> Self {
+        self.workflows.register(workflow);
+        self
+    }
+
+    /// Gives the built-in `agent` workflow your tool (beside `http_post`).
+    pub fn tool<T: onceflow_workflows::Tool>(mut self, tool: T) -> Self {
+        self.tools.push(std::sync::Arc::new(tool));
+        self
+    }
+
+    /// Parses the command line (and environment) and runs the command.
+    pub fn run(self) -> anyhow::Result<()> {
+        let cli = Cli::parse();
+        onceflow_observability::init_logging();
+        self.run_command(cli.command)
+    }
+
+    fn registry(&self, tool_post_url: Option<&str>) -> Registry {
+        let mut registry = onceflow_workflows::registry_with_tools(tool_post_url, &self.tools);
+        registry.extend(&self.workflows);
+        registry
+    }
+
+    fn run_command(self, command: Command) -> anyhow::Result<()> {
+        match command {
+            Command::Demo(args) => demo::run(args),
+            Command::Serve(args) => {
+                let registry = self.registry(args.tool_post_url.as_deref());
+                serve::run(*args, registry)
+            }
+            Command::Migrate(args) => serve::migrate(args),
+            Command::Submit(args) => client::submit(args),
+            Command::Status(args) => client::status(args),
+            Command::Token(args) => token::run(args),
+            Command::Jobs(args) => client::jobs(args),
+            Command::Cancel(args) => client::cancel(args),
+            Command::Redrive(args) => client::redrive(args),
+            Command::Bench(args) => bench::run(args),
+            Command::FakeProvider(args) => bench::fake_provider(args),
+        }
+    }
+}

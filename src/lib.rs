@@ -1,0 +1,72 @@
+//! # onceflow
+//!
+//! A durable, actor-based workflow engine for LLM jobs, as a library: write
+//! workflows in Rust and run a node of your own with them.
+//!
+//! ```no_run
+//! use onceflow::{Context, StepError, Workflow};
+//! use serde::{Deserialize, Serialize};
+//!
+//! struct Greet;
+//!
+//! #[derive(Deserialize)]
+//! struct Who { name: String }
+//!
+//! #[derive(Serialize)]
+//! struct Greeting { text: String }
+//!
+//! impl Workflow for Greet {
+//!     const NAME: &'static str = "greet";
+//!     type Input = Who;
+//!     type Output = Greeting;
+//!
+//!     async fn run(&self, ctx: &mut Context, who: Who) -> Result<Greeting, StepError> {
+//!         let request = serde_json::json!({
+//!             "model": "gpt-4o-mini",
+//!             "messages": [{ "role": "user", "content": format!("Greet {}", who.name) }],
+//!         });
+//!         let answer = ctx.generate("greet", &request).await?;
+//!         let text = answer["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+//!         Ok(Greeting { text: text.to_owned() })
+//!     }
+//! }
+//!
+//! fn main() -> anyhow::Result<()> {
+//!     onceflow::App::new().workflow(Greet).run()
+//! }
+//! ```
+//!
+//! The tour:
+//!
+//! * [`App`] — the `onceflow` command line (`serve`, `migrate`, `submit`,
+//!   `status`, `jobs`, `cancel`, `redrive`, `token`, `demo`, `bench`) with
+//!   your workflows and tools registered beside the built-in `completion` and
+//!   `agent`. The `onceflow` binary is `App::new().run()`.
+//! * [`Workflow`], [`Context`], [`StepError`], [`DeliveryPolicy`],
+//!   [`InvalidInput`] — the workflow contract: a durable name, typed input
+//!   and output, and a body whose side effects go through the [`Context`]
+//!   (`generate`, `tool`, `step`), each journaled under a key of the job.
+//! * [`Tool`], [`ToolInvocation`] — tools for the `agent` workflow; each call
+//!   runs once through the tool ledger.
+//! * [`engine`], [`workflows`], [`observability`] — the crates underneath.
+
+mod app;
+mod bench;
+mod client;
+mod config;
+mod demo;
+mod serve;
+mod token;
+
+pub use app::App;
+pub use onceflow_engine::{
+    Context, DeliveryPolicy, InvalidInput, Registry, StepError, ToolInvocation, Workflow,
+};
+pub use onceflow_workflows::{Agent, Completion, HttpPost, Tool};
+
+/// The runtime: store, actors, supervisor, API, test kit.
+pub use onceflow_engine as engine;
+/// The OpenTelemetry setup and names.
+pub use onceflow_observability as observability;
+/// The built-in workflows and tools.
+pub use onceflow_workflows as workflows;
