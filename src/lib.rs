@@ -64,6 +64,9 @@ pub use onceflow_engine::{
 };
 pub use onceflow_workflows::{Agent, Completion, HttpPost, Tool};
 
+/// The future a [`Tool`] returns.
+pub use futures_util::future::BoxFuture;
+
 /// The runtime: store, actors, supervisor, API, test kit.
 pub use onceflow_engine as engine;
 /// The OpenTelemetry setup and names.

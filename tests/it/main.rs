@@ -12,6 +12,7 @@ mod embedded;
 mod explorer;
 mod intake;
 mod journal;
+mod library;
 mod operations;
 mod security;
 mod support;

@@ -107,12 +107,22 @@ impl ServeProcess {
     }
 
     pub async fn start_on(port: u16, env: &[(&str, String)], log: &Path) -> ServeProcess {
+        Self::start_binary(Path::new(env!("CARGO_BIN_EXE_onceflow")), port, env, log).await
+    }
+
+    /// Starts `serve` of another binary built on onceflow (a user's crate).
+    pub async fn start_binary(
+        binary: &Path,
+        port: u16,
+        env: &[(&str, String)],
+        log: &Path,
+    ) -> ServeProcess {
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceflow"));
+        let mut cmd = Command::new(binary);
         cmd.arg("serve")
             .env_remove("DATABASE_URL")
             // The fakes live on loopback; one test checks the default refuses them.
