@@ -95,57 +95,51 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
         }
         (None, None) => bail!("give --prompt or --messages"),
     };
-    let body = json!({
-        "id": args.id,
-        "workflow": args.workflow,
-        "input": { "model": args.model, "messages": messages },
-        "webhook_url": args.webhook_url,
-    });
-    let url = format!("{}/v1/jobs", args.server.trim_end_matches('/'));
+    let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
-        let response = with_token(reqwest::Client::new().post(&url), args.token.as_deref())
-            .json(&body)
-            .send()
+        let submitted = client
+            .submit_raw::<Value>(
+                &args.workflow,
+                &args.id,
+                &json!({ "model": args.model, "messages": messages }),
+                &args.webhook_url,
+            )
             .await
-            .with_context(|| format!("cannot reach the onceflow server at {}", args.server))?;
-        let status = response.status();
-        let value: Value = response
-            .json()
-            .await
-            .context("the server's answer is not JSON")?;
-        if !status.is_success() {
-            return Err(api_error(status, &value));
-        }
-        let verb = if status.as_u16() == 201 {
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let verb = if submitted.created {
             "created"
         } else {
             "already submitted (identical)"
         };
         println!(
             "job {} {verb}: state {}",
-            value["id"].as_str().unwrap_or_default(),
-            value["state"]
+            submitted.job.id, submitted.job.state
         );
-        println!("{}", serde_json::to_string_pretty(&value)?);
+        let view = client
+            .job_json(&args.id)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        println!("{}", serde_json::to_string_pretty(&view)?);
         Ok(())
     })
 }
 
+/// The typed client for `server`, with `token` when given.
+fn api(server: &str, token: Option<&str>) -> crate::Client {
+    let client = crate::Client::new(server);
+    match token {
+        Some(t) => client.with_token(t),
+        None => client,
+    }
+}
+
 pub fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let url = format!("{}/v1/jobs/{}", args.server.trim_end_matches('/'), args.id);
+    let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
-        let response = with_token(reqwest::Client::new().get(&url), args.token.as_deref())
-            .send()
+        let job = client
+            .job_json(&args.id)
             .await
-            .with_context(|| format!("cannot reach the onceflow server at {}", args.server))?;
-        let status = response.status();
-        let job: Value = response
-            .json()
-            .await
-            .context("the server's answer is not JSON")?;
-        if !status.is_success() {
-            return Err(api_error(status, &job));
-        }
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         if args.json {
             println!("{}", serde_json::to_string_pretty(&job)?);
         } else {
@@ -336,86 +330,38 @@ pub struct RedriveArgs {
     pub token: Option<String>,
 }
 
-async fn post_action(
-    url: &str,
-    token: Option<&str>,
-    body: &Value,
-    server: &str,
-) -> anyhow::Result<Value> {
-    let response = with_token(reqwest::Client::new().post(url), token)
-        .json(body)
-        .send()
-        .await
-        .with_context(|| format!("cannot reach the onceflow server at {server}"))?;
-    let status = response.status();
-    let value: Value = response
-        .json()
-        .await
-        .context("the server's answer is not JSON")?;
-    if !status.is_success() {
-        return Err(api_error(status, &value));
-    }
-    Ok(value)
-}
-
 /// `onceflow cancel ID`.
 pub fn cancel(args: CancelArgs) -> anyhow::Result<()> {
-    let url = format!(
-        "{}/v1/jobs/{}/cancel",
-        args.server.trim_end_matches('/'),
-        args.id
-    );
+    let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
-        let job = post_action(
-            &url,
-            args.token.as_deref(),
-            &json!({ "reason": args.reason }),
-            &args.server,
-        )
-        .await?;
-        println!(
-            "job {} is {}",
-            args.id,
-            job["state"].as_str().unwrap_or("?")
-        );
+        let job = client
+            .cancel(&args.id, &args.reason)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        println!("job {} is {}", job.id, job.state);
         Ok(())
     })
 }
 
 /// `onceflow redrive ID | --all-dead`.
 pub fn redrive(args: RedriveArgs) -> anyhow::Result<()> {
-    let base = args.server.trim_end_matches('/');
-    let confirm = if args.confirm_unknown {
-        "?confirm_unknown=true"
-    } else {
-        ""
-    };
+    let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
         match &args.id {
             Some(id) => {
-                let url = format!("{base}/v1/jobs/{id}/redrive{confirm}");
-                let job = post_action(
-                    &url,
-                    args.token.as_deref(),
-                    &json!({ "reason": args.reason }),
-                    &args.server,
-                )
-                .await?;
-                println!(
-                    "job {id} resumes at {}",
-                    job["state"].as_str().unwrap_or("?")
-                );
+                let job = client
+                    .redrive(id, &args.reason, args.confirm_unknown)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                println!("job {id} resumes at {}", job.state);
             }
             None => {
-                let url = format!("{base}/v1/jobs/redrive{confirm}");
-                let mut body = json!({ "reason": args.reason });
-                if let Some(w) = &args.workflow {
-                    body["workflow"] = json!(w);
-                }
-                let counts = post_action(&url, args.token.as_deref(), &body, &args.server).await?;
+                let (redriven, skipped) = client
+                    .redrive_all(args.workflow.as_deref(), &args.reason, args.confirm_unknown)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
                 println!(
-                    "redriven: {}, skipped (delivery unknown, needs --confirm-unknown): {}",
-                    counts["redriven"], counts["skipped_unknown"]
+                    "redriven: {redriven}, skipped (delivery unknown, needs --confirm-unknown): {skipped}"
                 );
             }
         }

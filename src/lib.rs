@@ -48,8 +48,12 @@
 //!   (`generate`, `tool`, `step`), each journaled under a key of the job.
 //! * [`Tool`], [`ToolInvocation`] — tools for the `agent` workflow; each call
 //!   runs once through the tool ledger.
+//! * [`Client`] — the typed client of the HTTP API: submit jobs of a
+//!   workflow type with its typed input, read, list, cancel and redrive them;
+//!   every API error is a [`ClientError`].
 //! * [`engine`], [`workflows`], [`observability`] — the crates underneath.
 
+mod api_client;
 mod app;
 mod bench;
 mod client;
@@ -58,6 +62,9 @@ mod demo;
 mod serve;
 mod token;
 
+pub use api_client::{
+    Client, ClientError, HistoryRow, Job, JobSummary, ListQuery, Page, Submitted,
+};
 pub use app::App;
 pub use onceflow_engine::{
     Context, DeliveryPolicy, InvalidInput, Registry, StepError, ToolInvocation, Workflow,

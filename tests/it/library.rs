@@ -10,25 +10,23 @@ use serde_json::json;
 
 use crate::support::{free_port, get, post_job, ServeProcess};
 
-/// `target/debug/greet`, built now if it is not there yet (`.ci/run` builds
-/// it before the tests; the build reuses this target directory).
+/// `target/debug/greet` (`.ci/run` builds it before the tests; this build is
+/// then a no-op, and it reuses this target directory either way).
 fn greet_binary() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .parent()
         .unwrap()
         .to_path_buf();
-    let binary = target.join("debug/greet");
-    if !binary.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "--locked", "--manifest-path"])
-            .arg(root.join("examples/greet/Cargo.toml"))
-            .env("CARGO_TARGET_DIR", &target)
-            .status()
-            .expect("cargo");
-        assert!(status.success(), "examples/greet does not build");
-    }
-    binary
+    // Built (or found up to date) every time, so it is never a stale binary.
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--locked", "--manifest-path"])
+        .arg(root.join("examples/greet/Cargo.toml"))
+        .env("CARGO_TARGET_DIR", &target)
+        .status()
+        .expect("cargo");
+    assert!(status.success(), "examples/greet does not build");
+    target.join("debug/greet")
 }
 
 #[actix_rt::test]
@@ -82,4 +80,103 @@ async fn a_users_own_crate_builds_and_serves_its_workflow() {
         .as_str()
         .unwrap()
         .contains("Ada"));
+}
+
+/// `onceflow::Client`: a job of a workflow type submitted with its typed
+/// input and read back with its typed output; every API error typed.
+#[actix_rt::test]
+async fn the_typed_client_submits_reads_and_maps_errors() {
+    use onceflow::{Client, ClientError};
+    use onceflow_workflows::completion::{CompletionInput, CompletionOutput, Message, Role};
+    use onceflow_workflows::Completion;
+    let env = TestEnv::new().await;
+    let mut registry = onceflow_engine::Registry::new();
+    registry.register(Completion::default());
+    let base = crate::support::serve_api(env.store.clone(), registry.clone(), None);
+    let _engine = env.start(registry, env.config());
+    let client = Client::new(&base);
+    let input = CompletionInput {
+        model: "m".into(),
+        messages: vec![Message {
+            role: Role::User,
+            content: "typed".into(),
+        }],
+        temperature: None,
+        max_tokens: None,
+    };
+    let submitted = client
+        .submit::<Completion>("typed-1", &input, &env.consumer.url())
+        .await
+        .unwrap();
+    assert!(submitted.created);
+    let again = client
+        .submit::<Completion>("typed-1", &input, &env.consumer.url())
+        .await
+        .unwrap();
+    assert!(!again.created, "an identical resubmission is 200");
+    let done = wait_until(Duration::from_secs(20), || async {
+        client
+            .job::<CompletionOutput>("typed-1")
+            .await
+            .is_ok_and(|j| j.state == onceflow_engine::JobState::Acked)
+    })
+    .await;
+    assert!(done);
+    let job = client.job::<CompletionOutput>("typed-1").await.unwrap();
+    assert!(job.result.unwrap().content.starts_with("echo: typed"));
+    assert_eq!(job.history.len(), 6);
+    let page = client.list(&onceflow::ListQuery::default()).await.unwrap();
+    assert_eq!(page.jobs.len(), 1);
+
+    // Typed errors.
+    let mut other = input.clone();
+    other.model = "other".into();
+    match client
+        .submit::<Completion>("typed-1", &other, &env.consumer.url())
+        .await
+    {
+        Err(ClientError::Conflict { code, .. }) => assert_eq!(code, "conflict"),
+        other => panic!("{other:?}"),
+    }
+    match client
+        .submit::<Completion>("bad id!", &input, &env.consumer.url())
+        .await
+    {
+        Err(ClientError::Invalid { field, .. }) => assert_eq!(field, "id"),
+        other => panic!("{other:?}"),
+    }
+    match client.job::<CompletionOutput>("nobody").await {
+        Err(ClientError::NotFound(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    match client.redrive("typed-1", "x", false).await {
+        Err(ClientError::Conflict { code, .. }) => assert_eq!(code, "not_dead"),
+        other => panic!("{other:?}"),
+    }
+    // A full backlog: 429 with its Retry-After.
+    let full = crate::support::serve_api_state(onceflow_engine::api::ApiState {
+        store: env.store.clone(),
+        registry: {
+            let mut r = onceflow_engine::Registry::new();
+            r.register(Completion::default());
+            r
+        },
+        body_limit: onceflow_engine::api::DEFAULT_BODY_LIMIT,
+        telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
+        url_guard: onceflow_engine::UrlGuard::allow_private(),
+        hosts: onceflow_engine::api::Hosts::Any,
+        auth: onceflow_engine::api::Auth::Off,
+        limits: onceflow_engine::api::Limits::backlog(0, 0),
+        draining: Default::default(),
+        trace_url: None,
+    });
+    match Client::new(full)
+        .submit::<Completion>("typed-2", &input, &env.consumer.url())
+        .await
+    {
+        Err(ClientError::RateLimited { retry_after, .. }) => {
+            assert_eq!(retry_after, Some(Duration::from_secs(5)))
+        }
+        other => panic!("{other:?}"),
+    }
 }

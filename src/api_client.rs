@@ -1,0 +1,346 @@
+//! [`Client`]: the typed Rust client of the HTTP API. Jobs of a workflow
+//! type are submitted with its typed input; every API error is a typed
+//! [`ClientError`].
+
+use std::time::Duration;
+
+use onceflow_engine::{ErrorEnvelope, JobState, Workflow};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// A client of one onceflow server.
+#[derive(Debug, Clone)]
+pub struct Client {
+    base: String,
+    token: Option<String>,
+    http: reqwest::Client,
+}
+
+/// What the API answered, when it was not a success.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// `409`: the id holds another request, or a job not in the state the
+    /// action needs (not dead, already finished, delivery unknown).
+    #[error("409 conflict ({code}): {message}")]
+    Conflict { code: String, message: String },
+    /// `422`: `field` is invalid.
+    #[error("422 invalid {field}: {message}")]
+    Invalid { field: String, message: String },
+    /// `429`: come back after `retry_after`.
+    #[error("429 rate limited ({message}); retry after {retry_after:?}")]
+    RateLimited {
+        retry_after: Option<Duration>,
+        message: String,
+    },
+    /// `404`: no such job (or another token's).
+    #[error("404 not found: {0}")]
+    NotFound(String),
+    /// `401`: the token is missing, unknown or revoked.
+    #[error("401 unauthorized: {0}")]
+    Unauthorized(String),
+    /// `503`: the server is draining or its database is unavailable.
+    #[error("503 unavailable ({message}); retry after {retry_after:?}")]
+    Unavailable {
+        retry_after: Option<Duration>,
+        message: String,
+    },
+    /// Any other answer.
+    #[error("HTTP {status} ({code}): {message}")]
+    Other {
+        status: u16,
+        code: String,
+        message: String,
+    },
+    /// The server could not be reached or its answer not read.
+    #[error("cannot reach the onceflow server: {0}")]
+    Transport(#[from] reqwest::Error),
+}
+
+/// One row of the history of a job.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HistoryRow {
+    pub state: JobState,
+    pub at: chrono::DateTime<chrono::Utc>,
+    pub attempt: i32,
+    pub worker: String,
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+/// A job as the API shows it; `Output` is the workflow's result type.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(bound = "O: DeserializeOwned")]
+pub struct Job<O = Value> {
+    pub id: String,
+    pub workflow: String,
+    pub state: JobState,
+    pub attempts: i32,
+    pub incarnation: i32,
+    pub result: Option<O>,
+    pub history: Vec<HistoryRow>,
+    pub last_error: Option<ErrorEnvelope>,
+    pub dead_reason: Option<String>,
+    pub trace_id: Option<String>,
+}
+
+/// One job in a list.
+#[derive(Debug, Clone, Deserialize)]
+pub struct JobSummary {
+    pub id: String,
+    pub workflow: String,
+    pub state: JobState,
+    pub attempts: i32,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub dead_reason: Option<String>,
+}
+
+/// A page of jobs, newest first; `next_cursor` continues it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Page {
+    pub jobs: Vec<JobSummary>,
+    pub next_cursor: Option<String>,
+}
+
+/// Which jobs to list.
+#[derive(Debug, Clone, Default)]
+pub struct ListQuery {
+    pub state: Option<JobState>,
+    pub workflow: Option<String>,
+    pub limit: Option<u32>,
+    pub cursor: Option<String>,
+}
+
+/// A submission's answer: `created` (`201`) or an identical one (`200`).
+#[derive(Debug, Clone)]
+pub struct Submitted<O = Value> {
+    pub created: bool,
+    pub job: Job<O>,
+}
+
+impl Client {
+    /// A client of the server at `base` (e.g. `http://127.0.0.1:8080`).
+    pub fn new(base: impl Into<String>) -> Self {
+        Client {
+            base: base.into().trim_end_matches('/').to_owned(),
+            token: None,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Sends `Authorization: Bearer <token>` with every request.
+    pub fn with_token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = self.http.request(method, format!("{}{path}", self.base));
+        match &self.token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
+    async fn answer<T: DeserializeOwned>(
+        response: reqwest::Response,
+    ) -> Result<(u16, T), ClientError> {
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        if (200..300).contains(&status) {
+            return Ok((status, response.json().await?));
+        }
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        let text = |k: &str| body["error"][k].as_str().unwrap_or_default().to_owned();
+        let (code, message) = (text("code"), text("message"));
+        Err(match status {
+            409 => ClientError::Conflict { code, message },
+            422 => ClientError::Invalid {
+                field: text("field"),
+                message,
+            },
+            429 => ClientError::RateLimited {
+                retry_after,
+                message,
+            },
+            404 => ClientError::NotFound(message),
+            401 => ClientError::Unauthorized(message),
+            503 => ClientError::Unavailable {
+                retry_after,
+                message,
+            },
+            _ => ClientError::Other {
+                status,
+                code,
+                message,
+            },
+        })
+    }
+
+    /// Submits a job of workflow `W` with its typed `input`.
+    pub async fn submit<W>(
+        &self,
+        id: &str,
+        input: &W::Input,
+        webhook_url: &str,
+    ) -> Result<Submitted<W::Output>, ClientError>
+    where
+        W: Workflow,
+        W::Input: Serialize,
+        W::Output: DeserializeOwned,
+    {
+        self.submit_raw(W::NAME, id, &json!(input), webhook_url)
+            .await
+    }
+
+    /// Submits a job of the workflow named `workflow` with a JSON `input`.
+    pub async fn submit_raw<O: DeserializeOwned>(
+        &self,
+        workflow: &str,
+        id: &str,
+        input: &Value,
+        webhook_url: &str,
+    ) -> Result<Submitted<O>, ClientError> {
+        let body =
+            json!({ "id": id, "workflow": workflow, "input": input, "webhook_url": webhook_url });
+        let response = self
+            .request(reqwest::Method::POST, "/v1/jobs")
+            .json(&body)
+            .send()
+            .await?;
+        let (status, job) = Self::answer(response).await?;
+        Ok(Submitted {
+            created: status == 201,
+            job,
+        })
+    }
+
+    /// A job with its history, result and last error.
+    pub async fn job<O: DeserializeOwned>(&self, id: &str) -> Result<Job<O>, ClientError> {
+        let response = self
+            .request(reqwest::Method::GET, &format!("/v1/jobs/{id}"))
+            .send()
+            .await?;
+        Ok(Self::answer(response).await?.1)
+    }
+
+    /// A job exactly as the API answers it (every field, as JSON).
+    pub async fn job_json(&self, id: &str) -> Result<Value, ClientError> {
+        self.job_value(id).await
+    }
+
+    async fn job_value(&self, id: &str) -> Result<Value, ClientError> {
+        let response = self
+            .request(reqwest::Method::GET, &format!("/v1/jobs/{id}"))
+            .send()
+            .await?;
+        Ok(Self::answer(response).await?.1)
+    }
+
+    /// A page of jobs, newest first.
+    pub async fn list(&self, query: &ListQuery) -> Result<Page, ClientError> {
+        let mut params: Vec<(&str, String)> = Vec::new();
+        if let Some(s) = query.state {
+            params.push(("state", s.as_str().to_owned()));
+        }
+        if let Some(w) = &query.workflow {
+            params.push(("workflow", w.clone()));
+        }
+        if let Some(l) = query.limit {
+            params.push(("limit", l.to_string()));
+        }
+        if let Some(c) = &query.cursor {
+            params.push(("cursor", c.clone()));
+        }
+        let query: String = params
+            .iter()
+            .map(|(k, v)| format!("{k}={}", encode(v)))
+            .collect::<Vec<_>>()
+            .join("&");
+        let response = self
+            .request(reqwest::Method::GET, &format!("/v1/jobs?{query}"))
+            .send()
+            .await?;
+        Ok(Self::answer(response).await?.1)
+    }
+
+    /// Cancels a live job.
+    pub async fn cancel(&self, id: &str, reason: &str) -> Result<Job, ClientError> {
+        let response = self
+            .request(reqwest::Method::POST, &format!("/v1/jobs/{id}/cancel"))
+            .json(&json!({ "reason": reason }))
+            .send()
+            .await?;
+        Ok(Self::answer(response).await?.1)
+    }
+
+    /// Redrives a dead job (an unknown delivery only with `confirm_unknown`).
+    pub async fn redrive(
+        &self,
+        id: &str,
+        reason: &str,
+        confirm_unknown: bool,
+    ) -> Result<Job, ClientError> {
+        let confirm = if confirm_unknown {
+            "?confirm_unknown=true"
+        } else {
+            ""
+        };
+        let response = self
+            .request(
+                reqwest::Method::POST,
+                &format!("/v1/jobs/{id}/redrive{confirm}"),
+            )
+            .json(&json!({ "reason": reason }))
+            .send()
+            .await?;
+        Ok(Self::answer(response).await?.1)
+    }
+
+    /// Redrives every dead job of the caller (an admin token: all), of
+    /// `workflow` if given; returns how many resumed and how many were
+    /// skipped for an unknown delivery.
+    pub async fn redrive_all(
+        &self,
+        workflow: Option<&str>,
+        reason: &str,
+        confirm_unknown: bool,
+    ) -> Result<(u64, u64), ClientError> {
+        let confirm = if confirm_unknown {
+            "?confirm_unknown=true"
+        } else {
+            ""
+        };
+        let mut body = json!({ "reason": reason });
+        if let Some(w) = workflow {
+            body["workflow"] = json!(w);
+        }
+        let response = self
+            .request(reqwest::Method::POST, &format!("/v1/jobs/redrive{confirm}"))
+            .json(&body)
+            .send()
+            .await?;
+        let (_, counts): (u16, Value) = Self::answer(response).await?;
+        Ok((
+            counts["redriven"].as_u64().unwrap_or(0),
+            counts["skipped_unknown"].as_u64().unwrap_or(0),
+        ))
+    }
+}
+
+/// Percent-encodes a query value.
+fn encode(v: &str) -> String {
+    v.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            other => format!("%{other:02X}"),
+        })
+        .collect()
+}
