@@ -71,9 +71,6 @@ pub enum StoreError {
     Pool(#[from] bb8::RunError<diesel_async::pooled_connection::PoolError>),
     #[error("migrations failed: {0}")]
     Migrate(String),
-    /// The error of a batched statement, shared by every request in the batch.
-    #[error("{0}")]
-    Shared(std::sync::Arc<StoreError>),
     /// The batching task could not answer (shutting down).
     #[error("batched write: {0}")]
     Batch(String),
@@ -102,7 +99,6 @@ impl StoreError {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
         match self {
             StoreError::Connect(_) | StoreError::Pool(_) | StoreError::Batch(_) => true,
-            StoreError::Shared(e) => e.is_retryable(),
             StoreError::Migrate(_) | StoreError::InvalidData(_) => false,
             StoreError::Query(e) => match e {
                 E::DatabaseError(kind, _) => match kind {

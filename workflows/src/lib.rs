@@ -28,14 +28,7 @@ pub use tool::{HttpPost, Tool};
 /// The built-in workflows: `completion`, and `agent` with the `http_post`
 /// tool when `tool_post_url` is given.
 pub fn registry_with(tool_post_url: Option<&str>) -> Registry {
-    let mut registry = Registry::new();
-    registry.register(Completion::default());
-    let mut agent = Agent::new();
-    if let Some(url) = tool_post_url {
-        agent = agent.with_tool(HttpPost::new(url));
-    }
-    registry.register(agent);
-    registry
+    registry_with_tools(tool_post_url, &[])
 }
 
 /// As [`registry_with`], with `tools` given to the agent beside `http_post`.

@@ -310,25 +310,11 @@ impl Store {
         Self::purge_in(&mut conn, retention_ms, dead_retention_ms, batch).await
     }
 
-    /// How many jobs are in each state (states with none are absent).
+    /// How many jobs are in each state (every state, zeros included).
     pub async fn count_by_state(
         &self,
     ) -> Result<Vec<(crate::lifecycle::JobState, u64)>, StoreError> {
-        #[derive(QueryableByName)]
-        struct StateCount {
-            #[diesel(sql_type = Text)]
-            state: String,
-            #[diesel(sql_type = BigInt)]
-            n: i64,
-        }
-        let mut conn = self.db().conn().await?;
-        let rows: Vec<StateCount> =
-            sql("SELECT state::text AS state, count(*) AS n FROM jobs GROUP BY state")
-                .load(&mut conn)
-                .await?;
-        rows.into_iter()
-            .map(|r| Ok((super::jobs::parse_state(&r.state)?, r.n.max(0) as u64)))
-            .collect()
+        self.stats(None).await
     }
 
     /// Unfinished jobs in all, and of API token `owner` (0 for `None`).
