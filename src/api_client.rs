@@ -74,6 +74,8 @@ pub struct HistoryRow {
 pub struct Job<O = Value> {
     pub id: String,
     pub workflow: String,
+    /// The version of the workflow the job started on (and runs on).
+    pub workflow_version: i32,
     pub state: JobState,
     pub attempts: i32,
     pub incarnation: i32,

@@ -586,6 +586,7 @@ async fn hold(
                 let job = onceflow_engine::intake::NewJob {
                     id: format!("bench-{prefix}-{i}"),
                     workflow: "completion".to_owned(),
+                    workflow_version: 1,
                     input: json!({ "model": "bench", "messages": [{ "role": "user", "content": "hi" }] }),
                     webhook_url: hook.clone(),
                 };

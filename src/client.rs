@@ -157,9 +157,10 @@ pub fn render_status(job: &Value) -> String {
             .unwrap_or_else(|| v.to_string())
     };
     let mut out = format!(
-        "job       {}\nworkflow  {}\nstate     {}\nattempts  {}\n",
+        "job       {}\nworkflow  {} v{}\nstate     {}\nattempts  {}\n",
         s(&job["id"]),
         s(&job["workflow"]),
+        job["workflow_version"],
         s(&job["state"]),
         job["attempts"]
     );

@@ -136,6 +136,7 @@ async fn demo(args: &DemoArgs, database: &crate::config::Database) -> anyhow::Re
                 .submit(&NewJob {
                     id: id.clone(),
                     workflow: "completion".to_owned(),
+                    workflow_version: 1,
                     input: json!({ "model": "demo", "messages": [{ "role": "user", "content": format!("Say hello to {id}") }] }),
                     webhook_url: consumer.url(),
                 })

@@ -152,6 +152,7 @@ impl JobRun {
             tool_timeout: shared.config.webhook_timeout,
             guard: shared.config.url_guard.clone(),
             tool_response_limit: shared.config.tool_response_limit,
+            replay: crate::context::Replay::for_attempt(leased.fence.attempt),
             scope,
         };
         JobRun {

@@ -40,6 +40,30 @@ pub struct Context {
     pub(crate) tool_response_limit: usize,
     /// This attempt's `job` span and the node's instruments.
     pub(crate) scope: Scope,
+    /// Whether this rerun still follows the job's journal.
+    pub(crate) replay: Replay,
+}
+
+/// What a rerun of a body has asked of the job's journal so far (see
+/// [`Context::follow_journal`]).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Replay {
+    /// Whether to check: not on a first attempt (nothing is journaled yet),
+    /// nor once the rerun has asked for every journaled key.
+    armed: bool,
+    /// The job's journaled keys, oldest first; read on first use.
+    journal: Option<Vec<String>>,
+    /// The keys this attempt asked for.
+    asked: std::collections::HashSet<String>,
+}
+
+impl Replay {
+    pub(crate) fn for_attempt(attempt: i32) -> Self {
+        Replay {
+            armed: attempt > 1,
+            ..Replay::default()
+        }
+    }
 }
 
 /// How a model call was served, for callers that count.
@@ -59,6 +83,51 @@ impl Context {
         } else {
             Ok(())
         }
+    }
+
+    /// Refuses a side effect whose `key` the journal lacks while a key the
+    /// journal holds was never asked for by this rerun: the body no longer
+    /// matches the job's journal (a changed body deployed under the same
+    /// [`Workflow::VERSION`](crate::Workflow::VERSION)). Going on would call
+    /// the model again for work already paid for, so the job fails,
+    /// non-retryably, naming the step and the keys, and nothing is sent.
+    async fn follow_journal(&mut self, step: &str, key: &str) -> Result<(), StepError> {
+        if !self.replay.armed {
+            return Ok(());
+        }
+        let journal = match self.replay.journal.take() {
+            Some(journal) => journal,
+            None => self.store.journal_keys(&self.fence).await?,
+        };
+        self.replay.asked.insert(key.to_owned());
+        let replayed = journal.iter().any(|k| k == key);
+        let skipped: Vec<&str> = journal
+            .iter()
+            .filter(|k| !self.replay.asked.contains(*k))
+            .map(String::as_str)
+            .collect();
+        let outcome = if replayed {
+            Ok(())
+        } else if skipped.is_empty() {
+            // Past the journal's end: everything from here on is new.
+            self.replay.armed = false;
+            Ok(())
+        } else {
+            let skipped = skipped.join(", ");
+            Err(StepError::permanent(
+                "journal_mismatch",
+                format!(
+                    "the workflow's code no longer matches this job's journal: step {step:?} \
+                     asks for {key}, which the journal lacks, while journaled {skipped} was never asked for"
+                ),
+                format!(
+                    "step {step:?} asks for {key}, not in the journal, before journaled {skipped}; \
+                     nothing was sent. Ship a changed body as a new Workflow::VERSION beside the old one, then redrive"
+                ),
+            ))
+        };
+        self.replay.journal = Some(journal);
+        outcome
     }
 
     /// The job's id (its business id).
@@ -89,6 +158,7 @@ impl Context {
         request: &Value,
     ) -> Result<(Value, Served), StepError> {
         let key = keys::model_call(&self.fence.key(), step);
+        self.follow_journal(step, &key).await?;
         let hash = canonical_hash(request);
         // The in-flight mark outlives the request timeout a little, so a
         // concurrent attempt does not send while ours may still be answered.
@@ -419,6 +489,8 @@ impl Context {
         }
         let in_flight_ms = (self.tool_timeout + Duration::from_secs(5)).as_millis() as i64;
         let key = keys::tool(&self.fence.key(), turn, index);
+        self.follow_journal(&format!("tool:{turn}:{index}"), &key)
+            .await?;
         let metrics = self.scope.metrics().clone();
         let mut span = self.scope.step(
             SPAN_TOOL,
@@ -558,6 +630,7 @@ impl Context {
         Fut: std::future::Future<Output = Result<T, StepError>>,
     {
         let key = keys::step(&self.fence.key(), name);
+        self.follow_journal(name, &key).await?;
         let decode = |text: &str| {
             serde_json::from_str::<T>(text)
                 .map_err(|e| StepError::Serialize(format!("journaled output of step {name}: {e}")))

@@ -21,6 +21,10 @@ pub const MAX_URL_LEN: usize = 2048;
 pub struct NewJob {
     pub id: String,
     pub workflow: String,
+    /// The version of the workflow the job starts on (the highest this node
+    /// registers). Not part of the request: resubmitting a job after a deploy
+    /// is still the same request.
+    pub workflow_version: i32,
     pub input: Value,
     pub webhook_url: String,
 }
@@ -101,6 +105,7 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
     }
     Ok(NewJob {
         id,
+        workflow_version: workflow.version() as i32,
         workflow: workflow_name,
         input,
         webhook_url,

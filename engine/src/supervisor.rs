@@ -143,7 +143,7 @@ impl Handler<Poll> for Supervisor {
         // failed and its lease lapsed): one job, one actor per node.
         let running: Vec<String> = self.in_flight.keys().cloned().collect();
         let acquire = async move {
-            let workflows = shared.registry.owned_names();
+            let workflows = shared.registry.runnable();
             shared
                 .store
                 .acquire(
@@ -215,10 +215,15 @@ impl Supervisor {
                 .add(1, &[]);
             tracing::info!(job.id = %leased.fence.job_id, previous_owner = %previous, state = %leased.state, "resuming a stalled job from its last checkpoint");
         }
-        let Some(workflow) = self.shared.registry.get(&leased.workflow).cloned() else {
+        let Some(workflow) = self
+            .shared
+            .registry
+            .get_version(&leased.workflow, leased.workflow_version)
+            .cloned()
+        else {
             // Acquire takes only registered workflows; should one slip
             // through, let the lease lapse for a node that has it.
-            tracing::error!(job.id = %leased.fence.job_id, workflow = %leased.workflow, "workflow not registered on this node");
+            tracing::error!(job.id = %leased.fence.job_id, workflow = %leased.workflow, version = leased.workflow_version, "workflow version not registered on this node");
             return;
         };
         let (job_id, epoch) = (leased.fence.job_id.clone(), leased.fence.epoch);
@@ -357,7 +362,7 @@ impl Handler<Purge> for Supervisor {
             }
             match shared
                 .store
-                .count_unrunnable(&shared.registry.owned_names())
+                .count_unrunnable(&shared.registry.runnable())
                 .await
             {
                 Ok(n) => shared

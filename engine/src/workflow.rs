@@ -56,6 +56,12 @@ pub trait Workflow: Send + Sync + 'static {
     /// The durable name: stored with every job, so never derived from the type name
     /// and never changed once jobs exist.
     const NAME: &'static str;
+    /// The version of the body (default 1). A job records the version it
+    /// started on and only a node that has that version runs it, so a body
+    /// that changes what it journals (another step, another order, another
+    /// request) ships as a new version registered *beside* the old one until
+    /// the old one's jobs are finished. See "Changing a workflow" in the README.
+    const VERSION: u32 = 1;
     /// The job's `input`, as submitted.
     type Input: DeserializeOwned + Send + 'static;
     /// What the body returns; persisted and sent as the webhook's `result`.
@@ -90,6 +96,7 @@ pub trait Workflow: Send + Sync + 'static {
 /// A workflow with its types erased, as the engine stores it.
 pub trait DynWorkflow: Send + Sync {
     fn name(&self) -> &'static str;
+    fn version(&self) -> u32;
     fn delivery_policy(&self) -> DeliveryPolicy;
     fn failure_events(&self) -> bool;
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
@@ -103,6 +110,10 @@ pub trait DynWorkflow: Send + Sync {
 impl<W: Workflow> DynWorkflow for W {
     fn name(&self) -> &'static str {
         W::NAME
+    }
+
+    fn version(&self) -> u32 {
+        W::VERSION
     }
 
     fn delivery_policy(&self) -> DeliveryPolicy {
@@ -144,17 +155,17 @@ fn decode<T: DeserializeOwned>(input: &Value) -> Result<T, InvalidInput> {
     })
 }
 
-/// The workflows an engine runs, by durable name.
+/// The workflows an engine runs, by durable name and version.
 #[derive(Clone, Default)]
 pub struct Registry {
-    by_name: BTreeMap<&'static str, Arc<dyn DynWorkflow>>,
+    by_name: BTreeMap<&'static str, BTreeMap<u32, Arc<dyn DynWorkflow>>>,
     /// Every workflow sends failure events (`ONCEFLOW_FAILURE_EVENTS`).
     failure_events: bool,
 }
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(self.by_name.keys()).finish()
+        f.debug_list().entries(self.runnable()).finish()
     }
 }
 
@@ -163,20 +174,39 @@ impl Registry {
         Self::default()
     }
 
-    /// Registers `workflow` under its `NAME`. Panics on a duplicate name: two
-    /// workflows sharing a durable name would run each other's jobs.
+    /// Registers `workflow` under its `NAME` and `VERSION`. Several versions
+    /// of one name may be registered: new jobs start on the highest, and a
+    /// job already started runs on its own. Panics on a duplicate name and
+    /// version (two bodies would run each other's jobs) and on version 0.
     pub fn register<W: Workflow>(&mut self, workflow: W) -> &mut Self {
-        let previous = self.by_name.insert(W::NAME, Arc::new(workflow));
-        assert!(
-            previous.is_none(),
-            "workflow {:?} registered twice",
-            W::NAME
-        );
+        self.insert(W::NAME, W::VERSION, Arc::new(workflow));
         self
     }
 
+    fn insert(&mut self, name: &'static str, version: u32, workflow: Arc<dyn DynWorkflow>) {
+        assert!(
+            (1..=i32::MAX as u32).contains(&version),
+            "workflow {name:?}: VERSION must be at least 1"
+        );
+        let previous = self
+            .by_name
+            .entry(name)
+            .or_default()
+            .insert(version, workflow);
+        assert!(
+            previous.is_none(),
+            "workflow {name:?} version {version} registered twice"
+        );
+    }
+
+    /// The version new jobs of `name` start on: the highest registered.
     pub fn get(&self, name: &str) -> Option<&Arc<dyn DynWorkflow>> {
-        self.by_name.get(name)
+        self.by_name.get(name)?.values().next_back()
+    }
+
+    /// Version `version` of `name`, if this node has it.
+    pub fn get_version(&self, name: &str, version: i32) -> Option<&Arc<dyn DynWorkflow>> {
+        self.by_name.get(name)?.get(&u32::try_from(version).ok()?)
     }
 
     /// The registered names, owned (for a query parameter).
@@ -188,12 +218,21 @@ impl Registry {
         self.by_name.keys().copied()
     }
 
-    /// Registers every workflow of `other` too. Panics on a name registered
-    /// in both.
+    /// Every registered `name@version`: the jobs this node can run.
+    pub fn runnable(&self) -> Vec<String> {
+        self.by_name
+            .iter()
+            .flat_map(|(name, versions)| versions.keys().map(move |v| format!("{name}@{v}")))
+            .collect()
+    }
+
+    /// Registers every workflow of `other` too. Panics on a name and version
+    /// registered in both.
     pub fn extend(&mut self, other: &Registry) -> &mut Self {
-        for (name, workflow) in &other.by_name {
-            let previous = self.by_name.insert(name, workflow.clone());
-            assert!(previous.is_none(), "workflow {name:?} registered twice");
+        for (name, versions) in &other.by_name {
+            for (version, workflow) in versions {
+                self.insert(name, *version, workflow.clone());
+            }
         }
         self
     }
@@ -207,5 +246,50 @@ impl Registry {
     /// Whether jobs of `workflow` send failure events.
     pub fn failure_events(&self, workflow: &str) -> bool {
         self.failure_events || self.get(workflow).is_some_and(|w| w.failure_events())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Body<const V: u32>;
+
+    impl<const V: u32> Workflow for Body<V> {
+        const NAME: &'static str = "body";
+        const VERSION: u32 = V;
+        type Input = Value;
+        type Output = u32;
+
+        async fn run(&self, _ctx: &mut Context, _input: Value) -> Result<u32, StepError> {
+            Ok(V)
+        }
+    }
+
+    #[test]
+    fn new_jobs_start_on_the_highest_version_and_every_version_stays_runnable() {
+        let mut registry = Registry::new();
+        registry.register(Body::<2>).register(Body::<1>);
+        assert_eq!(registry.get("body").unwrap().version(), 2);
+        assert_eq!(registry.get_version("body", 1).unwrap().version(), 1);
+        assert!(registry.get_version("body", 3).is_none());
+        assert!(registry.get_version("body", -1).is_none());
+        assert_eq!(registry.runnable(), ["body@1", "body@2"]);
+        let mut other = Registry::new();
+        other.register(Body::<3>);
+        registry.extend(&other);
+        assert_eq!(registry.get("body").unwrap().version(), 3);
+    }
+
+    #[test]
+    #[should_panic(expected = "version 2 registered twice")]
+    fn one_version_registered_twice_panics() {
+        Registry::new().register(Body::<2>).register(Body::<2>);
+    }
+
+    #[test]
+    #[should_panic(expected = "VERSION must be at least 1")]
+    fn version_zero_panics() {
+        Registry::new().register(Body::<0>);
     }
 }

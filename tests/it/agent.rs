@@ -51,6 +51,7 @@ fn agent_job(env: &TestEnv, id: &str) -> NewJob {
     NewJob {
         id: id.to_owned(),
         workflow: "agent".to_owned(),
+        workflow_version: 1,
         input: json!({ "model": "m", "messages": [{ "role": "user", "content": "open a ticket" }] }),
         webhook_url: env.consumer.url(),
     }
@@ -287,6 +288,7 @@ async fn a_user_workflow_step_has_one_side_effect_across_a_crash_at_every_bounda
         env.submit_job(NewJob {
             id: id.clone(),
             workflow: "example.onboarding".to_owned(),
+            workflow_version: 1,
             input: json!({ "email": format!("{id}@example.com"), "name": "Ada" }),
             webhook_url: env.consumer.url(),
         })
@@ -349,6 +351,7 @@ async fn retention_purges_expired_jobs_so_their_ids_are_new_again() {
     let different = |id: &str| NewJob {
         id: id.to_owned(),
         workflow: "completion".to_owned(),
+        workflow_version: 1,
         input: json!({ "model": "other", "messages": [{ "role": "user", "content": "again" }] }),
         webhook_url: env.consumer.url(),
     };

@@ -651,6 +651,7 @@ async fn a_job_of_an_unregistered_workflow_is_left_alone_and_counted() {
     env.submit_job(onceflow_engine::intake::NewJob {
         id: "elsewhere-1".into(),
         workflow: "not.here".into(),
+        workflow_version: 1,
         input: json!({}),
         webhook_url: env.consumer.url(),
     })
@@ -694,6 +695,7 @@ async fn a_2xx_with_an_unreadable_body_is_delivered() {
     env.submit_job(onceflow_engine::intake::NewJob {
         id: "body-1".into(),
         workflow: "completion".into(),
+        workflow_version: 1,
         input: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
         webhook_url: url,
     })

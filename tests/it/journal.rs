@@ -106,6 +106,7 @@ async fn submit(env: &TestEnv, id: &str, mode: &str) {
     env.submit_job(NewJob {
         id: id.into(),
         workflow: "test.changing".into(),
+        workflow_version: 1,
         input: json!({ "mode": mode }),
         webhook_url: env.consumer.url(),
     })

@@ -18,3 +18,4 @@ mod security;
 mod support;
 mod telemetry;
 mod tracing;
+mod versions;

@@ -578,6 +578,7 @@ async fn submit_notifying(env: &TestEnv, id: &str, notify: bool) {
     let job = onceflow_engine::intake::NewJob {
         id: id.into(),
         workflow: "completion".into(),
+        workflow_version: 1,
         input: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
         webhook_url: env.consumer.url(),
     };

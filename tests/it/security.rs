@@ -173,6 +173,7 @@ async fn a_redirect_is_not_followed() {
     env.submit_job(NewJob {
         id: "redirect-1".into(),
         workflow: "completion".into(),
+        workflow_version: 1,
         input: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
         webhook_url: url,
     })
@@ -208,6 +209,7 @@ async fn a_tool_request_to_an_internal_address_is_refused() {
     env.submit_job(NewJob {
         id: "tool-ssrf".into(),
         workflow: "agent".into(),
+        workflow_version: 1,
         input: json!({ "model": "m", "messages": [{ "role": "user", "content": "go" }] }),
         webhook_url: env.consumer.url(),
     })

@@ -129,7 +129,7 @@ async function loadJob(id) {
   const facts = $("job-facts");
   facts.replaceChildren();
   fact(facts, "state", job.state);
-  fact(facts, "workflow", job.workflow);
+  fact(facts, "workflow", `${job.workflow} v${job.workflow_version}`);
   fact(facts, "attempts", job.attempts);
   fact(facts, "incarnation", job.incarnation);
   fact(facts, "dead reason", job.dead_reason);

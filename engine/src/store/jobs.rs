@@ -36,6 +36,8 @@ pub enum Intake {
 pub struct JobView {
     pub id: String,
     pub workflow: String,
+    /// The version of the workflow the job started on (and runs on).
+    pub workflow_version: i32,
     pub state: JobState,
     pub attempts: i32,
     /// Which life of this id the job is: 1, or `n` when the id was purged
@@ -125,6 +127,8 @@ struct JobRow {
     id: String,
     #[diesel(sql_type = Text)]
     workflow: String,
+    #[diesel(sql_type = Integer)]
+    workflow_version: i32,
     #[diesel(sql_type = Jsonb)]
     request: Value,
     #[diesel(sql_type = Text)]
@@ -183,7 +187,7 @@ struct OutboxRow {
     delivered_at: Option<DateTime<Utc>>,
 }
 
-const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.request, j.request_hash, j.state::text AS state, \
+const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.workflow_version, j.request, j.request_hash, j.state::text AS state, \
      j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 
@@ -231,8 +235,8 @@ impl Store {
         // statement (one round trip, one commit); no row when the id exists.
         let inserted: Vec<Inserted> = sql("WITH job AS ( \
                  INSERT INTO jobs (id, workflow, request, request_hash, trace_context, incarnation, lease_epoch, owner_token, \
-                     notify_failures) \
-                 SELECT $1, $2, $3, $4, $7, coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), $8, $9 \
+                     notify_failures, workflow_version) \
+                 SELECT $1, $2, $3, $4, $7, coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), $8, $9, $10 \
                  FROM (SELECT 1) one LEFT JOIN job_tombstones t ON t.id = $1 \
                  ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation), \
              history AS ( \
@@ -249,12 +253,14 @@ impl Store {
         .bind::<Text, _>(trace.to_string())
         .bind::<Nullable<BigInt>, _>(owner)
         .bind::<diesel::sql_types::Bool, _>(notify_failures)
+        .bind::<Integer, _>(job.workflow_version)
         .load(&mut conn)
         .await?;
         if let Some(row) = inserted.into_iter().next() {
             return Ok(Intake::Created(JobView {
                 id: job.id.clone(),
                 workflow: job.workflow.clone(),
+                workflow_version: job.workflow_version,
                 state: JobState::Received,
                 attempts: 0,
                 incarnation: row.incarnation,
@@ -366,6 +372,7 @@ impl Store {
             state: parse_state(&row.state)?,
             id: row.id,
             workflow: row.workflow,
+            workflow_version: row.workflow_version,
             attempts: row.attempts,
             incarnation: row.incarnation,
             input: request.get("input").cloned().unwrap_or(Value::Null),

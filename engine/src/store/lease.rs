@@ -41,6 +41,8 @@ impl Fence {
 pub struct Leased {
     pub fence: Fence,
     pub workflow: String,
+    /// The version of the workflow the job started on: it runs on no other.
+    pub workflow_version: i32,
     pub request: Value,
     pub state: JobState,
     /// The node that held the (expired) lease before us, if any: a takeover.
@@ -70,6 +72,8 @@ struct LeasedRow {
     id: String,
     #[diesel(sql_type = Text)]
     workflow: String,
+    #[diesel(sql_type = Integer)]
+    workflow_version: i32,
     #[diesel(sql_type = Jsonb)]
     request: Value,
     #[diesel(sql_type = Text)]
@@ -127,7 +131,8 @@ impl Store {
     /// leased to `node` itself: a node that just started has nothing in
     /// flight, so whatever it held belonged to its previous incarnation.
     ///
-    /// Only jobs of `workflows` (those registered on this node; `None`: any) are taken,
+    /// Only jobs of `workflows` (`name@version`, those registered on this
+    /// node: [`Registry::runnable`](crate::Registry::runnable); `None`: any) are taken,
     /// and never one in `running` (this node's attempts still alive: a lease
     /// that lapsed while its heartbeat failed is not taken over by the node
     /// that holds it, so one job has at most one actor per node).
@@ -147,14 +152,14 @@ impl Store {
                  WHERE finished_at IS NULL AND run_at <= now() \
                    AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp() \
                         OR ($4 AND lease_owner = $1)) \
-                   AND ($5::text[] IS NULL OR workflow = ANY($5)) AND NOT (id = ANY($6))  \
+                   AND ($5::text[] IS NULL OR workflow || '@' || workflow_version = ANY($5)) AND NOT (id = ANY($6))  \
                  ORDER BY run_at LIMIT $2 \
                  FOR UPDATE SKIP LOCKED) \
              UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
                  lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \
                  attempts = j.attempts + 1, updated_at = now() \
              FROM picked WHERE j.id = picked.id \
-             RETURNING j.id, j.workflow, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
+             RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
                  picked.lease_owner AS previous_owner, j.trace_context",
         )
         .bind::<Text, _>(node)
@@ -177,6 +182,7 @@ impl Store {
                         worker: node.to_owned(),
                     },
                     workflow: r.workflow,
+                    workflow_version: r.workflow_version,
                     request: r.request,
                     previous_owner: r.previous_owner,
                     trace: r.trace_context.as_deref().and_then(TraceParent::parse),

@@ -244,6 +244,35 @@ impl Store {
         .await
     }
 
+    /// Every key journaled for `fence`'s job (model calls, tool calls,
+    /// steps), in the order they were first journaled: what a replay of the
+    /// body must ask for again, in this order, before it asks anything new.
+    pub async fn journal_keys(&self, fence: &Fence) -> Result<Vec<String>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Key {
+            #[diesel(sql_type = Text)]
+            key: String,
+        }
+        let prefix = fence.key();
+        retrying!(self, "journal_keys", async || {
+            let mut conn = self.db().conn().await?;
+            let rows: Vec<Key> = sql(
+                "SELECT key FROM ( \
+                     SELECT idempotency_key AS key, created_at, id AS seq FROM model_calls WHERE job_id = $1 \
+                     UNION ALL SELECT $2 || ':tool:' || turn || ':' || call_index, created_at, id \
+                         FROM tool_calls WHERE job_id = $1 \
+                     UNION ALL SELECT step_key, created_at, 0 FROM steps WHERE job_id = $1) k \
+                 ORDER BY created_at, seq",
+            )
+            .bind::<Text, _>(&fence.job_id)
+            .bind::<Text, _>(prefix.as_str())
+            .load(&mut conn)
+            .await?;
+            Ok(rows.into_iter().map(|r| r.key).collect())
+        })
+        .await
+    }
+
     /// The journaled output of step `key`, if it ran.
     pub async fn step_output(&self, job_id: &str, key: &str) -> Result<Option<String>, StoreError> {
         retrying!(self, "step_output", async || {
@@ -337,11 +366,12 @@ impl Store {
         Ok((c.total.max(0) as u64, c.mine.max(0) as u64))
     }
 
-    /// Live jobs whose workflow is not in `workflows` (a node cannot run them).
+    /// Live jobs whose `name@version` is not in `workflows` (this node cannot
+    /// run them: another workflow, or a version it does not have).
     pub async fn count_unrunnable(&self, workflows: &[String]) -> Result<u64, StoreError> {
         let mut conn = self.db().conn().await?;
         let found: Count = sql(
-            "SELECT count(*) AS n FROM jobs WHERE finished_at IS NULL AND NOT (workflow = ANY($1))",
+            "SELECT count(*) AS n FROM jobs WHERE finished_at IS NULL AND NOT (workflow || '@' || workflow_version = ANY($1))",
         )
         .bind::<diesel::sql_types::Array<Text>, _>(workflows)
         .get_result(&mut conn)

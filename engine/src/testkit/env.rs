@@ -90,6 +90,7 @@ impl TestEnv {
         self.submit_job(NewJob {
             id: id.to_owned(),
             workflow: "completion".to_owned(),
+            workflow_version: 1,
             input: json!({ "model": "test-model", "messages": [{ "role": "user", "content": prompt }] }),
             webhook_url: self.consumer.url(),
         })
@@ -174,7 +175,7 @@ impl TestEnv {
         config: EngineConfig,
     ) -> Outcome {
         let workflow = registry
-            .get(&leased.workflow)
+            .get_version(&leased.workflow, leased.workflow_version)
             .cloned()
             .unwrap_or_else(|| panic!("workflow {} is not registered", leased.workflow));
         let shared = Arc::new(Shared::new(

@@ -315,10 +315,15 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
     }
 
     async fn submit(&self, id: &str) {
+        // The version a node with this registry would start it on.
+        let version = (self.make_registry)()
+            .get(&self.workflow)
+            .map_or(1, |w| w.version() as i32);
         self.env
             .submit_job(NewJob {
                 id: id.to_owned(),
                 workflow: self.workflow.clone(),
+                workflow_version: version,
                 input: self.input.clone(),
                 webhook_url: self.env.consumer.url(),
             })
