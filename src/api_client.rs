@@ -23,14 +23,26 @@ pub enum ClientError {
     /// `409`: the id holds another request, or a job not in the state the
     /// action needs (not dead, already finished, delivery unknown).
     #[error("409 conflict ({code}): {message}")]
-    Conflict { code: String, message: String },
+    Conflict {
+        /// The API's error code.
+        code: String,
+        /// What the server said.
+        message: String,
+    },
     /// `422`: `field` is invalid.
     #[error("422 invalid {field}: {message}")]
-    Invalid { field: String, message: String },
+    Invalid {
+        /// The offending field (`input.messages`, `webhook_url`, …).
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
     /// `429`: come back after `retry_after`.
     #[error("429 rate limited ({message}); retry after {retry_after:?}")]
     RateLimited {
+        /// The server's `Retry-After`, if it sent one.
         retry_after: Option<Duration>,
+        /// What the server said.
         message: String,
     },
     /// `404`: no such job (or another token's).
@@ -42,14 +54,19 @@ pub enum ClientError {
     /// `503`: the server is draining or its database is unavailable.
     #[error("503 unavailable ({message}); retry after {retry_after:?}")]
     Unavailable {
+        /// The server's `Retry-After`, if it sent one.
         retry_after: Option<Duration>,
+        /// What the server said.
         message: String,
     },
     /// Any other answer.
     #[error("HTTP {status} ({code}): {message}")]
     Other {
+        /// The HTTP status.
         status: u16,
+        /// The API's error code (empty if the body had none).
         code: String,
+        /// What the server said.
         message: String,
     },
     /// The server could not be reached or its answer not read.
@@ -60,10 +77,15 @@ pub enum ClientError {
 /// One row of the history of a job.
 #[derive(Debug, Clone, Deserialize)]
 pub struct HistoryRow {
+    /// The state entered.
     pub state: JobState,
+    /// When it was entered.
     pub at: chrono::DateTime<chrono::Utc>,
+    /// The attempt that made the transition (0 at intake).
     pub attempt: i32,
+    /// The node that made it, `intake`, or the operator who asked.
     pub worker: String,
+    /// Who asked and why, for an operator's transition (redrive, cancel).
     #[serde(default)]
     pub note: Option<String>,
 }
@@ -72,51 +94,75 @@ pub struct HistoryRow {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(bound = "O: DeserializeOwned")]
 pub struct Job<O = Value> {
+    /// The job id (your business id).
     pub id: String,
+    /// The name of the workflow it runs.
     pub workflow: String,
     /// The version of the workflow the job started on (and runs on).
     pub workflow_version: i32,
+    /// Where the job is in its lifecycle.
     pub state: JobState,
+    /// Attempts started so far.
     pub attempts: i32,
+    /// Which life of the id this is (1 unless it was purged and submitted again).
     pub incarnation: i32,
+    /// The workflow's output, once persisted.
     pub result: Option<O>,
+    /// Every transition, oldest first.
     pub history: Vec<HistoryRow>,
+    /// The most recent failure, if any.
     pub last_error: Option<ErrorEnvelope>,
+    /// Why the job is dead, if it is.
     pub dead_reason: Option<String>,
+    /// The W3C trace id (hex) every attempt of the job runs under.
     pub trace_id: Option<String>,
 }
 
 /// One job in a list.
 #[derive(Debug, Clone, Deserialize)]
 pub struct JobSummary {
+    /// The job id.
     pub id: String,
+    /// The name of the workflow it runs.
     pub workflow: String,
+    /// Where the job is in its lifecycle.
     pub state: JobState,
+    /// Attempts started so far.
     pub attempts: i32,
+    /// When the job was submitted.
     pub created_at: chrono::DateTime<chrono::Utc>,
+    /// Why the job is dead, if it is.
     pub dead_reason: Option<String>,
 }
 
 /// A page of jobs, newest first; `next_cursor` continues it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Page {
+    /// The jobs of this page, newest first.
     pub jobs: Vec<JobSummary>,
+    /// Pass as [`ListQuery::cursor`] for the next page; `None` on the last.
     pub next_cursor: Option<String>,
 }
 
 /// Which jobs to list.
 #[derive(Debug, Clone, Default)]
 pub struct ListQuery {
+    /// Only jobs in this state.
     pub state: Option<JobState>,
+    /// Only jobs of this workflow.
     pub workflow: Option<String>,
+    /// Jobs per page, 1 to 500 (server default 50).
     pub limit: Option<u32>,
+    /// A previous page's `next_cursor`, to continue after it.
     pub cursor: Option<String>,
 }
 
 /// A submission's answer: `created` (`201`) or an identical one (`200`).
 #[derive(Debug, Clone)]
 pub struct Submitted<O = Value> {
+    /// `true` when this submission created the job, `false` when it matched an existing one.
     pub created: bool,
+    /// The job as stored.
     pub job: Job<O>,
 }
 

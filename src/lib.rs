@@ -53,6 +53,8 @@
 //!   every API error is a [`ClientError`].
 //! * [`engine`], [`workflows`], [`observability`] — the crates underneath.
 
+#![warn(missing_docs)]
+
 mod api_client;
 mod app;
 mod bench;

@@ -61,8 +61,11 @@ pub struct Abort;
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
 pub struct Finished {
+    /// The job the attempt ran.
     pub job_id: String,
+    /// The lease epoch the attempt held (its fence).
     pub epoch: i64,
+    /// How the attempt ended.
     pub outcome: Outcome,
 }
 

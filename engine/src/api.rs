@@ -32,8 +32,11 @@ pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
 /// What the handlers share.
 #[derive(Debug, Clone)]
 pub struct ApiState {
+    /// The job store (all SQL).
     pub store: Store,
+    /// The registered workflows: a submitted job names one, and its input is validated by it.
     pub registry: Registry,
+    /// Largest accepted request body, in bytes (default [`DEFAULT_BODY_LIMIT`]).
     pub body_limit: usize,
     /// The node's telemetry (share the engine's, so `/metrics` shows both).
     pub telemetry: Arc<Telemetry>,
@@ -129,7 +132,10 @@ pub enum Auth {
     /// need none: development mode, announced at start-up. Off loopback, or
     /// once any token exists, every request needs a live one (`401`).
     /// Revoking the last token never reopens a non-loopback server.
-    Tokens { loopback: bool },
+    Tokens {
+        /// The server listens on a loopback address.
+        loopback: bool,
+    },
 }
 
 /// Who a request acts for.

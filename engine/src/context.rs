@@ -374,6 +374,7 @@ pub(crate) fn invalid_answer(
 /// What a tool's execution gets: who asked, and the key to pass on.
 #[derive(Debug, Clone)]
 pub struct ToolInvocation {
+    /// The job whose model asked for the tool call.
     pub job_id: String,
     /// The provider's id of this call (recorded, not trusted to be unique).
     pub tool_call_id: String,
@@ -382,6 +383,7 @@ pub struct ToolInvocation {
     pub idempotency_key: String,
     /// The guarded client (no redirects; names resolved through the guard).
     pub client: reqwest::Client,
+    /// How long the tool's outbound request may take (the node's webhook timeout).
     pub timeout: Duration,
     /// The job's W3C trace context, to send along (`traceparent`).
     pub traceparent: String,
@@ -396,6 +398,7 @@ pub struct ToolInvocation {
 /// What a general step's work gets.
 #[derive(Debug, Clone)]
 pub struct StepInvocation {
+    /// The job running the step.
     pub job_id: String,
     /// `job:{id}:step:{name}`: send it with the step's own side effect.
     pub idempotency_key: String,

@@ -32,10 +32,15 @@ pub struct EngineConfig {
     pub max_in_flight: usize,
     /// How often a step waiting on a concurrent attempt looks again.
     pub wait_poll: Duration,
+    /// The model provider: endpoint, key and per-call timeout.
     pub provider: ProviderConfig,
+    /// How long one webhook send may take (also bounds each tool call); default 10 s.
     pub webhook_timeout: Duration,
+    /// Signs each webhook (`webhook-signature` header); `None` sends them unsigned.
     pub webhook_secret: Option<WebhookSecret>,
+    /// Backoff and budget of model calls.
     pub model_retry: RetryPolicy,
+    /// Backoff and budget of webhook sends.
     pub webhook_retry: RetryPolicy,
     /// Finished jobs (with their keys and ledgers) are purged this long after
     /// they finished; a resubmission of a purged id is a new job.
@@ -196,6 +201,7 @@ impl Engine {
         self.supervisor.send(InFlight).await.unwrap_or(0)
     }
 
+    /// What the supervisor has counted (attempts started, takeovers, leases lost, renewals).
     pub fn counters(&self) -> &Counters {
         &self.counters
     }

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 /// Starting, initialising or reaching the embedded PostgreSQL.
 #[derive(Debug, thiserror::Error)]
 pub enum PgError {
+    /// No `initdb`, `pg_ctl` and `postgres` were found to start a server with.
     #[error(
         "no PostgreSQL server binaries found (initdb, pg_ctl and postgres on PATH or under \
          /usr/lib/postgresql/*/bin). Install them (Debian/Ubuntu: `apt-get install postgresql`; \
@@ -17,38 +18,58 @@ pub enum PgError {
          DATABASE_URL to an existing server"
     )]
     NoBinaries,
+    /// Running as root, but the unprivileged service user PostgreSQL must run as does not exist.
     #[error(
         "running as root, PostgreSQL must run as the unprivileged user `{0}`, which does not \
          exist. Create it (`useradd --system {0}`) or set DATABASE_URL to an existing server"
     )]
     NoServiceUser(&'static str),
+    /// The service user cannot traverse a folder on the way to the data directory.
     #[error(
         "PostgreSQL runs as the user `{user}`, which cannot enter {folder} (mode {mode:o}) on the \
          way to its data directory {data_dir}. Either put the data elsewhere \
          (e.g. ONCEFLOW_DATA_DIR=/var/tmp/onceflow) or let it pass through: `chmod o+x {folder}`"
     )]
     Unreachable {
+        /// The service user PostgreSQL runs as.
         user: &'static str,
+        /// The ancestor folder it cannot enter.
         folder: PathBuf,
+        /// The data directory it was to reach.
         data_dir: PathBuf,
+        /// The folder's permission bits.
         mode: u32,
     },
+    /// A secret file or the data folder cannot be trusted (planted, foreign-owned, too open).
     #[error("refusing {path}: it {problem}. Fix: {fix}")]
     Unsafe {
+        /// The path refused.
         path: PathBuf,
+        /// What is wrong with it, as a clause (`has mode 644; others may read it`).
         problem: String,
+        /// What the operator can do about it.
         fix: String,
     },
+    /// A file operation on the data directory failed.
     #[error("{path}: {source}")]
     Io {
+        /// The file or directory concerned.
         path: PathBuf,
+        /// The underlying I/O error.
         #[source]
         source: std::io::Error,
     },
+    /// A PostgreSQL program (`initdb`, `pg_ctl`, …) could not be started.
     #[error("could not run {0}: {1}")]
     Spawn(String, #[source] std::io::Error),
+    /// A PostgreSQL program ran and failed.
     #[error("{step} failed: {detail}")]
-    Failed { step: &'static str, detail: String },
+    Failed {
+        /// What was being done (`initdb`, `pg_ctl start`, …).
+        step: &'static str,
+        /// Its exit status and output.
+        detail: String,
+    },
 }
 
 impl PgError {
@@ -63,12 +84,16 @@ impl PgError {
 /// Talking to Postgres.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// A query failed.
     #[error("database query failed: {0}")]
     Query(#[from] diesel::result::Error),
+    /// A connection could not be opened.
     #[error("could not connect to the database: {0}")]
     Connect(#[from] diesel::ConnectionError),
+    /// No pooled connection could be had (timed out or broken).
     #[error("database pool: {0}")]
     Pool(#[from] bb8::RunError<diesel_async::pooled_connection::PoolError>),
+    /// Running the schema migrations failed.
     #[error("migrations failed: {0}")]
     Migrate(String),
     /// The batching task could not answer (shutting down).
@@ -139,8 +164,11 @@ impl StoreError {
 /// The failure record stored with a job, a model call or an outbox row.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorEnvelope {
+    /// A stable, machine-readable code (`http_503`, `ambiguous`, `lease_lost`, …).
     pub code: String,
+    /// A human-readable description.
     pub message: String,
+    /// Whether the failure was judged transient (worth retrying).
     pub retryable: bool,
 }
 
@@ -162,14 +190,19 @@ pub enum StepError {
     /// server's own request.
     #[error("{}", error.message)]
     Retry {
+        /// The failure, as stored with the job.
         error: ErrorEnvelope,
+        /// Sends spent so far on this step.
         attempt: u32,
+        /// The server's `Retry-After`, if it sent one.
         retry_after: Option<std::time::Duration>,
     },
     /// Permanent: the job goes to `dead` with this reason.
     #[error("{reason}: {}", error.message)]
     Permanent {
+        /// The job's dead reason.
         reason: String,
+        /// The failure, as stored with the job.
         error: ErrorEnvelope,
     },
     /// The stored input no longer matches the workflow's input type.
@@ -178,6 +211,7 @@ pub enum StepError {
     /// The workflow's output could not be serialised.
     #[error("cannot serialise the output: {0}")]
     Serialize(String),
+    /// The database failed; retried as [`StoreError::is_retryable`] decides.
     #[error(transparent)]
     Store(#[from] StoreError),
 }

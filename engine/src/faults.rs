@@ -70,8 +70,10 @@ pub enum Action {
 /// A failpoint fired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Injected {
+    /// An [`Action::Fail`] fired here: a retryable failure of the step.
     #[error("injected failure at {0}")]
     Fail(FailPoint),
+    /// An [`Action::Crash`] fired here: the attempt stops as a killed process would.
     #[error("injected crash at {0}")]
     Crash(FailPoint),
 }
@@ -101,6 +103,7 @@ struct Inner {
 pub struct Faults(Arc<Inner>);
 
 impl Faults {
+    /// A registry with nothing armed.
     pub fn new() -> Self {
         Self::default()
     }

@@ -216,6 +216,7 @@ pub struct GuardedResolver {
 }
 
 impl GuardedResolver {
+    /// A resolver that lets through only the addresses `guard` allows.
     pub fn new(guard: UrlGuard) -> Self {
         GuardedResolver {
             guard: Arc::new(guard),

@@ -19,13 +19,17 @@ pub const MAX_URL_LEN: usize = 2048;
 /// A validated submission.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewJob {
+    /// The job id: the client's business id, and the job's primary key.
     pub id: String,
+    /// The name of the workflow to run.
     pub workflow: String,
     /// The version of the workflow the job starts on (the highest this node
     /// registers). Not part of the request: resubmitting a job after a deploy
     /// is still the same request.
     pub workflow_version: i32,
+    /// The workflow's input, as submitted (validated by the workflow).
     pub input: Value,
+    /// Where the outcome is delivered by webhook (checked by the SSRF guard).
     pub webhook_url: String,
 }
 

@@ -17,6 +17,7 @@ pub const COMPLETED_EVENT: &str = "job.completed";
 pub struct JobKey(String);
 
 impl JobKey {
+    /// The prefix of incarnation `incarnation` of job `job_id` (1 for the first).
     pub fn new(job_id: &str, incarnation: i32) -> Self {
         if incarnation <= 1 {
             JobKey(format!("job:{job_id}"))
@@ -25,6 +26,7 @@ impl JobKey {
         }
     }
 
+    /// The prefix itself (`job:{id}` or `job:{id}#{n}`).
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -43,6 +45,7 @@ pub fn completed(job: &JobKey) -> String {
 
 /// The event name of the failure webhooks.
 pub const DEAD_EVENT: &str = "job.dead";
+/// The event name of the webhook sent when a job is cancelled.
 pub const CANCELLED_EVENT: &str = "job.cancelled";
 
 /// The key of a failure event (`job:{id}:dead`, `job:{id}:cancelled`).

@@ -29,6 +29,8 @@
 //! `LIFECYCLE.md` beside this crate documents states, transitions, guards and
 //! which invariants the schema enforces.
 
+#![warn(missing_docs)]
+
 pub mod actor;
 pub mod api;
 pub mod context;

@@ -16,8 +16,11 @@ pub enum Failure {
     Ambiguous(String),
     /// The server answered with a non-2xx status.
     Status {
+        /// The HTTP status code.
         status: u16,
+        /// The server's `Retry-After`, if it sent one.
         retry_after: Option<Duration>,
+        /// The error body, when the request keeps it ([`Read::BodyAndErrors`]); else empty.
         body: String,
     },
     /// A 2xx whose body we could not read or understand.
@@ -25,7 +28,10 @@ pub enum Failure {
     /// The SSRF guard refused the destination: nothing was sent.
     Refused(String),
     /// The answer was larger than the cap for it; onceflow hung up.
-    TooLarge { limit: usize },
+    TooLarge {
+        /// The cap, in bytes.
+        limit: usize,
+    },
 }
 
 impl Failure {
@@ -49,6 +55,7 @@ impl Failure {
         }
     }
 
+    /// The HTTP status, when the server answered with one.
     pub fn status(&self) -> Option<u16> {
         match self {
             Failure::Status { status, .. } => Some(*status),
@@ -60,6 +67,7 @@ impl Failure {
         }
     }
 
+    /// The server's `Retry-After`, when it answered with one.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Failure::Status { retry_after, .. } => *retry_after,
@@ -107,16 +115,22 @@ impl Failure {
 /// An outgoing request did not produce a 2xx.
 #[derive(Debug)]
 pub enum PostError {
+    /// The request failed, as classified.
     Failed(Failure),
+    /// A failpoint fired at the request's seam.
     Injected(Injected),
 }
 
 /// One outgoing JSON POST.
 #[derive(Debug)]
 pub struct Post<'a> {
+    /// Where it is sent.
     pub url: &'a str,
+    /// Extra headers (`Idempotency-Key`, `traceparent`, signatures, …).
     pub headers: Vec<(&'static str, String)>,
+    /// The JSON body, serialised.
     pub body: Vec<u8>,
+    /// How long the whole request may take.
     pub timeout: Duration,
     /// What of the answer is read.
     pub read: Read,
@@ -133,17 +147,26 @@ pub enum Read {
     Status,
     /// A 2xx body is returned, read up to `limit` bytes (more is
     /// `response_too_large`); a non-2xx body is dropped.
-    Body { limit: usize },
+    Body {
+        /// The most bytes read.
+        limit: usize,
+    },
     /// As `Body`, and a non-2xx body is kept (its first 500 characters,
     /// credentials redacted) for the operator: the provider's.
-    BodyAndErrors { limit: usize },
+    BodyAndErrors {
+        /// The most bytes read of a 2xx body.
+        limit: usize,
+    },
 }
 
 /// The failpoint hit once the server has answered and before the answer is read.
 #[derive(Debug, Clone, Copy)]
 pub struct Seam<'a> {
+    /// The engine's failpoint registry.
     pub faults: &'a Faults,
+    /// The job making the request.
     pub job_id: &'a str,
+    /// The failpoint to hit.
     pub point: FailPoint,
 }
 

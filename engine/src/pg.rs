@@ -66,7 +66,9 @@ struct RunAs {
 /// Durability of a server: `Durable` for `serve`, `Fast` (fsync off) for throwaway test servers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
+    /// PostgreSQL's defaults: every commit is flushed to disk.
     Durable,
+    /// `fsync`, `synchronous_commit` and `full_page_writes` off: a crash of the machine loses data.
     Fast,
 }
 
@@ -181,6 +183,24 @@ impl EmbeddedPg {
         Ok(pg)
     }
 
+    /// A client program of this installation (`pgbench`, `psql`), if present.
+    pub fn tool(&self, name: &str) -> Option<PathBuf> {
+        Some(self.bin_dir.join(name)).filter(|p| p.is_file())
+    }
+
+    /// The server's main process id (from `postmaster.pid`).
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        let pid_file = fs::read_to_string(self.data_dir.join("postmaster.pid")).ok()?;
+        pid_file.lines().next()?.trim().parse().ok()
+    }
+
+    /// Whether the installation ships server library `name` (`pkglibdir`).
+    fn has_library(&self, name: &str) -> bool {
+        self.bin_dir
+            .parent()
+            .is_some_and(|root| root.join("lib").join(format!("{name}.so")).is_file())
+    }
+
     /// The loopback port the server listens on.
     pub fn port(&self) -> u16 {
         self.port
@@ -282,6 +302,10 @@ impl EmbeddedPg {
         );
         if durability == Durability::Fast {
             options.push_str(" -c fsync=off -c synchronous_commit=off -c full_page_writes=off");
+        } else if self.has_library("pg_stat_statements") {
+            // Per-statement costs for `bench` and for operators (the
+            // extension is created on demand; loading it costs little).
+            options.push_str(" -c shared_preload_libraries=pg_stat_statements");
         }
         let log = self.data_dir.join("server.log");
         let output = self

@@ -55,7 +55,9 @@ impl Default for ProviderConfig {
 /// Token usage reported by the provider.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
+    /// Prompt tokens (`usage.prompt_tokens`), when reported.
     pub input_tokens: Option<i32>,
+    /// Completion tokens (`usage.completion_tokens`), when reported.
     pub output_tokens: Option<i32>,
 }
 
@@ -67,10 +69,12 @@ pub struct Provider {
 }
 
 impl Provider {
+    /// A client for the provider `config` describes, sending through `client`.
     pub fn new(client: reqwest::Client, config: ProviderConfig) -> Self {
         Provider { client, config }
     }
 
+    /// How long one model call may take.
     pub fn timeout(&self) -> Duration {
         self.config.timeout
     }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use rand::Rng;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// When and how often a failed send (model call or webhook) is retried before the job is dead.
 pub struct RetryPolicy {
     /// The first backoff's upper bound.
     pub base: Duration,
@@ -19,12 +20,14 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// Model calls: 500 ms base, 60 s max, `Retry-After` up to 10 min, 8 sends.
     pub const DEFAULT_MODEL: RetryPolicy = RetryPolicy {
         base: Duration::from_millis(500),
         max: Duration::from_secs(60),
         retry_after_cap: Duration::from_secs(600),
         budget: 8,
     };
+    /// Webhooks: 1 s base, 5 min max, `Retry-After` up to 1 h, 12 sends.
     pub const DEFAULT_WEBHOOK: RetryPolicy = RetryPolicy {
         base: Duration::from_secs(1),
         max: Duration::from_secs(300),

@@ -59,8 +59,11 @@ pub struct Drain;
 /// Counts of what the supervisor has done, for tests and `/metrics`.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// Attempts started on this node.
     pub started: std::sync::atomic::AtomicU64,
+    /// Of them, jobs resumed from another owner's expired lease.
     pub takeovers: std::sync::atomic::AtomicU64,
+    /// Attempts that ended because another attempt took the lease.
     pub lease_lost: std::sync::atomic::AtomicU64,
     /// Lease-renewal statements sent (one per heartbeat, whatever the number of jobs).
     pub renewals: std::sync::atomic::AtomicU64,

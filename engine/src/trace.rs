@@ -14,8 +14,11 @@ use rand::Rng;
 /// A trace id and a span id, as in a `traceparent` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TraceParent {
+    /// The trace: one per job, across all its attempts.
     pub trace_id: [u8; 16],
+    /// The parent span (the caller's, or one attempt of the job).
     pub span_id: [u8; 8],
+    /// The `sampled` trace flag.
     pub sampled: bool,
 }
 

@@ -29,11 +29,16 @@ pub enum Verdict {
     /// Release the lease and run the job again after the policy's backoff
     /// for the `attempt`-th failure, at least `retry_after`.
     Retry {
+        /// Which failure this is (1-based): it sets the backoff.
         attempt: u32,
+        /// The server's `Retry-After`, if it sent one.
         retry_after: Option<Duration>,
     },
     /// Dead-letter the job with this reason.
-    Dead { reason: String },
+    Dead {
+        /// The job's dead reason.
+        reason: String,
+    },
 }
 
 /// The verdict on a step that failed with `error` while the job was in

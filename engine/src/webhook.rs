@@ -108,7 +108,9 @@ pub struct Sender<'a> {
     pub client: &'a reqwest::Client,
     /// The SSRF guard (literal addresses are checked before the send).
     pub guard: &'a crate::guard::UrlGuard,
+    /// Signs each send (`webhook-signature`); `None` sends unsigned.
     pub secret: Option<&'a WebhookSecret>,
+    /// How long one send may take.
     pub timeout: Duration,
 }
 

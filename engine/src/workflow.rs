@@ -39,10 +39,12 @@ pub enum DeliveryPolicy {
 pub struct InvalidInput {
     /// The offending field, as a dotted path from the request root (`input.messages`).
     pub field: String,
+    /// What is wrong with it.
     pub message: String,
 }
 
 impl InvalidInput {
+    /// `field` (a dotted path, e.g. `input.messages`) failed because of `message`.
     pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
         InvalidInput {
             field: field.into(),
@@ -95,11 +97,17 @@ pub trait Workflow: Send + Sync + 'static {
 
 /// A workflow with its types erased, as the engine stores it.
 pub trait DynWorkflow: Send + Sync {
+    /// [`Workflow::NAME`].
     fn name(&self) -> &'static str;
+    /// [`Workflow::VERSION`].
     fn version(&self) -> u32;
+    /// [`Workflow::delivery`].
     fn delivery_policy(&self) -> DeliveryPolicy;
+    /// [`Workflow::failure_events`].
     fn failure_events(&self) -> bool;
+    /// Decodes `input` into the workflow's input type and runs [`Workflow::validate`].
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
+    /// Decodes `input`, runs the body and serialises its output.
     fn run<'a>(
         &'a self,
         ctx: &'a mut Context,
@@ -170,6 +178,7 @@ impl std::fmt::Debug for Registry {
 }
 
 impl Registry {
+    /// An empty registry.
     pub fn new() -> Self {
         Self::default()
     }
@@ -214,6 +223,7 @@ impl Registry {
         self.names().map(str::to_owned).collect()
     }
 
+    /// The registered workflow names, in order, each once whatever its versions.
     pub fn names(&self) -> impl Iterator<Item = &'static str> + '_ {
         self.by_name.keys().copied()
     }

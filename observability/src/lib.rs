@@ -19,6 +19,8 @@
 //! and the Collector configuration live beside this crate
 //! (`observability/grafana/`, `observability/collector.yaml`).
 
+#![warn(missing_docs)]
+
 pub mod metrics;
 pub mod names;
 pub mod prometheus;

@@ -25,16 +25,27 @@ const DURATION_BOUNDS: [f64; 16] = [
 /// Every instrument; recording is a few atomic operations.
 #[derive(Debug, Clone)]
 pub struct Metrics {
+    /// [`METRIC_JOBS_SUBMITTED`]: jobs offered to intake.
     pub jobs_submitted: Counter<u64>,
+    /// [`METRIC_TRANSITIONS`]: checkpoints committed, by state reached.
     pub transitions: Counter<u64>,
+    /// [`METRIC_MODEL_CALLS`]: model calls by outcome.
     pub model_calls: Counter<u64>,
+    /// [`METRIC_MODEL_TOKENS`]: tokens the provider reported.
     pub model_tokens: Counter<u64>,
+    /// [`METRIC_DELIVERIES`]: webhook deliveries by outcome.
     pub deliveries: Counter<u64>,
+    /// [`METRIC_TOOL_EXECUTIONS`]: tool executions by outcome.
     pub tool_executions: Counter<u64>,
+    /// [`METRIC_LEASE_TAKEOVERS`]: jobs resumed after another attempt's lease expired.
     pub lease_takeovers: Counter<u64>,
+    /// [`METRIC_ACTORS_IN_FLIGHT`]: job actors running on this node.
     pub actors_in_flight: UpDownCounter<i64>,
+    /// [`METRIC_JOBS`]: jobs in the database by state.
     pub jobs: Gauge<u64>,
+    /// [`METRIC_JOBS_UNRUNNABLE`]: live jobs whose workflow this node does not register.
     pub jobs_unrunnable: Gauge<u64>,
+    /// [`METRIC_STEP_DURATION`]: step durations, in seconds.
     pub step_duration: Histogram<f64>,
 }
 

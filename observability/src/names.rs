@@ -29,9 +29,13 @@ pub const SPAN_STEP: &str = "step";
 
 // ---- attributes -------------------------------------------------------------
 
+/// The job's id.
 pub const JOB_ID: &str = "job.id";
+/// The job's workflow name.
 pub const WORKFLOW_NAME: &str = "workflow.name";
+/// The attempt's number (the job's attempt count).
 pub const JOB_ATTEMPT: &str = "job.attempt";
+/// The attempt's lease epoch (its fence).
 pub const LEASE_EPOCH: &str = "lease.epoch";
 /// How an attempt ended: acked, dead, rescheduled, lease_lost, crashed, abandoned.
 pub const JOB_OUTCOME: &str = "job.outcome";
@@ -52,18 +56,29 @@ pub const SUBMIT_OUTCOME: &str = "onceflow.submit.outcome";
 /// On token counts: the tokens came from a request that repeated an earlier
 /// send of the same key (what retries cost).
 pub const RETRY: &str = "onceflow.retry";
+/// A failure's error code (the stored envelope's `code`).
 pub const ERROR_CODE: &str = "error.type";
+/// The HTTP status of an outgoing request's answer.
 pub const HTTP_STATUS: &str = "http.response.status_code";
 
 // GenAI semantic conventions.
+/// The GenAI operation of a model call (`chat`).
 pub const GEN_AI_OPERATION: &str = "gen_ai.operation.name";
+/// The model provider (`openai`: the OpenAI-compatible API).
 pub const GEN_AI_PROVIDER: &str = "gen_ai.provider.name";
+/// The model the request asked for.
 pub const GEN_AI_REQUEST_MODEL: &str = "gen_ai.request.model";
+/// The model that answered.
 pub const GEN_AI_RESPONSE_MODEL: &str = "gen_ai.response.model";
+/// Prompt tokens the provider reported for the call.
 pub const GEN_AI_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
+/// Completion tokens the provider reported for the call.
 pub const GEN_AI_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
+/// Which tokens a token count is (`input`, `output`).
 pub const GEN_AI_TOKEN_TYPE: &str = "gen_ai.token.type";
+/// The tool an agent called.
 pub const GEN_AI_TOOL_NAME: &str = "gen_ai.tool.name";
+/// The provider's id of the tool call.
 pub const GEN_AI_TOOL_CALL_ID: &str = "gen_ai.tool.call.id";
 
 // ---- outcomes (values of OUTCOME and of metric `outcome` attributes) ---------

@@ -23,14 +23,20 @@ use crate::metrics::Metrics;
 /// A configuration that cannot work; the message names the variable.
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
+    /// An `OTEL_*` variable holds a value onceflow cannot use.
     #[error("{variable}={value:?}: {problem}")]
     Invalid {
+        /// The variable's name.
         variable: &'static str,
+        /// Its value.
         value: String,
+        /// What is wrong with it.
         problem: String,
     },
+    /// An OTLP exporter could not be built.
     #[error("building the OTLP exporter: {0}")]
     Exporter(String),
+    /// Flushing spans or metrics at shutdown failed.
     #[error("flushing telemetry: {0}")]
     Flush(String),
 }
@@ -298,6 +304,7 @@ impl Telemetry {
         .expect("telemetry without export builds")
     }
 
+    /// The tracer and instruments `config` describes, with their OTLP exporters if any.
     pub fn new(config: TelemetryConfig) -> Result<Self, TelemetryError> {
         let resource = Resource::builder_empty()
             .with_attributes(config.resource.clone())
@@ -368,6 +375,7 @@ impl Telemetry {
         &self.tracer
     }
 
+    /// The instruments the engine records into.
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }

@@ -33,6 +33,7 @@ impl std::fmt::Debug for Agent {
 }
 
 impl Agent {
+    /// An agent with no tools yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -58,9 +59,11 @@ impl Agent {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentInput {
+    /// The model to ask each turn (non-empty).
     pub model: String,
     /// OpenAI chat messages.
     pub messages: Vec<Value>,
+    /// Turns allowed, 1 to [`MAX_TURNS`] (default [`DEFAULT_MAX_TURNS`]).
     #[serde(default)]
     pub max_turns: Option<u32>,
 }

@@ -25,10 +25,14 @@ impl Default for Completion {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompletionInput {
+    /// The model to ask (non-empty).
     pub model: String,
+    /// The conversation, at least one message.
     pub messages: Vec<Message>,
+    /// Sampling temperature, 0 to 2 (provider default when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,
+    /// Most tokens to generate, 1 to [`MAX_TOKENS`] (provider default when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
 }
@@ -36,15 +40,21 @@ pub struct CompletionInput {
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Message {
+    /// Who speaks.
     pub role: Role,
+    /// What is said.
     pub content: String,
 }
 
+/// Who a chat message is from (serialised lowercase).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
+    /// Instructions for the model.
     System,
+    /// The user.
     User,
+    /// The model's own earlier answer.
     Assistant,
 }
 
@@ -53,8 +63,11 @@ pub enum Role {
 pub struct CompletionOutput {
     /// The assistant message's text.
     pub content: String,
+    /// The model that answered (as the provider reports it, else the one asked).
     pub model: String,
+    /// Why the model stopped (`stop`, `length`, …), when reported.
     pub finish_reason: Option<String>,
+    /// The provider's `usage` object (token counts), as reported.
     pub usage: Option<Value>,
 }
 

@@ -28,6 +28,7 @@ pub struct Onboarding {
 }
 
 impl Onboarding {
+    /// The workflow, creating accounts by POSTing to `accounts_url`.
     pub fn new(accounts_url: impl Into<String>) -> Self {
         Onboarding {
             accounts_url: accounts_url.into(),
@@ -35,15 +36,21 @@ impl Onboarding {
     }
 }
 
+/// `input` of an onboarding job: the user to welcome.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NewUser {
+    /// Their email address, sent to the accounts service.
     pub email: String,
+    /// Their name, used in the welcome line and the account.
     pub name: String,
 }
 
+/// The result of an onboarding job.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Onboarded {
+    /// The model's welcome line.
     pub welcome: String,
+    /// The accounts service's answer (JSON, or its text as a string).
     pub account: Value,
 }
 

@@ -14,6 +14,8 @@
 //!
 //! [`registry`] returns the built-in workflows, registered by name.
 
+#![warn(missing_docs)]
+
 pub mod agent;
 pub mod completion;
 pub mod example;

@@ -264,8 +264,11 @@ impl Batches {
 /// A group-commit statement, named for tests that probe its locking.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchKind {
+    /// `delivered → acked`.
     Ack,
+    /// `claimed → delivered`, with the outbox row.
     Delivered,
+    /// A model call's answer journaled under its key.
     ModelAnswer,
     /// The heartbeat's lease renewal (one statement for a node's jobs).
     Renew,

@@ -17,12 +17,16 @@ use crate::error::{ErrorEnvelope, StoreError};
 /// An event send this node claimed.
 #[derive(Debug, Clone, QueryableByName)]
 pub struct EventSend {
+    /// The finished job the event is about.
     #[diesel(sql_type = Text)]
     pub job_id: String,
+    /// The event's stable key (`job:{id}:dead`, `job:{id}:cancelled`): `Idempotency-Key` and `webhook-id`.
     #[diesel(sql_type = Text)]
     pub idempotency_key: String,
+    /// The job's `webhook_url`.
     #[diesel(sql_type = Text)]
     pub url: String,
+    /// The event payload, as sent.
     #[diesel(sql_type = Jsonb)]
     pub body: Value,
     /// Sends of this event so far, this one included.

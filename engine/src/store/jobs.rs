@@ -34,24 +34,38 @@ pub enum Intake {
 /// A job as `GET /v1/jobs/{id}` shows it.
 #[derive(Debug, Clone, Serialize)]
 pub struct JobView {
+    /// The job id (the client's business id).
     pub id: String,
+    /// The name of the workflow it runs.
     pub workflow: String,
     /// The version of the workflow the job started on (and runs on).
     pub workflow_version: i32,
+    /// Where the job is in its lifecycle.
     pub state: JobState,
+    /// Attempts started so far (leases taken).
     pub attempts: i32,
     /// Which life of this id the job is: 1, or `n` when the id was purged
     /// (retention) and submitted again; its keys are then `job:{id}#{n}:…`.
     pub incarnation: i32,
+    /// The workflow's input, as submitted.
     pub input: Value,
+    /// Where the outcome is delivered by webhook.
     pub webhook_url: String,
+    /// The workflow's output, once persisted.
     pub result: Option<Value>,
+    /// Every transition, oldest first.
     pub history: Vec<HistoryEntry>,
+    /// The completion webhook's outbox row, once the delivery is claimed.
     pub delivery: Option<DeliveryView>,
+    /// The most recent failure, if any.
     pub last_error: Option<ErrorEnvelope>,
+    /// Why the job is dead (set exactly when it is).
     pub dead_reason: Option<String>,
+    /// When the job was submitted.
     pub created_at: DateTime<Utc>,
+    /// When the job row last changed.
     pub updated_at: DateTime<Utc>,
+    /// When the job reached a final state (acked, dead or cancelled).
     pub finished_at: Option<DateTime<Utc>>,
     /// The W3C trace id every attempt and outgoing request of the job carries.
     pub trace_id: Option<String>,
@@ -67,16 +81,22 @@ pub struct JobView {
 /// One model call as the job view shows it.
 #[derive(Debug, Clone, Serialize, QueryableByName)]
 pub struct ModelCallView {
+    /// The call's key (`job:{id}:{step}`), sent as `Idempotency-Key`.
     #[diesel(sql_type = Text)]
     pub idempotency_key: String,
+    /// `pending`, `completed` or `failed`.
     #[diesel(sql_type = Text)]
     pub status: String,
+    /// Sends of this call so far.
     #[diesel(sql_type = Integer)]
     pub attempts: i32,
+    /// Prompt tokens the provider reported.
     #[diesel(sql_type = Nullable<Integer>)]
     pub input_tokens: Option<i32>,
+    /// Completion tokens the provider reported.
     #[diesel(sql_type = Nullable<Integer>)]
     pub output_tokens: Option<i32>,
+    /// The last failed send's error envelope, if any.
     #[diesel(sql_type = Nullable<Jsonb>)]
     pub last_error: Option<Value>,
 }
@@ -84,16 +104,22 @@ pub struct ModelCallView {
 /// One tool call as the job view shows it.
 #[derive(Debug, Clone, Serialize, QueryableByName)]
 pub struct ToolCallView {
+    /// The model turn that asked for the call (0-based).
     #[diesel(sql_type = Integer)]
     pub turn: i32,
+    /// The call's position within its turn (0-based).
     #[diesel(sql_type = Integer)]
     pub index: i32,
+    /// The tool called.
     #[diesel(sql_type = Text)]
     pub tool_name: String,
+    /// The provider's id of the call (recorded, not trusted to be unique).
     #[diesel(sql_type = Text)]
     pub tool_call_id: String,
+    /// `started`, `completed` or `failed`.
     #[diesel(sql_type = Text)]
     pub status: String,
+    /// Executions of the tool so far.
     #[diesel(sql_type = Integer)]
     pub attempts: i32,
 }
@@ -101,9 +127,13 @@ pub struct ToolCallView {
 /// One transition.
 #[derive(Debug, Clone, Serialize)]
 pub struct HistoryEntry {
+    /// The state entered.
     pub state: JobState,
+    /// When it was entered.
     pub at: DateTime<Utc>,
+    /// The attempt that made it (0 at intake; the job's count for an operator's).
     pub attempt: i32,
+    /// The node that made it, `intake`, or the operator who asked.
     pub worker: String,
     /// Who asked and why, for an operator's transition (redrive, cancel).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -113,11 +143,17 @@ pub struct HistoryEntry {
 /// The completion webhook's outbox row.
 #[derive(Debug, Clone, Serialize)]
 pub struct DeliveryView {
+    /// The webhook's key (`job:{id}:completed`), sent as `Idempotency-Key` and `webhook-id`.
     pub idempotency_key: String,
+    /// `claimed`, `delivered`, `unknown` or `dead`.
     pub status: String,
+    /// Sends of the webhook so far.
     pub attempts: i32,
+    /// The HTTP status of the last send, if it got an answer.
     pub last_status: Option<i32>,
+    /// The last failed send's error envelope, if any.
     pub last_error: Option<ErrorEnvelope>,
+    /// When the consumer answered 2xx.
     pub delivered_at: Option<DateTime<Utc>>,
 }
 
@@ -418,22 +454,31 @@ pub(crate) fn not_found_is_none<T>(
 /// One job in a list: what an operator scans for, not the whole record.
 #[derive(Debug, Clone, Serialize, QueryableByName)]
 pub struct JobSummary {
+    /// The job id.
     #[diesel(sql_type = Text)]
     pub id: String,
+    /// The name of the workflow it runs.
     #[diesel(sql_type = Text)]
     pub workflow: String,
+    /// Its lifecycle state, as stored (`received`, …, `acked`, `dead`, `cancelled`).
     #[diesel(sql_type = Text)]
     pub state: String,
+    /// Attempts started so far.
     #[diesel(sql_type = Integer)]
     pub attempts: i32,
+    /// Which life of the id this is (1 unless purged and submitted again).
     #[diesel(sql_type = Integer)]
     pub incarnation: i32,
+    /// When the job was submitted.
     #[diesel(sql_type = Timestamptz)]
     pub created_at: DateTime<Utc>,
+    /// When the job row last changed.
     #[diesel(sql_type = Timestamptz)]
     pub updated_at: DateTime<Utc>,
+    /// When the job reached a final state.
     #[diesel(sql_type = Nullable<Timestamptz>)]
     pub finished_at: Option<DateTime<Utc>>,
+    /// Why the job is dead, if it is.
     #[diesel(sql_type = Nullable<Text>)]
     pub dead_reason: Option<String>,
 }
@@ -441,7 +486,9 @@ pub struct JobSummary {
 /// Which jobs to list.
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
+    /// Only jobs in this state.
     pub state: Option<JobState>,
+    /// Only jobs of this workflow.
     pub workflow: Option<String>,
     /// Created at or after.
     pub since: Option<DateTime<Utc>>,
@@ -449,6 +496,7 @@ pub struct ListFilter {
     pub owner: Option<i64>,
     /// Strictly older than this (created_at, id): the keyset cursor.
     pub before: Option<(DateTime<Utc>, String)>,
+    /// The most jobs returned in one page.
     pub limit: i64,
 }
 

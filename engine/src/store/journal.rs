@@ -29,11 +29,20 @@ pub enum ModelCallStart {
     /// Journaled: return this response, do not call the model.
     Completed(Value),
     /// Ours to send; `attempt` counts tries of this key, this one included.
-    Send { attempt: i32 },
+    Send {
+        /// Sends of this key so far, this one included.
+        attempt: i32,
+    },
     /// Another attempt has this request in flight until then: wait, do not send.
-    InFlight { until: DateTime<Utc> },
+    InFlight {
+        /// When the in-flight mark lapses.
+        until: DateTime<Utc>,
+    },
     /// The key was journaled for a different request: a loud error.
-    KeyConflict { stored_hash: String },
+    KeyConflict {
+        /// The SHA-256 (hex) of the request journaled under the key.
+        stored_hash: String,
+    },
     /// The lease is gone.
     LeaseLost,
 }
@@ -45,12 +54,18 @@ pub enum DeliveryStart {
     Delivered,
     /// Ours to send.
     Send {
+        /// Sends of this webhook so far, this one included.
         attempt: i32,
+        /// The job's `webhook_url`.
         url: String,
+        /// The webhook payload, as claimed.
         body: Value,
     },
     /// Another attempt has the POST in flight until then.
-    InFlight { until: DateTime<Utc> },
+    InFlight {
+        /// When the in-flight mark lapses.
+        until: DateTime<Utc>,
+    },
     /// At-most-once, and an earlier send's outcome was never recorded: the row
     /// is now `unknown` and must not be sent again.
     Unknown,
@@ -63,9 +78,13 @@ pub enum DeliveryStart {
 /// The completion event to claim: its UNIQUE key, where it goes and what it says.
 #[derive(Debug, Clone, Copy)]
 pub struct Claim<'a> {
+    /// The event name (`job.completed`).
     pub event: &'a str,
+    /// The webhook's idempotency key (`job:{id}:completed`).
     pub key: &'a str,
+    /// The job's `webhook_url`.
     pub url: &'a str,
+    /// The payload to send.
     pub body: &'a Value,
     /// How long the claimant's first send is marked in flight; `None` leaves
     /// the row unsent (at-most-once marks each send only as it starts).
@@ -75,7 +94,9 @@ pub struct Claim<'a> {
 /// What a failed send records on its model-call or outbox row.
 #[derive(Debug, Clone)]
 pub struct FailedSend {
+    /// The failure, stored as the row's `last_error`.
     pub error: ErrorEnvelope,
+    /// The HTTP status, when the server answered.
     pub status: Option<i32>,
 }
 
@@ -214,7 +235,10 @@ pub enum SendDecision {
     /// The outcome is journaled: return it, send nothing.
     Done,
     /// An attempt sharing this lease has it in flight until then: wait.
-    Wait { until: DateTime<Utc> },
+    Wait {
+        /// When the in-flight mark lapses.
+        until: DateTime<Utc>,
+    },
     /// Send (again) under the same key.
     Send,
     /// At-most-once and an earlier send's outcome was never recorded: it may

@@ -21,11 +21,15 @@ use crate::trace::TraceParent;
 /// The identity of one attempt: every write it makes is guarded by it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fence {
+    /// The job the attempt runs.
     pub job_id: String,
     /// Which life of the id this is (1 unless it was purged and submitted again).
     pub incarnation: i32,
+    /// The lease epoch this attempt took: the fencing token every write checks.
     pub epoch: i64,
+    /// The job's attempt count, this attempt included.
     pub attempt: i32,
+    /// The node holding the lease.
     pub worker: String,
 }
 
@@ -39,11 +43,15 @@ impl Fence {
 /// A job leased to this node.
 #[derive(Debug, Clone)]
 pub struct Leased {
+    /// The attempt's fence.
     pub fence: Fence,
+    /// The name of the workflow the job runs.
     pub workflow: String,
     /// The version of the workflow the job started on: it runs on no other.
     pub workflow_version: i32,
+    /// The stored request: `input` and `webhook_url`.
     pub request: Value,
+    /// The state the job is resumed from (its last checkpoint).
     pub state: JobState,
     /// The node that held the (expired) lease before us, if any: a takeover.
     pub previous_owner: Option<String>,

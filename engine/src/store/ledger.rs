@@ -16,17 +16,24 @@ use crate::error::{ErrorEnvelope, StoreError};
 /// One tool call's place in the conversation: its ledger identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Position {
+    /// The model turn that asked for the call (0-based).
     pub turn: i32,
+    /// The call's position within that turn's tool calls (0-based).
     pub index: i32,
 }
 
 /// A tool call as the model asked for it.
 #[derive(Debug, Clone)]
 pub struct ToolCallSpec<'a> {
+    /// Where the call stands in the conversation: its ledger identity.
     pub position: Position,
+    /// The provider's id of the call (recorded, not trusted to be unique).
     pub tool_call_id: &'a str,
+    /// The tool asked for.
     pub tool_name: &'a str,
+    /// The arguments the model gave.
     pub arguments: &'a Value,
+    /// Their canonical SHA-256 (hex), compared on a replay.
     pub arguments_hash: &'a str,
 }
 
@@ -36,13 +43,21 @@ pub enum ToolCallStart {
     /// Done: return this result, byte for byte, and do not execute.
     Completed(String),
     /// Ours to execute; `attempt` counts executions started, this one included.
-    Execute { attempt: i32 },
+    Execute {
+        /// Executions started, this one included.
+        attempt: i32,
+    },
     /// Another attempt sharing the lease is executing it until then: wait.
-    InFlight { until: DateTime<Utc> },
+    InFlight {
+        /// When the in-flight mark lapses.
+        until: DateTime<Utc>,
+    },
     /// This position was recorded for another call (id or arguments differ):
     /// a loud error, nothing is executed.
     Conflict {
+        /// The tool-call id recorded at this position.
         stored_id: String,
+        /// The arguments hash recorded at this position.
         stored_hash: String,
     },
     /// The lease is gone.

@@ -9,7 +9,7 @@
 //! * [`ledger`]: the tool ledger, the general step journal, retention purges.
 //! * [`operate`]: an operator's transitions, cancel and redrive.
 //! * [`events`]: the failure events of finished jobs (`job.dead`, `job.cancelled`).
-//! * [`sql`]: hand-written statements whose prepared form is cached.
+//! * [`sql`](mod@sql): hand-written statements whose prepared form is cached.
 //! * [`tokens`]: API tokens, stored hashed.
 //! * `batch`, `batched`: group commit — `delivered`, `acked` and model answers
 //!   from many actors written by one statement and one commit.
@@ -114,6 +114,7 @@ impl Store {
         }
     }
 
+    /// The connection pool underneath.
     pub fn db(&self) -> &Db {
         &self.db
     }

@@ -26,14 +26,19 @@ pub struct CallerName(pub String);
 /// A token as `token list` shows it (never the token itself).
 #[derive(Debug, Clone, QueryableByName)]
 pub struct TokenInfo {
+    /// The token's id; the jobs it submitted belong to it.
     #[diesel(sql_type = BigInt)]
     pub id: i64,
+    /// Its unique name, as history rows record it (`token:<name>`).
     #[diesel(sql_type = Text)]
     pub name: String,
+    /// Whether it sees and acts on every job.
     #[diesel(sql_type = Bool)]
     pub admin: bool,
+    /// When it was created.
     #[diesel(sql_type = Timestamptz)]
     pub created_at: chrono::DateTime<chrono::Utc>,
+    /// When it was revoked (`None`: live).
     #[diesel(sql_type = Nullable<Timestamptz>)]
     pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
 }
@@ -41,10 +46,13 @@ pub struct TokenInfo {
 /// Why a token could not be created.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {
+    /// A token of that name exists or existed (names are never reused).
     #[error("a token named {0:?} already exists (names are never reused, even once revoked)")]
     NameTaken(String),
+    /// The name is not 1 to 100 characters of `A-Z a-z 0-9 _ . : -`.
     #[error("token names are 1 to 100 characters of A-Z a-z 0-9 _ . : -")]
     BadName,
+    /// The database failed.
     #[error(transparent)]
     Store(#[from] StoreError),
 }

@@ -14,12 +14,19 @@ use super::server::{self, Behaviour, Script};
 /// One webhook request received.
 #[derive(Debug, Clone)]
 pub struct Delivery {
+    /// The `Idempotency-Key` header, if sent.
     pub idempotency_key: Option<String>,
+    /// The `webhook-id` header, if sent.
     pub webhook_id: Option<String>,
+    /// The `webhook-timestamp` header, if sent.
     pub timestamp: Option<String>,
+    /// The `webhook-signature` header, if sent.
     pub signature: Option<String>,
+    /// The `traceparent` header, if sent.
     pub traceparent: Option<String>,
+    /// The body, parsed as JSON.
     pub body: Value,
+    /// The body as received (what the signature covers).
     pub raw: Vec<u8>,
     /// The consumer had already processed this `webhook-id`.
     pub duplicate: bool,
@@ -54,6 +61,7 @@ impl std::fmt::Debug for FakeConsumer {
 }
 
 impl FakeConsumer {
+    /// Starts the consumer on a loopback port, in a thread of its own.
     pub fn start() -> Self {
         let state = Arc::new(State::default());
         let data = web::Data::from(state.clone());
@@ -83,6 +91,11 @@ impl FakeConsumer {
             .entry(job_id.to_owned())
             .or_default()
             .push_back(b);
+    }
+
+    /// How many requests arrived (without copying them).
+    pub fn delivery_count(&self) -> usize {
+        self.state.deliveries.lock().expect("lock").len()
     }
 
     /// Every request received, in order.

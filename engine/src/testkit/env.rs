@@ -24,10 +24,15 @@ use crate::workflow::Registry;
 /// Everything a test of the engine needs, on real Postgres and real HTTP.
 #[derive(Debug)]
 pub struct TestEnv {
+    /// The URL of this test's fresh database.
     pub db_url: String,
+    /// The store on it.
     pub store: Store,
+    /// The fake model provider.
     pub provider: FakeProvider,
+    /// The fake webhook consumer.
     pub consumer: FakeConsumer,
+    /// The failpoints shared with every engine the test starts.
     pub faults: Faults,
 }
 

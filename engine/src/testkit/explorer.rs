@@ -60,15 +60,23 @@ pub enum Mode {
 /// One boundary × mode and what the checks found.
 #[derive(Debug, Clone)]
 pub struct Row {
+    /// The failpoint the job was stopped at.
     pub boundary: FailPoint,
     /// Which passage of the boundary (1 = the first).
     pub nth: u32,
+    /// How it was stopped there.
     pub mode: Mode,
+    /// The job explored.
     pub job_id: String,
+    /// Where it ended (`None`: not found).
     pub state: Option<JobState>,
+    /// Its attempt count at the end.
     pub attempts: i32,
+    /// Raw requests the provider received for it.
     pub model_requests: usize,
+    /// Raw requests the effect recorders received for it.
     pub effect_requests: usize,
+    /// Raw webhook requests the consumer received for it.
     pub webhook_requests: usize,
     /// The armed failpoint fired.
     pub fired: bool,
@@ -79,6 +87,7 @@ pub struct Row {
 /// The explorer's findings.
 #[derive(Debug, Clone)]
 pub struct Report {
+    /// The workflow explored.
     pub workflow: String,
     /// The boundaries the clean run passed (each explored in every mode).
     pub boundaries: Vec<(FailPoint, u32)>,
@@ -86,6 +95,7 @@ pub struct Report {
     pub clean_state: Option<JobState>,
     /// Raw requests of the clean run: model, webhook, recorded effects.
     pub clean_requests: (usize, usize, usize),
+    /// One row per boundary, passage and mode.
     pub rows: Vec<Row>,
 }
 

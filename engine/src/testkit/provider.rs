@@ -16,9 +16,13 @@ use super::server::{self, Behaviour, Script};
 /// One request the provider received.
 #[derive(Debug, Clone)]
 pub struct ProviderRequest {
+    /// The `Idempotency-Key` header, if sent.
     pub idempotency_key: Option<String>,
+    /// The request body.
     pub body: Value,
+    /// The `traceparent` header, if sent.
     pub traceparent: Option<String>,
+    /// The `Authorization` header, if sent.
     pub authorization: Option<String>,
     /// `HTTP/1.1` or `HTTP/2.0`.
     pub http_version: String,
@@ -52,6 +56,7 @@ impl std::fmt::Debug for FakeProvider {
 }
 
 impl FakeProvider {
+    /// Starts the provider on a loopback port, in a thread of its own.
     pub fn start() -> Self {
         let state = Arc::new(State::default());
         let data = web::Data::from(state.clone());
