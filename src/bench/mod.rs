@@ -3,9 +3,15 @@
 //!
 //! Phase 1 submits as fast as `--concurrency` clients can (the maximum
 //! throughput); phase 2 submits at half that rate, open loop, to measure
-//! latency at a sustainable load. The same run measures the machine's durable
-//! single-row commit rate on the same PostgreSQL, so the figures hold on a
-//! noisy machine: the ratio (jobs/s × checkpoints per job) ÷ commit rate.
+//! latency at a sustainable load. Before the engine starts, the same run
+//! measures the server's durable commit limit the way the field does
+//! (pgbench: one-row INSERT commits over independent connections, at 16 and
+//! at 64 clients), so the figures hold on a noisy machine: the ratio
+//! (jobs/s × checkpoints per job) ÷ the best of the two. It also prints what
+//! each job costs ([`costs`]): statements, PostgreSQL execution time, WAL
+//! flushes, and CPU time of this process and of the server.
+
+mod costs;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -92,6 +98,10 @@ fn peak_rss_mib() -> f64 {
 
 struct Phase {
     jobs: usize,
+    /// CPU used during the phase (ms): this process, the server.
+    cpu: (f64, Option<f64>),
+    /// `pg_stat_statements` over the phase, when the server loads it.
+    statements: Option<costs::Statements>,
     elapsed: Duration,
     latencies: Vec<Duration>,
     checkpoints: i64,
@@ -162,9 +172,47 @@ async fn bench(
         return hold(args, db, &run_id, telemetry).await;
     }
 
-    eprintln!("measuring the durable single-row commit rate ({pool} connections, 3 s)…");
+    // The commit limit, before anything else runs: pgbench at 16 and 64
+    // clients (the best is the denominator), and the pooled probe earlier
+    // versions printed (through this process's own pool, for comparison).
+    costs::create_commit_table(&db).await?;
+    let mut pgbench = Vec::new();
+    match costs::find_pgbench(database.embedded.as_ref()) {
+        Some(tool) => {
+            for clients in [16, 64] {
+                eprintln!(
+                    "measuring the commit limit: pgbench, one-row INSERT commits, {clients} clients, {} s…",
+                    costs::PGBENCH_TIME.as_secs()
+                );
+                let tool = tool.clone();
+                let url = url.clone();
+                let rate = tokio::task::spawn_blocking(move || {
+                    costs::pgbench_rate(&tool, &url, clients, costs::PGBENCH_TIME.as_secs() as u32)
+                })
+                .await??;
+                eprintln!("  {rate:.0} commits/s");
+                pgbench.push((clients, rate));
+            }
+        }
+        None => eprintln!("pgbench not found: the ratio uses the pooled probe only"),
+    }
+    eprintln!("measuring the pooled single-row commit rate ({pool} connections, 3 s)…");
     let commit_rate = commit_rate(&db, pool as usize, Duration::from_secs(3)).await?;
     eprintln!("  {commit_rate:.0} commits/s");
+    costs::drop_commit_table(&db).await?;
+    let limit = if pgbench.is_empty() {
+        commit_rate
+    } else {
+        pgbench.iter().map(|&(_, r)| r).fold(0.0, f64::max)
+    };
+    let stat_statements = costs::reset_statements(&db).await;
+    if !stat_statements {
+        eprintln!("pg_stat_statements is not loaded: no per-statement figures");
+    }
+    let postmaster = database
+        .embedded
+        .as_ref()
+        .and_then(|pg| pg.postmaster_pid());
 
     let provider = FakeProvider::start();
     provider.set_latency(Duration::from_millis(args.model_latency_ms));
@@ -217,6 +265,8 @@ async fn bench(
         db: db.clone(),
         provider: provider.clone(),
         consumer: consumer.clone(),
+        stat_statements,
+        postmaster,
     };
 
     eprintln!(
@@ -287,17 +337,73 @@ async fn bench(
             format!("{:.2}", f(&paced)),
         );
     }
-    let ratio = |p: &Phase| p.jobs_per_sec() * (p.checkpoints as f64 / p.jobs as f64) / commit_rate;
+    let per_job = |p: &Phase, x: f64| x / p.jobs as f64;
+    let opt = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}"));
     row(
-        "single-row commits/s (same PG)",
+        "statements (round trips) per job",
+        opt(max
+            .statements
+            .as_ref()
+            .map(|s| per_job(&max, s.calls as f64))),
+        opt(paced
+            .statements
+            .as_ref()
+            .map(|s| per_job(&paced, s.calls as f64))),
+    );
+    row(
+        "PostgreSQL execution ms per job",
+        opt(max.statements.as_ref().map(|s| per_job(&max, s.exec_ms))),
+        opt(paced
+            .statements
+            .as_ref()
+            .map(|s| per_job(&paced, s.exec_ms))),
+    );
+    row(
+        "CPU ms per job, this process",
+        format!("{:.2}", per_job(&max, max.cpu.0)),
+        format!("{:.2}", per_job(&paced, paced.cpu.0)),
+    );
+    row(
+        "CPU ms per job, PostgreSQL",
+        opt(max.cpu.1.map(|c| per_job(&max, c))),
+        opt(paced.cpu.1.map(|c| per_job(&paced, c))),
+    );
+    let checkpoint_rate = |p: &Phase| p.jobs_per_sec() * (p.checkpoints as f64 / p.jobs as f64);
+    for (clients, rate) in &pgbench {
+        row(
+            &format!("commit limit, pgbench {clients} clients"),
+            format!("{rate:.0}"),
+            String::new(),
+        );
+    }
+    row(
+        "pooled commit probe (earlier figure)",
         format!("{commit_rate:.0}"),
         String::new(),
     );
     row(
-        "(jobs/s × checkpoints/job) ÷ that",
-        format!("{:.2}", ratio(&max)),
-        format!("{:.2}", ratio(&paced)),
+        "(jobs/s × checkpoints/job) ÷ limit",
+        format!("{:.2}", checkpoint_rate(&max) / limit),
+        format!("{:.2}", checkpoint_rate(&paced) / limit),
     );
+    row(
+        "  ÷ pooled probe (earlier figure)",
+        format!("{:.2}", checkpoint_rate(&max) / commit_rate),
+        format!("{:.2}", checkpoint_rate(&paced) / commit_rate),
+    );
+    if let Some(s) = &max.statements {
+        println!();
+        println!("costliest statements, phase 1 (calls per job, ms per call, total ms):");
+        for (calls, ms, query) in &s.top {
+            println!(
+                "  {:>5.2} {:>7.3} {:>8.0}  {}",
+                *calls as f64 / max.jobs as f64,
+                ms / (*calls).max(1) as f64,
+                ms,
+                costs::one_line(query, 90)
+            );
+        }
+    }
 
     if let Some(pg) = &database.embedded {
         drop(db);
@@ -329,11 +435,19 @@ struct Env {
     db: Db,
     provider: FakeProvider,
     consumer: FakeConsumer,
+    /// Whether the server loads `pg_stat_statements`.
+    stat_statements: bool,
+    /// The embedded server's postmaster, for its CPU time.
+    postmaster: Option<u32>,
 }
 
 impl Env {
     async fn phase(&self, prefix: &str, jobs: usize, pacing: Pacing) -> anyhow::Result<Phase> {
+        if self.stat_statements {
+            costs::reset_statements(&self.db).await;
+        }
         let before = counters(&self.db).await?;
+        let cpu_before = costs::cpu_now(self.postmaster);
         let requests_before = self.provider.requests().len();
         let deliveries_before = self.consumer.deliveries().len();
         let ids: Vec<String> = (0..jobs).map(|i| format!("bench-{prefix}-{i}")).collect();
@@ -380,7 +494,7 @@ impl Env {
                     }
                 });
                 let submitting = futures_util::future::join_all(workers);
-                let progress = self.progress(prefix, jobs, start);
+                let progress = self.progress(prefix, jobs, start, deliveries_before);
                 let (_, done) = tokio::join!(submitting, progress);
                 done?;
             }
@@ -395,10 +509,17 @@ impl Env {
                 for t in tasks {
                     let _ = t.await;
                 }
-                self.progress(prefix, jobs, start).await?;
+                self.progress(prefix, jobs, start, deliveries_before)
+                    .await?;
             }
         }
         let elapsed = start.elapsed();
+        let cpu_after = costs::cpu_now(self.postmaster);
+        let statements = if self.stat_statements {
+            Some(costs::read_statements(&self.db).await?)
+        } else {
+            None
+        };
         let failed = AtomicU64::load(&failures, Ordering::Relaxed);
         anyhow::ensure!(
             failed == 0,
@@ -416,6 +537,14 @@ impl Env {
         }
         Ok(Phase {
             jobs,
+            cpu: (
+                cpu_after.this_process - cpu_before.this_process,
+                cpu_after
+                    .postgres
+                    .zip(cpu_before.postgres)
+                    .map(|(a, b)| a - b),
+            ),
+            statements,
             elapsed,
             latencies,
             checkpoints: after.0 - before.0,
@@ -425,22 +554,34 @@ impl Env {
         })
     }
 
-    /// Waits until every job of the phase is acked, printing progress each second.
-    async fn progress(&self, prefix: &str, jobs: usize, start: Instant) -> anyhow::Result<()> {
+    /// Waits until every job of the phase is acked, printing progress each
+    /// second. Counts the consumer's deliveries (in memory) until all have
+    /// arrived, and only then asks the database, so watching costs the
+    /// server nothing while the jobs run.
+    async fn progress(
+        &self,
+        prefix: &str,
+        jobs: usize,
+        start: Instant,
+        deliveries_before: usize,
+    ) -> anyhow::Result<()> {
         let pattern = format!("bench-{prefix}-%");
         let mut last_print = Instant::now();
         loop {
-            let acked = acked(&self.db, &pattern).await?;
-            if acked >= jobs as i64 {
-                eprintln!(
-                    "  {acked}/{jobs} acked in {:.1} s",
-                    start.elapsed().as_secs_f64()
-                );
-                return Ok(());
+            let delivered = self.consumer.delivery_count() - deliveries_before;
+            if delivered >= jobs {
+                let acked = acked(&self.db, &pattern).await?;
+                if acked >= jobs as i64 {
+                    eprintln!(
+                        "  {acked}/{jobs} acked in {:.1} s",
+                        start.elapsed().as_secs_f64()
+                    );
+                    return Ok(());
+                }
             }
             if last_print.elapsed() >= Duration::from_secs(1) {
                 eprintln!(
-                    "  {acked}/{jobs} acked after {:.1} s",
+                    "  {delivered}/{jobs} delivered after {:.1} s",
                     start.elapsed().as_secs_f64()
                 );
                 last_print = Instant::now();
@@ -462,11 +603,12 @@ struct Count {
 
 async fn acked(db: &Db, pattern: &str) -> anyhow::Result<i64> {
     let mut conn = db.conn().await?;
-    let c: Count =
-        diesel::sql_query("SELECT count(*) AS n FROM jobs WHERE state = 'acked' AND id LIKE $1")
-            .bind::<diesel::sql_types::Text, _>(pattern)
-            .get_result(&mut conn)
-            .await?;
+    let c: Count = diesel::sql_query(
+        "/* bench */ SELECT count(*) AS n FROM jobs WHERE state = 'acked' AND id LIKE $1",
+    )
+    .bind::<diesel::sql_types::Text, _>(pattern)
+    .get_result(&mut conn)
+    .await?;
     Ok(c.n)
 }
 
@@ -482,7 +624,7 @@ async fn counters(db: &Db) -> anyhow::Result<(i64, i64)> {
     let mut conn = db.conn().await?;
     let _ = conn.batch_execute("SELECT pg_stat_clear_snapshot()").await;
     let r: Row = diesel::sql_query(
-        "SELECT (SELECT count(*) FROM job_history) AS checkpoints, \
+        "/* bench */ SELECT (SELECT count(*) FROM job_history) AS checkpoints, \
          (SELECT wal_sync FROM pg_stat_wal) AS commits",
     )
     .get_result(&mut conn)

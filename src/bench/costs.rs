@@ -1,0 +1,193 @@
+//! What `bench` measures besides jobs/s: the machine's commit limit taken the
+//! way the field takes it (pgbench), and what each job costs — statements,
+//! PostgreSQL execution time, WAL flushes, CPU of this process and of the
+//! server.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use diesel::sql_types::{BigInt, Double, Text};
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use onceflow_engine::Db;
+
+/// Monitoring statements of the bench itself start with this comment, so
+/// the per-job figures leave them out.
+pub const MARK: &str = "/* bench */";
+
+/// The durable commit limit: pgbench running one-row INSERT transactions
+/// (autocommit, prepared) over `clients` independent connections for
+/// `seconds`, into a table of its own. Returns commits/s as pgbench reports
+/// it (excluding connection time).
+pub fn pgbench_rate(pgbench: &Path, url: &str, clients: u32, seconds: u32) -> anyhow::Result<f64> {
+    let script = std::env::temp_dir().join(format!("onceflow-bench-{}.sql", std::process::id()));
+    std::fs::write(&script, "INSERT INTO bench_commits DEFAULT VALUES;\n")?;
+    let output = Command::new(pgbench)
+        .args(["--no-vacuum", "--protocol=prepared", "--client"])
+        .arg(clients.to_string())
+        .arg("--jobs")
+        .arg(clients.min(2).to_string())
+        .arg("--time")
+        .arg(seconds.to_string())
+        .arg("--file")
+        .arg(&script)
+        .arg(url)
+        .output()
+        .with_context(|| format!("running {}", pgbench.display()));
+    let _ = std::fs::remove_file(&script);
+    let output = output?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    anyhow::ensure!(
+        output.status.success(),
+        "pgbench failed: {}",
+        String::from_utf8_lossy(&output.stderr).trim()
+    );
+    stdout
+        .lines()
+        .find_map(|l| {
+            let rest = l.trim().strip_prefix("tps = ")?;
+            rest.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .with_context(|| format!("no tps line in pgbench's output: {stdout}"))
+}
+
+/// `pgbench` of the embedded installation, else on `PATH`.
+pub fn find_pgbench(embedded: Option<&onceflow_engine::pg::EmbeddedPg>) -> Option<PathBuf> {
+    embedded.and_then(|pg| pg.tool("pgbench")).or_else(|| {
+        std::env::split_paths(&std::env::var_os("PATH")?)
+            .map(|d| d.join("pgbench"))
+            .find(|p| p.is_file())
+    })
+}
+
+pub async fn create_commit_table(db: &Db) -> anyhow::Result<()> {
+    let mut conn = db.conn().await?;
+    conn.batch_execute(
+        "CREATE TABLE IF NOT EXISTS bench_commits (id bigserial PRIMARY KEY, at timestamptz DEFAULT now())",
+    )
+    .await?;
+    Ok(())
+}
+
+pub async fn drop_commit_table(db: &Db) -> anyhow::Result<()> {
+    let mut conn = db.conn().await?;
+    conn.batch_execute("DROP TABLE IF EXISTS bench_commits")
+        .await?;
+    Ok(())
+}
+
+/// CPU time (user + system) in milliseconds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cpu {
+    pub this_process: f64,
+    /// The server: the postmaster, its live backends and its reaped children.
+    pub postgres: Option<f64>,
+}
+
+/// `/proc` reports CPU time in USER_HZ ticks, which Linux fixes at 100 per
+/// second for user space whatever the kernel's own tick rate.
+const TICKS_PER_SEC: f64 = 100.0;
+
+/// (ppid, utime + stime, cutime + cstime) of a process, in ticks.
+fn proc_times(pid: &str) -> Option<(u32, u64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which may contain spaces: state is 3rd.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let n = |i: usize| f.get(i - 3).and_then(|v| v.parse::<u64>().ok());
+    Some((n(4)? as u32, n(14)? + n(15)?, n(16)? + n(17)?))
+}
+
+/// CPU used so far by this process and by the server whose postmaster is `postmaster`.
+pub fn cpu_now(postmaster: Option<u32>) -> Cpu {
+    let tick_ms = 1000.0 / TICKS_PER_SEC;
+    let this_process = proc_times("self").map_or(0.0, |(_, own, _)| own as f64 * tick_ms);
+    let postgres = postmaster.and_then(|pm| {
+        let (_, own, reaped) = proc_times(&pm.to_string())?;
+        let mut ticks = own + reaped;
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name
+                .to_str()
+                .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            else {
+                continue;
+            };
+            if let Some((ppid, own, _)) = proc_times(pid) {
+                if ppid == pm {
+                    ticks += own;
+                }
+            }
+        }
+        Some(ticks as f64 * tick_ms)
+    });
+    Cpu {
+        this_process,
+        postgres,
+    }
+}
+
+/// Statement counts from `pg_stat_statements`, when the server loads it.
+pub struct Statements {
+    pub calls: i64,
+    pub exec_ms: f64,
+    /// The costliest statements: (calls, total ms, text).
+    pub top: Vec<(i64, f64, String)>,
+}
+
+/// Creates the extension and clears its counters; `false` when the server
+/// does not load it (`shared_preload_libraries`).
+pub async fn reset_statements(db: &Db) -> bool {
+    let Ok(mut conn) = db.conn().await else {
+        return false;
+    };
+    conn.batch_execute(
+        "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()",
+    )
+    .await
+    .is_ok()
+}
+
+pub async fn read_statements(db: &Db) -> anyhow::Result<Statements> {
+    #[derive(diesel::QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        calls: i64,
+        #[diesel(sql_type = Double)]
+        ms: f64,
+        #[diesel(sql_type = Text)]
+        query: String,
+    }
+    let mut conn = db.conn().await?;
+    let rows: Vec<Row> = diesel::sql_query(format!(
+        "{MARK} SELECT calls, total_exec_time AS ms, query FROM pg_stat_statements \
+         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND query NOT LIKE '{MARK}%' AND query NOT LIKE '%pg_stat_statements%' \
+         ORDER BY total_exec_time DESC"
+    ))
+    .load(&mut conn)
+    .await?;
+    Ok(Statements {
+        calls: rows.iter().map(|r| r.calls).sum(),
+        exec_ms: rows.iter().map(|r| r.ms).sum(),
+        top: rows
+            .into_iter()
+            .take(8)
+            .map(|r| (r.calls, r.ms, r.query))
+            .collect(),
+    })
+}
+
+/// A statement's text shortened to one line for the report.
+pub fn one_line(query: &str, width: usize) -> String {
+    let flat: String = query.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() <= width {
+        flat
+    } else {
+        format!("{}…", flat.chars().take(width - 1).collect::<String>())
+    }
+}
+
+/// How long to let pgbench run at each client count.
+pub const PGBENCH_TIME: Duration = Duration::from_secs(5);
