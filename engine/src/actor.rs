@@ -231,6 +231,9 @@ impl JobRun {
                 }
                 Step::Deliver => Box::pin(self.deliver()).await?,
                 Step::Ack => {
+                    // A job found at `delivered`: recorded by a version that
+                    // committed the delivery and the ack apart. Today's
+                    // delivery commits both at once.
                     let span = self.ctx.scope.step(
                         SPAN_ACK,
                         SpanKind::Internal,
@@ -397,6 +400,15 @@ impl JobRun {
                     let failure = match sent {
                         Ok(status) => {
                             span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
+                            // One commit records the delivery and the ack.
+                            let ack = self.ctx.scope.step(
+                                SPAN_ACK,
+                                SpanKind::Internal,
+                                vec![
+                                    KeyValue::new(TRANSITION, "delivered->acked"),
+                                    KeyValue::new(SHARED_COMMIT, true),
+                                ],
+                            );
                             let c = store
                                 .mark_delivered(
                                     &self.fence,
@@ -409,7 +421,8 @@ impl JobRun {
                                 metrics.delivery(OUTCOME_DELIVERED);
                             }
                             span.end(checkpoint_outcome(c));
-                            return self.settled(c, JobState::Delivered, "delivered");
+                            ack.end(checkpoint_outcome(c));
+                            return self.settled(c, JobState::Acked, "delivered");
                         }
                         Err(PostError::Injected(i)) => {
                             // A failpoint after the send: to the engine, a lost answer.

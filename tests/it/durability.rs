@@ -102,25 +102,71 @@ async fn model_calls_go_over_http2_with_h2c() {
 }
 
 #[actix_rt::test]
-async fn an_ack_that_fails_after_delivery_does_not_deliver_again() {
+async fn the_delivery_and_the_ack_share_one_commit_so_a_crash_after_it_redoes_nothing() {
     let env = TestEnv::new().await;
-    env.faults.arm_once("ack-1", FailPoint::Ack, Action::Fail);
+    env.faults
+        .arm_once("ack-1", FailPoint::AfterCommit("delivered"), Action::Crash);
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), env.config());
     env.submit("ack-1", "hello").await;
     let job = env.wait_for("ack-1", JobState::Acked, WAIT).await;
-    assert!(
-        job.attempts >= 2,
-        "the ack failure must have forced a second attempt"
-    );
+    assert!(env.faults.fired("ack-1"), "the crash point was reached");
+    assert_eq!(job.attempts, 1, "acked by the commit before the crash");
     assert_eq!(env.consumer.deliveries_for("ack-1").len(), 1);
     assert_one_delivery(&env, "ack-1");
-    assert_eq!(env.provider.requests_for(&gen_key("ack-1")), 1);
-    assert_eq!(history_count(&env, "ack-1", JobState::Acked).await, 1);
     assert_clean_history(&env, "ack-1").await;
-    let runnable = env
-        .sql("SELECT id FROM jobs WHERE state NOT IN ('acked','dead') OR lease_owner IS NOT NULL")
+    let held = env
+        .sql("SELECT id FROM jobs WHERE finished_at IS NULL OR lease_owner IS NOT NULL")
         .await;
-    assert_eq!(runnable.as_array().unwrap().len(), 0, "{runnable}");
+    assert_eq!(held.as_array().unwrap().len(), 0, "{held}");
+}
+
+/// A job at `delivered` (a row written by a version that committed the
+/// delivery and the ack apart) is acked without delivering again, even when
+/// its first ack fails.
+#[actix_rt::test]
+async fn a_job_found_at_delivered_is_acked_without_delivering_again() {
+    let env = TestEnv::new().await;
+    let registry = registry(DeliveryPolicy::AtLeastOnce);
+    env.submit("ack-2", "hello").await;
+    // An attempt that sends the webhook and dies before recording it...
+    env.faults
+        .arm_once("ack-2", FailPoint::BeforeCommit("delivered"), Action::Crash);
+    let leased = env.lease("old-node", Duration::from_secs(60)).await;
+    env.run_attempt(&registry, leased, env.config()).await;
+    assert!(env.faults.fired("ack-2"));
+    assert_eq!(env.consumer.deliveries_for("ack-2").len(), 1);
+    // ...and the delivery recorded alone, as the older version did; its lease lapsed.
+    env.execute(
+        "WITH j AS (UPDATE jobs SET state = 'delivered', \
+             lease_expires_at = now() - interval '1 second' WHERE id = 'ack-2' RETURNING id), \
+         o AS (UPDATE outbox SET status = 'delivered', delivered_at = now(), in_flight_until = NULL \
+             WHERE job_id = 'ack-2') \
+         INSERT INTO job_history (job_id, state, attempt, worker) \
+         SELECT id, 'delivered', 1, 'old-node' FROM j",
+    )
+    .await;
+    env.faults.arm_once("ack-2", FailPoint::Ack, Action::Fail);
+    env.faults.record();
+    let _engine = env.start(registry, env.config());
+    let job = env.wait_for("ack-2", JobState::Acked, WAIT).await;
+    assert!(job.attempts >= 3, "the failed ack forced another attempt");
+    assert_eq!(
+        env.faults
+            .hits()
+            .iter()
+            .filter(|(id, p)| id == "ack-2" && *p == FailPoint::Ack)
+            .count(),
+        2,
+        "the ack step ran twice (failed, then acked)"
+    );
+    assert_eq!(
+        env.consumer.deliveries_for("ack-2").len(),
+        1,
+        "never sent again"
+    );
+    assert_eq!(env.provider.requests_for(&gen_key("ack-2")), 1);
+    assert_eq!(history_count(&env, "ack-2", JobState::Acked).await, 1);
+    assert_clean_history(&env, "ack-2").await;
 }
 
 #[actix_rt::test]

@@ -637,10 +637,16 @@ async fn dead_and_cancelled_jobs_send_their_event_once() {
             e.body
         );
     }
-    let row = env
-        .sql("SELECT status::text AS status FROM outbox WHERE idempotency_key = 'job:fail-ev:dead'")
-        .await;
-    assert_eq!(row[0]["status"], "delivered");
+    // The consumer answered before the engine recorded it: wait for the record.
+    let recorded = wait_until(Duration::from_secs(10), || async {
+        env.sql(
+            "SELECT status::text AS status FROM outbox WHERE idempotency_key = 'job:fail-ev:dead'",
+        )
+        .await[0]["status"]
+            == "delivered"
+    })
+    .await;
+    assert!(recorded, "the event's outbox row is recorded delivered");
 
     // Cancelled: its own event and key.
     env.provider.set_latency(Duration::from_secs(3));

@@ -283,14 +283,18 @@ async fn spans_and_metrics_arrive_over_otlp_and_match_what_the_fakes_recorded() 
         trace_url: None,
     });
     // clean: nothing goes wrong. faulty: the provider's answer is lost after
-    // it did the work, then the consumer fails once. ackfail: the ack fails
-    // after delivery, so the rerun resumes at `delivered` and only acks.
+    // it did the work, then the consumer fails once. ackfail: the commit of
+    // the delivery and the ack fails after the consumer answered, so the
+    // rerun sends again under the same key and the consumer drops the repeat.
     env.faults
         .arm_once("otel-faulty", FailPoint::ModelAfterSend, Action::Fail);
     env.consumer
         .push_for("otel-faulty", Behaviour::Status(503, None));
-    env.faults
-        .arm_once("otel-ackfail", FailPoint::Ack, Action::Fail);
+    env.faults.arm_once(
+        "otel-ackfail",
+        FailPoint::BeforeCommit("acked"),
+        Action::Fail,
+    );
     let mut config = env.config();
     config.telemetry = telemetry.clone();
     let engine = env.start(registry, config);
@@ -452,8 +456,11 @@ async fn spans_and_metrics_arrive_over_otlp_and_match_what_the_fakes_recorded() 
     assert!(steps_of("otel-faulty", SPAN_DELIVER)
         .iter()
         .any(|s| s.attr(HTTP_STATUS) == "503" && s.attr(OUTCOME) == OUTCOME_RETRIED));
-    // The rerun of ackfail resumes at `delivered`: it acks, it does not deliver.
-    assert_eq!(outcomes("otel-ackfail", SPAN_DELIVER), ["performed"]);
+    // ackfail: the failed commit fails both spans; the rerun sends again.
+    assert_eq!(
+        outcomes("otel-ackfail", SPAN_DELIVER),
+        ["failed", "performed"]
+    );
     assert_eq!(outcomes("otel-ackfail", SPAN_ACK), ["failed", "performed"]);
 
     // ---- metrics: OTLP counters against the fakes' own records
@@ -471,7 +478,7 @@ async fn spans_and_metrics_arrive_over_otlp_and_match_what_the_fakes_recorded() 
     let consumer_failed = deliveries.iter().filter(|d| d.status >= 300).count() as i64;
     let consumer_dupes = deliveries.iter().filter(|d| d.duplicate).count() as i64;
     assert_eq!((provider_work, provider_requests), (3, 4));
-    assert_eq!((consumer_ok, consumer_failed, consumer_dupes), (3, 1, 0));
+    assert_eq!((consumer_ok, consumer_failed, consumer_dupes), (3, 1, 1));
 
     let expect: Vec<(Series, i64)> = vec![
         (

@@ -47,9 +47,17 @@ pub(crate) type RunBatch<R, O> = Box<
         + Sync,
 >;
 
-/// A request that names the job it writes, and the lease it writes under.
+/// A request that names the job it writes: a batch holds a job at most once.
+pub(crate) trait Keyed {
+    fn job_id(&self) -> &str;
+}
+
+/// A request that writes under a job's lease.
 pub(crate) trait ForJob {
     fn fence(&self) -> &crate::store::Fence;
+}
+
+impl<T: ForJob> Keyed for T {
     fn job_id(&self) -> &str {
         &self.fence().job_id
     }
@@ -75,7 +83,7 @@ impl<R, O> std::fmt::Debug for Batcher<R, O> {
 
 impl<R, O> Batcher<R, O>
 where
-    R: ForJob + Clone + Send + 'static,
+    R: Keyed + Clone + Send + 'static,
     O: Send + 'static,
 {
     /// Starts the task on the database runtime; it ends when the last

@@ -1,4 +1,6 @@
-//! The checkpoints written through [`Batcher`]s: `delivered`, `acked`, and
+//! The checkpoints written through [`Batcher`]s: `delivered → acked` (one
+//! commit: the two follow each other), `acked` alone (a job found at
+//! `delivered`), and
 //! the journaling of a model call's answer. Each is one statement over
 //! arrays for a whole batch, with the same guard as the single-job form
 //! (state and lease epoch per row), the job rows locked in id order first.
@@ -6,12 +8,14 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use diesel::sql_types::{Array, BigInt, Integer, Jsonb, Nullable, Text};
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
 use diesel_async::pooled_connection::bb8::Pool;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
-use super::batch::{Batcher, ForJob};
+use super::batch::{Batcher, ForJob, Keyed};
 use super::lease::{lock_in_order, IdRow};
 use super::sql::sql;
 use super::{Checkpoint, Fence, Store};
@@ -24,7 +28,7 @@ pub(crate) struct Ack {
     pub(crate) fence: Fence,
 }
 
-/// `claimed → delivered` for one job, with its outbox row.
+/// `claimed → delivered → acked` for one job, with its outbox row.
 #[derive(Clone)]
 pub(crate) struct Delivered {
     pub(crate) fence: Fence,
@@ -39,6 +43,38 @@ pub(crate) struct ModelAnswer {
     pub(crate) key: String,
     pub(crate) response: Value,
     pub(crate) usage: (Option<i32>, Option<i32>),
+}
+
+/// A new job for intake: its row, first history row and wake-up.
+#[derive(Clone)]
+pub(crate) struct NewRow {
+    pub(crate) id: String,
+    pub(crate) workflow: String,
+    pub(crate) workflow_version: i32,
+    pub(crate) request: Value,
+    pub(crate) request_hash: String,
+    pub(crate) trace: String,
+    pub(crate) owner: Option<i64>,
+    pub(crate) notify_failures: bool,
+}
+
+impl Keyed for NewRow {
+    fn job_id(&self) -> &str {
+        &self.id
+    }
+}
+
+/// A job intake created.
+#[derive(Clone, QueryableByName)]
+pub(crate) struct Inserted {
+    #[diesel(sql_type = Text)]
+    pub(crate) id: String,
+    #[diesel(sql_type = Timestamptz)]
+    pub(crate) created_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    pub(crate) at: DateTime<Utc>,
+    #[diesel(sql_type = Integer)]
+    pub(crate) incarnation: i32,
 }
 
 impl ForJob for Ack {
@@ -63,6 +99,8 @@ pub(crate) struct Batches {
     pub(crate) ack: Batcher<Ack, Checkpoint>,
     pub(crate) delivered: Batcher<Delivered, Checkpoint>,
     pub(crate) model_answer: Batcher<ModelAnswer, Checkpoint>,
+    /// New jobs: `None` for an id that exists already.
+    pub(crate) intake: Batcher<NewRow, Option<Inserted>>,
 }
 
 impl Batches {
@@ -71,6 +109,7 @@ impl Batches {
             ack: Batcher::start(db, Box::new(|pool, r| Box::pin(ack(pool, r)))),
             delivered: Batcher::start(db, Box::new(|pool, r| Box::pin(delivered(pool, r)))),
             model_answer: Batcher::start(db, Box::new(|pool, r| Box::pin(model_answer(pool, r)))),
+            intake: Batcher::start(db, Box::new(|pool, r| Box::pin(intake(pool, r)))),
         })
     }
 }
@@ -170,7 +209,8 @@ pub(crate) async fn delivered_on(
         lock_in_order!("$1"),
         ", ",
         "         moved AS ( \
-             UPDATE jobs j SET state = 'delivered', updated_at = now() \
+             UPDATE jobs j SET state = 'acked', updated_at = now(), finished_at = now(), \
+                 lease_owner = NULL, lease_expires_at = NULL \
              FROM input i \
              WHERE j.id = i.id AND j.state = 'claimed' AND j.lease_epoch = i.epoch \
                AND (SELECT count(*) FROM locked) >= 0 \
@@ -181,7 +221,9 @@ pub(crate) async fn delivered_on(
              FROM moved m WHERE o.idempotency_key = m.key AND o.status = 'claimed'), \
          history AS ( \
              INSERT INTO job_history (job_id, state, attempt, worker) \
-             SELECT id, 'delivered', attempt, worker FROM moved) \
+             SELECT m.id, s.state, m.attempt, m.worker \
+             FROM moved m, unnest('{delivered,acked}'::job_state[]) WITH ORDINALITY AS s(state, n) \
+             ORDER BY m.id, s.n) \
          SELECT id FROM moved"
     ))
     .bind::<Array<Text>, _>(&ids)
@@ -193,6 +235,79 @@ pub(crate) async fn delivered_on(
     .load(conn)
     .await?;
     outcomes(conn, requests, moved).await
+}
+
+async fn intake(
+    pool: Pool<AsyncPgConnection>,
+    requests: Vec<NewRow>,
+) -> Result<Vec<Option<Inserted>>, StoreError> {
+    let mut conn = pool.get().await?;
+    intake_on(&mut conn, &requests).await
+}
+
+/// Inserts new jobs, each with its first history row, in one statement and
+/// one commit, and wakes the nodes with one `NOTIFY` for the batch. Rows
+/// are inserted in id order, so two batches that race on an id wait in the
+/// same order. An id that exists already inserts nothing (the primary key
+/// decides); its request gets `None`.
+pub(crate) async fn intake_on(
+    conn: &mut AsyncPgConnection,
+    requests: &[NewRow],
+) -> Result<Vec<Option<Inserted>>, StoreError> {
+    let n = requests.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut workflows = Vec::with_capacity(n);
+    let mut versions = Vec::with_capacity(n);
+    let mut bodies = Vec::with_capacity(n);
+    let mut hashes = Vec::with_capacity(n);
+    let mut traces = Vec::with_capacity(n);
+    let mut owners = Vec::with_capacity(n);
+    let mut notify = Vec::with_capacity(n);
+    for r in requests {
+        ids.push(r.id.as_str());
+        workflows.push(r.workflow.as_str());
+        versions.push(r.workflow_version);
+        bodies.push(&r.request);
+        hashes.push(r.request_hash.as_str());
+        traces.push(r.trace.as_str());
+        owners.push(r.owner);
+        notify.push(r.notify_failures);
+    }
+    let inserted: Vec<Inserted> = sql(
+        "WITH input AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], \
+             $5::text[], $6::text[], $7::bigint[], $8::bool[]) \
+             AS i(id, workflow, workflow_version, request, request_hash, trace_context, owner_token, \
+                  notify_failures)), \
+         job AS ( \
+             INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, trace_context, \
+                 incarnation, lease_epoch, owner_token, notify_failures) \
+             SELECT i.id, i.workflow, i.workflow_version, i.request, i.request_hash, i.trace_context, \
+                 coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), i.owner_token, i.notify_failures \
+             FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
+             ORDER BY i.id \
+             ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation), \
+         history AS ( \
+             INSERT INTO job_history (job_id, state, attempt, worker) \
+             SELECT id, 'received', 0, $9 FROM job RETURNING job_id, at) \
+         SELECT job.id, job.created_at, history.at, job.incarnation, \
+             (SELECT pg_notify($10, count(*)::text) FROM job) IS NULL AS notified \
+         FROM job JOIN history ON history.job_id = job.id",
+    )
+    .bind::<Array<Text>, _>(&ids)
+    .bind::<Array<Text>, _>(&workflows)
+    .bind::<Array<Integer>, _>(&versions)
+    .bind::<Array<Jsonb>, _>(&bodies)
+    .bind::<Array<Text>, _>(&hashes)
+    .bind::<Array<Text>, _>(&traces)
+    .bind::<Array<Nullable<BigInt>>, _>(&owners)
+    .bind::<Array<Bool>, _>(&notify)
+    .bind::<Text, _>(super::jobs::INTAKE_WORKER)
+    .bind::<Text, _>(super::jobs::NEW_JOB_CHANNEL)
+    .load(conn)
+    .await?;
+    let mut by_id: std::collections::HashMap<String, Inserted> =
+        inserted.into_iter().map(|r| (r.id.clone(), r)).collect();
+    Ok(requests.iter().map(|r| by_id.remove(&r.id)).collect())
 }
 
 async fn model_answer(
@@ -266,7 +381,7 @@ impl Batches {
 pub enum BatchKind {
     /// `delivered → acked`.
     Ack,
-    /// `claimed → delivered`, with the outbox row.
+    /// `claimed → delivered → acked`, with the outbox row.
     Delivered,
     /// A model call's answer journaled under its key.
     ModelAnswer,

@@ -255,44 +255,25 @@ impl Store {
         owner: Option<i64>,
         notify_failures: bool,
     ) -> Result<Intake, StoreError> {
-        #[derive(QueryableByName)]
-        struct Inserted {
-            #[diesel(sql_type = Timestamptz)]
-            created_at: DateTime<Utc>,
-            #[diesel(sql_type = Timestamptz)]
-            at: DateTime<Utc>,
-            #[diesel(sql_type = Integer)]
-            incarnation: i32,
-        }
         let hash = job.request_hash();
-        let request = job.request();
-        let mut conn = self.db.conn().await?;
-        // The job row, its first history row and the wake-up, in one
-        // statement (one round trip, one commit); no row when the id exists.
-        let inserted: Vec<Inserted> = sql("WITH job AS ( \
-                 INSERT INTO jobs (id, workflow, request, request_hash, trace_context, incarnation, lease_epoch, owner_token, \
-                     notify_failures, workflow_version) \
-                 SELECT $1, $2, $3, $4, $7, coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), $8, $9, $10 \
-                 FROM (SELECT 1) one LEFT JOIN job_tombstones t ON t.id = $1 \
-                 ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation), \
-             history AS ( \
-                 INSERT INTO job_history (job_id, state, attempt, worker) \
-                 SELECT id, 'received', 0, $5 FROM job RETURNING at) \
-             SELECT job.created_at, history.at, job.incarnation, pg_notify($6, job.id) IS NULL AS notified \
-             FROM job, history")
-        .bind::<Text, _>(&job.id)
-        .bind::<Text, _>(&job.workflow)
-        .bind::<Jsonb, _>(&request)
-        .bind::<Text, _>(&hash)
-        .bind::<Text, _>(INTAKE_WORKER)
-        .bind::<Text, _>(NEW_JOB_CHANNEL)
-        .bind::<Text, _>(trace.to_string())
-        .bind::<Nullable<BigInt>, _>(owner)
-        .bind::<diesel::sql_types::Bool, _>(notify_failures)
-        .bind::<Integer, _>(job.workflow_version)
-        .load(&mut conn)
-        .await?;
-        if let Some(row) = inserted.into_iter().next() {
+        // The job row, its first history row and the wake-up: one statement
+        // and one commit, shared with the other submissions of the moment
+        // (group commit); `None` when the id exists.
+        let inserted = self
+            .batches
+            .intake
+            .call(super::batched::NewRow {
+                id: job.id.clone(),
+                workflow: job.workflow.clone(),
+                workflow_version: job.workflow_version,
+                request: job.request(),
+                request_hash: hash.clone(),
+                trace: trace.to_string(),
+                owner,
+                notify_failures,
+            })
+            .await?;
+        if let Some(row) = inserted {
             return Ok(Intake::Created(JobView {
                 id: job.id.clone(),
                 workflow: job.workflow.clone(),
@@ -322,6 +303,7 @@ impl Store {
                 tool_calls: Vec::new(),
             }));
         }
+        let mut conn = self.db.conn().await?;
         let (view, stored_hash) = self
             .load_view(&mut conn, &job.id)
             .await?

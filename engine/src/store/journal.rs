@@ -692,7 +692,10 @@ impl Store {
         }
     }
 
-    /// `claimed → delivered`: the webhook answered 2xx.
+    /// `claimed → delivered → acked` in one commit: the webhook answered 2xx,
+    /// and nothing stands between the delivery and the ack. Each transition
+    /// keeps its guard (state and epoch) and its history row, as
+    /// `generated → persisted → claimed` do; the job is finished and unleased.
     pub async fn mark_delivered(
         &self,
         fence: &Fence,
@@ -700,7 +703,7 @@ impl Store {
         status: i32,
         faults: &Faults,
     ) -> Result<Checkpoint, StoreError> {
-        if !before_commit(faults, &fence.job_id, &["delivered"]).await {
+        if !before_commit(faults, &fence.job_id, &["delivered", "acked"]).await {
             return Ok(Checkpoint::Faulted);
         }
         // The guarded move (locking the job row first), the outbox row and
