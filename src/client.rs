@@ -11,16 +11,20 @@ pub struct SubmitArgs {
     /// The job id (your business id: 1–200 of A-Z a-z 0-9 _ . : -).
     #[arg(long)]
     pub id: String,
-    /// A single user prompt.
+    /// A single user prompt (for `completion` and `agent`).
     #[arg(
         long,
-        conflicts_with = "messages",
-        required_unless_present = "messages"
+        conflicts_with_all = ["messages", "input"],
+        required_unless_present_any = ["messages", "input"]
     )]
     pub prompt: Option<String>,
-    /// A JSON file holding the `messages` array.
-    #[arg(long)]
+    /// A JSON file holding the `messages` array (for `completion` and `agent`).
+    #[arg(long, conflicts_with = "input")]
     pub messages: Option<PathBuf>,
+    /// The job's whole `input` as a JSON object, for any workflow
+    /// (`--input '{"name": "Ada"}'`); `--model` is then not used.
+    #[arg(long)]
+    pub input: Option<String>,
     /// Where the completion webhook goes.
     #[arg(long)]
     pub webhook_url: String,
@@ -82,6 +86,7 @@ fn api_error(status: reqwest::StatusCode, body: &Value) -> anyhow::Error {
 
 pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
     let messages = match (&args.prompt, &args.messages) {
+        _ if args.input.is_some() => Value::Null,
         (Some(prompt), _) => json!([{ "role": "user", "content": prompt }]),
         (None, Some(path)) => {
             let text = std::fs::read_to_string(path)
@@ -93,7 +98,17 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
             }
             value
         }
-        (None, None) => bail!("give --prompt or --messages"),
+        (None, None) => bail!("give --prompt, --messages or --input"),
+    };
+    let input = match &args.input {
+        Some(text) => {
+            let input: Value = serde_json::from_str(text).context("--input is not JSON")?;
+            if !input.is_object() {
+                bail!("--input must be a JSON object (the workflow's input)");
+            }
+            input
+        }
+        None => json!({ "model": args.model, "messages": messages }),
     };
     let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
@@ -101,7 +116,7 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
             .submit_raw::<Value>(
                 &args.workflow,
                 &args.id,
-                &json!({ "model": args.model, "messages": messages }),
+                &input,
                 &args.webhook_url,
             )
             .await

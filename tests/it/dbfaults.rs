@@ -93,7 +93,7 @@ async fn a_transient_error_recording_a_delivery_is_retried_in_place_and_posts_on
     let fault = DbFault::arm(
         &env,
         "jobs",
-        "OLD.state = 'claimed' AND NEW.state = 'delivered'",
+        "OLD.state = 'claimed' AND NEW.state = 'acked'",
         "40001",
         1,
     )
@@ -149,7 +149,7 @@ async fn every_transient_sqlstate_is_retried_in_place() {
             DbFault::arm(
                 &env,
                 "jobs",
-                &format!("NEW.id = '{id}' AND OLD.state = 'claimed' AND NEW.state = 'delivered'"),
+                &format!("NEW.id = '{id}' AND OLD.state = 'claimed' AND NEW.state = 'acked'"),
                 code,
                 1,
             )
@@ -182,7 +182,7 @@ async fn a_store_error_past_the_in_place_budget_reschedules_and_never_kills() {
     let fault = DbFault::arm(
         &env,
         "jobs",
-        "OLD.state = 'claimed' AND NEW.state = 'delivered'",
+        "OLD.state = 'claimed' AND NEW.state = 'acked'",
         "40P01",
         25,
     )
@@ -277,6 +277,8 @@ async fn batch_statements_lock_every_row_they_name_first() {
         BatchKind::Ack,
         BatchKind::Delivered,
         BatchKind::ModelAnswer,
+        BatchKind::CommitResult,
+        BatchKind::BeginCall,
         BatchKind::Renew,
     ]
     .into_iter()

@@ -75,6 +75,31 @@ async fn a_users_own_crate_builds_and_serves_its_workflow() {
         std::fs::read_to_string(dir.path().join("greet.log")).unwrap_or_default()
     );
     assert_eq!(env.provider.requests_for("job:greet-1:greet"), 1);
+    // The README's walk-through: the same binary's `submit --input` and `status`.
+    let submit = Command::new(&binary)
+        .args(["submit", "--id", "greet-cli", "--workflow", "greet"])
+        .args(["--input", r#"{"name": "Bo"}"#, "--webhook-url"])
+        .arg(env.consumer.url())
+        .args(["--server", &serve.base])
+        .output()
+        .unwrap();
+    assert!(
+        submit.status.success(),
+        "{}",
+        String::from_utf8_lossy(&submit.stderr)
+    );
+    assert!(String::from_utf8_lossy(&submit.stdout).contains("job greet-cli created"));
+    let status_says_acked = wait_until(Duration::from_secs(20), || async {
+        let out = Command::new(&binary)
+            .args(["status", "greet-cli", "--server", &serve.base])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains("acked")
+    })
+    .await;
+    assert!(status_says_acked, "`greet status greet-cli` shows it acked");
+    assert_eq!(env.provider.requests_for("job:greet-cli:greet"), 1);
+    assert_eq!(env.consumer.processed_for("greet-cli"), 1);
     let delivery = &env.consumer.deliveries_for("greet-1")[0];
     assert!(delivery.body["result"]["greeting"]
         .as_str()
@@ -179,4 +204,28 @@ async fn the_typed_client_submits_reads_and_maps_errors() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// The README's "Your own workflow" shows the example crate's code: every
+/// block marked `<!-- verbatim: PATH -->` is in that file, character for
+/// character, so the walk-through cannot drift from the code CI builds.
+#[test]
+fn the_readme_walk_through_is_the_example_crates_code() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut checked = 0;
+    for (i, _) in readme.match_indices("<!-- verbatim: ") {
+        let rest = &readme[i + "<!-- verbatim: ".len()..];
+        let path = &rest[..rest.find(" -->").unwrap()];
+        let fence = rest.find("```rust\n").unwrap() + "```rust\n".len();
+        let block = &rest[fence..fence + rest[fence..].find("```").unwrap()];
+        let file = std::fs::read_to_string(root.join(path))
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(
+            file.contains(block),
+            "README's block for {path} is not in the file:\n{block}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 3, "the lib, main and test blocks");
 }

@@ -45,6 +45,67 @@ pub(crate) struct ModelAnswer {
     pub(crate) usage: (Option<i32>, Option<i32>),
 }
 
+/// `received`/`generated`/`persisted` → `claimed` for one job: its result,
+/// its outbox row and a history row per state passed.
+#[derive(Clone)]
+pub(crate) struct CommitResult {
+    pub(crate) fence: Fence,
+    pub(crate) from: &'static str,
+    /// The states passed, in order, comma-separated (`generated,persisted,claimed`).
+    pub(crate) passed: String,
+    pub(crate) output: Value,
+    pub(crate) event: String,
+    pub(crate) key: String,
+    pub(crate) url: String,
+    pub(crate) body: Value,
+    pub(crate) in_flight_ms: Option<i64>,
+}
+
+/// The fast path of `begin_model_call`: the fenced insert of a fresh row,
+/// born in flight, or the existing row as stored.
+#[derive(Clone)]
+pub(crate) struct BeginCall {
+    pub(crate) fence: Fence,
+    pub(crate) key: String,
+    pub(crate) request_hash: String,
+    pub(crate) in_flight_ms: i64,
+}
+
+/// The row `BeginCall` found or created.
+#[derive(Clone, QueryableByName)]
+pub(crate) struct CallRow {
+    #[diesel(sql_type = Text)]
+    pub(crate) key: String,
+    #[diesel(sql_type = Text)]
+    pub(crate) request_hash: String,
+    #[diesel(sql_type = Text)]
+    pub(crate) status: String,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    pub(crate) response: Option<Value>,
+    #[diesel(sql_type = Integer)]
+    pub(crate) attempts: i32,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub(crate) in_flight_until: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub(crate) in_flight_epoch: Option<i64>,
+    #[diesel(sql_type = Timestamptz)]
+    pub(crate) now: DateTime<Utc>,
+    /// Created by this statement (`xmax = 0`).
+    #[diesel(sql_type = Bool)]
+    pub(crate) inserted: bool,
+}
+
+impl ForJob for CommitResult {
+    fn fence(&self) -> &Fence {
+        &self.fence
+    }
+}
+impl ForJob for BeginCall {
+    fn fence(&self) -> &Fence {
+        &self.fence
+    }
+}
+
 /// A new job for intake: its row, first history row and wake-up.
 #[derive(Clone)]
 pub(crate) struct NewRow {
@@ -101,6 +162,9 @@ pub(crate) struct Batches {
     pub(crate) model_answer: Batcher<ModelAnswer, Checkpoint>,
     /// New jobs: `None` for an id that exists already.
     pub(crate) intake: Batcher<NewRow, Option<Inserted>>,
+    pub(crate) commit_result: Batcher<CommitResult, Checkpoint>,
+    /// `None`: the lease is lost.
+    pub(crate) begin_call: Batcher<BeginCall, Option<CallRow>>,
 }
 
 impl Batches {
@@ -110,6 +174,8 @@ impl Batches {
             delivered: Batcher::start(db, Box::new(|pool, r| Box::pin(delivered(pool, r)))),
             model_answer: Batcher::start(db, Box::new(|pool, r| Box::pin(model_answer(pool, r)))),
             intake: Batcher::start(db, Box::new(|pool, r| Box::pin(intake(pool, r)))),
+            commit_result: Batcher::start(db, Box::new(|pool, r| Box::pin(commit_result(pool, r)))),
+            begin_call: Batcher::start(db, Box::new(|pool, r| Box::pin(begin_call(pool, r)))),
         })
     }
 }
@@ -235,6 +301,128 @@ pub(crate) async fn delivered_on(
     .load(conn)
     .await?;
     outcomes(conn, requests, moved).await
+}
+
+async fn commit_result(
+    pool: Pool<AsyncPgConnection>,
+    requests: Vec<CommitResult>,
+) -> Result<Vec<Checkpoint>, StoreError> {
+    let mut conn = pool.get().await?;
+    commit_result_on(&mut conn, &requests).await
+}
+
+/// Moves each job from its state to `claimed` with the guard on that state
+/// and the epoch, writing its result (first writer wins), its outbox row
+/// (under its UNIQUE key) and one history row per state passed, in order.
+pub(crate) async fn commit_result_on(
+    conn: &mut AsyncPgConnection,
+    requests: &[CommitResult],
+) -> Result<Vec<Checkpoint>, StoreError> {
+    let (ids, epochs, attempts, workers) = fences(requests);
+    let from: Vec<&str> = requests.iter().map(|r| r.from).collect();
+    let passed: Vec<&str> = requests.iter().map(|r| r.passed.as_str()).collect();
+    let outputs: Vec<&Value> = requests.iter().map(|r| &r.output).collect();
+    let events: Vec<&str> = requests.iter().map(|r| r.event.as_str()).collect();
+    let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+    let urls: Vec<&str> = requests.iter().map(|r| r.url.as_str()).collect();
+    let bodies: Vec<&Value> = requests.iter().map(|r| &r.body).collect();
+    let in_flight: Vec<Option<i64>> = requests.iter().map(|r| r.in_flight_ms).collect();
+    let moved: Vec<IdRow> = sql(concat!(
+        "WITH input AS (SELECT * FROM unnest($1::text[], $2::bigint[], $3::int[], $4::text[], \
+             $5::text[], $6::text[], $7::jsonb[], $8::text[], $9::text[], $10::text[], $11::jsonb[], \
+             $12::bigint[]) \
+             AS i(id, epoch, attempt, worker, from_state, passed, output, event, key, url, body, \
+                  in_flight_ms)), \
+",
+        lock_in_order!("$1"),
+        ", ",
+        "         moved AS ( \
+             UPDATE jobs j SET state = 'claimed', updated_at = now() \
+             FROM input i \
+             WHERE j.id = i.id AND j.state = i.from_state::job_state AND j.lease_epoch = i.epoch \
+               AND (SELECT count(*) FROM locked) >= 0 \
+             RETURNING j.id, i.epoch, i.attempt, i.worker, i.passed, i.output, i.event, i.key, i.url, \
+                 i.body, i.in_flight_ms), \
+         result AS ( \
+             INSERT INTO results (job_id, output) SELECT id, output FROM moved \
+             ON CONFLICT (job_id) DO NOTHING), \
+         claim AS ( \
+             INSERT INTO outbox (job_id, event, idempotency_key, url, body, attempts, \
+                 in_flight_until, in_flight_epoch) \
+             SELECT id, event, key, url, body, CASE WHEN in_flight_ms IS NULL THEN 0 ELSE 1 END, \
+                 clock_timestamp() + in_flight_ms * interval '1 millisecond', \
+                 CASE WHEN in_flight_ms IS NULL THEN NULL ELSE epoch END \
+             FROM moved ORDER BY key \
+             ON CONFLICT (idempotency_key) DO NOTHING), \
+         history AS ( \
+             INSERT INTO job_history (job_id, state, attempt, worker) \
+             SELECT m.id, s.state::job_state, m.attempt, m.worker \
+             FROM moved m, unnest(string_to_array(m.passed, ',')) WITH ORDINALITY AS s(state, n) \
+             ORDER BY m.id, s.n) \
+         SELECT id FROM moved"
+    ))
+    .bind::<Array<Text>, _>(&ids)
+    .bind::<Array<BigInt>, _>(&epochs)
+    .bind::<Array<Integer>, _>(&attempts)
+    .bind::<Array<Text>, _>(&workers)
+    .bind::<Array<Text>, _>(&from)
+    .bind::<Array<Text>, _>(&passed)
+    .bind::<Array<Jsonb>, _>(&outputs)
+    .bind::<Array<Text>, _>(&events)
+    .bind::<Array<Text>, _>(&keys)
+    .bind::<Array<Text>, _>(&urls)
+    .bind::<Array<Jsonb>, _>(&bodies)
+    .bind::<Array<Nullable<BigInt>>, _>(&in_flight)
+    .load(conn)
+    .await?;
+    outcomes(conn, requests, moved).await
+}
+
+async fn begin_call(
+    pool: Pool<AsyncPgConnection>,
+    requests: Vec<BeginCall>,
+) -> Result<Vec<Option<CallRow>>, StoreError> {
+    let mut conn = pool.get().await?;
+    begin_call_on(&mut conn, &requests).await
+}
+
+/// For each model call, the fenced insert of a fresh row born in flight for
+/// its attempt, or the existing row as stored; none for a job whose lease
+/// is gone. Jobs are locked in id order first, as every batch does.
+pub(crate) async fn begin_call_on(
+    conn: &mut AsyncPgConnection,
+    requests: &[BeginCall],
+) -> Result<Vec<Option<CallRow>>, StoreError> {
+    let (ids, epochs, _, _) = fences(requests);
+    let keys: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+    let hashes: Vec<&str> = requests.iter().map(|r| r.request_hash.as_str()).collect();
+    let in_flight: Vec<i64> = requests.iter().map(|r| r.in_flight_ms).collect();
+    let rows: Vec<CallRow> = sql(concat!(
+        "WITH input AS (SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], \
+             $5::bigint[]) AS i(id, epoch, key, request_hash, in_flight_ms)), \
+",
+        lock_in_order!("$1"),
+        " INSERT INTO model_calls (job_id, idempotency_key, request_hash, attempts, \
+             in_flight_until, in_flight_epoch) \
+         SELECT i.id, i.key, i.request_hash, 1, \
+             clock_timestamp() + i.in_flight_ms * interval '1 millisecond', i.epoch \
+         FROM input i JOIN locked l ON l.id = i.id AND l.lease_epoch = i.epoch \
+         WHERE (SELECT count(*) FROM locked) >= 0 \
+         ORDER BY i.key \
+         ON CONFLICT (idempotency_key) DO UPDATE SET updated_at = model_calls.updated_at \
+         RETURNING idempotency_key AS key, request_hash, status::text AS status, response, attempts, \
+             in_flight_until, in_flight_epoch, clock_timestamp() AS now, (xmax = 0) AS inserted"
+    ))
+    .bind::<Array<Text>, _>(&ids)
+    .bind::<Array<BigInt>, _>(&epochs)
+    .bind::<Array<Text>, _>(&keys)
+    .bind::<Array<Text>, _>(&hashes)
+    .bind::<Array<BigInt>, _>(&in_flight)
+    .load(conn)
+    .await?;
+    let mut by_key: std::collections::HashMap<String, CallRow> =
+        rows.into_iter().map(|r| (r.key.clone(), r)).collect();
+    Ok(requests.iter().map(|r| by_key.remove(&r.key)).collect())
 }
 
 async fn intake(
@@ -368,14 +556,6 @@ pub(crate) async fn model_answer_on(
         .collect())
 }
 
-impl Batches {
-    fn all_hold(&self, hold: bool) {
-        self.ack.hold(hold);
-        self.delivered.hold(hold);
-        self.model_answer.hold(hold);
-    }
-}
-
 /// A group-commit statement, named for tests that probe its locking.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchKind {
@@ -385,25 +565,28 @@ pub enum BatchKind {
     Delivered,
     /// A model call's answer journaled under its key.
     ModelAnswer,
+    /// `→ claimed`: the result, the outbox row, the history rows.
+    CommitResult,
+    /// A model call's journal row, fresh and in flight (or found).
+    BeginCall,
     /// The heartbeat's lease renewal (one statement for a node's jobs).
     Renew,
 }
 
 impl Store {
-    /// Test seam: while held, group-commit requests queue and no batch
+    /// Test seam: while held, model answers queue and no model-answer batch
     /// starts; releasing runs everything queued (up to the batch limit) as
-    /// one batch per kind.
+    /// one batch. (Intake and the other kinds keep running, so jobs can be
+    /// submitted and reach their model call meanwhile.)
     #[doc(hidden)]
     pub fn hold_batches(&self, hold: bool) {
-        self.batches.all_hold(hold);
+        self.batches.model_answer.hold(hold);
     }
 
-    /// Group-commit requests handed in and not yet taken into a batch.
+    /// Model answers handed in and not yet taken into a batch.
     #[doc(hidden)]
     pub fn queued_batch_requests(&self) -> usize {
-        self.batches.ack.queued()
-            + self.batches.delivered.queued()
-            + self.batches.model_answer.queued()
+        self.batches.model_answer.queued()
     }
 
     /// The most requests one group-commit batch has held, over every kind.
@@ -413,6 +596,9 @@ impl Store {
             self.batches.ack.largest(),
             self.batches.delivered.largest(),
             self.batches.model_answer.largest(),
+            self.batches.intake.largest(),
+            self.batches.commit_result.largest(),
+            self.batches.begin_call.largest(),
         ]
         .into_iter()
         .max()
@@ -462,6 +648,35 @@ impl Store {
                             })
                             .collect();
                         model_answer_on(conn, &requests).await?;
+                    }
+                    BatchKind::CommitResult => {
+                        let requests: Vec<CommitResult> = fences
+                            .iter()
+                            .map(|f| CommitResult {
+                                fence: f.clone(),
+                                from: "received",
+                                passed: "generated,persisted,claimed".into(),
+                                output: Value::Null,
+                                event: crate::keys::COMPLETED_EVENT.into(),
+                                key: format!("probe:{}", f.job_id),
+                                url: "http://127.0.0.1:9/".into(),
+                                body: Value::Null,
+                                in_flight_ms: None,
+                            })
+                            .collect();
+                        commit_result_on(conn, &requests).await?;
+                    }
+                    BatchKind::BeginCall => {
+                        let requests: Vec<BeginCall> = fences
+                            .iter()
+                            .map(|f| BeginCall {
+                                fence: f.clone(),
+                                key: format!("probe:{}", f.job_id),
+                                request_hash: "0".repeat(64),
+                                in_flight_ms: 1000,
+                            })
+                            .collect();
+                        begin_call_on(conn, &requests).await?;
                     }
                     BatchKind::Renew => {
                         let held: Vec<(String, i64)> =

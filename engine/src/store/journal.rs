@@ -11,7 +11,7 @@
 //! nothing written, exactly as a crash before the commit would.
 
 use chrono::{DateTime, Utc};
-use diesel::sql_types::{Array, BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
@@ -144,6 +144,21 @@ async fn guard(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<(), TxErro
         Ok(())
     } else {
         Err(TxError::Abort(Checkpoint::LeaseLost))
+    }
+}
+
+impl From<super::batched::CallRow> for ModelCallRow {
+    fn from(r: super::batched::CallRow) -> Self {
+        ModelCallRow {
+            request_hash: r.request_hash,
+            status: r.status,
+            response: r.response,
+            attempts: r.attempts,
+            in_flight_until: r.in_flight_until,
+            in_flight_epoch: r.in_flight_epoch,
+            now: r.now,
+            inserted: r.inserted,
+        }
     }
 }
 
@@ -310,26 +325,21 @@ impl Store {
         request_hash: &str,
         in_flight_ms: i64,
     ) -> Result<ModelCallStart, StoreError> {
-        let mut conn = self.db().conn().await?;
-        // The common case in one statement: the fenced insert of a fresh row,
-        // born in flight for us. An existing row that holds another request
-        // or is completed is final; anything else is decided under locks.
-        let rows: Vec<ModelCallRow> = sql(
-            "INSERT INTO model_calls (job_id, idempotency_key, request_hash, attempts, \
-                 in_flight_until, in_flight_epoch) \
-             SELECT id, $2, $3, 1, clock_timestamp() + $4 * interval '1 millisecond', $5 \
-             FROM jobs WHERE id = $1 AND lease_epoch = $5 FOR NO KEY UPDATE \
-             ON CONFLICT (idempotency_key) DO UPDATE SET updated_at = model_calls.updated_at \
-             RETURNING request_hash, status::text AS status, response, attempts, in_flight_until, \
-                 in_flight_epoch, clock_timestamp() AS now, (xmax = 0) AS inserted",
-        )
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<Text, _>(key)
-        .bind::<Text, _>(request_hash)
-        .bind::<BigInt, _>(in_flight_ms)
-        .bind::<BigInt, _>(fence.epoch)
-        .load(&mut conn)
-        .await?;
+        // The common case in one statement, group-committed with the other
+        // jobs' of the moment: the fenced insert of a fresh row, born in
+        // flight for us. An existing row that holds another request or is
+        // completed is final; anything else is decided under locks.
+        let found = self
+            .batches
+            .begin_call
+            .call(super::batched::BeginCall {
+                fence: fence.clone(),
+                key: key.to_owned(),
+                request_hash: request_hash.to_owned(),
+                in_flight_ms,
+            })
+            .await?;
+        let rows: Vec<ModelCallRow> = found.map(ModelCallRow::from).into_iter().collect();
         match rows.into_iter().next() {
             None => return Ok(ModelCallStart::LeaseLost),
             Some(row) if row.inserted => return Ok(ModelCallStart::Send { attempt: 1 }),
@@ -347,6 +357,7 @@ impl Store {
             }) if status == "completed" => return Ok(ModelCallStart::Completed(response)),
             Some(_) => {}
         }
+        let mut conn = self.db().conn().await?;
         let result = conn
             .transaction::<_, TxError, _>(async move |conn| {
                 {
@@ -526,46 +537,22 @@ impl Store {
         if !before_commit(faults, &fence.job_id, &passed).await {
             return Ok(Checkpoint::Faulted);
         }
+        // The guarded move (the job row locked first), the result, the
+        // outbox row and the history rows: one statement, group-committed
+        // with other jobs'.
+        let request = super::batched::CommitResult {
+            fence: fence.clone(),
+            from: from.as_str(),
+            passed: passed.join(","),
+            output: output.clone(),
+            event: claim.event.to_owned(),
+            key: claim.key.to_owned(),
+            url: claim.url.to_owned(),
+            body: claim.body.clone(),
+            in_flight_ms: claim.in_flight_ms,
+        };
         retrying!(self, "commit_result", async || {
-            let mut conn = self.db().conn().await?;
-            // The guarded move locks the job row first; the inserts and the
-            // history rows happen only if it moved.
-            let moved = sql("WITH moved AS ( \
-                     UPDATE jobs SET state = 'claimed', updated_at = now() \
-                     WHERE id = $1 AND state = $2::job_state AND lease_epoch = $3 \
-                     RETURNING id), \
-                 result AS ( \
-                     INSERT INTO results (job_id, output) SELECT id, $4 FROM moved \
-                     ON CONFLICT (job_id) DO NOTHING), \
-                 claim AS ( \
-                     INSERT INTO outbox (job_id, event, idempotency_key, url, body, attempts, \
-                         in_flight_until, in_flight_epoch) \
-                     SELECT id, $5, $6, $7, $8, CASE WHEN $9 IS NULL THEN 0 ELSE 1 END, \
-                         clock_timestamp() + $9 * interval '1 millisecond', \
-                         CASE WHEN $9 IS NULL THEN NULL ELSE $3 END \
-                     FROM moved \
-                     ON CONFLICT (idempotency_key) DO NOTHING) \
-                 INSERT INTO job_history (job_id, state, attempt, worker) \
-                 SELECT moved.id, s.state::job_state, $10, $11 \
-                 FROM moved, unnest($12::text[]) WITH ORDINALITY AS s(state, n) ORDER BY s.n")
-            .bind::<Text, _>(&fence.job_id)
-            .bind::<Text, _>(from.as_str())
-            .bind::<BigInt, _>(fence.epoch)
-            .bind::<Jsonb, _>(output)
-            .bind::<Text, _>(claim.event)
-            .bind::<Text, _>(claim.key)
-            .bind::<Text, _>(claim.url)
-            .bind::<Jsonb, _>(claim.body)
-            .bind::<Nullable<BigInt>, _>(claim.in_flight_ms)
-            .bind::<Integer, _>(fence.attempt)
-            .bind::<Text, _>(&fence.worker)
-            .bind::<Array<Text>, _>(&passed)
-            .execute(&mut conn)
-            .await?;
-            if moved == passed.len() {
-                return Ok(Checkpoint::Moved);
-            }
-            Store::why_not(&mut conn, fence).await
+            self.batches.commit_result.call(request.clone()).await
         })
         .await
     }
