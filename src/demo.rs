@@ -139,6 +139,7 @@ async fn demo(args: &DemoArgs, database: &crate::config::Database) -> anyhow::Re
                     workflow_version: 1,
                     input: json!({ "model": "demo", "messages": [{ "role": "user", "content": format!("Say hello to {id}") }] }),
                     webhook_url: consumer.url(),
+                    schedule: Default::default(),
                 })
                 .await?;
             ids.push((group, id));

@@ -31,16 +31,45 @@ pub struct NewJob {
     pub input: Value,
     /// Where the outcome is delivered by webhook (checked by the SSRF guard).
     pub webhook_url: String,
+    /// When and in what order it runs.
+    pub schedule: Schedule,
 }
 
+/// When a job may start, and which goes first when jobs wait.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Schedule {
+    /// Higher first among jobs that are due (default 0).
+    pub priority: i32,
+    /// Not before this time (`run_at`, RFC 3339).
+    pub run_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Not before this long after intake (`delay_ms`).
+    pub delay_ms: Option<u64>,
+}
+
+/// Longest accepted `delay_ms`: 30 days.
+pub const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
+
 impl NewJob {
-    /// The request as stored (everything but the id, which is the key).
+    /// The request as stored (everything but the id, which is the key). The
+    /// schedule's fields appear only when given, so a request without them
+    /// hashes as it always did.
     pub fn request(&self) -> Value {
-        serde_json::json!({
+        let mut request = serde_json::json!({
             "workflow": self.workflow,
             "input": self.input,
             "webhook_url": self.webhook_url,
-        })
+        });
+        let s = &self.schedule;
+        if s.priority != 0 {
+            request["priority"] = s.priority.into();
+        }
+        if let Some(at) = s.run_at {
+            request["run_at"] = at.to_rfc3339().into();
+        }
+        if let Some(ms) = s.delay_ms {
+            request["delay_ms"] = ms.into();
+        }
+        request
     }
 
     /// SHA-256 of the canonical request: equal exactly when two submissions
@@ -104,6 +133,7 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
         return Err(InvalidInput::new("input", "must be a JSON object").into());
     }
     workflow.validate(&input)?;
+    let schedule = take_schedule(&mut obj)?;
     if let Some(extra) = obj.keys().next() {
         return Err(InvalidInput::new(extra.clone(), "unknown field").into());
     }
@@ -113,6 +143,50 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
         workflow: workflow_name,
         input,
         webhook_url,
+        schedule,
+    })
+}
+
+/// `priority`, `run_at` and `delay_ms`, each optional; `run_at` and
+/// `delay_ms` not both.
+fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput> {
+    let priority = match obj.remove("priority") {
+        None => 0,
+        Some(v) => v
+            .as_i64()
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| InvalidInput::new("priority", "must be an integer (higher runs first)"))?,
+    };
+    let run_at = match obj.remove("run_at") {
+        None => None,
+        Some(Value::String(s)) => Some(
+            chrono::DateTime::parse_from_rfc3339(&s)
+                .map_err(|_| {
+                    InvalidInput::new("run_at", "must be an RFC 3339 time (2026-12-01T10:00:00Z)")
+                })?
+                .with_timezone(&chrono::Utc),
+        ),
+        Some(_) => return Err(InvalidInput::new("run_at", "must be a string (RFC 3339)")),
+    };
+    let delay_ms = match obj.remove("delay_ms") {
+        None => None,
+        Some(v) => Some(v.as_u64().filter(|ms| *ms <= MAX_DELAY_MS).ok_or_else(|| {
+            InvalidInput::new(
+                "delay_ms",
+                format!("must be an integer from 0 to {MAX_DELAY_MS} (30 days)"),
+            )
+        })?),
+    };
+    if run_at.is_some() && delay_ms.is_some() {
+        return Err(InvalidInput::new(
+            "delay_ms",
+            "give run_at or delay_ms, not both",
+        ));
+    }
+    Ok(Schedule {
+        priority,
+        run_at,
+        delay_ms,
     })
 }
 

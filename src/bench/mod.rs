@@ -731,6 +731,7 @@ async fn hold(
                     workflow_version: 1,
                     input: json!({ "model": "bench", "messages": [{ "role": "user", "content": "hi" }] }),
                     webhook_url: hook.clone(),
+                    schedule: Default::default(),
                 };
                 async move {
                     store.submit(&job).await?;

@@ -54,6 +54,7 @@ fn agent_job(env: &TestEnv, id: &str) -> NewJob {
         workflow_version: 1,
         input: json!({ "model": "m", "messages": [{ "role": "user", "content": "open a ticket" }] }),
         webhook_url: env.consumer.url(),
+        schedule: Default::default(),
     }
 }
 
@@ -292,6 +293,7 @@ async fn a_user_workflow_step_has_one_side_effect_across_a_crash_at_every_bounda
             workflow_version: 1,
             input: json!({ "email": format!("{id}@example.com"), "name": "Ada" }),
             webhook_url: env.consumer.url(),
+            schedule: Default::default(),
         })
         .await;
         let job = env.wait_for(&id, JobState::Acked, WAIT).await;
@@ -355,6 +357,7 @@ async fn retention_purges_expired_jobs_so_their_ids_are_new_again() {
         workflow_version: 1,
         input: json!({ "model": "other", "messages": [{ "role": "user", "content": "again" }] }),
         webhook_url: env.consumer.url(),
+        schedule: Default::default(),
     };
     assert!(matches!(
         env.store.submit(&different("old-1")).await.unwrap(),

@@ -656,6 +656,7 @@ async fn a_job_of_an_unregistered_workflow_is_left_alone_and_counted() {
         workflow_version: 1,
         input: json!({}),
         webhook_url: env.consumer.url(),
+        schedule: Default::default(),
     })
     .await;
     env.submit("here-1", "hello").await;
@@ -700,6 +701,7 @@ async fn a_2xx_with_an_unreadable_body_is_delivered() {
         workflow_version: 1,
         input: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
         webhook_url: url,
+        schedule: Default::default(),
     })
     .await;
     let job = env.wait_for("body-1", JobState::Acked, WAIT).await;

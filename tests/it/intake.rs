@@ -244,9 +244,9 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
         ),
         (
             "unknown top-level field",
-            serde_json::to_vec(&with(&["priority"], json!(1))).unwrap(),
+            serde_json::to_vec(&with(&["colour"], json!(1))).unwrap(),
             422,
-            Some("priority"),
+            Some("colour"),
         ),
         (
             "over the size limit",

@@ -109,6 +109,7 @@ async fn submit(env: &TestEnv, id: &str, mode: &str) {
         workflow_version: 1,
         input: json!({ "mode": mode }),
         webhook_url: env.consumer.url(),
+        schedule: Default::default(),
     })
     .await;
 }

@@ -14,6 +14,7 @@ mod intake;
 mod journal;
 mod library;
 mod operations;
+mod schedule;
 mod security;
 mod support;
 mod telemetry;

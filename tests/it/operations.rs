@@ -581,6 +581,7 @@ async fn submit_notifying(env: &TestEnv, id: &str, notify: bool) {
         workflow_version: 1,
         input: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
         webhook_url: env.consumer.url(),
+        schedule: Default::default(),
     };
     let created = env
         .store

@@ -176,6 +176,7 @@ async fn a_redirect_is_not_followed() {
         workflow_version: 1,
         input: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
         webhook_url: url,
+        schedule: Default::default(),
     })
     .await;
     let job = env.wait_for("redirect-1", JobState::Dead, WAIT).await;
@@ -212,6 +213,7 @@ async fn a_tool_request_to_an_internal_address_is_refused() {
         workflow_version: 1,
         input: json!({ "model": "m", "messages": [{ "role": "user", "content": "go" }] }),
         webhook_url: env.consumer.url(),
+        schedule: Default::default(),
     })
     .await;
     let job = env.wait_for("tool-ssrf", JobState::Dead, WAIT).await;

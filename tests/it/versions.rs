@@ -212,6 +212,7 @@ async fn a_node_without_a_jobs_version_leaves_the_job_to_nodes_that_have_it() {
         workflow_version: 2,
         input: json!({ "topic": "t" }),
         webhook_url: env.consumer.url(),
+        schedule: Default::default(),
     })
     .await;
     // ...and a v1 job behind it, on a node that has only v1.
@@ -221,6 +222,7 @@ async fn a_node_without_a_jobs_version_leaves_the_job_to_nodes_that_have_it() {
         workflow_version: 1,
         input: json!({ "topic": "t" }),
         webhook_url: env.consumer.url(),
+        schedule: Default::default(),
     })
     .await;
     let old = env.start(v1_only(&published), env.config());

@@ -117,6 +117,9 @@ pub(crate) struct NewRow {
     pub(crate) trace: String,
     pub(crate) owner: Option<i64>,
     pub(crate) notify_failures: bool,
+    pub(crate) priority: i32,
+    pub(crate) run_at: Option<DateTime<Utc>>,
+    pub(crate) delay_ms: Option<i64>,
 }
 
 impl Keyed for NewRow {
@@ -136,6 +139,8 @@ pub(crate) struct Inserted {
     pub(crate) at: DateTime<Utc>,
     #[diesel(sql_type = Integer)]
     pub(crate) incarnation: i32,
+    #[diesel(sql_type = Timestamptz)]
+    pub(crate) run_at: DateTime<Utc>,
 }
 
 impl ForJob for Ack {
@@ -451,7 +456,13 @@ pub(crate) async fn intake_on(
     let mut traces = Vec::with_capacity(n);
     let mut owners = Vec::with_capacity(n);
     let mut notify = Vec::with_capacity(n);
+    let mut priorities = Vec::with_capacity(n);
+    let mut run_ats = Vec::with_capacity(n);
+    let mut delays = Vec::with_capacity(n);
     for r in requests {
+        priorities.push(r.priority);
+        run_ats.push(r.run_at);
+        delays.push(r.delay_ms);
         ids.push(r.id.as_str());
         workflows.push(r.workflow.as_str());
         versions.push(r.workflow_version);
@@ -463,21 +474,23 @@ pub(crate) async fn intake_on(
     }
     let inserted: Vec<Inserted> = sql(
         "WITH input AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], \
-             $5::text[], $6::text[], $7::bigint[], $8::bool[]) \
+             $5::text[], $6::text[], $7::bigint[], $8::bool[], $11::int[], $12::timestamptz[], \
+             $13::bigint[]) \
              AS i(id, workflow, workflow_version, request, request_hash, trace_context, owner_token, \
-                  notify_failures)), \
+                  notify_failures, priority, run_at, delay_ms)), \
          job AS ( \
              INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, trace_context, \
-                 incarnation, lease_epoch, owner_token, notify_failures) \
+                 incarnation, lease_epoch, owner_token, notify_failures, priority, run_at) \
              SELECT i.id, i.workflow, i.workflow_version, i.request, i.request_hash, i.trace_context, \
-                 coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), i.owner_token, i.notify_failures \
+                 coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), i.owner_token, i.notify_failures, \
+                 i.priority, coalesce(i.run_at, now() + coalesce(i.delay_ms, 0) * interval '1 millisecond') \
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
              ORDER BY i.id \
-             ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation), \
+             ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation, run_at), \
          history AS ( \
              INSERT INTO job_history (job_id, state, attempt, worker) \
              SELECT id, 'received', 0, $9 FROM job RETURNING job_id, at) \
-         SELECT job.id, job.created_at, history.at, job.incarnation, \
+         SELECT job.id, job.created_at, history.at, job.incarnation, job.run_at, \
              (SELECT pg_notify($10, count(*)::text) FROM job) IS NULL AS notified \
          FROM job JOIN history ON history.job_id = job.id",
     )
@@ -491,6 +504,9 @@ pub(crate) async fn intake_on(
     .bind::<Array<Bool>, _>(&notify)
     .bind::<Text, _>(super::jobs::INTAKE_WORKER)
     .bind::<Text, _>(super::jobs::NEW_JOB_CHANNEL)
+    .bind::<Array<Integer>, _>(&priorities)
+    .bind::<Array<Nullable<Timestamptz>>, _>(&run_ats)
+    .bind::<Array<Nullable<BigInt>>, _>(&delays)
     .load(conn)
     .await?;
     let mut by_id: std::collections::HashMap<String, Inserted> =

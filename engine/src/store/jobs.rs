@@ -40,6 +40,10 @@ pub struct JobView {
     pub workflow: String,
     /// The version of the workflow the job started on (and runs on).
     pub workflow_version: i32,
+    /// Among due jobs, higher runs first.
+    pub priority: i32,
+    /// When the job may next start (its schedule, or a retry's backoff).
+    pub run_at: DateTime<Utc>,
     /// Where the job is in its lifecycle.
     pub state: JobState,
     /// Attempts started so far (leases taken).
@@ -165,6 +169,10 @@ struct JobRow {
     workflow: String,
     #[diesel(sql_type = Integer)]
     workflow_version: i32,
+    #[diesel(sql_type = Integer)]
+    priority: i32,
+    #[diesel(sql_type = Timestamptz)]
+    run_at: DateTime<Utc>,
     #[diesel(sql_type = Jsonb)]
     request: Value,
     #[diesel(sql_type = Text)]
@@ -223,7 +231,7 @@ struct OutboxRow {
     delivered_at: Option<DateTime<Utc>>,
 }
 
-const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.workflow_version, j.request, j.request_hash, j.state::text AS state, \
+const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.workflow_version, j.priority, j.run_at, j.request, j.request_hash, j.state::text AS state, \
      j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 
@@ -271,6 +279,9 @@ impl Store {
                 trace: trace.to_string(),
                 owner,
                 notify_failures,
+                priority: job.schedule.priority,
+                run_at: job.schedule.run_at,
+                delay_ms: job.schedule.delay_ms.map(|ms| ms as i64),
             })
             .await?;
         if let Some(row) = inserted {
@@ -278,6 +289,8 @@ impl Store {
                 id: job.id.clone(),
                 workflow: job.workflow.clone(),
                 workflow_version: job.workflow_version,
+                priority: job.schedule.priority,
+                run_at: row.run_at,
                 state: JobState::Received,
                 attempts: 0,
                 incarnation: row.incarnation,
@@ -391,6 +404,8 @@ impl Store {
             id: row.id,
             workflow: row.workflow,
             workflow_version: row.workflow_version,
+            priority: row.priority,
+            run_at: row.run_at,
             attempts: row.attempts,
             incarnation: row.incarnation,
             input: request.get("input").cloned().unwrap_or(Value::Null),

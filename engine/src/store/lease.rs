@@ -161,7 +161,7 @@ impl Store {
                    AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp() \
                         OR ($4 AND lease_owner = $1)) \
                    AND ($5::text[] IS NULL OR workflow || '@' || workflow_version = ANY($5)) AND NOT (id = ANY($6))  \
-                 ORDER BY run_at LIMIT $2 \
+                 ORDER BY priority DESC, run_at LIMIT $2 \
                  FOR UPDATE SKIP LOCKED) \
              UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
                  lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \

@@ -98,6 +98,7 @@ impl TestEnv {
             workflow_version: 1,
             input: json!({ "model": "test-model", "messages": [{ "role": "user", "content": prompt }] }),
             webhook_url: self.consumer.url(),
+            schedule: Default::default(),
         })
         .await
     }

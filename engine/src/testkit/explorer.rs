@@ -336,6 +336,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 workflow_version: version,
                 input: self.input.clone(),
                 webhook_url: self.env.consumer.url(),
+                schedule: Default::default(),
             })
             .await;
     }
