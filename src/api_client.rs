@@ -125,6 +125,8 @@ pub struct JobSummary {
     pub id: String,
     /// The name of the workflow it runs.
     pub workflow: String,
+    /// The version of the workflow it started on (and runs on).
+    pub workflow_version: i32,
     /// Where the job is in its lifecycle.
     pub state: JobState,
     /// Attempts started so far.

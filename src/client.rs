@@ -113,12 +113,7 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
     let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
         let submitted = client
-            .submit_raw::<Value>(
-                &args.workflow,
-                &args.id,
-                &input,
-                &args.webhook_url,
-            )
+            .submit_raw::<Value>(&args.workflow, &args.id, &input, &args.webhook_url)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let verb = if submitted.created {
@@ -292,7 +287,11 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<()> {
             println!(
                 "{:<40} {:<20} {:<10} {:>8}  {:<25}  {}",
                 j["id"].as_str().unwrap_or_default(),
-                j["workflow"].as_str().unwrap_or_default(),
+                format!(
+                    "{} v{}",
+                    j["workflow"].as_str().unwrap_or_default(),
+                    j["workflow_version"]
+                ),
                 j["state"].as_str().unwrap_or_default(),
                 j["attempts"],
                 j["created_at"].as_str().unwrap_or_default(),

@@ -91,7 +91,16 @@ impl Context {
     /// [`Workflow::VERSION`](crate::Workflow::VERSION)). Going on would call
     /// the model again for work already paid for, so the job fails,
     /// non-retryably, naming the step and the keys, and nothing is sent.
-    async fn follow_journal(&mut self, step: &str, key: &str) -> Result<(), StepError> {
+    ///
+    /// A `ctx.step` is journaled only when its work succeeds (a body may go
+    /// on past a failed one), so a step key the journal lacks is `optional`:
+    /// it neither fails the check nor ends it.
+    async fn follow_journal(
+        &mut self,
+        step: &str,
+        key: &str,
+        optional: bool,
+    ) -> Result<(), StepError> {
         if !self.replay.armed {
             return Ok(());
         }
@@ -106,7 +115,7 @@ impl Context {
             .filter(|k| !self.replay.asked.contains(*k))
             .map(String::as_str)
             .collect();
-        let outcome = if replayed {
+        let outcome = if replayed || optional {
             Ok(())
         } else if skipped.is_empty() {
             // Past the journal's end: everything from here on is new.
@@ -158,7 +167,7 @@ impl Context {
         request: &Value,
     ) -> Result<(Value, Served), StepError> {
         let key = keys::model_call(&self.fence.key(), step);
-        self.follow_journal(step, &key).await?;
+        self.follow_journal(step, &key, false).await?;
         let hash = canonical_hash(request);
         // The in-flight mark outlives the request timeout a little, so a
         // concurrent attempt does not send while ours may still be answered.
@@ -492,7 +501,7 @@ impl Context {
         }
         let in_flight_ms = (self.tool_timeout + Duration::from_secs(5)).as_millis() as i64;
         let key = keys::tool(&self.fence.key(), turn, index);
-        self.follow_journal(&format!("tool:{turn}:{index}"), &key)
+        self.follow_journal(&format!("tool:{turn}:{index}"), &key, false)
             .await?;
         let metrics = self.scope.metrics().clone();
         let mut span = self.scope.step(
@@ -633,7 +642,7 @@ impl Context {
         Fut: std::future::Future<Output = Result<T, StepError>>,
     {
         let key = keys::step(&self.fence.key(), name);
-        self.follow_journal(name, &key).await?;
+        self.follow_journal(name, &key, true).await?;
         let decode = |text: &str| {
             serde_json::from_str::<T>(text)
                 .map_err(|e| StepError::Serialize(format!("journaled output of step {name}: {e}")))

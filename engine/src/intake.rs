@@ -155,7 +155,9 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
         Some(v) => v
             .as_i64()
             .and_then(|p| i32::try_from(p).ok())
-            .ok_or_else(|| InvalidInput::new("priority", "must be an integer (higher runs first)"))?,
+            .ok_or_else(|| {
+                InvalidInput::new("priority", "must be an integer (higher runs first)")
+            })?,
     };
     let run_at = match obj.remove("run_at") {
         None => None,

@@ -297,6 +297,10 @@ async fn a_user_workflow_step_has_one_side_effect_across_a_crash_at_every_bounda
         })
         .await;
         let job = env.wait_for(&id, JobState::Acked, WAIT).await;
+        assert!(
+            env.faults.fired(&id),
+            "{point}: the crash point was reached"
+        );
         assert!(job.attempts >= 2, "{point}: the crash forced a resume");
         let key = format!("job:{id}:step:create_account");
         assert_eq!(

@@ -108,8 +108,10 @@ async fn the_delivery_and_the_ack_share_one_commit_so_a_crash_after_it_redoes_no
         .arm_once("ack-1", FailPoint::AfterCommit("delivered"), Action::Crash);
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), env.config());
     env.submit("ack-1", "hello").await;
-    let job = env.wait_for("ack-1", JobState::Acked, WAIT).await;
-    assert!(env.faults.fired("ack-1"), "the crash point was reached");
+    env.wait_for("ack-1", JobState::Acked, WAIT).await;
+    let fired = wait_until(WAIT, || async { env.faults.fired("ack-1") }).await;
+    assert!(fired, "the crash point was reached");
+    let job = env.job("ack-1").await;
     assert_eq!(job.attempts, 1, "acked by the commit before the crash");
     assert_eq!(env.consumer.deliveries_for("ack-1").len(), 1);
     assert_one_delivery(&env, "ack-1");

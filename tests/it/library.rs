@@ -219,8 +219,8 @@ fn the_readme_walk_through_is_the_example_crates_code() {
         let path = &rest[..rest.find(" -->").unwrap()];
         let fence = rest.find("```rust\n").unwrap() + "```rust\n".len();
         let block = &rest[fence..fence + rest[fence..].find("```").unwrap()];
-        let file = std::fs::read_to_string(root.join(path))
-            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        let file =
+            std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
         assert!(
             file.contains(block),
             "README's block for {path} is not in the file:\n{block}"

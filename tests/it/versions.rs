@@ -270,3 +270,64 @@ async fn a_body_changed_under_the_same_version_fails_loudly_instead_of_paying_ag
     assert_eq!(env.provider.requests_for("job:changed-1:draft"), 1);
     assert_eq!(env.consumer.deliveries_for("changed-1").len(), 0);
 }
+
+/// A body that goes on past a failed step (whose output is therefore never
+/// journaled), then calls the model.
+struct Tolerant;
+
+impl Workflow for Tolerant {
+    const NAME: &'static str = "test.tolerant";
+    type Input = EssayInput;
+    type Output = EssayOutput;
+
+    async fn run(&self, ctx: &mut Context, input: EssayInput) -> Result<EssayOutput, StepError> {
+        let enriched: Option<String> = ctx
+            .step("enrich", |_| async {
+                Err::<String, _>(StepError::permanent(
+                    "unavailable",
+                    "the enrichment service is down",
+                    "down",
+                ))
+            })
+            .await
+            .ok();
+        let answer = ctx
+            .generate(
+                "answer",
+                &ask(format!("{} {}", input.topic, enriched.unwrap_or_default())),
+            )
+            .await?;
+        Ok(EssayOutput {
+            version: 1,
+            text: text(&answer),
+        })
+    }
+}
+
+#[actix_rt::test]
+async fn a_failed_step_the_body_went_past_is_not_a_journal_mismatch() {
+    let env = TestEnv::new().await;
+    // The first attempt crashes after the body returned, its answer journaled.
+    env.faults.arm_once(
+        "tolerant-1",
+        FailPoint::BeforeCommit("generated"),
+        Action::Crash,
+    );
+    let mut registry = Registry::new();
+    registry.register(Tolerant);
+    let _engine = env.start(registry, env.config());
+    env.submit_job(NewJob {
+        id: "tolerant-1".into(),
+        workflow: "test.tolerant".into(),
+        workflow_version: 1,
+        input: json!({ "topic": "t" }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let job = env.wait_for("tolerant-1", JobState::Acked, WAIT).await;
+    assert!(env.faults.fired("tolerant-1"));
+    assert!(job.attempts >= 2, "the rerun replayed the journal");
+    assert_eq!(env.provider.requests_for("job:tolerant-1:answer"), 1);
+    assert_eq!(env.consumer.processed_for("tolerant-1"), 1);
+}

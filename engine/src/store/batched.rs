@@ -76,6 +76,9 @@ pub(crate) struct BeginCall {
 pub(crate) struct CallRow {
     #[diesel(sql_type = Text)]
     pub(crate) key: String,
+    /// The job the row belongs to: a key is one job's only.
+    #[diesel(sql_type = Text)]
+    pub(crate) job_id: String,
     #[diesel(sql_type = Text)]
     pub(crate) request_hash: String,
     #[diesel(sql_type = Text)]
@@ -415,7 +418,7 @@ pub(crate) async fn begin_call_on(
          WHERE (SELECT count(*) FROM locked) >= 0 \
          ORDER BY i.key \
          ON CONFLICT (idempotency_key) DO UPDATE SET updated_at = model_calls.updated_at \
-         RETURNING idempotency_key AS key, request_hash, status::text AS status, response, attempts, \
+         RETURNING idempotency_key AS key, job_id, request_hash, status::text AS status, response, attempts, \
              in_flight_until, in_flight_epoch, clock_timestamp() AS now, (xmax = 0) AS inserted"
     ))
     .bind::<Array<Text>, _>(&ids)

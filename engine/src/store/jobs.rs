@@ -457,6 +457,9 @@ pub struct JobSummary {
     /// The name of the workflow it runs.
     #[diesel(sql_type = Text)]
     pub workflow: String,
+    /// The version of the workflow it started on (and runs on).
+    #[diesel(sql_type = Integer)]
+    pub workflow_version: i32,
     /// Its lifecycle state, as stored (`received`, …, `acked`, `dead`, `cancelled`).
     #[diesel(sql_type = Text)]
     pub state: String,
@@ -512,7 +515,7 @@ impl Store {
             None => (None, None),
         };
         let mut rows: Vec<JobSummary> = sql(
-            "SELECT id, workflow, state::text AS state, attempts, incarnation, created_at, \
+            "SELECT id, workflow, workflow_version, state::text AS state, attempts, incarnation, created_at, \
                  updated_at, finished_at, dead_reason \
              FROM jobs \
              WHERE ($1::text IS NULL OR state::text = $1) \

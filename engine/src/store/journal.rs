@@ -339,6 +339,13 @@ impl Store {
                 in_flight_ms,
             })
             .await?;
+        if let Some(row) = found.as_ref().filter(|r| r.job_id != fence.job_id) {
+            // Ids may contain `:`, so two jobs' keys can spell the same
+            // string; a row of another job is never this job's answer.
+            return Ok(ModelCallStart::KeyConflict {
+                stored_hash: row.request_hash.clone(),
+            });
+        }
         let rows: Vec<ModelCallRow> = found.map(ModelCallRow::from).into_iter().collect();
         match rows.into_iter().next() {
             None => return Ok(ModelCallStart::LeaseLost),
