@@ -281,7 +281,9 @@ impl Workflow for Tolerant {
     type Output = EssayOutput;
 
     async fn run(&self, ctx: &mut Context, input: EssayInput) -> Result<EssayOutput, StepError> {
-        let enriched: Option<String> = ctx
+        // Goes on past the service's own failure only; any other error
+        // (the engine's) ends the body.
+        let enriched: Option<String> = match ctx
             .step("enrich", |_| async {
                 Err::<String, _>(StepError::permanent(
                     "unavailable",
@@ -290,7 +292,11 @@ impl Workflow for Tolerant {
                 ))
             })
             .await
-            .ok();
+        {
+            Ok(v) => Some(v),
+            Err(e) if e.envelope().code == "unavailable" => None,
+            Err(e) => return Err(e),
+        };
         let answer = ctx
             .generate(
                 "answer",
