@@ -391,13 +391,14 @@ async fn bench(
         format!("{:.2}", checkpoint_rate(&max) / commit_rate),
         format!("{:.2}", checkpoint_rate(&paced) / commit_rate),
     );
-    if let Some(s) = &max.statements {
+    for (name, phase) in [("phase 1", &max), ("phase 2", &paced)] {
+        let Some(s) = &phase.statements else { continue };
         println!();
-        println!("costliest statements, phase 1 (calls per job, ms per call, total ms):");
+        println!("costliest statements, {name} (calls per job, ms per call, total ms):");
         for (calls, ms, query) in &s.top {
             println!(
                 "  {:>5.2} {:>7.3} {:>8.0}  {}",
-                *calls as f64 / max.jobs as f64,
+                *calls as f64 / phase.jobs as f64,
                 ms / (*calls).max(1) as f64,
                 ms,
                 costs::one_line(query, 90)

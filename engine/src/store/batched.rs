@@ -175,15 +175,27 @@ pub(crate) struct Batches {
     pub(crate) begin_call: Batcher<BeginCall, Option<CallRow>>,
 }
 
+/// A batch statement `f(conn, requests)` run on a connection of the pool.
+macro_rules! pooled {
+    ($f:ident) => {
+        Box::new(|pool: Pool<AsyncPgConnection>, requests| {
+            Box::pin(async move {
+                let mut conn = pool.get().await?;
+                $f(&mut conn, &requests).await
+            })
+        })
+    };
+}
+
 impl Batches {
     pub(crate) fn start(db: &Db) -> Arc<Batches> {
         Arc::new(Batches {
-            ack: Batcher::start(db, Box::new(|pool, r| Box::pin(ack(pool, r)))),
-            delivered: Batcher::start(db, Box::new(|pool, r| Box::pin(delivered(pool, r)))),
-            model_answer: Batcher::start(db, Box::new(|pool, r| Box::pin(model_answer(pool, r)))),
-            intake: Batcher::start(db, Box::new(|pool, r| Box::pin(intake(pool, r)))),
-            commit_result: Batcher::start(db, Box::new(|pool, r| Box::pin(commit_result(pool, r)))),
-            begin_call: Batcher::start(db, Box::new(|pool, r| Box::pin(begin_call(pool, r)))),
+            ack: Batcher::start(db, pooled!(ack_on)),
+            delivered: Batcher::start(db, pooled!(delivered_on)),
+            model_answer: Batcher::start(db, pooled!(model_answer_on)),
+            intake: Batcher::start(db, pooled!(intake_on)),
+            commit_result: Batcher::start(db, pooled!(commit_result_on)),
+            begin_call: Batcher::start(db, pooled!(begin_call_on)),
         })
     }
 }
@@ -221,14 +233,6 @@ fn fences<R: ForJob>(requests: &[R]) -> (Vec<String>, Vec<i64>, Vec<i32>, Vec<St
     (ids, epochs, attempts, workers)
 }
 
-async fn ack(
-    pool: Pool<AsyncPgConnection>,
-    requests: Vec<Ack>,
-) -> Result<Vec<Checkpoint>, StoreError> {
-    let mut conn = pool.get().await?;
-    ack_on(&mut conn, &requests).await
-}
-
 pub(crate) async fn ack_on(
     conn: &mut AsyncPgConnection,
     requests: &[Ack],
@@ -259,14 +263,6 @@ pub(crate) async fn ack_on(
     .load(conn)
     .await?;
     outcomes(conn, requests, moved).await
-}
-
-async fn delivered(
-    pool: Pool<AsyncPgConnection>,
-    requests: Vec<Delivered>,
-) -> Result<Vec<Checkpoint>, StoreError> {
-    let mut conn = pool.get().await?;
-    delivered_on(&mut conn, &requests).await
 }
 
 pub(crate) async fn delivered_on(
@@ -309,14 +305,6 @@ pub(crate) async fn delivered_on(
     .load(conn)
     .await?;
     outcomes(conn, requests, moved).await
-}
-
-async fn commit_result(
-    pool: Pool<AsyncPgConnection>,
-    requests: Vec<CommitResult>,
-) -> Result<Vec<Checkpoint>, StoreError> {
-    let mut conn = pool.get().await?;
-    commit_result_on(&mut conn, &requests).await
 }
 
 /// Moves each job from its state to `claimed` with the guard on that state
@@ -386,14 +374,6 @@ pub(crate) async fn commit_result_on(
     outcomes(conn, requests, moved).await
 }
 
-async fn begin_call(
-    pool: Pool<AsyncPgConnection>,
-    requests: Vec<BeginCall>,
-) -> Result<Vec<Option<CallRow>>, StoreError> {
-    let mut conn = pool.get().await?;
-    begin_call_on(&mut conn, &requests).await
-}
-
 /// For each model call, the fenced insert of a fresh row born in flight for
 /// its attempt, or the existing row as stored; none for a job whose lease
 /// is gone. Jobs are locked in id order first, as every batch does.
@@ -431,14 +411,6 @@ pub(crate) async fn begin_call_on(
     let mut by_key: std::collections::HashMap<String, CallRow> =
         rows.into_iter().map(|r| (r.key.clone(), r)).collect();
     Ok(requests.iter().map(|r| by_key.remove(&r.key)).collect())
-}
-
-async fn intake(
-    pool: Pool<AsyncPgConnection>,
-    requests: Vec<NewRow>,
-) -> Result<Vec<Option<Inserted>>, StoreError> {
-    let mut conn = pool.get().await?;
-    intake_on(&mut conn, &requests).await
 }
 
 /// Inserts new jobs, each with its first history row, in one statement and
@@ -515,14 +487,6 @@ pub(crate) async fn intake_on(
     let mut by_id: std::collections::HashMap<String, Inserted> =
         inserted.into_iter().map(|r| (r.id.clone(), r)).collect();
     Ok(requests.iter().map(|r| by_id.remove(&r.id)).collect())
-}
-
-async fn model_answer(
-    pool: Pool<AsyncPgConnection>,
-    requests: Vec<ModelAnswer>,
-) -> Result<Vec<Checkpoint>, StoreError> {
-    let mut conn = pool.get().await?;
-    model_answer_on(&mut conn, &requests).await
 }
 
 pub(crate) async fn model_answer_on(
