@@ -64,6 +64,16 @@ pub struct ServeArgs {
     /// Provider API key (sent as a bearer token).
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     pub openai_api_key: Option<Secret>,
+    /// Anthropic Messages API base URL (jobs with `"provider": "anthropic"`).
+    #[arg(
+        long,
+        env = "ANTHROPIC_BASE_URL",
+        default_value = "https://api.anthropic.com"
+    )]
+    pub anthropic_base_url: String,
+    /// Anthropic API key (sent as `x-api-key`).
+    #[arg(long, env = "ANTHROPIC_API_KEY", hide_env_values = true)]
+    pub anthropic_api_key: Option<Secret>,
     /// Speak HTTP/2 without TLS (h2c, prior knowledge) to a plain-http
     /// provider or gateway that supports it; HTTPS providers negotiate HTTP/2 by themselves.
     #[arg(long, env = "ONCEFLOW_PROVIDER_H2C")]
@@ -165,6 +175,11 @@ impl ServeArgs {
         config.provider.base_url = self.openai_base_url.clone();
         config.provider.api_key = self.openai_api_key.as_ref().map(|k| k.expose().to_owned());
         config.provider.h2c = self.provider_h2c;
+        config.provider.anthropic_base_url = self.anthropic_base_url.clone();
+        config.provider.anthropic_api_key = self
+            .anthropic_api_key
+            .as_ref()
+            .map(|k| k.expose().to_owned());
         config.provider.timeout = Duration::from_millis(self.model_timeout_ms);
         if let Some(base) = self.retry_base_ms {
             config.model_retry.base = Duration::from_millis(base);

@@ -184,7 +184,14 @@ impl Context {
             vec![
                 KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
                 KeyValue::new(GEN_AI_OPERATION, "chat"),
-                KeyValue::new(GEN_AI_PROVIDER, "openai"),
+                KeyValue::new(
+                    GEN_AI_PROVIDER,
+                    request
+                        .get("provider")
+                        .and_then(Value::as_str)
+                        .unwrap_or("openai")
+                        .to_owned(),
+                ),
                 KeyValue::new(GEN_AI_REQUEST_MODEL, model),
             ],
         );

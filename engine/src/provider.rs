@@ -1,5 +1,12 @@
-//! The model provider: OpenAI chat-completions wire format over reqwest.
-//! Every request carries an `Idempotency-Key` derived from the job.
+//! The model providers: OpenAI chat completions, and the Anthropic Messages
+//! API behind the same interface. A workflow always speaks OpenAI's format;
+//! a request carrying `"provider": "anthropic"` is translated to a Messages
+//! request (system prompt, `tool_use`/`tool_result` blocks, tools) and the
+//! answer back to a chat completion (text, tool calls, finish reason, usage),
+//! so journals, keys and workflows are the same for both. Every request
+//! carries an `Idempotency-Key` derived from the job; Anthropic ignores it
+//! (a retry after a lost answer may be billed again; the journal still keeps
+//! one result and one delivery).
 
 use std::time::Duration;
 
@@ -23,7 +30,17 @@ pub struct ProviderConfig {
     pub h2c: bool,
     /// Largest answer read (default 8 MiB); more is `response_too_large`.
     pub max_response_bytes: usize,
+    /// `ANTHROPIC_BASE_URL`: requests go to `{base}/v1/messages`.
+    pub anthropic_base_url: String,
+    /// `ANTHROPIC_API_KEY`, sent as `x-api-key`.
+    pub anthropic_api_key: Option<String>,
 }
+
+/// The `anthropic-version` header onceflow speaks.
+pub const ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// `max_tokens` sent to Anthropic (which requires it) when a job sets none.
+pub const ANTHROPIC_DEFAULT_MAX_TOKENS: u64 = 1024;
 
 impl std::fmt::Debug for ProviderConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -33,6 +50,11 @@ impl std::fmt::Debug for ProviderConfig {
             .field("timeout", &self.timeout)
             .field("h2c", &self.h2c)
             .field("max_response_bytes", &self.max_response_bytes)
+            .field("anthropic_base_url", &self.anthropic_base_url)
+            .field(
+                "anthropic_api_key",
+                &self.anthropic_api_key.as_ref().map(|_| "[redacted]"),
+            )
             .finish()
     }
 }
@@ -48,6 +70,8 @@ impl Default for ProviderConfig {
             timeout: Duration::from_secs(120),
             h2c: false,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            anthropic_base_url: "https://api.anthropic.com".to_owned(),
+            anthropic_api_key: None,
         }
     }
 }
@@ -79,8 +103,11 @@ impl Provider {
         self.config.timeout
     }
 
-    /// POSTs `request` to `/chat/completions` with `Idempotency-Key: key` and
-    /// the job's `traceparent`.
+    /// POSTs `request` (an OpenAI chat-completions request) with
+    /// `Idempotency-Key: key` and the job's `traceparent`: to
+    /// `/chat/completions`, or translated to Anthropic's `/v1/messages` when
+    /// it carries `"provider": "anthropic"`. The answer is a chat completion
+    /// either way.
     pub async fn chat(
         &self,
         key: &str,
@@ -89,18 +116,47 @@ impl Provider {
         faults: &Faults,
         job_id: &str,
     ) -> Result<(Value, Usage, u16), PostError> {
-        let url = format!(
-            "{}/chat/completions",
-            self.config.base_url.trim_end_matches('/')
-        );
+        let provider = request.get("provider").and_then(Value::as_str);
+        let anthropic = match provider {
+            None | Some("openai") => false,
+            Some("anthropic") => true,
+            Some(other) => {
+                return Err(PostError::Failed(Failure::Status {
+                    status: 400,
+                    retry_after: None,
+                    body: format!("unknown provider {other:?} (openai, anthropic)"),
+                }))
+            }
+        };
         let mut headers = vec![
             ("idempotency-key", key.to_owned()),
             ("traceparent", traceparent.to_owned()),
         ];
-        if let Some(api_key) = &self.config.api_key {
-            headers.push(("authorization", format!("Bearer {api_key}")));
-        }
-        let body = serde_json::to_vec(request).expect("a JSON value serialises");
+        let (url, body) = if anthropic {
+            if let Some(api_key) = &self.config.anthropic_api_key {
+                headers.push(("x-api-key", api_key.clone()));
+            }
+            headers.push(("anthropic-version", ANTHROPIC_VERSION.to_owned()));
+            let url = format!(
+                "{}/v1/messages",
+                self.config.anthropic_base_url.trim_end_matches('/')
+            );
+            (url, anthropic::request(request))
+        } else {
+            if let Some(api_key) = &self.config.api_key {
+                headers.push(("authorization", format!("Bearer {api_key}")));
+            }
+            let url = format!(
+                "{}/chat/completions",
+                self.config.base_url.trim_end_matches('/')
+            );
+            let mut request = request.clone();
+            if let Some(o) = request.as_object_mut() {
+                o.remove("provider");
+            }
+            (url, request)
+        };
+        let body = serde_json::to_vec(&body).expect("a JSON value serialises");
         let request = Post {
             url: &url,
             headers,
@@ -122,6 +178,12 @@ impl Provider {
                 "the response is not JSON: {e}"
             )))
         })?;
+        let response = if anthropic {
+            anthropic::response(&response)
+                .map_err(|e| PostError::Failed(Failure::BadResponse(e)))?
+        } else {
+            response
+        };
         if response.pointer("/choices/0/message").is_none() {
             return Err(PostError::Failed(Failure::BadResponse(
                 "the response has no choices[0].message".to_owned(),
@@ -138,5 +200,200 @@ impl Provider {
             output_tokens: tokens("completion_tokens"),
         };
         Ok((response, usage, status))
+    }
+}
+
+/// The translation between OpenAI's chat-completions format and Anthropic's
+/// Messages API.
+pub mod anthropic {
+    use serde_json::{json, Map, Value};
+
+    use super::ANTHROPIC_DEFAULT_MAX_TOKENS;
+
+    /// A Messages request for an OpenAI chat-completions `request`: system
+    /// messages become `system`; an assistant's `tool_calls` become
+    /// `tool_use` blocks and `tool` messages `tool_result` blocks (merged
+    /// into one user turn, as the API wants turns to alternate); function
+    /// tools become tools with an `input_schema`.
+    pub fn request(request: &Value) -> Value {
+        let mut system = Vec::new();
+        let mut messages: Vec<Value> = Vec::new();
+        let text = |m: &Value| match &m["content"] {
+            Value::String(s) => s.clone(),
+            Value::Null => String::new(),
+            other => other.to_string(),
+        };
+        for m in request["messages"].as_array().into_iter().flatten() {
+            match m["role"].as_str().unwrap_or_default() {
+                "system" => system.push(text(m)),
+                "assistant" => {
+                    let mut blocks = Vec::new();
+                    let content = text(m);
+                    if !content.is_empty() {
+                        blocks.push(json!({ "type": "text", "text": content }));
+                    }
+                    for call in m["tool_calls"].as_array().into_iter().flatten() {
+                        let arguments = call["function"]["arguments"].as_str().unwrap_or("{}");
+                        blocks.push(json!({
+                            "type": "tool_use",
+                            "id": call["id"],
+                            "name": call["function"]["name"],
+                            "input": serde_json::from_str::<Value>(arguments).unwrap_or(json!({})),
+                        }));
+                    }
+                    messages.push(json!({ "role": "assistant", "content": blocks }));
+                }
+                "tool" => {
+                    let block = json!({
+                        "type": "tool_result",
+                        "tool_use_id": m["tool_call_id"],
+                        "content": text(m),
+                    });
+                    // Consecutive results share one user turn.
+                    match messages.last_mut() {
+                        Some(last)
+                            if last["role"] == "user"
+                                && last["content"][0]["type"] == "tool_result" =>
+                        {
+                            if let Some(blocks) = last["content"].as_array_mut() {
+                                blocks.push(block);
+                            }
+                        }
+                        _ => messages.push(json!({ "role": "user", "content": [block] })),
+                    }
+                }
+                _ => messages.push(json!({ "role": "user", "content": text(m) })),
+            }
+        }
+        let mut out = Map::new();
+        out.insert("model".into(), request["model"].clone());
+        out.insert(
+            "max_tokens".into(),
+            request
+                .get("max_tokens")
+                .cloned()
+                .unwrap_or(json!(ANTHROPIC_DEFAULT_MAX_TOKENS)),
+        );
+        if !system.is_empty() {
+            out.insert("system".into(), json!(system.join("\n\n")));
+        }
+        out.insert("messages".into(), json!(messages));
+        if let Some(t) = request.get("temperature") {
+            out.insert("temperature".into(), t.clone());
+        }
+        if let Some(tools) = request["tools"].as_array() {
+            let tools: Vec<Value> = tools
+                .iter()
+                .map(|t| {
+                    let f = &t["function"];
+                    json!({
+                        "name": f["name"],
+                        "description": f["description"],
+                        "input_schema": f["parameters"],
+                    })
+                })
+                .collect();
+            out.insert("tools".into(), json!(tools));
+        }
+        Value::Object(out)
+    }
+
+    /// A chat completion for a Messages `response`: the text blocks joined,
+    /// `tool_use` blocks as `tool_calls`, the stop reason as
+    /// `finish_reason`, the usage as `prompt_tokens`/`completion_tokens`.
+    pub fn response(response: &Value) -> Result<Value, String> {
+        let blocks = response["content"]
+            .as_array()
+            .ok_or("the Anthropic response has no content array")?;
+        let mut content = String::new();
+        let mut tool_calls = Vec::new();
+        for b in blocks {
+            match b["type"].as_str() {
+                Some("text") => content.push_str(b["text"].as_str().unwrap_or_default()),
+                Some("tool_use") => tool_calls.push(json!({
+                    "id": b["id"],
+                    "type": "function",
+                    "function": { "name": b["name"], "arguments": b["input"].to_string() },
+                })),
+                _ => {}
+            }
+        }
+        let finish_reason = match response["stop_reason"].as_str() {
+            Some("max_tokens") => "length",
+            Some("tool_use") => "tool_calls",
+            _ => "stop",
+        };
+        let mut message = json!({ "role": "assistant", "content": content });
+        if !tool_calls.is_empty() {
+            message["tool_calls"] = json!(tool_calls);
+        }
+        let input = response["usage"]["input_tokens"].clone();
+        let output = response["usage"]["output_tokens"].clone();
+        Ok(json!({
+            "id": response["id"],
+            "object": "chat.completion",
+            "model": response["model"],
+            "provider": "anthropic",
+            "choices": [{ "index": 0, "message": message, "finish_reason": finish_reason }],
+            "usage": { "prompt_tokens": input, "completion_tokens": output },
+        }))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_tool_conversation_translates_both_ways() {
+            let openai = json!({
+                "model": "claude", "provider": "anthropic",
+                "messages": [
+                    { "role": "system", "content": "be brief" },
+                    { "role": "user", "content": "where is 42?" },
+                    { "role": "assistant", "content": null, "tool_calls": [
+                        { "id": "t1", "type": "function",
+                          "function": { "name": "order_status", "arguments": "{\"order\":\"42\"}" } },
+                        { "id": "t2", "type": "function",
+                          "function": { "name": "order_status", "arguments": "{\"order\":\"43\"}" } }] },
+                    { "role": "tool", "tool_call_id": "t1", "content": "in transit" },
+                    { "role": "tool", "tool_call_id": "t2", "content": "delivered" },
+                ],
+                "tools": [{ "type": "function", "function": {
+                    "name": "order_status", "description": "d", "parameters": { "type": "object" } } }],
+            });
+            let req = request(&openai);
+            assert_eq!(req["system"], "be brief");
+            assert_eq!(req["max_tokens"], ANTHROPIC_DEFAULT_MAX_TOKENS);
+            assert!(req.get("provider").is_none());
+            let m = req["messages"].as_array().unwrap();
+            assert_eq!(m.len(), 3, "{req}");
+            assert_eq!(m[1]["content"][1]["type"], "tool_use");
+            assert_eq!(m[1]["content"][0]["input"]["order"], "42");
+            assert_eq!(m[2]["role"], "user");
+            assert_eq!(
+                m[2]["content"].as_array().unwrap().len(),
+                2,
+                "results merged"
+            );
+            assert_eq!(m[2]["content"][1]["tool_use_id"], "t2");
+            assert_eq!(req["tools"][0]["input_schema"]["type"], "object");
+
+            let answer = response(&json!({
+                "id": "msg_1", "model": "claude", "stop_reason": "tool_use",
+                "content": [{ "type": "text", "text": "checking" },
+                            { "type": "tool_use", "id": "t3", "name": "order_status", "input": { "order": "44" } }],
+                "usage": { "input_tokens": 11, "output_tokens": 5 },
+            }))
+            .unwrap();
+            let msg = &answer["choices"][0]["message"];
+            assert_eq!(msg["content"], "checking");
+            assert_eq!(
+                msg["tool_calls"][0]["function"]["arguments"],
+                "{\"order\":\"44\"}"
+            );
+            assert_eq!(answer["choices"][0]["finish_reason"], "tool_calls");
+            assert_eq!(answer["usage"]["prompt_tokens"], 11);
+            assert!(response(&json!({ "error": "x" })).is_err());
+        }
     }
 }

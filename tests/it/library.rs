@@ -128,6 +128,7 @@ async fn the_typed_client_submits_reads_and_maps_errors() {
         }],
         temperature: None,
         max_tokens: None,
+        provider: Default::default(),
     };
     let submitted = client
         .submit::<Completion>("typed-1", &input, &env.consumer.url())

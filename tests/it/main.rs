@@ -3,6 +3,7 @@
 //! servers on 127.0.0.1. One binary, one module per concern.
 
 mod agent;
+mod anthropic;
 mod binary;
 mod chaos;
 mod console;

@@ -66,6 +66,9 @@ pub struct AgentInput {
     /// Turns allowed, 1 to [`MAX_TURNS`] (default [`DEFAULT_MAX_TURNS`]).
     #[serde(default)]
     pub max_turns: Option<u32>,
+    /// Which provider answers (default OpenAI).
+    #[serde(default)]
+    pub provider: crate::completion::ModelProvider,
 }
 
 /// The result of an agent job.
@@ -118,6 +121,7 @@ impl Workflow for Agent {
             if !definitions.is_empty() {
                 request["tools"] = json!(definitions);
             }
+            input.provider.mark(&mut request);
             let response = ctx.generate(&format!("turn:{turn}"), &request).await?;
             let message = response["choices"][0]["message"].clone();
             let calls = message["tool_calls"]

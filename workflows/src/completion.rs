@@ -35,6 +35,35 @@ pub struct CompletionInput {
     /// Most tokens to generate, 1 to [`MAX_TOKENS`] (provider default when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
+    /// Which provider answers (default OpenAI).
+    #[serde(default, skip_serializing_if = "ModelProvider::is_default")]
+    pub provider: ModelProvider,
+}
+
+/// The provider a job's model calls go to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelProvider {
+    /// OpenAI chat completions (`OPENAI_BASE_URL`).
+    #[default]
+    OpenAi,
+    /// The Anthropic Messages API (`ANTHROPIC_BASE_URL`).
+    Anthropic,
+}
+
+impl ModelProvider {
+    /// Whether this is the default (OpenAI).
+    pub fn is_default(&self) -> bool {
+        *self == ModelProvider::OpenAi
+    }
+
+    /// Marks `request` for this provider. An OpenAI request is left as it
+    /// always was, so its hash (the model-call key's identity) is unchanged.
+    pub fn mark(self, request: &mut serde_json::Value) {
+        if self == ModelProvider::Anthropic {
+            request["provider"] = serde_json::json!("anthropic");
+        }
+    }
 }
 
 /// One chat message.
@@ -116,6 +145,7 @@ impl Workflow for Completion {
         if let Some(m) = input.max_tokens {
             request["max_tokens"] = json!(m);
         }
+        input.provider.mark(&mut request);
         let response = ctx.generate(GENERATE, &request).await?;
         let choice = &response["choices"][0];
         Ok(CompletionOutput {

@@ -81,6 +81,7 @@ impl TestEnv {
             ..EngineConfig::default()
         };
         config.provider.base_url = self.provider.base_url();
+        config.provider.anthropic_base_url = self.provider.anthropic_base_url();
         config.provider.timeout = Duration::from_secs(2);
         config
     }

@@ -1,7 +1,9 @@
-//! A fake OpenAI-compatible provider that honours `Idempotency-Key` the way a
-//! careful real one does: the first request under a key does the work; a
-//! repeat returns the stored response without doing it again (and waits for
-//! a request still in progress under that key).
+//! A fake provider. On `/v1/chat/completions` it speaks OpenAI's format and
+//! honours `Idempotency-Key` the way a careful real one does: the first
+//! request under a key does the work; a repeat returns the stored response
+//! without doing it again (and waits for a request still in progress under
+//! that key). On `/v1/messages` it speaks Anthropic's Messages API, which does
+//! not de-duplicate: every request does the work, counted under its key.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -26,6 +28,12 @@ pub struct ProviderRequest {
     pub authorization: Option<String>,
     /// `HTTP/1.1` or `HTTP/2.0`.
     pub http_version: String,
+    /// The path asked (`/v1/chat/completions` or `/v1/messages`).
+    pub path: String,
+    /// The `x-api-key` header (Anthropic), if sent.
+    pub x_api_key: Option<String>,
+    /// The `anthropic-version` header, if sent.
+    pub anthropic_version: Option<String>,
 }
 
 /// Builds the response for a request; gets the request and the work number.
@@ -40,6 +48,7 @@ struct State {
     script: Script,
     latency: Mutex<Duration>,
     responder: Mutex<Option<Arc<Responder>>>,
+    anthropic_responder: Mutex<Option<Arc<Responder>>>,
 }
 
 /// The fake provider. Cheap to clone.
@@ -62,7 +71,8 @@ impl FakeProvider {
         let data = web::Data::from(state.clone());
         let addr = server::spawn("fake-provider", move |cfg| {
             cfg.app_data(data.clone())
-                .route("/v1/chat/completions", web::post().to(chat));
+                .route("/v1/chat/completions", web::post().to(chat))
+                .route("/v1/messages", web::post().to(messages));
         });
         FakeProvider { addr, state }
     }
@@ -85,6 +95,16 @@ impl FakeProvider {
     /// Replaces the default echo response.
     pub fn respond_with(&self, f: impl Fn(&Value, u64) -> Value + Send + Sync + 'static) {
         *self.state.responder.lock().expect("lock") = Some(Arc::new(f));
+    }
+
+    /// The base URL to configure as `ANTHROPIC_BASE_URL`.
+    pub fn anthropic_base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Replaces the default echo of `/v1/messages` (an Anthropic response).
+    pub fn respond_anthropic_with(&self, f: impl Fn(&Value, u64) -> Value + Send + Sync + 'static) {
+        *self.state.anthropic_responder.lock().expect("lock") = Some(Arc::new(f));
     }
 
     /// Every request received, in order.
@@ -151,15 +171,23 @@ fn echo(request: &Value, n: u64) -> Value {
     })
 }
 
-async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>) -> HttpResponse {
-    let body = body.into_inner();
-    let key = header(&req, "idempotency-key");
+/// Records the request and takes the scripted behaviour; a scripted status
+/// is answered at once.
+fn receive(
+    state: &State,
+    req: &HttpRequest,
+    body: &Value,
+) -> (Option<String>, Behaviour, Option<HttpResponse>) {
+    let key = header(req, "idempotency-key");
     state.requests.lock().expect("lock").push(ProviderRequest {
         idempotency_key: key.clone(),
         body: body.clone(),
-        traceparent: header(&req, "traceparent"),
-        authorization: header(&req, "authorization"),
+        traceparent: header(req, "traceparent"),
+        authorization: header(req, "authorization"),
         http_version: format!("{:?}", req.version()),
+        path: req.path().to_owned(),
+        x_api_key: header(req, "x-api-key"),
+        anthropic_version: header(req, "anthropic-version"),
     });
     let behaviour = state.script.next();
     if let Behaviour::Status(code, retry_after) = behaviour {
@@ -168,7 +196,103 @@ async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>)
         if let Some(s) = retry_after {
             r.insert_header(("retry-after", s.to_string()));
         }
-        return r.json(json!({ "error": { "message": format!("scripted {code}") } }));
+        let answer = r.json(json!({ "error": { "message": format!("scripted {code}") } }));
+        return (key, behaviour, Some(answer));
+    }
+    (key, behaviour, None)
+}
+
+/// Counts one unit of work, under `key` when given; returns its number.
+fn count_work(state: &State, key: Option<&String>) -> u64 {
+    let n = {
+        let mut total = state.work_total.lock().expect("lock");
+        *total += 1;
+        *total
+    };
+    if let Some(key) = key {
+        state
+            .work
+            .lock()
+            .expect("lock")
+            .entry(key.clone())
+            .or_insert((0, None))
+            .0 += 1;
+    }
+    n
+}
+
+/// Sleeps the configured latency plus a scripted `Slow`.
+async fn take_time(state: &State, behaviour: &Behaviour) {
+    let latency = *state.latency.lock().expect("lock");
+    let extra = match behaviour {
+        Behaviour::Slow(d) => *d,
+        _ => Duration::ZERO,
+    };
+    if !(latency + extra).is_zero() {
+        actix_web::rt::time::sleep(latency + extra).await;
+    }
+}
+
+/// Anthropic's Messages API: no de-duplication, every request works.
+async fn messages(
+    state: web::Data<State>,
+    req: HttpRequest,
+    body: web::Json<Value>,
+) -> HttpResponse {
+    let body = body.into_inner();
+    let (key, behaviour, refused) = receive(&state, &req, &body);
+    if let Some(answer) = refused {
+        return answer;
+    }
+    let n = count_work(&state, key.as_ref());
+    take_time(&state, &behaviour).await;
+    let responder = state.anthropic_responder.lock().expect("lock").clone();
+    let response = match responder {
+        Some(f) => f(&body, n),
+        None => anthropic_echo(&body, n),
+    };
+    if let Behaviour::LoseResponse(hold) = behaviour {
+        actix_web::rt::time::sleep(hold).await;
+    }
+    HttpResponse::Ok().json(response)
+}
+
+fn anthropic_echo(request: &Value, n: u64) -> Value {
+    let last = &request["messages"]
+        .as_array()
+        .and_then(|m| m.last())
+        .cloned()
+        .unwrap_or_default()["content"];
+    let text = match last {
+        Value::String(s) => s.clone(),
+        Value::Array(blocks) => blocks
+            .iter()
+            .map(|b| {
+                b["text"]
+                    .as_str()
+                    .or(b["content"].as_str())
+                    .unwrap_or_default()
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    };
+    json!({
+        "id": format!("msg_{n}"),
+        "type": "message",
+        "role": "assistant",
+        "model": request["model"],
+        "content": [{ "type": "text", "text": format!("echo: {text} (#{n})") }],
+        "stop_reason": "end_turn",
+        "usage": { "input_tokens": 9, "output_tokens": 4 }
+    })
+}
+
+async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>) -> HttpResponse {
+    let body = body.into_inner();
+    let (key, behaviour, refused) = receive(&state, &req, &body);
+    if let Some(answer) = refused {
+        return answer;
     }
     // Idempotency: a finished key replays; an unfinished one waits.
     if let Some(key) = &key {
@@ -181,28 +305,8 @@ async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>)
             }
         }
     }
-    let n = {
-        let mut total = state.work_total.lock().expect("lock");
-        *total += 1;
-        *total
-    };
-    if let Some(key) = &key {
-        state
-            .work
-            .lock()
-            .expect("lock")
-            .entry(key.clone())
-            .or_insert((0, None))
-            .0 += 1;
-    }
-    let latency = *state.latency.lock().expect("lock");
-    let extra = match behaviour {
-        Behaviour::Slow(d) => d,
-        _ => Duration::ZERO,
-    };
-    if !(latency + extra).is_zero() {
-        actix_web::rt::time::sleep(latency + extra).await;
-    }
+    let n = count_work(&state, key.as_ref());
+    take_time(&state, &behaviour).await;
     let responder = state.responder.lock().expect("lock").clone();
     let response = match responder {
         Some(f) => f(&body, n),
