@@ -64,6 +64,11 @@ pub struct ServeArgs {
     /// Provider API key (sent as a bearer token).
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     pub openai_api_key: Option<Secret>,
+    /// Provider limits shared by every node: JSON
+    /// `{"<model>" | "<provider>/<model>" | "*": {"concurrency": N}}`, or
+    /// `@path` to a file holding it.
+    #[arg(long, env = "ONCEFLOW_LIMITS")]
+    pub limits: Option<String>,
     /// Anthropic Messages API base URL (jobs with `"provider": "anthropic"`).
     #[arg(
         long,
@@ -175,6 +180,15 @@ impl ServeArgs {
         config.provider.base_url = self.openai_base_url.clone();
         config.provider.api_key = self.openai_api_key.as_ref().map(|k| k.expose().to_owned());
         config.provider.h2c = self.provider_h2c;
+        if let Some(limits) = &self.limits {
+            let text = match limits.strip_prefix('@') {
+                Some(path) => std::fs::read_to_string(path)
+                    .with_context(|| format!("ONCEFLOW_LIMITS: reading {path}"))?,
+                None => limits.clone(),
+            };
+            config.limits =
+                onceflow_engine::limits::Limits::parse(&text).map_err(anyhow::Error::msg)?;
+        }
         config.provider.anthropic_base_url = self.anthropic_base_url.clone();
         config.provider.anthropic_api_key = self
             .anthropic_api_key

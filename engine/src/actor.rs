@@ -156,6 +156,7 @@ impl JobRun {
             guard: shared.config.url_guard.clone(),
             tool_response_limit: shared.config.tool_response_limit,
             replay: crate::context::Replay::for_attempt(leased.fence.attempt),
+            limiter: shared.limiter.clone(),
             scope,
         };
         JobRun {

@@ -18,6 +18,7 @@ use crate::observe::Scope;
 use crate::outbound::PostError;
 use crate::provider::Provider;
 use crate::store::journal::{FailedSend, ModelCallStart};
+use crate::store::limits::CallEnd;
 use crate::store::{Checkpoint, Fence, Store};
 
 /// Everything a step needs; built by the job actor for one attempt.
@@ -42,6 +43,8 @@ pub struct Context {
     pub(crate) scope: Scope,
     /// Whether this rerun still follows the job's journal.
     pub(crate) replay: Replay,
+    /// Provider limits shared by every node.
+    pub(crate) limiter: Arc<crate::limits::Limiter>,
 }
 
 /// What a rerun of a body has asked of the job's journal so far (see
@@ -139,6 +142,41 @@ impl Context {
         outcome
     }
 
+    /// Waits until `key`'s limit admits the call `holder`, holding no
+    /// connection: woken when any node releases a slot, or after a second.
+    async fn wait_for_slot(
+        &self,
+        key: &str,
+        holder: &str,
+        cap: Option<u32>,
+        lease_ms: i64,
+    ) -> Result<(), StepError> {
+        let started = std::time::Instant::now();
+        let mut waited = false;
+        loop {
+            self.not_draining()?;
+            let released = self.limiter.released.notified();
+            if self
+                .store
+                .take_slot(key, holder, &self.fence.worker, lease_ms, cap)
+                .await?
+            {
+                if waited {
+                    let (provider, model) = key.split_once('/').unwrap_or(("", key));
+                    self.scope
+                        .metrics()
+                        .limit_wait(provider, model, started.elapsed());
+                }
+                return Ok(());
+            }
+            waited = true;
+            tokio::select! {
+                _ = released => {}
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
     /// The job's id (its business id).
     pub fn job_id(&self) -> &str {
         &self.fence.job_id
@@ -178,6 +216,7 @@ impl Context {
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_owned();
+        let model_name = model.clone();
         let mut span = self.scope.step(
             SPAN_GENERATE,
             SpanKind::Client,
@@ -233,7 +272,20 @@ impl Context {
             }
         };
         span.set(KeyValue::new("onceflow.send", i64::from(attempt)));
-        match self
+        // A provider limit (configured, or learned from a 429) admits the
+        // call, over every node; it waits without a connection meanwhile.
+        let provider_name = request
+            .get("provider")
+            .and_then(Value::as_str)
+            .unwrap_or("openai")
+            .to_owned();
+        let limit_key = format!("{provider_name}/{model_name}");
+        let cap = self.limiter.limits().concurrency(&provider_name, &model_name);
+        let limited = self.limiter.limited(&self.store, &limit_key, cap).await;
+        if limited {
+            self.wait_for_slot(&limit_key, &key, cap, in_flight_ms).await?;
+        }
+        let sent = self
             .provider
             .chat(
                 &key,
@@ -242,8 +294,23 @@ impl Context {
                 &self.faults,
                 self.job_id(),
             )
-            .await
-        {
+            .await;
+        let end = match &sent {
+            Ok(_) => CallEnd::Answered,
+            Err(PostError::Failed(f)) if f.status() == Some(429) => CallEnd::Throttled,
+            Err(_) => CallEnd::Other,
+        };
+        if end == CallEnd::Throttled {
+            metrics.throttled(&provider_name, &model_name);
+            self.limiter.learn(&limit_key);
+        }
+        if limited || end == CallEnd::Throttled {
+            if let Err(e) = self.store.end_call(&limit_key, &key, end, cap).await {
+                // The slot lapses at its expiry; the window learns next time.
+                tracing::warn!(error = %e, key = %limit_key, "could not release a provider slot");
+            }
+        }
+        match sent {
             Ok((response, usage, status)) => {
                 span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
                 if let Some(m) = response.get("model").and_then(Value::as_str) {

@@ -34,6 +34,8 @@ pub struct EngineConfig {
     pub wait_poll: Duration,
     /// The model provider: endpoint, key and per-call timeout.
     pub provider: ProviderConfig,
+    /// Provider limits (`ONCEFLOW_LIMITS`), shared by every node.
+    pub limits: crate::limits::Limits,
     /// How long one webhook send may take (also bounds each tool call); default 10 s.
     pub webhook_timeout: Duration,
     /// Signs each webhook (`webhook-signature` header); `None` sends them unsigned.
@@ -65,6 +67,7 @@ impl Default for EngineConfig {
             max_in_flight: 1000,
             wait_poll: Duration::from_millis(200),
             provider: ProviderConfig::default(),
+            limits: Default::default(),
             webhook_timeout: Duration::from_secs(10),
             webhook_secret: None,
             model_retry: RetryPolicy::DEFAULT_MODEL,
@@ -97,6 +100,8 @@ pub(crate) struct Shared {
     pub(crate) counters: Arc<Counters>,
     /// Set by [`Engine::drain`]: attempts start no new side effect.
     pub(crate) draining: Arc<std::sync::atomic::AtomicBool>,
+    /// Provider limits and the wake-up of calls waiting on one.
+    pub(crate) limiter: Arc<crate::limits::Limiter>,
 }
 
 impl Shared {
@@ -132,6 +137,7 @@ impl Shared {
         };
         Shared {
             provider: Arc::new(Provider::new(provider_client, config.provider.clone())),
+            limiter: Arc::new(crate::limits::Limiter::new(config.limits.clone())),
             store,
             registry,
             config,
@@ -173,9 +179,10 @@ impl Engine {
         let shared = Arc::new(Shared::new(store.clone(), registry, faults, config));
         let counters = shared.counters.clone();
         let draining = shared.draining.clone();
+        let limiter = shared.limiter.clone();
         let supervisor = Supervisor::new(shared).start();
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
-        actix::spawn(listen(store.clone(), supervisor.clone(), stopped));
+        actix::spawn(listen(store.clone(), supervisor.clone(), limiter, stopped));
         Engine {
             supervisor,
             store,
@@ -260,6 +267,7 @@ impl Engine {
 async fn listen(
     store: Store,
     supervisor: Addr<Supervisor>,
+    limiter: Arc<crate::limits::Limiter>,
     mut stopped: tokio::sync::watch::Receiver<bool>,
 ) {
     const FIRST: Duration = Duration::from_millis(100);
@@ -269,7 +277,7 @@ async fn listen(
             match store.db().dedicated().await {
                 Ok(mut conn) => {
                     let started = std::time::Instant::now();
-                    if let Err(e) = listen_on(&mut conn, &supervisor).await {
+                    if let Err(e) = listen_on(&mut conn, &supervisor, &limiter).await {
                         tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
                     }
                     started.elapsed() > Duration::from_secs(5)
@@ -303,13 +311,18 @@ async fn listen(
 async fn listen_on(
     conn: &mut AsyncPgConnection,
     supervisor: &Addr<Supervisor>,
+    limiter: &crate::limits::Limiter,
 ) -> Result<(), diesel::result::Error> {
-    conn.batch_execute(&format!("LISTEN {NEW_JOB_CHANNEL}"))
+    use crate::store::limits::LIMITS_CHANNEL;
+    conn.batch_execute(&format!("LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}"))
         .await?;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     while let Some(n) = notifications.next().await {
-        n?;
-        supervisor.do_send(Poll);
+        if n?.channel == LIMITS_CHANNEL {
+            limiter.released.notify_waiters();
+        } else {
+            supervisor.do_send(Poll);
+        }
     }
     Ok(())
 }

@@ -41,6 +41,7 @@ pub mod faults;
 pub mod guard;
 pub mod intake;
 pub mod keys;
+pub mod limits;
 pub mod lifecycle;
 pub mod observe;
 pub mod outbound;

@@ -47,6 +47,10 @@ pub struct Metrics {
     pub jobs_unrunnable: Gauge<u64>,
     /// [`METRIC_STEP_DURATION`]: step durations, in seconds.
     pub step_duration: Histogram<f64>,
+    /// [`METRIC_PROVIDER_THROTTLED`]: 429s, by provider and model.
+    pub provider_throttled: Counter<u64>,
+    /// [`METRIC_LIMIT_WAIT`]: time waited for a provider limit, in seconds.
+    pub limit_wait: Histogram<f64>,
 }
 
 impl Metrics {
@@ -99,7 +103,39 @@ impl Metrics {
                 .with_unit("s")
                 .with_boundaries(DURATION_BOUNDS.to_vec())
                 .build(),
+            provider_throttled: meter
+                .u64_counter(METRIC_PROVIDER_THROTTLED)
+                .with_description("Model requests the provider answered 429, by provider and model")
+                .build(),
+            limit_wait: meter
+                .f64_histogram(METRIC_LIMIT_WAIT)
+                .with_description("Time a model call waited for a provider limit's slot")
+                .with_unit("s")
+                .with_boundaries(DURATION_BOUNDS.to_vec())
+                .build(),
         }
+    }
+
+    /// Counts a 429 from `provider` for `model`.
+    pub fn throttled(&self, provider: &str, model: &str) {
+        self.provider_throttled.add(
+            1,
+            &[
+                KeyValue::new(GEN_AI_PROVIDER, provider.to_owned()),
+                KeyValue::new(GEN_AI_REQUEST_MODEL, model.to_owned()),
+            ],
+        );
+    }
+
+    /// Records how long a call of `provider`'s `model` waited for a slot.
+    pub fn limit_wait(&self, provider: &str, model: &str, waited: std::time::Duration) {
+        self.limit_wait.record(
+            waited.as_secs_f64(),
+            &[
+                KeyValue::new(GEN_AI_PROVIDER, provider.to_owned()),
+                KeyValue::new(GEN_AI_REQUEST_MODEL, model.to_owned()),
+            ],
+        );
     }
 
     /// Records every counter's known label sets at zero (and the gauges at

@@ -122,5 +122,9 @@ pub const METRIC_ACTORS_IN_FLIGHT: &str = "onceflow.actors.in_flight";
 pub const METRIC_JOBS: &str = "onceflow.jobs";
 /// Live jobs whose workflow is not registered on this node (it never takes them).
 pub const METRIC_JOBS_UNRUNNABLE: &str = "onceflow.jobs.unrunnable";
+/// Counter: model requests a provider answered 429, by provider and model.
+pub const METRIC_PROVIDER_THROTTLED: &str = "onceflow.provider.throttled";
+/// Histogram: seconds a model call waited for a provider limit's slot, by provider and model.
+pub const METRIC_LIMIT_WAIT: &str = "onceflow.limit.wait";
 /// Histogram (seconds): step duration by `onceflow.step` and `onceflow.outcome`.
 pub const METRIC_STEP_DURATION: &str = "onceflow.step.duration";

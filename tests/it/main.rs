@@ -14,6 +14,7 @@ mod explorer;
 mod intake;
 mod journal;
 mod library;
+mod limits;
 mod operations;
 mod schedule;
 mod security;

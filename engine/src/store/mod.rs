@@ -45,6 +45,7 @@ pub mod events;
 pub mod jobs;
 pub mod journal;
 pub mod lease;
+pub mod limits;
 pub mod ledger;
 pub mod operate;
 pub mod sql;

@@ -34,6 +34,10 @@ pub struct ProviderRequest {
     pub x_api_key: Option<String>,
     /// The `anthropic-version` header, if sent.
     pub anthropic_version: Option<String>,
+    /// When it arrived.
+    pub received_at: std::time::Instant,
+    /// Answered 429 because too many calls were in flight ([`FakeProvider::set_max_concurrent`]).
+    pub throttled: bool,
 }
 
 /// Builds the response for a request; gets the request and the work number.
@@ -49,6 +53,10 @@ struct State {
     latency: Mutex<Duration>,
     responder: Mutex<Option<Arc<Responder>>>,
     anthropic_responder: Mutex<Option<Arc<Responder>>>,
+    /// Calls being answered now, and the most allowed (429 above it).
+    in_flight: Mutex<(usize, Option<usize>)>,
+    /// The most calls answered at once.
+    peak: Mutex<usize>,
 }
 
 /// The fake provider. Cheap to clone.
@@ -95,6 +103,22 @@ impl FakeProvider {
     /// Replaces the default echo response.
     pub fn respond_with(&self, f: impl Fn(&Value, u64) -> Value + Send + Sync + 'static) {
         *self.state.responder.lock().expect("lock") = Some(Arc::new(f));
+    }
+
+    /// Answers 429 to a call that arrives while `max` calls are being
+    /// answered, as a provider's concurrency limit does.
+    pub fn set_max_concurrent(&self, max: usize) {
+        self.state.in_flight.lock().expect("lock").1 = Some(max);
+    }
+
+    /// Requests answered 429 for being over the concurrency limit.
+    pub fn throttled(&self) -> usize {
+        self.requests().iter().filter(|r| r.throttled).count()
+    }
+
+    /// The most calls it answered at once.
+    pub fn peak_concurrency(&self) -> usize {
+        *self.state.peak.lock().expect("lock")
     }
 
     /// The base URL to configure as `ANTHROPIC_BASE_URL`.
@@ -171,13 +195,22 @@ fn echo(request: &Value, n: u64) -> Value {
     })
 }
 
-/// Records the request and takes the scripted behaviour; a scripted status
-/// is answered at once.
+/// A call being answered; counted out when dropped.
+struct Answering(web::Data<State>);
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.in_flight.lock().expect("lock").0 -= 1;
+    }
+}
+
+/// Records the request and takes the scripted behaviour; a scripted status,
+/// or a call over the concurrency limit, is answered at once.
 fn receive(
-    state: &State,
+    state: &web::Data<State>,
     req: &HttpRequest,
     body: &Value,
-) -> (Option<String>, Behaviour, Option<HttpResponse>) {
+) -> (Option<String>, Behaviour, Option<HttpResponse>, Option<Answering>) {
     let key = header(req, "idempotency-key");
     state.requests.lock().expect("lock").push(ProviderRequest {
         idempotency_key: key.clone(),
@@ -188,7 +221,30 @@ fn receive(
         path: req.path().to_owned(),
         x_api_key: header(req, "x-api-key"),
         anthropic_version: header(req, "anthropic-version"),
+        received_at: std::time::Instant::now(),
+        throttled: false,
     });
+    let over = {
+        let mut in_flight = state.in_flight.lock().expect("lock");
+        match in_flight.1 {
+            Some(max) if in_flight.0 >= max => true,
+            _ => {
+                in_flight.0 += 1;
+                let mut peak = state.peak.lock().expect("lock");
+                *peak = (*peak).max(in_flight.0);
+                false
+            }
+        }
+    };
+    if over {
+        if let Some(r) = state.requests.lock().expect("lock").last_mut() {
+            r.throttled = true;
+        }
+        let answer = HttpResponse::TooManyRequests()
+            .json(json!({ "error": { "message": "too many concurrent requests" } }));
+        return (key, Behaviour::Ok, Some(answer), None);
+    }
+    let answering = Some(Answering(state.clone()));
     let behaviour = state.script.next();
     if let Behaviour::Status(code, retry_after) = behaviour {
         let mut r =
@@ -197,9 +253,9 @@ fn receive(
             r.insert_header(("retry-after", s.to_string()));
         }
         let answer = r.json(json!({ "error": { "message": format!("scripted {code}") } }));
-        return (key, behaviour, Some(answer));
+        return (key, behaviour, Some(answer), answering);
     }
-    (key, behaviour, None)
+    (key, behaviour, None, answering)
 }
 
 /// Counts one unit of work, under `key` when given; returns its number.
@@ -240,7 +296,7 @@ async fn messages(
     body: web::Json<Value>,
 ) -> HttpResponse {
     let body = body.into_inner();
-    let (key, behaviour, refused) = receive(&state, &req, &body);
+    let (key, behaviour, refused, _answering) = receive(&state, &req, &body);
     if let Some(answer) = refused {
         return answer;
     }
@@ -290,7 +346,7 @@ fn anthropic_echo(request: &Value, n: u64) -> Value {
 
 async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>) -> HttpResponse {
     let body = body.into_inner();
-    let (key, behaviour, refused) = receive(&state, &req, &body);
+    let (key, behaviour, refused, _answering) = receive(&state, &req, &body);
     if let Some(answer) = refused {
         return answer;
     }

@@ -1,0 +1,264 @@
+//! Provider limits shared by every node on one database.
+//!
+//! A *limit key* is `provider/model` (`openai/gpt-4o`). `ONCEFLOW_LIMITS`
+//! configures a maximum of concurrent calls per key (by `provider/model`,
+//! by model, or `"*"` for each unlisted model on its own). Independently,
+//! every key that sees a 429 gets a *learned window* of concurrent calls,
+//! shared through PostgreSQL: it starts at 1 (a slow start), grows by
+//! 1/(4·window) per answered call (a quarter of a call more per round of
+//! answers), and halves on a 429 at most once per 100 ms, so the 429s of
+//! one overload count once (additive increase, multiplicative decrease, as
+//! TCP does). A call may start when fewer than
+//! `min(configured, learned)` calls of its key hold a slot, on any node; a
+//! key with neither costs nothing.
+//!
+//! A slot is a row held by the model-call key for the call's timeout (plus
+//! 5 s); it is released when the call ends, and a crashed node's slots lapse
+//! at their expiry. A waiting call holds no connection: it sleeps until a
+//! release anywhere is announced (`LISTEN onceflow_limits`), or a second
+//! passes, then asks again.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+
+use crate::store::limits::CallEnd;
+
+/// The limits of one key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSpec {
+    /// Most calls in flight at once, over every node.
+    pub concurrency: Option<u32>,
+    /// Requests per minute (accepted; not enforced yet).
+    pub rpm: Option<u32>,
+    /// Tokens per minute (accepted; not enforced yet).
+    pub tpm: Option<u32>,
+}
+
+/// `ONCEFLOW_LIMITS`, parsed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Limits {
+    by_key: HashMap<String, LimitSpec>,
+    default: Option<LimitSpec>,
+}
+
+impl Limits {
+    /// Parses `{"<model>" | "<provider>/<model>" | "*": {"concurrency": N, "rpm": N, "tpm": N}}`.
+    pub fn parse(json: &str) -> Result<Limits, String> {
+        let mut by_key: HashMap<String, LimitSpec> = serde_json::from_str(json)
+            .map_err(|e| format!("ONCEFLOW_LIMITS is not a JSON object of limits: {e}"))?;
+        for (key, spec) in &by_key {
+            if spec.concurrency == Some(0) {
+                return Err(format!("ONCEFLOW_LIMITS[{key:?}].concurrency must be at least 1"));
+            }
+        }
+        let default = by_key.remove("*");
+        Ok(Limits { by_key, default })
+    }
+
+    /// The configured concurrency of `provider`'s `model`.
+    pub fn concurrency(&self, provider: &str, model: &str) -> Option<u32> {
+        self.by_key
+            .get(&format!("{provider}/{model}"))
+            .or_else(|| self.by_key.get(model))
+            .or(self.default.as_ref())
+            .and_then(|s| s.concurrency)
+    }
+}
+
+/// A key's learned window, as stored.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WindowState {
+    /// Concurrent calls allowed; `None` until the first 429.
+    pub window: Option<f64>,
+    /// Seconds since the window last halved (`None`: never).
+    pub since_decrease: Option<f64>,
+}
+
+/// The window after a call ended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NextWindow {
+    /// The new window.
+    pub window: Option<f64>,
+    /// Whether this was a decrease (its time is recorded).
+    pub decreased: bool,
+}
+
+/// The window's growth per answered call, divided by the window.
+pub const INCREASE: f64 = 0.25;
+
+/// The shortest time between two halvings of a window, in seconds.
+pub const DECREASE_GUARD_SECS: f64 = 0.1;
+
+/// The controller: additive increase ([`INCREASE`]/window per answered
+/// call, never past the configured cap), multiplicative decrease (halve on
+/// a 429, not below 1, at most once per [`DECREASE_GUARD_SECS`]: the 429s
+/// of one overload count once). A key starts learning at its first 429, at
+/// a window of 1.
+pub fn next_window(state: WindowState, end: CallEnd, cap: Option<u32>) -> NextWindow {
+    let cap = cap.map_or(f64::INFINITY, f64::from);
+    match (end, state.window) {
+        (CallEnd::Throttled, None) => NextWindow {
+            window: Some(1.0),
+            decreased: true,
+        },
+        (CallEnd::Throttled, Some(w)) if state.since_decrease.is_none_or(|s| s >= DECREASE_GUARD_SECS) => {
+            NextWindow {
+                window: Some((w / 2.0).max(1.0)),
+                decreased: true,
+            }
+        }
+        (CallEnd::Answered, Some(w)) => NextWindow {
+            window: Some((w + INCREASE / w).min(cap.max(1.0))),
+            decreased: false,
+        },
+        (_, window) => NextWindow {
+            window,
+            decreased: false,
+        },
+    }
+}
+
+/// A node's view of the limits: the configuration, the keys being learned
+/// (refreshed every second), and the wake-up for waiting calls.
+#[derive(Debug, Default)]
+pub struct Limiter {
+    limits: Limits,
+    learned: Mutex<(Option<Instant>, HashSet<String>)>,
+    /// Notified when any node releases a slot.
+    pub(crate) released: tokio::sync::Notify,
+}
+
+/// How often a node re-reads which keys are being learned.
+const LEARNED_REFRESH: Duration = Duration::from_secs(1);
+
+impl Limiter {
+    /// A limiter for `limits`.
+    pub fn new(limits: Limits) -> Self {
+        Limiter {
+            limits,
+            ..Limiter::default()
+        }
+    }
+
+    /// The configuration.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Whether calls of `key` go through admission (configured, or learned
+    /// on any node within the last second), refreshing the learned set
+    /// from `store` when it is older than a second.
+    pub(crate) async fn limited(
+        &self,
+        store: &crate::store::Store,
+        key: &str,
+        cap: Option<u32>,
+    ) -> bool {
+        if cap.is_some() {
+            return true;
+        }
+        let stale = {
+            let learned = self.learned.lock().expect("lock");
+            learned.0.is_none_or(|at| at.elapsed() >= LEARNED_REFRESH)
+        };
+        if stale {
+            if let Ok(keys) = store.learned_limit_keys().await {
+                *self.learned.lock().expect("lock") =
+                    (Some(Instant::now()), keys.into_iter().collect());
+            }
+        }
+        self.learned.lock().expect("lock").1.contains(key)
+    }
+
+    /// Marks `key` as learned on this node at once (it just saw a 429).
+    pub(crate) fn learn(&self, key: &str) {
+        self.learned.lock().expect("lock").1.insert(key.to_owned());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(w: Option<f64>, since: Option<f64>, end: CallEnd, cap: Option<u32>) -> NextWindow {
+        next_window(
+            WindowState {
+                window: w,
+                since_decrease: since,
+            },
+            end,
+            cap,
+        )
+    }
+
+    #[test]
+    fn limits_resolve_provider_model_then_model_then_star() {
+        let l = Limits::parse(
+            r#"{"gpt-4o": {"concurrency": 8, "rpm": 500}, "anthropic/gpt-4o": {"concurrency": 2}, "*": {"concurrency": 3}}"#,
+        )
+        .unwrap();
+        assert_eq!(l.concurrency("openai", "gpt-4o"), Some(8));
+        assert_eq!(l.concurrency("anthropic", "gpt-4o"), Some(2));
+        assert_eq!(l.concurrency("openai", "other"), Some(3));
+        assert!(Limits::parse(r#"{"m": {"concurrency": 0}}"#).is_err());
+        assert!(Limits::parse(r#"{"m": {"concurency": 1}}"#).is_err());
+        assert!(Limits::parse("[]").is_err());
+        assert_eq!(Limits::default().concurrency("openai", "m"), None);
+    }
+
+    /// The controller on virtual time: a provider that accepts 4 calls at
+    /// once, a round of calls per tick, a 429 for every call past 4.
+    #[test]
+    fn the_window_learns_a_providers_limit_and_stays_near_it() {
+        assert_eq!(
+            step(None, None, CallEnd::Throttled, None),
+            NextWindow { window: Some(1.0), decreased: true },
+            "the first 429 starts learning at 1"
+        );
+        assert_eq!(step(None, None, CallEnd::Answered, None).window, None);
+        assert_eq!(
+            step(Some(8.0), Some(0.05), CallEnd::Throttled, None).window,
+            Some(8.0),
+            "one halving per guard interval"
+        );
+        assert_eq!(step(Some(8.0), Some(0.2), CallEnd::Throttled, None).window, Some(4.0));
+        assert_eq!(step(Some(1.5), Some(2.0), CallEnd::Throttled, None).window, Some(1.0));
+        assert_eq!(step(Some(4.0), None, CallEnd::Answered, Some(4)).window, Some(4.0));
+
+        let limit = 4usize;
+        let mut state = WindowState { window: Some(1.0), since_decrease: Some(0.0) };
+        let (mut sent, mut throttled, mut late_sent, mut late_throttled) = (0, 0, 0, 0);
+        let tick = 0.2; // seconds per round of calls
+        for round in 0..200 {
+            let now_calls = state.window.unwrap().floor() as usize;
+            for call in 0..now_calls {
+                let end = if call < limit { CallEnd::Answered } else { CallEnd::Throttled };
+                sent += 1;
+                if round as f64 * tick >= 2.0 {
+                    late_sent += 1;
+                }
+                if end == CallEnd::Throttled {
+                    throttled += 1;
+                    if round as f64 * tick >= 2.0 {
+                        late_throttled += 1;
+                    }
+                }
+                let next = next_window(state, end, None);
+                state = WindowState {
+                    window: next.window,
+                    since_decrease: if next.decreased { Some(0.0) } else { state.since_decrease },
+                };
+            }
+            state.since_decrease = state.since_decrease.map(|s| s + tick);
+        }
+        let w = state.window.unwrap();
+        assert!((1.0..=6.0).contains(&w), "the window stays near the limit: {w}");
+        assert!(throttled > 0, "it probed past the limit");
+        let share = late_throttled as f64 / late_sent as f64;
+        assert!(share < 0.05, "{late_throttled} of {late_sent} late calls throttled ({sent} sent)");
+    }
+}

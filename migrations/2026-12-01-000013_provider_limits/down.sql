@@ -1,0 +1,2 @@
+DROP TABLE provider_slots;
+DROP TABLE provider_limits;

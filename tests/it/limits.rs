@@ -1,0 +1,130 @@
+//! Provider limits shared by every node on one database: a configured
+//! concurrency holds across two nodes (zero 429s from a provider that
+//! refuses a fifth call), a crashed node's slots come back at their expiry,
+//! and with no limit configured the shared window learns the provider's.
+
+use std::time::{Duration, Instant};
+
+use onceflow_engine::limits::Limits;
+use onceflow_engine::testkit::{wait_until, TestEnv};
+use onceflow_engine::{EngineConfig, Registry};
+use onceflow_workflows::Completion;
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.register(Completion::default());
+    r
+}
+
+fn node(env: &TestEnv, name: &str, limits: &str) -> EngineConfig {
+    let mut config = env.config();
+    config.node_id = name.into();
+    config.limits = Limits::parse(limits).unwrap();
+    config.max_in_flight = 200;
+    config
+}
+
+async fn acked(env: &TestEnv) -> i64 {
+    env.sql("SELECT count(*) AS n FROM jobs WHERE state = 'acked'")
+        .await[0]["n"]
+        .as_i64()
+        .unwrap()
+}
+
+async fn submit_many(env: &TestEnv, prefix: &str, n: usize) {
+    for i in 0..n {
+        env.submit(&format!("{prefix}-{i}"), "hi").await;
+    }
+}
+
+async fn assert_each_delivered_once(env: &TestEnv, prefix: &str, n: usize) {
+    for i in 0..n {
+        let id = format!("{prefix}-{i}");
+        assert_eq!(env.consumer.processed_for(&id), 1, "{id}");
+        assert_eq!(env.provider.work_done(&format!("job:{id}:generate")), 1, "{id}");
+    }
+}
+
+#[actix_rt::test]
+async fn a_configured_concurrency_holds_across_two_nodes() {
+    let env = TestEnv::new().await;
+    env.provider.set_max_concurrent(4);
+    env.provider.set_latency(Duration::from_millis(30));
+    let limits = r#"{"test-model": {"concurrency": 4}}"#;
+    let _a = env.start(registry(), node(&env, "node-a", limits));
+    let _b = env.start(registry(), node(&env, "node-b", limits));
+    submit_many(&env, "lim", 200).await;
+    let done = wait_until(Duration::from_secs(90), || async { acked(&env).await == 200 }).await;
+    assert!(done, "{} of 200 acked", acked(&env).await);
+    assert_eq!(env.provider.throttled(), 0, "no call was refused");
+    assert_eq!(env.provider.peak_concurrency(), 4, "the limit was reached, never passed");
+    let nodes = env
+        .sql("SELECT count(DISTINCT worker) AS n FROM job_history WHERE state = 'generated'")
+        .await;
+    assert_eq!(nodes[0]["n"], 2, "both nodes ran jobs");
+    assert_eq!(env.provider.requests().len(), 200);
+    assert_each_delivered_once(&env, "lim", 200).await;
+}
+
+#[actix_rt::test]
+async fn a_crashed_nodes_slots_come_back_at_their_expiry() {
+    let env = TestEnv::new().await;
+    // A node died holding every slot; they lapse 1.5 s from now.
+    env.execute(
+        "INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
+         SELECT 'openai/test-model', 'job:gone-' || i || ':generate', 'dead-node', \
+                clock_timestamp() + interval '1500 milliseconds' \
+         FROM generate_series(1, 2) i",
+    )
+    .await;
+    let lapse = Instant::now() + Duration::from_millis(1500);
+    let _a = env.start(registry(), node(&env, "node-a", r#"{"*": {"concurrency": 2}}"#));
+    submit_many(&env, "after", 3).await;
+    let done = wait_until(Duration::from_secs(20), || async { acked(&env).await == 3 }).await;
+    assert!(done);
+    let first = env.provider.requests()[0].received_at;
+    assert!(
+        first + Duration::from_millis(100) >= lapse,
+        "no call before the dead node's slots lapsed"
+    );
+    assert_each_delivered_once(&env, "after", 3).await;
+    let left = env.sql("SELECT count(*) AS n FROM provider_slots").await;
+    assert_eq!(left[0]["n"], 0, "every slot released");
+}
+
+#[actix_rt::test]
+async fn with_no_limit_configured_the_shared_window_learns_the_providers() {
+    let env = TestEnv::new().await;
+    env.provider.set_max_concurrent(4);
+    env.provider.set_latency(Duration::from_millis(50));
+    let _a = env.start(registry(), node(&env, "node-a", "{}"));
+    let _b = env.start(registry(), node(&env, "node-b", "{}"));
+    let start = Instant::now();
+    submit_many(&env, "learn", 200).await;
+    let done = wait_until(Duration::from_secs(120), || async { acked(&env).await == 200 }).await;
+    assert!(done, "{} of 200 acked", acked(&env).await);
+    let requests = env.provider.requests();
+    let late: Vec<_> = requests
+        .iter()
+        .filter(|r| r.received_at >= start + Duration::from_secs(2))
+        .collect();
+    let late_throttled = late.iter().filter(|r| r.throttled).count();
+    eprintln!(
+        "learned: {} requests, {} throttled; after 2 s: {} requests, {late_throttled} throttled",
+        requests.len(),
+        env.provider.throttled(),
+        late.len()
+    );
+    assert!(env.provider.throttled() > 0, "the provider's limit was found by a 429");
+    assert!(
+        (late_throttled as f64) < 0.05 * late.len() as f64,
+        "{late_throttled} of {} requests after the first 2 s were 429 ({} in all)",
+        late.len(),
+        env.provider.throttled()
+    );
+    assert_each_delivered_once(&env, "learn", 200).await;
+    let learned = env
+        .sql("SELECT \"window\" AS w, throttled FROM provider_limits WHERE limit_key = 'openai/test-model'")
+        .await;
+    assert!(learned[0]["w"].as_f64().unwrap() >= 1.0, "{learned}");
+}
