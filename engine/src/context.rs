@@ -280,10 +280,14 @@ impl Context {
             .unwrap_or("openai")
             .to_owned();
         let limit_key = format!("{provider_name}/{model_name}");
-        let cap = self.limiter.limits().concurrency(&provider_name, &model_name);
+        let cap = self
+            .limiter
+            .limits()
+            .concurrency(&provider_name, &model_name);
         let limited = self.limiter.limited(&self.store, &limit_key, cap).await;
         if limited {
-            self.wait_for_slot(&limit_key, &key, cap, in_flight_ms).await?;
+            self.wait_for_slot(&limit_key, &key, cap, in_flight_ms)
+                .await?;
         }
         let sent = self
             .provider

@@ -314,8 +314,10 @@ async fn listen_on(
     limiter: &crate::limits::Limiter,
 ) -> Result<(), diesel::result::Error> {
     use crate::store::limits::LIMITS_CHANNEL;
-    conn.batch_execute(&format!("LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}"))
-        .await?;
+    conn.batch_execute(&format!(
+        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}"
+    ))
+    .await?;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     while let Some(n) = notifications.next().await {
         if n?.channel == LIMITS_CHANNEL {

@@ -52,11 +52,21 @@ impl Limits {
             .map_err(|e| format!("ONCEFLOW_LIMITS is not a JSON object of limits: {e}"))?;
         for (key, spec) in &by_key {
             if spec.concurrency == Some(0) {
-                return Err(format!("ONCEFLOW_LIMITS[{key:?}].concurrency must be at least 1"));
+                return Err(format!(
+                    "ONCEFLOW_LIMITS[{key:?}].concurrency must be at least 1"
+                ));
             }
         }
         let default = by_key.remove("*");
         Ok(Limits { by_key, default })
+    }
+
+    /// Whether any entry sets `rpm` or `tpm` (not enforced yet).
+    pub fn has_rates(&self) -> bool {
+        self.by_key
+            .values()
+            .chain(self.default.iter())
+            .any(|s| s.rpm.is_some() || s.tpm.is_some())
     }
 
     /// The configured concurrency of `provider`'s `model`.
@@ -105,7 +115,11 @@ pub fn next_window(state: WindowState, end: CallEnd, cap: Option<u32>) -> NextWi
             window: Some(1.0),
             decreased: true,
         },
-        (CallEnd::Throttled, Some(w)) if state.since_decrease.is_none_or(|s| s >= DECREASE_GUARD_SECS) => {
+        (CallEnd::Throttled, Some(w))
+            if state
+                .since_decrease
+                .is_none_or(|s| s >= DECREASE_GUARD_SECS) =>
+        {
             NextWindow {
                 window: Some((w / 2.0).max(1.0)),
                 decreased: true,
@@ -216,7 +230,10 @@ mod tests {
     fn the_window_learns_a_providers_limit_and_stays_near_it() {
         assert_eq!(
             step(None, None, CallEnd::Throttled, None),
-            NextWindow { window: Some(1.0), decreased: true },
+            NextWindow {
+                window: Some(1.0),
+                decreased: true
+            },
             "the first 429 starts learning at 1"
         );
         assert_eq!(step(None, None, CallEnd::Answered, None).window, None);
@@ -225,18 +242,34 @@ mod tests {
             Some(8.0),
             "one halving per guard interval"
         );
-        assert_eq!(step(Some(8.0), Some(0.2), CallEnd::Throttled, None).window, Some(4.0));
-        assert_eq!(step(Some(1.5), Some(2.0), CallEnd::Throttled, None).window, Some(1.0));
-        assert_eq!(step(Some(4.0), None, CallEnd::Answered, Some(4)).window, Some(4.0));
+        assert_eq!(
+            step(Some(8.0), Some(0.2), CallEnd::Throttled, None).window,
+            Some(4.0)
+        );
+        assert_eq!(
+            step(Some(1.5), Some(2.0), CallEnd::Throttled, None).window,
+            Some(1.0)
+        );
+        assert_eq!(
+            step(Some(4.0), None, CallEnd::Answered, Some(4)).window,
+            Some(4.0)
+        );
 
         let limit = 4usize;
-        let mut state = WindowState { window: Some(1.0), since_decrease: Some(0.0) };
+        let mut state = WindowState {
+            window: Some(1.0),
+            since_decrease: Some(0.0),
+        };
         let (mut sent, mut throttled, mut late_sent, mut late_throttled) = (0, 0, 0, 0);
         let tick = 0.2; // seconds per round of calls
         for round in 0..200 {
             let now_calls = state.window.unwrap().floor() as usize;
             for call in 0..now_calls {
-                let end = if call < limit { CallEnd::Answered } else { CallEnd::Throttled };
+                let end = if call < limit {
+                    CallEnd::Answered
+                } else {
+                    CallEnd::Throttled
+                };
                 sent += 1;
                 if round as f64 * tick >= 2.0 {
                     late_sent += 1;
@@ -250,15 +283,25 @@ mod tests {
                 let next = next_window(state, end, None);
                 state = WindowState {
                     window: next.window,
-                    since_decrease: if next.decreased { Some(0.0) } else { state.since_decrease },
+                    since_decrease: if next.decreased {
+                        Some(0.0)
+                    } else {
+                        state.since_decrease
+                    },
                 };
             }
             state.since_decrease = state.since_decrease.map(|s| s + tick);
         }
         let w = state.window.unwrap();
-        assert!((1.0..=6.0).contains(&w), "the window stays near the limit: {w}");
+        assert!(
+            (1.0..=6.0).contains(&w),
+            "the window stays near the limit: {w}"
+        );
         assert!(throttled > 0, "it probed past the limit");
         let share = late_throttled as f64 / late_sent as f64;
-        assert!(share < 0.05, "{late_throttled} of {late_sent} late calls throttled ({sent} sent)");
+        assert!(
+            share < 0.05,
+            "{late_throttled} of {late_sent} late calls throttled ({sent} sent)"
+        );
     }
 }

@@ -41,7 +41,11 @@ async fn assert_each_delivered_once(env: &TestEnv, prefix: &str, n: usize) {
     for i in 0..n {
         let id = format!("{prefix}-{i}");
         assert_eq!(env.consumer.processed_for(&id), 1, "{id}");
-        assert_eq!(env.provider.work_done(&format!("job:{id}:generate")), 1, "{id}");
+        assert_eq!(
+            env.provider.work_done(&format!("job:{id}:generate")),
+            1,
+            "{id}"
+        );
     }
 }
 
@@ -54,10 +58,17 @@ async fn a_configured_concurrency_holds_across_two_nodes() {
     let _a = env.start(registry(), node(&env, "node-a", limits));
     let _b = env.start(registry(), node(&env, "node-b", limits));
     submit_many(&env, "lim", 200).await;
-    let done = wait_until(Duration::from_secs(90), || async { acked(&env).await == 200 }).await;
+    let done = wait_until(Duration::from_secs(90), || async {
+        acked(&env).await == 200
+    })
+    .await;
     assert!(done, "{} of 200 acked", acked(&env).await);
     assert_eq!(env.provider.throttled(), 0, "no call was refused");
-    assert_eq!(env.provider.peak_concurrency(), 4, "the limit was reached, never passed");
+    assert_eq!(
+        env.provider.peak_concurrency(),
+        4,
+        "the limit was reached, never passed"
+    );
     let nodes = env
         .sql("SELECT count(DISTINCT worker) AS n FROM job_history WHERE state = 'generated'")
         .await;
@@ -78,7 +89,10 @@ async fn a_crashed_nodes_slots_come_back_at_their_expiry() {
     )
     .await;
     let lapse = Instant::now() + Duration::from_millis(1500);
-    let _a = env.start(registry(), node(&env, "node-a", r#"{"*": {"concurrency": 2}}"#));
+    let _a = env.start(
+        registry(),
+        node(&env, "node-a", r#"{"*": {"concurrency": 2}}"#),
+    );
     submit_many(&env, "after", 3).await;
     let done = wait_until(Duration::from_secs(20), || async { acked(&env).await == 3 }).await;
     assert!(done);
@@ -101,7 +115,10 @@ async fn with_no_limit_configured_the_shared_window_learns_the_providers() {
     let _b = env.start(registry(), node(&env, "node-b", "{}"));
     let start = Instant::now();
     submit_many(&env, "learn", 200).await;
-    let done = wait_until(Duration::from_secs(120), || async { acked(&env).await == 200 }).await;
+    let done = wait_until(Duration::from_secs(120), || async {
+        acked(&env).await == 200
+    })
+    .await;
     assert!(done, "{} of 200 acked", acked(&env).await);
     let requests = env.provider.requests();
     let late: Vec<_> = requests
@@ -115,7 +132,10 @@ async fn with_no_limit_configured_the_shared_window_learns_the_providers() {
         env.provider.throttled(),
         late.len()
     );
-    assert!(env.provider.throttled() > 0, "the provider's limit was found by a 429");
+    assert!(
+        env.provider.throttled() > 0,
+        "the provider's limit was found by a 429"
+    );
     assert!(
         (late_throttled as f64) < 0.05 * late.len() as f64,
         "{late_throttled} of {} requests after the first 2 s were 429 ({} in all)",

@@ -57,11 +57,9 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let mut conn = self.db().conn().await?;
         conn.transaction::<bool, StoreError, _>(async |conn| {
-            let row: Window = sql(
-                "INSERT INTO provider_limits (limit_key) VALUES ($1) \
+            let row: Window = sql("INSERT INTO provider_limits (limit_key) VALUES ($1) \
                  ON CONFLICT (limit_key) DO UPDATE SET limit_key = EXCLUDED.limit_key \
-                 RETURNING \"window\"",
-            )
+                 RETURNING \"window\"")
             .bind::<Text, _>(key)
             .get_result(conn)
             .await?;
@@ -74,12 +72,10 @@ impl Store {
             // A statement of its own: its snapshot sees every slot committed
             // before the lock above was granted.
             // (Lapsed slots of crashed nodes are cleared on the way.)
-            let live: Count = sql(
-                "WITH lapsed AS (DELETE FROM provider_slots \
+            let live: Count = sql("WITH lapsed AS (DELETE FROM provider_slots \
                      WHERE limit_key = $1 AND expires_at <= clock_timestamp()) \
                  SELECT count(*) AS n FROM provider_slots \
-                 WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2",
-            )
+                 WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2")
             .bind::<Text, _>(key)
             .bind::<Text, _>(holder)
             .get_result(conn)
@@ -87,10 +83,12 @@ impl Store {
             if (live.n as f64) >= allowed {
                 return Ok(false);
             }
-            sql("INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
+            sql(
+                "INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
                  VALUES ($1, $2, $3, clock_timestamp() + $4 * interval '1 millisecond') \
                  ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
-                     expires_at = EXCLUDED.expires_at")
+                     expires_at = EXCLUDED.expires_at",
+            )
             .bind::<Text, _>(key)
             .bind::<Text, _>(holder)
             .bind::<Text, _>(node)

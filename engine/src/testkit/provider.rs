@@ -210,7 +210,12 @@ fn receive(
     state: &web::Data<State>,
     req: &HttpRequest,
     body: &Value,
-) -> (Option<String>, Behaviour, Option<HttpResponse>, Option<Answering>) {
+) -> (
+    Option<String>,
+    Behaviour,
+    Option<HttpResponse>,
+    Option<Answering>,
+) {
     let key = header(req, "idempotency-key");
     state.requests.lock().expect("lock").push(ProviderRequest {
         idempotency_key: key.clone(),
