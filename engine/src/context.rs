@@ -69,6 +69,35 @@ impl Replay {
     }
 }
 
+/// Releases a provider slot whose call was dropped mid-way (the attempt
+/// aborted, the lease lost, a panic): the release runs on its own task.
+struct SlotGuard {
+    store: Store,
+    key: String,
+    holder: String,
+    cap: Option<u32>,
+    armed: bool,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, key, holder, cap) = (
+            self.store.clone(),
+            std::mem::take(&mut self.key),
+            std::mem::take(&mut self.holder),
+            self.cap,
+        );
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = store.end_call(&key, &holder, CallEnd::Other, cap).await;
+            });
+        }
+    }
+}
+
 /// How a model call was served, for callers that count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Served {
@@ -143,19 +172,21 @@ impl Context {
     }
 
     /// Waits until `key`'s limit admits the call `holder`, holding no
-    /// connection: woken when any node releases a slot, or after a second.
+    /// connection: woken when any node releases a slot of `key`, or after a
+    /// second. Returns whether it had to wait.
     async fn wait_for_slot(
         &self,
         key: &str,
         holder: &str,
         cap: Option<u32>,
         lease_ms: i64,
-    ) -> Result<(), StepError> {
+    ) -> Result<bool, StepError> {
         let started = std::time::Instant::now();
         let mut waited = false;
+        let waker = self.limiter.waker(key);
         loop {
             self.not_draining()?;
-            let released = self.limiter.released.notified();
+            let released = waker.notified();
             if self
                 .store
                 .take_slot(key, holder, &self.fence.worker, lease_ms, cap)
@@ -167,7 +198,7 @@ impl Context {
                         .metrics()
                         .limit_wait(provider, model, started.elapsed());
                 }
-                return Ok(());
+                return Ok(waited);
             }
             waited = true;
             tokio::select! {
@@ -285,9 +316,26 @@ impl Context {
             .limits()
             .concurrency(&provider_name, &model_name);
         let limited = self.limiter.limited(&self.store, &limit_key, cap).await;
+        // The slot's holder is this attempt's call: a takeover's is another.
+        let holder = format!("{key}#{}", self.fence.epoch);
+        let mut slot = SlotGuard {
+            store: self.store.clone(),
+            key: limit_key.clone(),
+            holder: holder.clone(),
+            cap,
+            armed: false,
+        };
         if limited {
-            self.wait_for_slot(&limit_key, &key, cap, in_flight_ms)
-                .await?;
+            slot.armed = true;
+            if self
+                .wait_for_slot(&limit_key, &holder, cap, in_flight_ms)
+                .await?
+            {
+                // It waited: the in-flight mark counts from the send.
+                self.store
+                    .extend_in_flight(&key, self.fence.epoch, in_flight_ms)
+                    .await?;
+            }
         }
         let sent = self
             .provider
@@ -301,15 +349,19 @@ impl Context {
             .await;
         let end = match &sent {
             Ok(_) => CallEnd::Answered,
-            Err(PostError::Failed(f)) if f.status() == Some(429) => CallEnd::Throttled,
+            // 529: Anthropic's "overloaded".
+            Err(PostError::Failed(f)) if matches!(f.status(), Some(429 | 529)) => {
+                CallEnd::Throttled
+            }
             Err(_) => CallEnd::Other,
         };
         if end == CallEnd::Throttled {
             metrics.throttled(&provider_name, &model_name);
             self.limiter.learn(&limit_key);
         }
+        slot.armed = false;
         if limited || end == CallEnd::Throttled {
-            if let Err(e) = self.store.end_call(&limit_key, &key, end, cap).await {
+            if let Err(e) = self.store.end_call(&limit_key, &holder, end, cap).await {
                 // The slot lapses at its expiry; the window learns next time.
                 tracing::warn!(error = %e, key = %limit_key, "could not release a provider slot");
             }

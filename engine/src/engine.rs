@@ -180,6 +180,15 @@ impl Engine {
         let counters = shared.counters.clone();
         let draining = shared.draining.clone();
         let limiter = shared.limiter.clone();
+        // Provider slots held under this node's name belong to its previous
+        // life: no call of this one holds any yet.
+        let slots = store.clone();
+        let node = node_id.clone();
+        actix::spawn(async move {
+            if let Err(e) = slots.release_node_slots(&node).await {
+                tracing::warn!(error = %e, "could not free this node's old provider slots");
+            }
+        });
         let supervisor = Supervisor::new(shared).start();
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
         actix::spawn(listen(store.clone(), supervisor.clone(), limiter, stopped));
@@ -320,8 +329,9 @@ async fn listen_on(
     .await?;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     while let Some(n) = notifications.next().await {
-        if n?.channel == LIMITS_CHANNEL {
-            limiter.released.notify_waiters();
+        let n = n?;
+        if n.channel == LIMITS_CHANNEL {
+            limiter.wake(&n.payload);
         } else {
             supervisor.do_send(Poll);
         }

@@ -12,11 +12,15 @@
 //! `min(configured, learned)` calls of its key hold a slot, on any node; a
 //! key with neither costs nothing.
 //!
-//! A slot is a row held by the model-call key for the call's timeout (plus
-//! 5 s); it is released when the call ends, and a crashed node's slots lapse
-//! at their expiry. A waiting call holds no connection: it sleeps until a
-//! release anywhere is announced (`LISTEN onceflow_limits`), or a second
-//! passes, then asks again.
+//! A slot is a row held by the model call (its key and the attempt's epoch)
+//! for the call's timeout (plus 5 s); it is released when the call ends —
+//! also when the attempt is dropped mid-call (a guard releases it) — a
+//! draining node releases its own, and a crashed node's lapse at their
+//! expiry. A waiting call holds no connection: it sleeps until a release of
+//! its key anywhere is announced (`NOTIFY onceflow_limits`, the key as
+//! payload), with a one-second fallback check, then asks again. A window
+//! grows only while the calls in flight fill it, and a key whose window has
+//! not halved for five minutes is forgotten (no admission until its next 429).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -86,6 +90,8 @@ pub struct WindowState {
     pub window: Option<f64>,
     /// Seconds since the window last halved (`None`: never).
     pub since_decrease: Option<f64>,
+    /// Whether the calls in flight (this one included) filled the window.
+    pub saturated: bool,
 }
 
 /// The window after a call ended.
@@ -103,8 +109,12 @@ pub const INCREASE: f64 = 0.25;
 /// The shortest time between two halvings of a window, in seconds.
 pub const DECREASE_GUARD_SECS: f64 = 0.1;
 
+/// A window that has not halved for this long (seconds) is forgotten.
+pub const FORGET_SECS: f64 = 300.0;
+
 /// The controller: additive increase ([`INCREASE`]/window per answered
-/// call, never past the configured cap), multiplicative decrease (halve on
+/// call while the calls in flight fill the window, never past the
+/// configured cap), multiplicative decrease (halve on
 /// a 429, not below 1, at most once per [`DECREASE_GUARD_SECS`]: the 429s
 /// of one overload count once). A key starts learning at its first 429, at
 /// a window of 1.
@@ -125,7 +135,13 @@ pub fn next_window(state: WindowState, end: CallEnd, cap: Option<u32>) -> NextWi
                 decreased: true,
             }
         }
-        (CallEnd::Answered, Some(w)) => NextWindow {
+        (CallEnd::Answered, Some(_)) if state.since_decrease.is_some_and(|s| s >= FORGET_SECS) => {
+            NextWindow {
+                window: None,
+                decreased: false,
+            }
+        }
+        (CallEnd::Answered, Some(w)) if state.saturated => NextWindow {
             window: Some((w + INCREASE / w).min(cap.max(1.0))),
             decreased: false,
         },
@@ -142,8 +158,8 @@ pub fn next_window(state: WindowState, end: CallEnd, cap: Option<u32>) -> NextWi
 pub struct Limiter {
     limits: Limits,
     learned: Mutex<(Option<Instant>, HashSet<String>)>,
-    /// Notified when any node releases a slot.
-    pub(crate) released: tokio::sync::Notify,
+    /// Per key: notified when any node releases one of its slots.
+    released: Mutex<HashMap<String, std::sync::Arc<tokio::sync::Notify>>>,
 }
 
 /// How often a node re-reads which keys are being learned.
@@ -176,16 +192,38 @@ impl Limiter {
             return true;
         }
         let stale = {
-            let learned = self.learned.lock().expect("lock");
-            learned.0.is_none_or(|at| at.elapsed() >= LEARNED_REFRESH)
+            // One caller refreshes; the others use the set as it is.
+            let mut learned = self.learned.lock().expect("lock");
+            let stale = learned.0.is_none_or(|at| at.elapsed() >= LEARNED_REFRESH);
+            if stale {
+                learned.0 = Some(Instant::now());
+            }
+            stale
         };
         if stale {
             if let Ok(keys) = store.learned_limit_keys().await {
-                *self.learned.lock().expect("lock") =
-                    (Some(Instant::now()), keys.into_iter().collect());
+                self.learned.lock().expect("lock").1 = keys.into_iter().collect();
             }
         }
         self.learned.lock().expect("lock").1.contains(key)
+    }
+
+    /// The wake-up of calls waiting for a slot of `key`.
+    pub(crate) fn waker(&self, key: &str) -> std::sync::Arc<tokio::sync::Notify> {
+        self.released
+            .lock()
+            .expect("lock")
+            .entry(key.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Wakes the calls waiting for a slot of `key` (a release was announced).
+    pub(crate) fn wake(&self, key: &str) {
+        let waker = self.released.lock().expect("lock").get(key).cloned();
+        if let Some(w) = waker {
+            w.notify_waiters();
+        }
     }
 
     /// Marks `key` as learned on this node at once (it just saw a 429).
@@ -203,6 +241,7 @@ mod tests {
             WindowState {
                 window: w,
                 since_decrease: since,
+                saturated: true,
             },
             end,
             cap,
@@ -259,6 +298,7 @@ mod tests {
         let mut state = WindowState {
             window: Some(1.0),
             since_decrease: Some(0.0),
+            saturated: true,
         };
         let (mut sent, mut throttled, mut late_sent, mut late_throttled) = (0, 0, 0, 0);
         let tick = 0.2; // seconds per round of calls
@@ -288,6 +328,9 @@ mod tests {
                     } else {
                         state.since_decrease
                     },
+                    // The calls of a round fill the window when it is at or
+                    // under the provider's limit and the demand is there.
+                    saturated: true,
                 };
             }
             state.since_decrease = state.since_decrease.map(|s| s + tick);

@@ -218,10 +218,16 @@ pub mod anthropic {
     pub fn request(request: &Value) -> Value {
         let mut system = Vec::new();
         let mut messages: Vec<Value> = Vec::new();
+        // OpenAI content is a string or an array of parts; the text parts
+        // are what Anthropic can take as text.
         let text = |m: &Value| match &m["content"] {
             Value::String(s) => s.clone(),
-            Value::Null => String::new(),
-            other => other.to_string(),
+            Value::Array(parts) => parts
+                .iter()
+                .filter_map(|p| p["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            _ => String::new(),
         };
         for m in request["messages"].as_array().into_iter().flatten() {
             match m["role"].as_str().unwrap_or_default() {
@@ -241,7 +247,10 @@ pub mod anthropic {
                             "input": serde_json::from_str::<Value>(arguments).unwrap_or(json!({})),
                         }));
                     }
-                    messages.push(json!({ "role": "assistant", "content": blocks }));
+                    // An empty turn is refused by the API: leave it out.
+                    if !blocks.is_empty() {
+                        messages.push(json!({ "role": "assistant", "content": blocks }));
+                    }
                 }
                 "tool" => {
                     let block = json!({
@@ -286,11 +295,18 @@ pub mod anthropic {
                 .iter()
                 .map(|t| {
                     let f = &t["function"];
-                    json!({
+                    let mut tool = json!({
                         "name": f["name"],
-                        "description": f["description"],
-                        "input_schema": f["parameters"],
-                    })
+                        "input_schema": if f["parameters"].is_object() {
+                            f["parameters"].clone()
+                        } else {
+                            json!({ "type": "object" })
+                        },
+                    });
+                    if let Some(d) = f["description"].as_str() {
+                        tool["description"] = json!(d);
+                    }
+                    tool
                 })
                 .collect();
             out.insert("tools".into(), json!(tools));
@@ -321,6 +337,7 @@ pub mod anthropic {
         let finish_reason = match response["stop_reason"].as_str() {
             Some("max_tokens") => "length",
             Some("tool_use") => "tool_calls",
+            Some("refusal") => "content_filter",
             _ => "stop",
         };
         let mut message = json!({ "role": "assistant", "content": content });

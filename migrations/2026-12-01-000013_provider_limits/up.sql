@@ -1,8 +1,8 @@
 -- Provider limits shared by every node on this database. A limit key is
 -- `provider/model`. `window` is the learned number of concurrent calls the
--- provider accepts (additive increase on success, halved on a 429, at most
--- once a second); NULL until the first 429. Its row is also the lock that
--- serialises admissions for the key.
+-- provider accepts (see engine/src/limits.rs: additive increase while the
+-- calls fill it, halved on a 429); NULL until the first 429. Its row is also
+-- the lock that serialises admissions and releases for the key.
 CREATE TABLE provider_limits (
     limit_key    TEXT PRIMARY KEY,
     "window"     DOUBLE PRECISION CHECK ("window" IS NULL OR "window" >= 1),

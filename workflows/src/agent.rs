@@ -67,7 +67,10 @@ pub struct AgentInput {
     #[serde(default)]
     pub max_turns: Option<u32>,
     /// Which provider answers (default OpenAI).
-    #[serde(default)]
+    #[serde(
+        default,
+        skip_serializing_if = "crate::completion::ModelProvider::is_default"
+    )]
     pub provider: crate::completion::ModelProvider,
 }
 

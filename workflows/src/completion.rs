@@ -123,6 +123,12 @@ impl Workflow for Completion {
             }
         }
         if let Some(t) = input.temperature {
+            if input.provider == ModelProvider::Anthropic && !(0.0..=1.0).contains(&t) {
+                return Err(InvalidInput::new(
+                    "input.temperature",
+                    "must be between 0 and 1 for provider anthropic",
+                ));
+            }
             if !(0.0..=2.0).contains(&t) {
                 return Err(InvalidInput::new(
                     "input.temperature",

@@ -346,13 +346,17 @@ impl Store {
     /// Returns how many were released.
     pub async fn release_leases(&self, node: &str) -> Result<usize, StoreError> {
         let mut conn = self.db().conn().await?;
-        Ok(sql(
+        let released = sql(
             "UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now() \
              WHERE lease_owner = $1 AND finished_at IS NULL",
         )
         .bind::<Text, _>(node)
         .execute(&mut conn)
-        .await?)
+        .await?;
+        drop(conn);
+        // Its provider slots too (calls it abandoned hold none).
+        self.release_node_slots(node).await?;
+        Ok(released)
     }
 
     /// The current state of a job (for an attempt that lost a race).

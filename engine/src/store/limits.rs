@@ -34,9 +34,9 @@ struct Key {
 /// How a call that held a slot ended, for the learned window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CallEnd {
-    /// Answered: the window grows by 1/window.
+    /// Answered: the window may grow ([`crate::limits::next_window`]).
     Answered,
-    /// 429: the window halves (at most once a second).
+    /// 429 (or Anthropic's 529): the window halves, at most once per guard interval.
     Throttled,
     /// Anything else: the window stays.
     Other,
@@ -121,11 +121,7 @@ impl Store {
         }
         let mut conn = self.db().conn().await?;
         conn.transaction::<(), StoreError, _>(async |conn| {
-            sql("DELETE FROM provider_slots WHERE limit_key = $1 AND holder = $2")
-                .bind::<Text, _>(key)
-                .bind::<Text, _>(holder)
-                .execute(conn)
-                .await?;
+            // The key's row first, as `take_slot` locks it: one lock order.
             let state: State = sql(
                 "INSERT INTO provider_limits (limit_key) VALUES ($1) \
                  ON CONFLICT (limit_key) DO UPDATE SET limit_key = EXCLUDED.limit_key \
@@ -135,10 +131,21 @@ impl Store {
             .bind::<Text, _>(key)
             .get_result(conn)
             .await?;
+            let live: Count = sql(
+                "WITH released AS (DELETE FROM provider_slots WHERE limit_key = $1 AND holder = $2) \
+                 SELECT count(*) AS n FROM provider_slots \
+                 WHERE limit_key = $1 AND expires_at > clock_timestamp()",
+            )
+            .bind::<Text, _>(key)
+            .bind::<Text, _>(holder)
+            .get_result(conn)
+            .await?;
             let next = crate::limits::next_window(
                 crate::limits::WindowState {
                     window: state.window,
                     since_decrease: state.since_decrease,
+                    // This call and the others in flight filled the window.
+                    saturated: state.window.is_some_and(|w| (live.n + 1) as f64 >= w.floor()),
                 },
                 end,
                 cap,
@@ -161,6 +168,41 @@ impl Store {
             Ok(())
         })
         .await
+    }
+
+    /// Frees every slot `node` holds (it drains, or starts again under the
+    /// same name: calls of its previous life hold none), and wakes waiters.
+    pub async fn release_node_slots(&self, node: &str) -> Result<(), StoreError> {
+        let mut conn = self.db().conn().await?;
+        sql(
+            "WITH gone AS (DELETE FROM provider_slots WHERE node = $1 RETURNING limit_key) \
+             SELECT pg_notify($2, limit_key) FROM (SELECT DISTINCT limit_key FROM gone) k",
+        )
+        .bind::<Text, _>(node)
+        .bind::<Text, _>(LIMITS_CHANNEL)
+        .execute(&mut conn)
+        .await?;
+        Ok(())
+    }
+
+    /// Keeps `holder`'s model call marked in flight for `in_flight_ms` more,
+    /// from now, when `epoch` still holds the mark (a call that waited for
+    /// a provider limit sends only now).
+    pub async fn extend_in_flight(
+        &self,
+        holder: &str,
+        epoch: i64,
+        in_flight_ms: i64,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.db().conn().await?;
+        sql("UPDATE model_calls SET in_flight_until = clock_timestamp() + $3 * interval '1 millisecond' \
+             WHERE idempotency_key = $1 AND in_flight_epoch = $2 AND status <> 'completed'")
+        .bind::<Text, _>(holder)
+        .bind::<BigInt, _>(epoch)
+        .bind::<BigInt, _>(in_flight_ms)
+        .execute(&mut conn)
+        .await?;
+        Ok(())
     }
 
     /// The keys whose window is being learned (a 429 was seen).

@@ -305,6 +305,10 @@ async fn messages(
     if let Some(answer) = refused {
         return answer;
     }
+    if let Some(problem) = invalid_messages_request(&body) {
+        return HttpResponse::BadRequest()
+            .json(json!({ "type": "error", "error": { "type": "invalid_request_error", "message": problem } }));
+    }
     let n = count_work(&state, key.as_ref());
     take_time(&state, &behaviour).await;
     let responder = state.anthropic_responder.lock().expect("lock").clone();
@@ -316,6 +320,41 @@ async fn messages(
         actix_web::rt::time::sleep(hold).await;
     }
     HttpResponse::Ok().json(response)
+}
+
+/// What the real Messages API refuses, as far as onceflow's requests go:
+/// no `max_tokens`, no messages, a role other than user or assistant (the
+/// system prompt is a field of its own), an empty turn, a tool without an
+/// object `input_schema`.
+fn invalid_messages_request(body: &Value) -> Option<String> {
+    if !body["max_tokens"].is_u64() {
+        return Some("max_tokens: field required".into());
+    }
+    let Some(messages) = body["messages"].as_array().filter(|m| !m.is_empty()) else {
+        return Some("messages: at least one message is required".into());
+    };
+    for m in messages {
+        if m["role"] != "user" && m["role"] != "assistant" {
+            return Some(format!(
+                "messages: role must be user or assistant, not {}",
+                m["role"]
+            ));
+        }
+        let empty = match &m["content"] {
+            Value::String(s) => s.is_empty(),
+            Value::Array(blocks) => blocks.is_empty(),
+            _ => true,
+        };
+        if empty {
+            return Some("messages: all messages must have non-empty content".into());
+        }
+    }
+    for t in body["tools"].as_array().into_iter().flatten() {
+        if !t["input_schema"].is_object() {
+            return Some("tools: input_schema must be an object".into());
+        }
+    }
+    None
 }
 
 fn anthropic_echo(request: &Value, n: u64) -> Value {
