@@ -42,6 +42,11 @@ async fn assert_each_delivered_once(env: &TestEnv, prefix: &str, n: usize) {
         let id = format!("{prefix}-{i}");
         assert_eq!(env.consumer.processed_for(&id), 1, "{id}");
         assert_eq!(
+            env.consumer.deliveries_for(&id).len(),
+            1,
+            "{id}: one webhook request"
+        );
+        assert_eq!(
             env.provider.work_done(&format!("job:{id}:generate")),
             1,
             "{id}"
