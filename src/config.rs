@@ -188,12 +188,6 @@ impl ServeArgs {
             };
             config.limits =
                 onceflow_engine::limits::Limits::parse(&text).map_err(anyhow::Error::msg)?;
-            if config.limits.has_rates() {
-                tracing::warn!(
-                    "ONCEFLOW_LIMITS: rpm and tpm are accepted but not enforced yet; \
-                     only concurrency limits calls"
-                );
-            }
         }
         config.provider.anthropic_base_url = self.anthropic_base_url.clone();
         config.provider.anthropic_api_key = self

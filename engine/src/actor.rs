@@ -157,6 +157,11 @@ impl JobRun {
             tool_response_limit: shared.config.tool_response_limit,
             replay: crate::context::Replay::for_attempt(leased.fence.attempt),
             limiter: shared.limiter.clone(),
+            priority: leased
+                .request
+                .get("priority")
+                .and_then(Value::as_i64)
+                .map_or(0, |p| p as i32),
             scope,
         };
         JobRun {

@@ -18,7 +18,7 @@ use crate::observe::Scope;
 use crate::outbound::PostError;
 use crate::provider::Provider;
 use crate::store::journal::{FailedSend, ModelCallStart};
-use crate::store::limits::CallEnd;
+use crate::store::limits::{Admission, Ask, CallEnd};
 use crate::store::{Checkpoint, Fence, Store};
 
 /// Everything a step needs; built by the job actor for one attempt.
@@ -45,6 +45,8 @@ pub struct Context {
     pub(crate) replay: Replay,
     /// Provider limits shared by every node.
     pub(crate) limiter: Arc<crate::limits::Limiter>,
+    /// The job's priority: it orders the calls waiting for a provider limit.
+    pub(crate) priority: i32,
 }
 
 /// What a rerun of a body has asked of the job's journal so far (see
@@ -92,7 +94,9 @@ impl Drop for SlotGuard {
         );
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                let _ = store.end_call(&key, &holder, CallEnd::Other, cap).await;
+                let _ = store
+                    .end_call(&key, &holder, CallEnd::Other, cap, 0.0)
+                    .await;
             });
         }
     }
@@ -171,39 +175,41 @@ impl Context {
         outcome
     }
 
-    /// Waits until `key`'s limit admits the call `holder`, holding no
-    /// connection: woken when any node releases a slot of `key`, or after a
-    /// second. Returns whether it had to wait.
-    async fn wait_for_slot(
-        &self,
-        key: &str,
-        holder: &str,
-        cap: Option<u32>,
-        lease_ms: i64,
-    ) -> Result<bool, StepError> {
+    /// Waits until its key's limit admits `ask`, holding no connection:
+    /// woken when any node releases a slot of the key, when a rate limit
+    /// will have refilled for it, or after a second. Returns whether it had
+    /// to wait.
+    async fn wait_for_slot(&self, ask: &mut Ask<'_>) -> Result<bool, StepError> {
         let started = std::time::Instant::now();
         let mut waited = false;
-        let waker = self.limiter.waker(key);
+        let waker = self.limiter.waker(ask.key);
+        let (provider, model) = ask.key.split_once('/').unwrap_or(("", ask.key));
+        let metrics = self.scope.metrics();
         loop {
             self.not_draining()?;
             let released = waker.notified();
-            if self
-                .store
-                .take_slot(key, holder, &self.fence.worker, lease_ms, cap)
-                .await?
-            {
-                if waited {
-                    let (provider, model) = key.split_once('/').unwrap_or(("", key));
-                    self.scope
-                        .metrics()
-                        .limit_wait(provider, model, started.elapsed());
+            match self.store.take_slot(ask).await? {
+                Admission::Admitted { saturation } => {
+                    metrics.limit_saturation(provider, model, saturation);
+                    if waited {
+                        metrics.limit_wait(provider, model, started.elapsed());
+                    }
+                    return Ok(waited);
                 }
-                return Ok(waited);
-            }
-            waited = true;
-            tokio::select! {
-                _ = released => {}
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                Admission::Wait { retry_in } => {
+                    if !waited {
+                        metrics.limit_saturation(provider, model, 1.0);
+                    }
+                    waited = true;
+                    ask.queued = true;
+                    let pause = retry_in.map_or(Duration::from_secs(1), |s| {
+                        Duration::from_secs_f64(s.clamp(0.002, 1.0))
+                    });
+                    tokio::select! {
+                        _ = released => {}
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                }
             }
         }
     }
@@ -311,13 +317,19 @@ impl Context {
             .unwrap_or("openai")
             .to_owned();
         let limit_key = format!("{provider_name}/{model_name}");
-        let cap = self
+        let spec = self.limiter.limits().spec(&provider_name, &model_name);
+        let cap = spec.concurrency;
+        let limited = self
             .limiter
-            .limits()
-            .concurrency(&provider_name, &model_name);
-        let limited = self.limiter.limited(&self.store, &limit_key, cap).await;
+            .limited(&self.store, &limit_key, spec.is_set())
+            .await;
         // The slot's holder is this attempt's call: a takeover's is another.
         let holder = format!("{key}#{}", self.fence.epoch);
+        let estimate = if spec.tpm.is_some() {
+            crate::limits::estimate_tokens(request)
+        } else {
+            0.0
+        };
         let mut slot = SlotGuard {
             store: self.store.clone(),
             key: limit_key.clone(),
@@ -327,10 +339,17 @@ impl Context {
         };
         if limited {
             slot.armed = true;
-            if self
-                .wait_for_slot(&limit_key, &holder, cap, in_flight_ms)
-                .await?
-            {
+            let mut ask = Ask {
+                key: &limit_key,
+                holder: &holder,
+                node: &self.fence.worker,
+                lease_ms: in_flight_ms,
+                spec,
+                tokens: estimate,
+                priority: self.priority,
+                queued: false,
+            };
+            if self.wait_for_slot(&mut ask).await? {
                 // It waited: the in-flight mark counts from the send.
                 self.store
                     .extend_in_flight(&key, self.fence.epoch, in_flight_ms)
@@ -360,8 +379,24 @@ impl Context {
             self.limiter.learn(&limit_key);
         }
         slot.armed = false;
+        // What the call cost against `tpm` beyond its estimate: a refused
+        // call cost nothing, an answered one what its usage says.
+        let tokens_over = match (&sent, end) {
+            (_, CallEnd::Throttled) => -estimate,
+            (Ok((_, usage, _)), _) if spec.tpm.is_some() => {
+                match (usage.input_tokens, usage.output_tokens) {
+                    (Some(i), Some(o)) => f64::from(i) + f64::from(o) - estimate,
+                    _ => 0.0,
+                }
+            }
+            _ => 0.0,
+        };
         if limited || end == CallEnd::Throttled {
-            if let Err(e) = self.store.end_call(&limit_key, &holder, end, cap).await {
+            if let Err(e) = self
+                .store
+                .end_call(&limit_key, &holder, end, cap, tokens_over)
+                .await
+            {
                 // The slot lapses at its expiry; the window learns next time.
                 tracing::warn!(error = %e, key = %limit_key, "could not release a provider slot");
             }

@@ -36,9 +36,10 @@ use crate::store::limits::CallEnd;
 pub struct LimitSpec {
     /// Most calls in flight at once, over every node.
     pub concurrency: Option<u32>,
-    /// Requests per minute (accepted; not enforced yet).
+    /// Requests started per minute, over every node.
     pub rpm: Option<u32>,
-    /// Tokens per minute (accepted; not enforced yet).
+    /// Tokens per minute (prompt estimate plus `max_tokens` at the start,
+    /// corrected by the usage the answer reports), over every node.
     pub tpm: Option<u32>,
 }
 
@@ -55,32 +56,106 @@ impl Limits {
         let mut by_key: HashMap<String, LimitSpec> = serde_json::from_str(json)
             .map_err(|e| format!("ONCEFLOW_LIMITS is not a JSON object of limits: {e}"))?;
         for (key, spec) in &by_key {
-            if spec.concurrency == Some(0) {
-                return Err(format!(
-                    "ONCEFLOW_LIMITS[{key:?}].concurrency must be at least 1"
-                ));
+            for (field, value) in [
+                ("concurrency", spec.concurrency),
+                ("rpm", spec.rpm),
+                ("tpm", spec.tpm),
+            ] {
+                if value == Some(0) {
+                    return Err(format!(
+                        "ONCEFLOW_LIMITS[{key:?}].{field} must be at least 1"
+                    ));
+                }
             }
         }
         let default = by_key.remove("*");
         Ok(Limits { by_key, default })
     }
 
-    /// Whether any entry sets `rpm` or `tpm` (not enforced yet).
-    pub fn has_rates(&self) -> bool {
-        self.by_key
-            .values()
-            .chain(self.default.iter())
-            .any(|s| s.rpm.is_some() || s.tpm.is_some())
-    }
-
-    /// The configured concurrency of `provider`'s `model`.
-    pub fn concurrency(&self, provider: &str, model: &str) -> Option<u32> {
+    /// The limits of `provider`'s `model`: its `provider/model` entry, else
+    /// its model's, else `"*"` (each entry whole: they do not merge).
+    pub fn spec(&self, provider: &str, model: &str) -> LimitSpec {
         self.by_key
             .get(&format!("{provider}/{model}"))
             .or_else(|| self.by_key.get(model))
             .or(self.default.as_ref())
-            .and_then(|s| s.concurrency)
+            .copied()
+            .unwrap_or_default()
     }
+
+    /// The configured concurrency of `provider`'s `model`.
+    pub fn concurrency(&self, provider: &str, model: &str) -> Option<u32> {
+        self.spec(provider, model).concurrency
+    }
+}
+
+impl LimitSpec {
+    /// Whether anything is configured.
+    pub fn is_set(&self) -> bool {
+        self.concurrency.is_some() || self.rpm.is_some() || self.tpm.is_some()
+    }
+}
+
+/// A rate limit (`rpm` or `tpm`) as a token bucket shared through the
+/// database: it refills at `per_minute / 60` per second and holds at most
+/// one second's worth ([`Bucket::capacity`], at least 1), so calls are
+/// spread over the minute instead of spent in a burst at its start, as
+/// providers that quantize their limits per second expect. A call is
+/// admitted when the bucket holds its cost, or is full (a call dearer than
+/// a second's worth still runs, alone); its cost is then taken, and the
+/// bucket may go into debt, which later calls wait out. Over any `T`
+/// seconds at most `capacity + largest cost + per_minute·T/60` is admitted,
+/// and the long-run rate is `per_minute`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bucket {
+    /// The configured rate per minute.
+    pub per_minute: f64,
+}
+
+impl Bucket {
+    /// The most the bucket holds: one second's worth, at least 1.
+    pub fn capacity(&self) -> f64 {
+        (self.per_minute / 60.0).max(1.0)
+    }
+
+    /// Refill per second.
+    pub fn per_second(&self) -> f64 {
+        self.per_minute / 60.0
+    }
+
+    /// The level now: `stored` as of `elapsed` seconds ago, refilled (a
+    /// bucket never used is full).
+    pub fn level(&self, stored: Option<f64>, elapsed: Option<f64>) -> f64 {
+        match (stored, elapsed) {
+            (Some(level), Some(secs)) => {
+                (level + secs.max(0.0) * self.per_second()).min(self.capacity())
+            }
+            _ => self.capacity(),
+        }
+    }
+
+    /// What a call costing `cost` needs in the bucket to be admitted.
+    pub fn need(&self, cost: f64) -> f64 {
+        cost.min(self.capacity())
+    }
+
+    /// Seconds until the bucket at `level` holds `need`, refilling.
+    pub fn wait_secs(&self, level: f64, need: f64) -> f64 {
+        ((need - level) / self.per_second()).max(0.0)
+    }
+}
+
+/// What a request is expected to cost against `tpm`, before it is sent: its
+/// size in bytes / 4 (about a token per four bytes of JSON) plus the output
+/// it allows (`max_tokens` or `max_completion_tokens`; 0 when unbounded).
+/// The answer's usage corrects the estimate ([`Store::end_call`](crate::Store::end_call)).
+pub fn estimate_tokens(request: &serde_json::Value) -> f64 {
+    let bytes = serde_json::to_vec(request).map_or(0, |b| b.len());
+    let output = ["max_tokens", "max_completion_tokens"]
+        .iter()
+        .find_map(|k| request.get(*k).and_then(serde_json::Value::as_u64))
+        .unwrap_or(0);
+    (bytes / 4) as f64 + output as f64
 }
 
 /// A key's learned window, as stored.
@@ -179,16 +254,16 @@ impl Limiter {
         &self.limits
     }
 
-    /// Whether calls of `key` go through admission (configured, or learned
-    /// on any node within the last second), refreshing the learned set
-    /// from `store` when it is older than a second.
+    /// Whether calls of `key` go through admission (`configured`, or
+    /// learned on any node within the last second), refreshing the learned
+    /// set from `store` when it is older than a second.
     pub(crate) async fn limited(
         &self,
         store: &crate::store::Store,
         key: &str,
-        cap: Option<u32>,
+        configured: bool,
     ) -> bool {
-        if cap.is_some() {
+        if configured {
             return true;
         }
         let stale = {

@@ -51,6 +51,8 @@ pub struct Metrics {
     pub provider_throttled: Counter<u64>,
     /// [`METRIC_LIMIT_WAIT`]: time waited for a provider limit, in seconds.
     pub limit_wait: Histogram<f64>,
+    /// [`METRIC_LIMIT_SATURATION`]: the share of a provider limit in use.
+    pub limit_saturation: Gauge<f64>,
 }
 
 impl Metrics {
@@ -113,6 +115,12 @@ impl Metrics {
                 .with_unit("s")
                 .with_boundaries(DURATION_BOUNDS.to_vec())
                 .build(),
+            limit_saturation: meter
+                .f64_gauge(METRIC_LIMIT_SATURATION)
+                .with_description(
+                    "Share of a provider limit in use at the last admission (1 while calls wait)",
+                )
+                .build(),
         }
     }
 
@@ -131,6 +139,17 @@ impl Metrics {
     pub fn limit_wait(&self, provider: &str, model: &str, waited: std::time::Duration) {
         self.limit_wait.record(
             waited.as_secs_f64(),
+            &[
+                KeyValue::new(GEN_AI_PROVIDER, provider.to_owned()),
+                KeyValue::new(GEN_AI_REQUEST_MODEL, model.to_owned()),
+            ],
+        );
+    }
+
+    /// Records the share of `provider`'s `model` limit in use (1: calls wait).
+    pub fn limit_saturation(&self, provider: &str, model: &str, share: f64) {
+        self.limit_saturation.record(
+            share,
             &[
                 KeyValue::new(GEN_AI_PROVIDER, provider.to_owned()),
                 KeyValue::new(GEN_AI_REQUEST_MODEL, model.to_owned()),

@@ -126,5 +126,8 @@ pub const METRIC_JOBS_UNRUNNABLE: &str = "onceflow.jobs.unrunnable";
 pub const METRIC_PROVIDER_THROTTLED: &str = "onceflow.provider.throttled";
 /// Histogram: seconds a model call waited for a provider limit's slot, by provider and model.
 pub const METRIC_LIMIT_WAIT: &str = "onceflow.limit.wait";
+/// Gauge: the share (0..=1) of a provider limit in use at the last admission
+/// (1 while calls wait), by provider and model.
+pub const METRIC_LIMIT_SATURATION: &str = "onceflow.limit.saturation";
 /// Histogram (seconds): step duration by `onceflow.step` and `onceflow.outcome`.
 pub const METRIC_STEP_DURATION: &str = "onceflow.step.duration";

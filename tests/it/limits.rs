@@ -163,3 +163,141 @@ async fn with_no_limit_configured_the_shared_window_learns_the_providers() {
     let slots = env.sql("SELECT count(*) AS n FROM provider_slots").await;
     assert_eq!(slots[0]["n"], 0, "every slot released");
 }
+
+/// `rpm` holds over two nodes: a provider that refuses a call when 20 were
+/// accepted within the last second never refuses one under `rpm: 600`
+/// (10 a second, a second's worth of burst), and the calls still went at
+/// about the rate allowed (not one at a time).
+#[actix_rt::test]
+async fn a_configured_rpm_holds_across_two_nodes() {
+    let env = TestEnv::new().await;
+    env.provider.set_rate_limit(20, Duration::from_secs(1));
+    let limits = r#"{"test-model": {"rpm": 600}}"#;
+    let _a = env.start(registry(), node(&env, "node-a", limits));
+    let _b = env.start(registry(), node(&env, "node-b", limits));
+    submit_many(&env, "rpm", 60).await;
+    let done = wait_until(Duration::from_secs(60), || async {
+        acked(&env).await == 60
+    })
+    .await;
+    assert!(done, "{} of 60 acked", acked(&env).await);
+    assert_eq!(env.provider.throttled(), 0, "no call was refused");
+    let peak = env.provider.peak_rate(Duration::from_secs(1));
+    assert!(
+        (10..20).contains(&peak),
+        "the calls went at the rate allowed: {peak} in the busiest second"
+    );
+    assert_eq!(env.provider.requests().len(), 60);
+    assert_each_delivered_once(&env, "rpm", 60).await;
+    let waiters = env.sql("SELECT count(*) AS n FROM provider_waiters").await;
+    assert_eq!(waiters[0]["n"], 0, "no waiter left queued");
+}
+
+/// `tpm` holds over two nodes, with each call's cost estimated before it is
+/// sent (the prompt's size plus `max_tokens: 1000`, far above the 100
+/// tokens a second the bucket holds) and corrected by the 10 tokens its
+/// answer reports: the provider, refusing a call when 20 calls (200
+/// tokens) were accepted within the last second, refuses none, and the
+/// calls are not held to the estimate's pace (40 calls at 1,000 tokens
+/// each would take 400 s).
+#[actix_rt::test]
+async fn a_configured_tpm_holds_and_learns_each_calls_real_cost() {
+    let env = TestEnv::new().await;
+    env.provider.set_rate_limit(20, Duration::from_secs(1));
+    let limits = r#"{"test-model": {"tpm": 6000}}"#;
+    let _a = env.start(registry(), node(&env, "node-a", limits));
+    let _b = env.start(registry(), node(&env, "node-b", limits));
+    for i in 0..40 {
+        env.submit_job(onceflow_engine::intake::NewJob {
+            id: format!("tpm-{i}"),
+            workflow: "completion".into(),
+            workflow_version: 1,
+            input: serde_json::json!({
+                "model": "test-model",
+                "max_tokens": 1000,
+                "messages": [{ "role": "user", "content": "hi" }]
+            }),
+            webhook_url: env.consumer.url(),
+            schedule: Default::default(),
+        })
+        .await;
+    }
+    let done = wait_until(Duration::from_secs(60), || async {
+        acked(&env).await == 40
+    })
+    .await;
+    assert!(done, "{} of 40 acked", acked(&env).await);
+    assert_eq!(env.provider.throttled(), 0, "no call was refused");
+    assert_eq!(env.provider.requests().len(), 40);
+    assert_each_delivered_once(&env, "tpm", 40).await;
+    let bucket = env
+        .sql("SELECT tokens FROM provider_limits WHERE limit_key = 'openai/test-model'")
+        .await;
+    let level = bucket[0]["tokens"].as_f64().expect("the bucket was used");
+    assert!(
+        level > -1000.0,
+        "the last call's estimate was corrected by its usage: {level}"
+    );
+}
+
+/// Calls waiting for a limit go in priority order, whichever node holds
+/// them: with one slot busy, three waiting calls of priority 0 and then
+/// one of priority 10, the priority-10 call is sent next.
+#[actix_rt::test]
+async fn a_higher_priority_call_takes_the_next_free_slot() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(400));
+    let limits = r#"{"test-model": {"concurrency": 1}}"#;
+    let _a = env.start(registry(), node(&env, "node-a", limits));
+    let _b = env.start(registry(), node(&env, "node-b", limits));
+    let waiting = |n: i64| {
+        let env = &env;
+        async move {
+            wait_until(Duration::from_secs(10), || async {
+                env.sql("SELECT count(*) AS n FROM provider_waiters").await[0]["n"].as_i64()
+                    == Some(n)
+            })
+            .await
+        }
+    };
+    // The blocker holds the one slot for 400 ms.
+    env.submit("blocker", "hi").await;
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            !env.provider.requests().is_empty()
+        })
+        .await
+    );
+    let job = |id: &str, priority: i32| onceflow_engine::intake::NewJob {
+        id: id.into(),
+        workflow: "completion".into(),
+        workflow_version: 1,
+        input: serde_json::json!({
+            "model": "test-model",
+            "messages": [{ "role": "user", "content": "hi" }]
+        }),
+        webhook_url: env.consumer.url(),
+        schedule: onceflow_engine::intake::Schedule {
+            priority,
+            ..Default::default()
+        },
+    };
+    for i in 0..3 {
+        env.submit_job(job(&format!("low-{i}"), 0)).await;
+    }
+    assert!(waiting(3).await, "three calls wait for the slot");
+    env.submit_job(job("high", 10)).await;
+    assert!(waiting(4).await, "the priority-10 call waits too");
+    let done = wait_until(Duration::from_secs(30), || async { acked(&env).await == 5 }).await;
+    assert!(done, "{} of 5 acked", acked(&env).await);
+    let order: Vec<String> = env
+        .provider
+        .requests()
+        .iter()
+        .filter_map(|r| r.idempotency_key.clone())
+        .collect();
+    assert_eq!(order.len(), 5, "{order:?}");
+    assert_eq!(order[0], "job:blocker:generate");
+    assert_eq!(order[1], "job:high:generate", "priority first: {order:?}");
+    assert_eq!(env.provider.peak_concurrency(), 1);
+}

@@ -2,7 +2,7 @@
 //! model call, and the learned window of concurrent calls (AIMD). See
 //! [`crate::limits`].
 
-use diesel::sql_types::{BigInt, Double, Nullable, Text};
+use diesel::sql_types::{BigInt, Double, Integer, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, RunQueryDsl};
 
@@ -12,12 +12,6 @@ use crate::error::StoreError;
 
 /// The channel a released slot is announced on.
 pub const LIMITS_CHANNEL: &str = "onceflow_limits";
-
-#[derive(QueryableByName)]
-struct Window {
-    #[diesel(sql_type = Nullable<Double>)]
-    window: Option<f64>,
-}
 
 #[derive(QueryableByName)]
 struct Count {
@@ -42,46 +36,151 @@ pub enum CallEnd {
     Other,
 }
 
+/// A model call asking its key's limit for admission.
+#[derive(Debug, Clone)]
+pub struct Ask<'a> {
+    /// The limit key (`provider/model`).
+    pub key: &'a str,
+    /// The call (its model-call key and the attempt's epoch).
+    pub holder: &'a str,
+    /// The node running the call.
+    pub node: &'a str,
+    /// How long the slot is held if the node dies with it.
+    pub lease_ms: i64,
+    /// The configured limits of the key.
+    pub spec: crate::limits::LimitSpec,
+    /// The call's estimated tokens ([`crate::limits::estimate_tokens`]).
+    pub tokens: f64,
+    /// The job's priority: a waiter of higher priority goes first.
+    pub priority: i32,
+    /// Whether the call already waits (it has a waiter row to leave).
+    pub queued: bool,
+}
+
+/// The answer to an [`Ask`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Admission {
+    /// The call holds a slot (and its rates' cost is taken); `saturation`
+    /// is the share of the tightest limit now in use (0..=1).
+    Admitted {
+        /// The share of the tightest limit in use, this call included.
+        saturation: f64,
+    },
+    /// The call waits, queued by priority; `retry_in` is when a rate will
+    /// have refilled for it (`None`: when a slot is released).
+    Wait {
+        /// Seconds until the call's turn under a rate limit.
+        retry_in: Option<f64>,
+    },
+}
+
 impl Store {
-    /// Takes a slot of `key` for `holder` (a model-call key) for `lease_ms`
-    /// when fewer than `min(cap, learned window)` live slots are held, over
-    /// every node; `false` when full. The key's row is locked first, so two
-    /// admissions of one key never both see the last free slot.
-    pub async fn take_slot(
-        &self,
-        key: &str,
-        holder: &str,
-        node: &str,
-        lease_ms: i64,
-        cap: Option<u32>,
-    ) -> Result<bool, StoreError> {
+    /// Admits `ask` when its key has room on every node: fewer than
+    /// `min(concurrency, learned window)` live slots held, counting the
+    /// waiters queued ahead of it (higher priority, then longer waiting),
+    /// and, with `rpm`/`tpm`, no waiter ahead and the buckets holding its
+    /// cost ([`crate::limits::Bucket`]). An admitted call holds a slot row
+    /// for `lease_ms` and its cost is taken from the buckets; a refused one
+    /// is queued (or keeps its place) in `provider_waiters`. The key's row
+    /// is locked first, so two admissions never both see the last room.
+    pub async fn take_slot(&self, ask: &Ask<'_>) -> Result<Admission, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Nullable<Double>)]
+            window: Option<f64>,
+            #[diesel(sql_type = Nullable<Double>)]
+            requests: Option<f64>,
+            #[diesel(sql_type = Nullable<Double>)]
+            tokens: Option<f64>,
+            #[diesel(sql_type = Nullable<Double>)]
+            since_refill: Option<f64>,
+        }
+        #[derive(QueryableByName)]
+        struct Room {
+            #[diesel(sql_type = BigInt)]
+            live: i64,
+            #[diesel(sql_type = BigInt)]
+            ahead: i64,
+        }
+        let spec = ask.spec;
         let mut conn = self.db().conn().await?;
-        conn.transaction::<bool, StoreError, _>(async |conn| {
-            let row: Window = sql("INSERT INTO provider_limits (limit_key) VALUES ($1) \
+        conn.transaction::<Admission, StoreError, _>(async |conn| {
+            let row: Row = sql("INSERT INTO provider_limits (limit_key) VALUES ($1) \
                  ON CONFLICT (limit_key) DO UPDATE SET limit_key = EXCLUDED.limit_key \
-                 RETURNING \"window\"")
-            .bind::<Text, _>(key)
+                 RETURNING \"window\", requests, tokens, \
+                     extract(epoch FROM clock_timestamp() - refilled_at)::float8 AS since_refill")
+            .bind::<Text, _>(ask.key)
             .get_result(conn)
             .await?;
-            let allowed = match (cap.map(f64::from), row.window) {
+            let allowed = match (spec.concurrency.map(f64::from), row.window) {
                 (Some(c), Some(w)) => c.min(w.floor()),
                 (Some(c), None) => c,
                 (None, Some(w)) => w.floor(),
                 (None, None) => f64::INFINITY,
             };
-            // A statement of its own: its snapshot sees every slot committed
-            // before the lock above was granted.
-            // (Lapsed slots of crashed nodes are cleared on the way.)
-            let live: Count = sql("WITH lapsed AS (DELETE FROM provider_slots \
-                     WHERE limit_key = $1 AND expires_at <= clock_timestamp()) \
-                 SELECT count(*) AS n FROM provider_slots \
-                 WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2")
-            .bind::<Text, _>(key)
-            .bind::<Text, _>(holder)
+            // A statement of its own: its snapshot sees every slot and
+            // waiter committed before the lock above was granted. (Lapsed
+            // slots and waiters of crashed nodes are cleared on the way.)
+            let room: Room = sql(
+                "WITH lapsed AS (DELETE FROM provider_slots \
+                     WHERE limit_key = $1 AND expires_at <= clock_timestamp()), \
+                 gone AS (DELETE FROM provider_waiters \
+                     WHERE limit_key = $1 AND expires_at <= clock_timestamp()), \
+                 me AS (SELECT coalesce((SELECT since FROM provider_waiters \
+                     WHERE limit_key = $1 AND holder = $2), clock_timestamp()) AS since) \
+                 SELECT (SELECT count(*) FROM provider_slots \
+                         WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS live, \
+                     (SELECT count(*) FROM provider_waiters w, me \
+                         WHERE w.limit_key = $1 AND w.expires_at > clock_timestamp() AND w.holder <> $2 \
+                           AND (w.priority > $3 OR (w.priority = $3 \
+                                AND (w.since, w.holder) < (me.since, $2)))) AS ahead",
+            )
+            .bind::<Text, _>(ask.key)
+            .bind::<Text, _>(ask.holder)
+            .bind::<Integer, _>(ask.priority)
             .get_result(conn)
             .await?;
-            if (live.n as f64) >= allowed {
-                return Ok(false);
+            let now = |stored, per_minute: Option<u32>| {
+                per_minute.map(|m| {
+                    let b = crate::limits::Bucket {
+                        per_minute: f64::from(m),
+                    };
+                    (b, b.level(stored, row.since_refill))
+                })
+            };
+            let requests = now(row.requests, spec.rpm);
+            let tokens = now(row.tokens, spec.tpm);
+            let costs = [(requests, 1.0), (tokens, ask.tokens)];
+            let slot_room = ((room.live + room.ahead) as f64) < allowed;
+            let rated = requests.is_some() || tokens.is_some();
+            let rate_room = !rated
+                || (room.ahead == 0
+                    && costs
+                        .iter()
+                        .all(|(b, cost)| b.is_none_or(|(b, level)| level >= b.need(*cost))));
+            if !(slot_room && rate_room) {
+                sql("INSERT INTO provider_waiters (limit_key, holder, node, priority, since, expires_at) \
+                     VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp() + interval '3 seconds') \
+                     ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
+                         expires_at = EXCLUDED.expires_at")
+                .bind::<Text, _>(ask.key)
+                .bind::<Text, _>(ask.holder)
+                .bind::<Text, _>(ask.node)
+                .bind::<Integer, _>(ask.priority)
+                .execute(conn)
+                .await?;
+                // Under a rate, the waiters ahead go first, one cost each:
+                // this call's turn comes when the bucket holds theirs too.
+                let retry_in = costs
+                    .iter()
+                    .filter_map(|(b, cost)| {
+                        b.map(|(b, level)| {
+                            b.wait_secs(level, b.need(*cost) + room.ahead as f64 * cost)
+                        })
+                    })
+                    .reduce(f64::max)
+                    .filter(|_| slot_room);
+                return Ok(Admission::Wait { retry_in });
             }
             sql(
                 "INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
@@ -89,13 +188,40 @@ impl Store {
                  ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
                      expires_at = EXCLUDED.expires_at",
             )
-            .bind::<Text, _>(key)
-            .bind::<Text, _>(holder)
-            .bind::<Text, _>(node)
-            .bind::<BigInt, _>(lease_ms)
+            .bind::<Text, _>(ask.key)
+            .bind::<Text, _>(ask.holder)
+            .bind::<Text, _>(ask.node)
+            .bind::<BigInt, _>(ask.lease_ms)
             .execute(conn)
             .await?;
-            Ok(true)
+            if ask.queued {
+                sql("DELETE FROM provider_waiters WHERE limit_key = $1 AND holder = $2")
+                    .bind::<Text, _>(ask.key)
+                    .bind::<Text, _>(ask.holder)
+                    .execute(conn)
+                    .await?;
+            }
+            let after = costs.map(|(b, cost)| b.map(|(b, level)| (b, level - cost)));
+            if rated {
+                sql("UPDATE provider_limits SET requests = $2, tokens = $3, \
+                         refilled_at = clock_timestamp() WHERE limit_key = $1")
+                .bind::<Text, _>(ask.key)
+                .bind::<Nullable<Double>, _>(after[0].map(|(_, l)| l))
+                .bind::<Nullable<Double>, _>(after[1].map(|(_, l)| l))
+                .execute(conn)
+                .await?;
+            }
+            let mut saturation: f64 = if allowed.is_finite() {
+                (room.live + 1) as f64 / allowed
+            } else {
+                0.0
+            };
+            for (b, level) in after.into_iter().flatten() {
+                saturation = saturation.max(1.0 - level / b.capacity());
+            }
+            Ok(Admission::Admitted {
+                saturation: saturation.clamp(0.0, 1.0),
+            })
         })
         .await
     }
@@ -104,12 +230,17 @@ impl Store {
     /// learned window by how the call ended ([`crate::limits::next_window`],
     /// with the database's clock, the key's row locked), and wakes every
     /// node's waiters.
+    ///
+    /// `tokens_over` corrects the `tpm` bucket by what the call cost beyond
+    /// its estimate (negative: a refund; the usage the answer reported, or
+    /// the whole estimate back when the provider refused the call).
     pub async fn end_call(
         &self,
         key: &str,
         holder: &str,
         end: CallEnd,
         cap: Option<u32>,
+        tokens_over: f64,
     ) -> Result<(), StoreError> {
         #[derive(QueryableByName)]
         struct State {
@@ -132,7 +263,8 @@ impl Store {
             .get_result(conn)
             .await?;
             let live: Count = sql(
-                "WITH released AS (DELETE FROM provider_slots WHERE limit_key = $1 AND holder = $2) \
+                "WITH released AS (DELETE FROM provider_slots WHERE limit_key = $1 AND holder = $2), \
+                 unqueued AS (DELETE FROM provider_waiters WHERE limit_key = $1 AND holder = $2) \
                  SELECT count(*) AS n FROM provider_slots \
                  WHERE limit_key = $1 AND expires_at > clock_timestamp()",
             )
@@ -152,12 +284,14 @@ impl Store {
             );
             sql("UPDATE provider_limits SET \"window\" = $2, \
                      decreased_at = CASE WHEN $3 THEN clock_timestamp() ELSE decreased_at END, \
-                     throttled = throttled + CASE WHEN $4 THEN 1 ELSE 0 END \
+                     throttled = throttled + CASE WHEN $4 THEN 1 ELSE 0 END, \
+                     tokens = tokens - $5 \
                  WHERE limit_key = $1")
             .bind::<Text, _>(key)
             .bind::<Nullable<Double>, _>(next.window)
             .bind::<diesel::sql_types::Bool, _>(next.decreased)
             .bind::<diesel::sql_types::Bool, _>(end == CallEnd::Throttled)
+            .bind::<Double, _>(tokens_over)
             .execute(conn)
             .await?;
             sql("SELECT pg_notify($1, $2)")
@@ -170,12 +304,13 @@ impl Store {
         .await
     }
 
-    /// Frees every slot `node` holds (it drains, or starts again under the
+    /// Frees every slot `node` holds and its queued waiters (it drains, or starts again under the
     /// same name: calls of its previous life hold none), and wakes waiters.
     pub async fn release_node_slots(&self, node: &str) -> Result<(), StoreError> {
         let mut conn = self.db().conn().await?;
         sql(
-            "WITH gone AS (DELETE FROM provider_slots WHERE node = $1 RETURNING limit_key) \
+            "WITH gone AS (DELETE FROM provider_slots WHERE node = $1 RETURNING limit_key), \
+             unqueued AS (DELETE FROM provider_waiters WHERE node = $1) \
              SELECT pg_notify($2, limit_key) FROM (SELECT DISTINCT limit_key FROM gone) k",
         )
         .bind::<Text, _>(node)

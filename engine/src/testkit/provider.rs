@@ -57,6 +57,8 @@ struct State {
     in_flight: Mutex<(usize, Option<usize>)>,
     /// The most calls answered at once.
     peak: Mutex<usize>,
+    /// The most calls accepted within a sliding window (429 above it).
+    rate: Mutex<Option<(usize, Duration)>>,
 }
 
 /// The fake provider. Cheap to clone.
@@ -111,7 +113,35 @@ impl FakeProvider {
         self.state.in_flight.lock().expect("lock").1 = Some(max);
     }
 
-    /// Requests answered 429 for being over the concurrency limit.
+    /// Answers 429 to a call that arrives when `max` calls were already
+    /// accepted within the last `window`, as a provider's rate limit does
+    /// (each accepted call reports 10 tokens of usage, so `max` calls is
+    /// also `10 × max` tokens per window).
+    pub fn set_rate_limit(&self, max: usize, window: Duration) {
+        *self.state.rate.lock().expect("lock") = Some((max, window));
+    }
+
+    /// The most calls accepted within any `window` (sliding, from their
+    /// arrival times).
+    pub fn peak_rate(&self, window: Duration) -> usize {
+        let accepted: Vec<std::time::Instant> = self
+            .requests()
+            .iter()
+            .filter(|r| !r.throttled)
+            .map(|r| r.received_at)
+            .collect();
+        (0..accepted.len())
+            .map(|i| {
+                accepted[i..]
+                    .iter()
+                    .take_while(|t| t.duration_since(accepted[i]) < window)
+                    .count()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Requests answered 429 for being over the concurrency or rate limit.
     pub fn throttled(&self) -> usize {
         self.requests().iter().filter(|r| r.throttled).count()
     }
@@ -229,7 +259,24 @@ fn receive(
         received_at: std::time::Instant::now(),
         throttled: false,
     });
-    let over = {
+    let now = std::time::Instant::now();
+    let over_rate = state
+        .rate
+        .lock()
+        .expect("lock")
+        .is_some_and(|(max, window)| {
+            let requests = state.requests.lock().expect("lock");
+            // Every request but the one just recorded.
+            let before = &requests[..requests.len() - 1];
+            before
+                .iter()
+                .rev()
+                .take_while(|r| now.duration_since(r.received_at) < window)
+                .filter(|r| !r.throttled)
+                .count()
+                >= max
+        });
+    let over = over_rate || {
         let mut in_flight = state.in_flight.lock().expect("lock");
         match in_flight.1 {
             Some(max) if in_flight.0 >= max => true,
@@ -246,7 +293,7 @@ fn receive(
             r.throttled = true;
         }
         let answer = HttpResponse::TooManyRequests()
-            .json(json!({ "error": { "message": "too many concurrent requests" } }));
+            .json(json!({ "error": { "message": "rate or concurrency limit reached" } }));
         return (key, Behaviour::Ok, Some(answer), None);
     }
     let answering = Some(Answering(state.clone()));
