@@ -175,38 +175,48 @@ impl Context {
         outcome
     }
 
-    /// Waits until its key's limit admits `ask`, holding no connection:
-    /// woken when any node releases a slot of the key, when a rate limit
-    /// will have refilled for it, or after a second. Returns whether it had
-    /// to wait.
+    /// Waits until its key's limit admits `ask`, holding no connection.
+    /// The call queues on this node by priority; the best queued call is
+    /// woken when any node releases a slot of the key or an admission
+    /// leaves room, and asks again after a second; the others are woken in
+    /// turn (and after ten seconds at most, as a safety net). Under a rate
+    /// limit each call also wakes when the bucket will have refilled for
+    /// it. Returns whether it had to wait.
     async fn wait_for_slot(&self, ask: &mut Ask<'_>) -> Result<bool, StepError> {
         let started = std::time::Instant::now();
         let mut waited = false;
-        let waker = self.limiter.waker(ask.key);
+        let mut place = self.limiter.enqueue(ask.key, ask.priority);
         let (provider, model) = ask.key.split_once('/').unwrap_or(("", ask.key));
         let metrics = self.scope.metrics();
         loop {
             self.not_draining()?;
-            let released = waker.notified();
+            ask.refresh_node = waited && place.is_best();
             match self.store.take_slot(ask).await? {
                 Admission::Admitted { saturation } => {
+                    place.admitted = true;
                     metrics.limit_saturation(provider, model, saturation);
                     if waited {
                         metrics.limit_wait(provider, model, started.elapsed());
                     }
                     return Ok(waited);
                 }
-                Admission::Wait { retry_in } => {
+                Admission::Wait { retry_in, since_us } => {
+                    place.queued_since(since_us);
                     if !waited {
                         metrics.limit_saturation(provider, model, 1.0);
                     }
                     waited = true;
                     ask.queued = true;
-                    let pause = retry_in.map_or(Duration::from_secs(1), |s| {
-                        Duration::from_secs_f64(s.clamp(0.002, 1.0))
+                    let fallback = if place.is_best() {
+                        Duration::from_secs(1)
+                    } else {
+                        Duration::from_secs(10)
+                    };
+                    let pause = retry_in.map_or(fallback, |s| {
+                        Duration::from_secs_f64(s.clamp(0.002, fallback.as_secs_f64()))
                     });
                     tokio::select! {
-                        _ = released => {}
+                        _ = place.woken() => {}
                         _ = tokio::time::sleep(pause) => {}
                     }
                 }
@@ -348,6 +358,7 @@ impl Context {
                 tokens: estimate,
                 priority: self.priority,
                 queued: false,
+                refresh_node: false,
             };
             if self.wait_for_slot(&mut ask).await? {
                 // It waited: the in-flight mark counts from the send.

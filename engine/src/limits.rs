@@ -22,8 +22,9 @@
 //! grows only while the calls in flight fill it, and a key whose window has
 //! not halved for five minutes is forgotten (no admission until its next 429).
 
+use std::cmp::Reverse;
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -233,8 +234,83 @@ pub fn next_window(state: WindowState, end: CallEnd, cap: Option<u32>) -> NextWi
 pub struct Limiter {
     limits: Limits,
     learned: Mutex<(Option<Instant>, HashSet<String>)>,
-    /// Per key: notified when any node releases one of its slots.
-    released: Mutex<HashMap<String, std::sync::Arc<tokio::sync::Notify>>>,
+    /// Per key: this node's calls waiting for admission, best first.
+    waiting: Mutex<HashMap<String, Queue>>,
+}
+
+/// One key's calls waiting on this node, best first.
+#[derive(Debug, Default)]
+struct Queue {
+    next: u64,
+    calls: std::collections::BTreeMap<Place, Arc<tokio::sync::Notify>>,
+}
+
+/// A call's place in its key's queue on this node; leaving it (dropped)
+/// wakes the next call unless this one was admitted (then the admission
+/// announces whether room is left).
+#[derive(Debug)]
+pub(crate) struct Waiting {
+    limiter: Arc<Limiter>,
+    key: String,
+    place: Place,
+    notify: Arc<tokio::sync::Notify>,
+    /// Set when the call was admitted.
+    pub(crate) admitted: bool,
+}
+
+/// A call's rank on this node: priority (highest first), then when the
+/// shared queue first refused it (microseconds), then arrival; the same
+/// order as `provider_waiters`, so the call the database lets go next is
+/// the one its node wakes.
+type Place = (Reverse<i32>, i64, u64);
+
+impl Waiting {
+    /// Ranks the call by the time the shared queue first refused it.
+    pub(crate) fn queued_since(&mut self, since_us: i64) {
+        if self.place.1 == since_us {
+            return;
+        }
+        let mut waiting = self.limiter.waiting.lock().expect("lock");
+        if let Some(q) = waiting.get_mut(&self.key) {
+            q.calls.remove(&self.place);
+            self.place.1 = since_us;
+            q.calls.insert(self.place, self.notify.clone());
+        }
+    }
+
+    /// Resolves when this call is woken (or was woken while awake).
+    pub(crate) async fn woken(&self) {
+        self.notify.notified().await;
+    }
+
+    /// Whether this call is the best queued on this node for its key: the
+    /// one that asks again on a timer, and keeps the node's waiter rows fresh.
+    pub(crate) fn is_best(&self) -> bool {
+        self.limiter
+            .waiting
+            .lock()
+            .expect("lock")
+            .get(&self.key)
+            .and_then(|q| q.calls.first_key_value().map(|(p, _)| *p == self.place))
+            .unwrap_or(false)
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        {
+            let mut waiting = self.limiter.waiting.lock().expect("lock");
+            if let Some(q) = waiting.get_mut(&self.key) {
+                q.calls.remove(&self.place);
+                if q.calls.is_empty() {
+                    waiting.remove(&self.key);
+                }
+            }
+        }
+        if !self.admitted {
+            self.limiter.wake(&self.key);
+        }
+    }
 }
 
 /// How often a node re-reads which keys are being learned.
@@ -283,21 +359,40 @@ impl Limiter {
         self.learned.lock().expect("lock").1.contains(key)
     }
 
-    /// The wake-up of calls waiting for a slot of `key`.
-    pub(crate) fn waker(&self, key: &str) -> std::sync::Arc<tokio::sync::Notify> {
-        self.released
-            .lock()
-            .expect("lock")
-            .entry(key.to_owned())
-            .or_default()
-            .clone()
+    /// Queues a call of `key` with `priority` on this node: until it is
+    /// admitted or dropped, [`wake`](Self::wake) reaches the best queued
+    /// call (highest priority, then the oldest) rather than all of them.
+    pub(crate) fn enqueue(self: &Arc<Self>, key: &str, priority: i32) -> Waiting {
+        let mut waiting = self.waiting.lock().expect("lock");
+        let queue = waiting.entry(key.to_owned()).or_default();
+        queue.next += 1;
+        // Until its first refusal gives it a place in the shared queue, a
+        // call ranks after the node's queued calls of its priority.
+        let place = (Reverse(priority), i64::MAX, queue.next);
+        let notify = Arc::new(tokio::sync::Notify::new());
+        queue.calls.insert(place, notify.clone());
+        Waiting {
+            limiter: self.clone(),
+            key: key.to_owned(),
+            place,
+            notify,
+            admitted: false,
+        }
     }
 
-    /// Wakes the calls waiting for a slot of `key` (a release was announced).
+    /// Wakes the best call of `key` queued on this node (a slot was
+    /// released, or an admission left room, on some node). Only it asks the
+    /// database; if it is admitted with room left, the next is woken in turn.
     pub(crate) fn wake(&self, key: &str) {
-        let waker = self.released.lock().expect("lock").get(key).cloned();
-        if let Some(w) = waker {
-            w.notify_waiters();
+        let best = self
+            .waiting
+            .lock()
+            .expect("lock")
+            .get(key)
+            .and_then(|q| q.calls.first_key_value().map(|(_, n)| n.clone()));
+        if let Some(n) = best {
+            // A permit is kept when the call is not sleeping yet.
+            n.notify_one();
         }
     }
 

@@ -35,6 +35,9 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
             KeyValue::new(OUTCOME, "performed"),
         ],
     );
+    m.throttled("openai", "gpt-4o");
+    m.limit_wait("openai", "gpt-4o", std::time::Duration::from_millis(5));
+    m.limit_saturation("openai", "gpt-4o", 0.5);
     let text = t.prometheus();
     let families = text
         .lines()
@@ -57,7 +60,7 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
 #[test]
 fn every_dashboard_query_names_a_metric_onceflow_exports() {
     let (families, labels) = exported();
-    assert_eq!(families.len(), 10, "{families:?}");
+    assert_eq!(families.len(), 13, "{families:?}");
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/grafana/onceflow-dashboard.json"
@@ -130,8 +133,10 @@ fn a_fresh_node_exports_every_dashboard_series_at_zero() {
             .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .filter(|t| t.starts_with("onceflow_"))
         {
-            // The step-duration histogram has no meaningful zero; label
-            // names (`onceflow_state="…"`) are not series.
+            // The step-duration histogram has no meaningful zero; the
+            // provider-limit series are per provider and model, which a node
+            // learns from its first limited call; label names
+            // (`onceflow_state="…"`) are not series.
             const LABELS: [&str; 5] = [
                 "onceflow_step",
                 "onceflow_state",
@@ -139,7 +144,11 @@ fn a_fresh_node_exports_every_dashboard_series_at_zero() {
                 "onceflow_submit_outcome",
                 "onceflow_retry",
             ];
-            if name.starts_with("onceflow_step_duration") || LABELS.contains(&name) {
+            if name.starts_with("onceflow_step_duration")
+                || name.starts_with("onceflow_limit_")
+                || name.starts_with("onceflow_provider_throttled")
+                || LABELS.contains(&name)
+            {
                 continue;
             }
             let present = text

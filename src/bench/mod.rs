@@ -12,6 +12,7 @@
 //! flushes, and CPU time of this process and of the server.
 
 mod costs;
+mod curve;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -55,6 +56,11 @@ pub struct BenchArgs {
     /// call) instead of h2c (all calls on one HTTP/2 connection).
     #[arg(long)]
     pub provider_http1: bool,
+    /// Limit mode: the learned provider window over time, against a fake
+    /// provider that answers 429 above this many concurrent calls, with no
+    /// limit configured, on two engine nodes (`--jobs` jobs).
+    #[arg(long, value_name = "CONCURRENCY")]
+    pub limit_curve: Option<usize>,
     /// Lease length in milliseconds (the heartbeat renews every third of it).
     #[arg(long, env = "ONCEFLOW_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u64,
@@ -170,6 +176,9 @@ async fn bench(
 
     if args.hold {
         return hold(args, db, &run_id, telemetry).await;
+    }
+    if let Some(limit) = args.limit_curve {
+        return curve::run(args, db, &run_id, limit).await;
     }
 
     // The commit limit, before anything else runs: pgbench at 16 and 64

@@ -55,6 +55,9 @@ pub struct Ask<'a> {
     pub priority: i32,
     /// Whether the call already waits (it has a waiter row to leave).
     pub queued: bool,
+    /// Whether the call is its node's best waiter for the key, which keeps
+    /// the node's other waiter rows from lapsing.
+    pub refresh_node: bool,
 }
 
 /// The answer to an [`Ask`].
@@ -71,6 +74,9 @@ pub enum Admission {
     Wait {
         /// Seconds until the call's turn under a rate limit.
         retry_in: Option<f64>,
+        /// When the call was first refused (µs since the epoch): its place
+        /// among the calls of its priority.
+        since_us: i64,
     },
 }
 
@@ -101,6 +107,11 @@ impl Store {
             live: i64,
             #[diesel(sql_type = BigInt)]
             ahead: i64,
+            #[diesel(sql_type = BigInt)]
+            waiting: i64,
+            /// When this call was first refused (now, if never), in µs.
+            #[diesel(sql_type = BigInt)]
+            since_us: i64,
         }
         let spec = ask.spec;
         let mut conn = self.db().conn().await?;
@@ -133,7 +144,10 @@ impl Store {
                      (SELECT count(*) FROM provider_waiters w, me \
                          WHERE w.limit_key = $1 AND w.expires_at > clock_timestamp() AND w.holder <> $2 \
                            AND (w.priority > $3 OR (w.priority = $3 \
-                                AND (w.since, w.holder) < (me.since, $2)))) AS ahead",
+                                AND (w.since, w.holder) < (me.since, $2)))) AS ahead, \
+                     (SELECT count(*) FROM provider_waiters \
+                         WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS waiting, \
+                     (SELECT (extract(epoch FROM since) * 1000000)::int8 FROM me) AS since_us",
             )
             .bind::<Text, _>(ask.key)
             .bind::<Text, _>(ask.holder)
@@ -160,15 +174,27 @@ impl Store {
                         .all(|(b, cost)| b.is_none_or(|(b, level)| level >= b.need(*cost))));
             if !(slot_room && rate_room) {
                 sql("INSERT INTO provider_waiters (limit_key, holder, node, priority, since, expires_at) \
-                     VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp() + interval '3 seconds') \
+                     VALUES ($1, $2, $3, $4, 'epoch'::timestamptz + $5 * interval '1 microsecond', \
+                         clock_timestamp() + interval '3 seconds') \
                      ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
                          expires_at = EXCLUDED.expires_at")
                 .bind::<Text, _>(ask.key)
                 .bind::<Text, _>(ask.holder)
                 .bind::<Text, _>(ask.node)
                 .bind::<Integer, _>(ask.priority)
+                .bind::<BigInt, _>(room.since_us)
                 .execute(conn)
                 .await?;
+                if ask.refresh_node {
+                    // The node's best waiter keeps all its waiters' rows fresh.
+                    sql("UPDATE provider_waiters SET expires_at = clock_timestamp() + interval '3 seconds' \
+                         WHERE limit_key = $1 AND node = $2 AND holder <> $3")
+                    .bind::<Text, _>(ask.key)
+                    .bind::<Text, _>(ask.node)
+                    .bind::<Text, _>(ask.holder)
+                    .execute(conn)
+                    .await?;
+                }
                 // Under a rate, the waiters ahead go first, one cost each:
                 // this call's turn comes when the bucket holds theirs too.
                 let retry_in = costs
@@ -180,7 +206,10 @@ impl Store {
                     })
                     .reduce(f64::max)
                     .filter(|_| slot_room);
-                return Ok(Admission::Wait { retry_in });
+                return Ok(Admission::Wait {
+                    retry_in,
+                    since_us: room.since_us,
+                });
             }
             sql(
                 "INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
@@ -210,6 +239,19 @@ impl Store {
                 .bind::<Nullable<Double>, _>(after[1].map(|(_, l)| l))
                 .execute(conn)
                 .await?;
+            }
+            // Room left and calls waiting: the next one is woken, on every node.
+            let room_left = ((room.live + 1 + room.ahead) as f64) < allowed
+                && after
+                    .iter()
+                    .flatten()
+                    .all(|(b, level)| *level >= b.need(1.0));
+            if room_left && room.waiting > 0 {
+                sql("SELECT pg_notify($1, $2)")
+                    .bind::<Text, _>(LIMITS_CHANNEL)
+                    .bind::<Text, _>(ask.key)
+                    .execute(conn)
+                    .await?;
             }
             let mut saturation: f64 = if allowed.is_finite() {
                 (room.live + 1) as f64 / allowed
