@@ -65,7 +65,7 @@ pub struct ServeArgs {
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     pub openai_api_key: Option<Secret>,
     /// Provider limits shared by every node: JSON
-    /// `{"<model>" | "<provider>/<model>" | "*": {"concurrency": N}}`, or
+    /// `{"<model>" | "<provider>/<model>" | "*": {"concurrency": N, "rpm": N, "tpm": N}}`, or
     /// `@path` to a file holding it.
     #[arg(long, env = "ONCEFLOW_LIMITS")]
     pub limits: Option<String>,

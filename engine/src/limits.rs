@@ -1,8 +1,11 @@
 //! Provider limits shared by every node on one database.
 //!
 //! A *limit key* is `provider/model` (`openai/gpt-4o`). `ONCEFLOW_LIMITS`
-//! configures a maximum of concurrent calls per key (by `provider/model`,
-//! by model, or `"*"` for each unlisted model on its own). Independently,
+//! configures per key (by `provider/model`, by model, or `"*"` for each
+//! unlisted model on its own) a maximum of concurrent calls, and requests
+//! and tokens per minute, enforced as token buckets ([`Bucket`]) on the
+//! key's row. Calls waiting for a key queue over every node by priority,
+//! then by the time they were first refused. Independently,
 //! every key that sees a 429 gets a *learned window* of concurrent calls,
 //! shared through PostgreSQL: it starts at 1 (a slow start), grows by
 //! 1/(4·window) per answered call (a quarter of a call more per round of
@@ -16,9 +19,11 @@
 //! for the call's timeout (plus 5 s); it is released when the call ends —
 //! also when the attempt is dropped mid-call (a guard releases it) — a
 //! draining node releases its own, and a crashed node's lapse at their
-//! expiry. A waiting call holds no connection: it sleeps until a release of
-//! its key anywhere is announced (`NOTIFY onceflow_limits`, the key as
-//! payload), with a one-second fallback check, then asks again. A window
+//! expiry. A waiting call holds no connection. Each node holds its waiting
+//! calls in the shared queue's order (`Limiter::enqueue`) and wakes only
+//! the best when a release or an admission that leaves room is announced
+//! (`NOTIFY onceflow_limits`, the key as payload); that call also asks
+//! again every second, the others wait their turn. A window
 //! grows only while the calls in flight fill it, and a key whose window has
 //! not halved for five minutes is forgotten (no admission until its next 429).
 
