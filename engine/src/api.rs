@@ -13,6 +13,7 @@
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use onceflow_observability::names::*;
@@ -295,6 +296,7 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
             .route("/v1/stats", web::get().to(stats))
             .route("/v1/jobs/redrive", web::post().to(redrive_bulk))
             .route("/v1/jobs/{id}", web::get().to(get_job))
+            .route("/v1/jobs/{id}/events", web::get().to(job_events))
             .route("/v1/jobs/{id}/cancel", web::post().to(cancel))
             .route("/v1/jobs/{id}/redrive", web::post().to(redrive))
             .route("/", web::get().to(console_page))
@@ -578,6 +580,123 @@ async fn get_job(
             None,
         ),
         Err(e) => unavailable(e),
+    }
+}
+
+/// `GET /v1/jobs/{id}/events`: the job's events as server-sent events —
+/// the chunks of its streamed answers (`chunk`), a restarted stream's
+/// `reset`, and its state changes (`state`) — each with the `id` of one
+/// increasing sequence per job. Only journaled (durable) events are sent,
+/// so what a watcher saw is always a prefix of the journal. `Last-Event-ID`
+/// resumes after that event; the stream ends after the job's final state.
+async fn job_events(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let after = match req.headers().get("last-event-id") {
+        None => 0,
+        Some(v) => match v.to_str().ok().and_then(|v| v.trim().parse::<i64>().ok()) {
+            Some(n) if n >= 0 => n,
+            _ => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_header",
+                    "Last-Event-ID must be the id of an event this stream sent (a non-negative integer)",
+                    Some("Last-Event-ID"),
+                )
+            }
+        },
+    };
+    if let Err(refused) = own_job(&state, who, &id).await {
+        return refused;
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<web::Bytes>(64);
+    actix_web::rt::spawn(follow_events(
+        state.store.clone(),
+        id.into_inner(),
+        after,
+        tx,
+    ));
+    let body = futures_util::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx).map(|b| b.map(Ok::<_, actix_web::Error>))
+    });
+    HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header(("cache-control", "no-cache"))
+        .insert_header(("x-accel-buffering", "no"))
+        .streaming(body)
+}
+
+/// Sends `job_id`'s events after `after` to `tx` as they are journaled,
+/// until the job's final state has been sent or the watcher leaves.
+async fn follow_events(
+    store: Store,
+    job_id: String,
+    mut after: i64,
+    tx: tokio::sync::mpsc::Sender<web::Bytes>,
+) {
+    let moved = store.watch_stream(&job_id);
+    let mut quiet = std::time::Instant::now();
+    loop {
+        // Registered before reading, so a commit in between is not missed.
+        let notified = moved.notified();
+        let events = match store.job_events(&job_id, after, 500).await {
+            Ok(events) => events,
+            Err(e) => {
+                tracing::warn!(error = %e, job.id = job_id, "reading a job's events");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let mut finished = false;
+        for event in &events {
+            after = event.id;
+            finished = event.kind == "state"
+                && event
+                    .text
+                    .parse::<crate::JobState>()
+                    .is_ok_and(|s| s.is_terminal());
+            let data = serde_json::to_string(event).expect("an event serialises");
+            let frame = format!("id: {}\nevent: {}\ndata: {data}\n\n", event.id, event.kind);
+            if tx.send(web::Bytes::from(frame)).await.is_err() {
+                return; // the watcher left
+            }
+        }
+        if finished {
+            return;
+        }
+        if events.is_empty() {
+            // Resumed past the end of a finished job: nothing more will come.
+            if let Ok(Some(view)) = store.job(&job_id).await {
+                if view.state.is_terminal() {
+                    return;
+                }
+            }
+            if quiet.elapsed() >= Duration::from_secs(15) {
+                quiet = std::time::Instant::now();
+                if tx
+                    .send(web::Bytes::from_static(b": keep-alive\n\n"))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            // Chunks wake us at once; state changes are read every 250 ms.
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                _ = tx.closed() => return,
+            }
+        }
     }
 }
 

@@ -16,9 +16,10 @@ use crate::intake::canonical_hash;
 use crate::keys;
 use crate::observe::Scope;
 use crate::outbound::PostError;
-use crate::provider::Provider;
+use crate::provider::{Provider, Usage};
 use crate::store::journal::{FailedSend, ModelCallStart};
 use crate::store::limits::{Admission, Ask, CallEnd};
+use crate::store::streams::StreamRow;
 use crate::store::{Checkpoint, Fence, Store};
 
 /// Everything a step needs; built by the job actor for one attempt.
@@ -193,7 +194,6 @@ impl Context {
             ask.refresh_node = waited && place.is_best();
             match self.store.take_slot(ask).await? {
                 Admission::Admitted { saturation } => {
-                    place.admitted = true;
                     metrics.limit_saturation(provider, model, saturation);
                     if waited {
                         metrics.limit_wait(provider, model, started.elapsed());
@@ -221,6 +221,105 @@ impl Context {
                     }
                 }
             }
+        }
+    }
+
+    /// Sends a streamed model call and journals its text as it arrives
+    /// (group-committed: the chunks that arrive while a write commits form
+    /// the next), so watchers are shown only what is durable. Returns the
+    /// call's outcome and the chunks it journaled.
+    ///
+    /// When the journal already holds part of this call's stream (an
+    /// earlier attempt broke off), the same request goes out under the same
+    /// key and the new stream is checked against what was shown: while it
+    /// repeats it, nothing is journaled again (watchers see no repeat), and
+    /// what comes after it continues the same generation. If it differs, a
+    /// `reset` row saying why opens a new generation, which journals the
+    /// new answer from its start: the journal keeps both, and watchers see
+    /// exactly one reset. See LIFECYCLE.md, "A stream that fails halfway".
+    async fn stream_chat(
+        &self,
+        key: &str,
+        request: &Value,
+        traceparent: &str,
+        model: &str,
+    ) -> Result<(Result<(Value, Usage, u16), PostError>, usize), StepError> {
+        let journaled = self.store.journaled_stream(self.job_id(), key).await?;
+        let mut tape = Tape::new(journaled);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let started = std::time::Instant::now();
+        let first = std::sync::Mutex::new(None::<std::time::Instant>);
+        let send = async {
+            let mut on_text = |text: &str| {
+                first
+                    .lock()
+                    .expect("lock")
+                    .get_or_insert_with(std::time::Instant::now);
+                let _ = tx.send(text.to_owned());
+            };
+            let sent = self
+                .provider
+                .chat_stream(
+                    key,
+                    request,
+                    traceparent,
+                    &self.faults,
+                    self.job_id(),
+                    &mut on_text,
+                )
+                .await;
+            drop(tx);
+            Ok::<_, StepError>(sent)
+        };
+        let journal = async {
+            let mut chunks = 0usize;
+            while let Some(text) = rx.recv().await {
+                let mut texts = vec![text];
+                while let Ok(more) = rx.try_recv() {
+                    texts.push(more);
+                }
+                let rows = tape.accept(&texts);
+                chunks += self.write_stream(key, &tape, rows).await?;
+            }
+            Ok::<_, StepError>(chunks)
+        };
+        let (sent, mut chunks) = tokio::try_join!(send, journal)?;
+        if sent.is_ok() {
+            // An answer shorter than what was shown is a different answer.
+            let rows = tape.finish();
+            chunks += self.write_stream(key, &tape, rows).await?;
+            if let Some(first) = *first.lock().expect("lock") {
+                let ttft = first - started;
+                let pace = sent.as_ref().ok().and_then(|(_, usage, _)| {
+                    let tokens = f64::from(usage.output_tokens?);
+                    let secs = first.elapsed().as_secs_f64();
+                    (secs > 0.0).then(|| tokens / secs)
+                });
+                self.scope.metrics().stream(model, ttft, pace);
+            }
+        }
+        Ok((sent, chunks))
+    }
+
+    /// Journals `rows` of `key`'s stream in the tape's generation; returns
+    /// how many chunks that was.
+    async fn write_stream(
+        &self,
+        key: &str,
+        tape: &Tape,
+        rows: Vec<StreamRow>,
+    ) -> Result<usize, StepError> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let chunks = rows.iter().filter(|r| r.kind == "chunk").count();
+        match self
+            .store
+            .journal_stream(&self.fence, key, tape.generation, rows)
+            .await?
+        {
+            Checkpoint::Moved => Ok(chunks),
+            _ => Err(StepError::LeaseLost),
         }
     }
 
@@ -367,16 +466,23 @@ impl Context {
                     .await?;
             }
         }
-        let sent = self
-            .provider
-            .chat(
-                &key,
-                request,
-                &span.traceparent(),
-                &self.faults,
-                self.job_id(),
-            )
-            .await;
+        let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
+        let sent = if streaming {
+            let (sent, chunks) =
+                Box::pin(self.stream_chat(&key, request, &span.traceparent(), &model_name)).await?;
+            span.set(KeyValue::new(STREAM_CHUNKS, chunks as i64));
+            sent
+        } else {
+            self.provider
+                .chat(
+                    &key,
+                    request,
+                    &span.traceparent(),
+                    &self.faults,
+                    self.job_id(),
+                )
+                .await
+        };
         let end = match &sent {
             Ok(_) => CallEnd::Answered,
             // 529: Anthropic's "overloaded".
@@ -860,5 +966,167 @@ impl Context {
                 Err(StepError::LeaseLost)
             }
         }
+    }
+}
+
+/// A streamed call's place in its journal: what was shown before (the
+/// latest generation's text), how much of it the new stream has repeated,
+/// and where the next chunk goes.
+#[derive(Debug)]
+pub(crate) struct Tape {
+    /// The generation chunks are journaled in.
+    pub(crate) generation: i32,
+    next_offset: i32,
+    /// What watchers were shown of this generation before this attempt.
+    shown: String,
+    /// This attempt's text so far.
+    got: String,
+    /// Whether the new stream is still repeating `shown`.
+    verifying: bool,
+}
+
+impl Tape {
+    pub(crate) fn new(journaled: crate::store::streams::Journaled) -> Self {
+        Tape {
+            generation: journaled.generation.max(1),
+            next_offset: journaled.next_offset,
+            verifying: !journaled.text.is_empty(),
+            shown: journaled.text,
+            got: String::new(),
+        }
+    }
+
+    /// Takes the texts that arrived; returns the rows to journal.
+    pub(crate) fn accept(&mut self, texts: &[String]) -> Vec<StreamRow> {
+        for t in texts {
+            self.got.push_str(t);
+        }
+        if !self.verifying {
+            return texts.iter().map(|t| self.chunk(t.clone())).collect();
+        }
+        let (shown, got) = (self.shown.as_bytes(), self.got.as_bytes());
+        if got.len() <= shown.len() {
+            if shown.starts_with(got) {
+                return Vec::new();
+            }
+        } else if got.starts_with(shown) {
+            // Past what was shown: the rest continues this generation.
+            self.verifying = false;
+            let rest = self.got[self.shown.len()..].to_owned();
+            return vec![self.chunk(rest)];
+        }
+        self.reset()
+    }
+
+    /// The stream ended: an answer that stopped inside what was shown is a
+    /// different answer.
+    pub(crate) fn finish(&mut self) -> Vec<StreamRow> {
+        if self.verifying && self.got.len() < self.shown.len() {
+            self.reset()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn chunk(&mut self, text: String) -> StreamRow {
+        let row = StreamRow {
+            offset: self.next_offset,
+            kind: "chunk",
+            text,
+        };
+        self.next_offset += 1;
+        row
+    }
+
+    /// A new generation, announced by a reset with its reason, holding the
+    /// new answer from its start.
+    fn reset(&mut self) -> Vec<StreamRow> {
+        let at = self
+            .shown
+            .bytes()
+            .zip(self.got.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        let reason = format!(
+            "the provider's answer to the repeated request differs from the {} bytes already shown, \
+             from byte {at}; the answer restarts as generation {}",
+            self.shown.len(),
+            self.generation + 1
+        );
+        self.generation += 1;
+        self.next_offset = 0;
+        self.verifying = false;
+        let mut rows = vec![StreamRow {
+            offset: -1,
+            kind: "reset",
+            text: reason,
+        }];
+        if !self.got.is_empty() {
+            let all = self.got.clone();
+            rows.push(self.chunk(all));
+        }
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tape_tests {
+    use super::*;
+    use crate::store::streams::Journaled;
+
+    fn texts(rows: &[StreamRow]) -> Vec<(i32, &str, &str)> {
+        rows.iter()
+            .map(|r| (r.offset, r.kind, r.text.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn a_fresh_stream_journals_every_chunk_in_generation_one() {
+        let mut t = Tape::new(Journaled::default());
+        assert_eq!(t.generation, 1);
+        let rows = t.accept(&["a".into(), "b".into()]);
+        assert_eq!(texts(&rows), vec![(0, "chunk", "a"), (1, "chunk", "b")]);
+        assert!(t.finish().is_empty());
+    }
+
+    #[test]
+    fn a_replayed_stream_is_verified_and_continues_after_what_was_shown() {
+        let mut t = Tape::new(Journaled {
+            generation: 1,
+            text: "hello wor".into(),
+            next_offset: 3,
+        });
+        assert!(t.accept(&["hel".into()]).is_empty());
+        assert!(t.accept(&["lo ".into(), "wo".into()]).is_empty());
+        let rows = t.accept(&["rld".into()]);
+        assert_eq!(texts(&rows), vec![(3, "chunk", "ld")]);
+        assert_eq!(t.generation, 1);
+        assert_eq!(texts(&t.accept(&["!".into()])), vec![(4, "chunk", "!")]);
+    }
+
+    #[test]
+    fn a_different_answer_resets_once_into_a_new_generation() {
+        let mut t = Tape::new(Journaled {
+            generation: 1,
+            text: "hello".into(),
+            next_offset: 2,
+        });
+        assert!(t.accept(&["he".into()]).is_empty());
+        let rows = t.accept(&["y".into()]);
+        assert_eq!(rows[0].kind, "reset");
+        assert_eq!(rows[0].offset, -1);
+        assert_eq!(texts(&rows[1..]), vec![(0, "chunk", "hey")]);
+        assert_eq!(t.generation, 2);
+        assert_eq!(texts(&t.accept(&["!".into()])), vec![(1, "chunk", "!")]);
+        // A shorter answer that stopped inside what was shown differs too.
+        let mut t = Tape::new(Journaled {
+            generation: 2,
+            text: "hello".into(),
+            next_offset: 1,
+        });
+        assert!(t.accept(&["hel".into()]).is_empty());
+        let rows = t.finish();
+        assert_eq!(rows[0].kind, "reset");
+        assert_eq!(t.generation, 3);
     }
 }

@@ -161,6 +161,7 @@ pub struct Engine {
     stop_listener: tokio::sync::watch::Sender<bool>,
     counters: Arc<Counters>,
     draining: Arc<std::sync::atomic::AtomicBool>,
+    limiter: Arc<crate::limits::Limiter>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -191,8 +192,14 @@ impl Engine {
         });
         let supervisor = Supervisor::new(shared).start();
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
-        actix::spawn(listen(store.clone(), supervisor.clone(), limiter, stopped));
+        actix::spawn(listen(
+            store.clone(),
+            supervisor.clone(),
+            limiter.clone(),
+            stopped,
+        ));
         Engine {
+            limiter,
             supervisor,
             store,
             node_id,
@@ -242,6 +249,8 @@ impl Engine {
         self.draining
             .store(true, std::sync::atomic::Ordering::Release);
         let _ = self.stop_listener.send(true);
+        // Calls waiting for a provider limit give up now, not at their timer.
+        self.limiter.wake_all();
         let _ = self.supervisor.send(crate::supervisor::Drain).await;
         let deadline = tokio::time::Instant::now() + timeout;
         while self.in_flight().await > 0 && tokio::time::Instant::now() < deadline {
@@ -286,7 +295,7 @@ async fn listen(
             match store.db().dedicated().await {
                 Ok(mut conn) => {
                     let started = std::time::Instant::now();
-                    if let Err(e) = listen_on(&mut conn, &supervisor, &limiter).await {
+                    if let Err(e) = listen_on(&mut conn, &store, &supervisor, &limiter).await {
                         tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
                     }
                     started.elapsed() > Duration::from_secs(5)
@@ -319,12 +328,14 @@ async fn listen(
 
 async fn listen_on(
     conn: &mut AsyncPgConnection,
+    store: &Store,
     supervisor: &Addr<Supervisor>,
     limiter: &crate::limits::Limiter,
 ) -> Result<(), diesel::result::Error> {
     use crate::store::limits::LIMITS_CHANNEL;
+    use crate::store::streams::STREAM_CHANNEL;
     conn.batch_execute(&format!(
-        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}"
+        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}; LISTEN {STREAM_CHANNEL}"
     ))
     .await?;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
@@ -332,6 +343,8 @@ async fn listen_on(
         let n = n?;
         if n.channel == LIMITS_CHANNEL {
             limiter.wake(&n.payload);
+        } else if n.channel == STREAM_CHANNEL {
+            store.stream_moved(&n.payload);
         } else {
             supervisor.do_send(Poll);
         }

@@ -251,16 +251,13 @@ struct Queue {
 }
 
 /// A call's place in its key's queue on this node; leaving it (dropped)
-/// wakes the next call unless this one was admitted (then the admission
-/// announces whether room is left).
+/// wakes the next call.
 #[derive(Debug)]
 pub(crate) struct Waiting {
     limiter: Arc<Limiter>,
     key: String,
     place: Place,
     notify: Arc<tokio::sync::Notify>,
-    /// Set when the call was admitted.
-    pub(crate) admitted: bool,
 }
 
 /// A call's rank on this node: priority (highest first), then when the
@@ -312,9 +309,10 @@ impl Drop for Waiting {
                 }
             }
         }
-        if !self.admitted {
-            self.limiter.wake(&self.key);
-        }
+        // The next call takes over: the asking on a timer if this one was
+        // refused to the end, or the room this one may have left (a wake-up
+        // meant for the next call can reach this one as it is admitted).
+        self.limiter.wake(&self.key);
     }
 }
 
@@ -381,7 +379,6 @@ impl Limiter {
             key: key.to_owned(),
             place,
             notify,
-            admitted: false,
         }
     }
 
@@ -398,6 +395,15 @@ impl Limiter {
         if let Some(n) = best {
             // A permit is kept when the call is not sleeping yet.
             n.notify_one();
+        }
+    }
+
+    /// Wakes every waiting call on this node (it drains: they give up).
+    pub(crate) fn wake_all(&self) {
+        for q in self.waiting.lock().expect("lock").values() {
+            for n in q.calls.values() {
+                n.notify_one();
+            }
         }
     }
 

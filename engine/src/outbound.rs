@@ -240,6 +240,65 @@ pub async fn post(
     }
 }
 
+/// Sends `post` and returns the open 2xx response for the caller to read
+/// as it arrives (a stream of server-sent events); a non-2xx answer is read
+/// (its first 64 KiB, credentials redacted) into the error, as
+/// [`Read::BodyAndErrors`] does. `post.read` is not used.
+pub async fn open(
+    client: &reqwest::Client,
+    post: Post<'_>,
+    seam: Option<Seam<'_>>,
+) -> Result<(u16, reqwest::Response), PostError> {
+    let Post {
+        url,
+        headers,
+        body,
+        timeout,
+        guard,
+        ..
+    } = post;
+    if let Some(guard) = guard {
+        let parsed = url::Url::parse(url)
+            .map_err(|e| PostError::Failed(Failure::Refused(format!("not a valid URL: {e}"))))?;
+        guard
+            .check(&parsed)
+            .map_err(|r| PostError::Failed(Failure::Refused(r.0)))?;
+    }
+    let mut request = client
+        .post(url)
+        .timeout(timeout)
+        .header("content-type", "application/json")
+        .body(body);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    let response = request
+        .send()
+        .await
+        .map_err(|e| PostError::Failed(classify(&e.without_url())))?;
+    if let Some(seam) = seam {
+        seam.faults
+            .hit(seam.job_id, seam.point)
+            .await
+            .map_err(PostError::Injected)?;
+    }
+    let status = response.status().as_u16();
+    if (200..300).contains(&status) {
+        return Ok((status, response));
+    }
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_retry_after);
+    let bytes = read_capped(response, 64 << 10).await.unwrap_or_default();
+    Err(PostError::Failed(Failure::Status {
+        status,
+        retry_after,
+        body: redact(&String::from_utf8_lossy(&bytes)),
+    }))
+}
+
 /// Reads at most `limit` bytes of `response`; more is `response_too_large`
 /// and the rest is never read (the connection is dropped).
 async fn read_capped(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, PostError> {

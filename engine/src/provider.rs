@@ -203,6 +203,268 @@ impl Provider {
     }
 }
 
+impl Provider {
+    /// As [`chat`](Self::chat) for a request with `"stream": true` (OpenAI
+    /// only): asks for server-sent events with `stream_options.include_usage`
+    /// and hands each piece of the answer's text to `on_text` as it arrives.
+    /// The answer is the whole chat completion, assembled. A stream that
+    /// breaks or ends before `data: [DONE]` is an ambiguous failure: the
+    /// provider may have done the work, and the next attempt asks again
+    /// under the same key.
+    pub async fn chat_stream(
+        &self,
+        key: &str,
+        request: &Value,
+        traceparent: &str,
+        faults: &Faults,
+        job_id: &str,
+        on_text: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(Value, Usage, u16), PostError> {
+        if request
+            .get("provider")
+            .and_then(Value::as_str)
+            .is_some_and(|p| p != "openai")
+        {
+            return Err(PostError::Failed(Failure::Status {
+                status: 400,
+                retry_after: None,
+                body: "streaming is supported for provider openai only".to_owned(),
+            }));
+        }
+        let mut headers = vec![
+            ("idempotency-key", key.to_owned()),
+            ("traceparent", traceparent.to_owned()),
+            ("accept", "text/event-stream".to_owned()),
+        ];
+        if let Some(api_key) = &self.config.api_key {
+            headers.push(("authorization", format!("Bearer {api_key}")));
+        }
+        let url = format!(
+            "{}/chat/completions",
+            self.config.base_url.trim_end_matches('/')
+        );
+        let mut body = request.clone();
+        if let Some(o) = body.as_object_mut() {
+            o.remove("provider");
+            o.insert("stream".into(), Value::Bool(true));
+            o.insert(
+                "stream_options".into(),
+                serde_json::json!({ "include_usage": true }),
+            );
+        }
+        let post = Post {
+            url: &url,
+            headers,
+            body: serde_json::to_vec(&body).expect("a JSON value serialises"),
+            timeout: self.config.timeout,
+            read: crate::outbound::Read::BodyAndErrors {
+                limit: self.config.max_response_bytes,
+            },
+            guard: None,
+        };
+        let seam = Seam {
+            faults,
+            job_id,
+            point: FailPoint::ModelAfterSend,
+        };
+        let (status, mut response) = crate::outbound::open(&self.client, post, Some(seam)).await?;
+        let mut events = sse::Events::default();
+        let mut answer = sse::Answer::default();
+        let broken = |what: String| PostError::Failed(Failure::Ambiguous(what));
+        loop {
+            let chunk = match response.chunk().await {
+                Ok(Some(chunk)) => chunk,
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(broken(format!(
+                        "the stream broke after {} chunks: {e}",
+                        answer.chunks
+                    )))
+                }
+            };
+            for data in events.push(&chunk) {
+                if let Some(text) = answer.take(&data).map_err(|e| {
+                    PostError::Failed(Failure::BadResponse(format!("a stream event: {e}")))
+                })? {
+                    on_text(&text);
+                }
+            }
+            if answer.content.len() > self.config.max_response_bytes {
+                return Err(PostError::Failed(Failure::TooLarge {
+                    limit: self.config.max_response_bytes,
+                }));
+            }
+            if answer.done {
+                break;
+            }
+        }
+        if !answer.done {
+            return Err(broken(format!(
+                "the stream ended after {} chunks, before data: [DONE]",
+                answer.chunks
+            )));
+        }
+        let response = answer.completion(request);
+        let tokens = |name: &str| {
+            response
+                .pointer(&format!("/usage/{name}"))
+                .and_then(Value::as_i64)
+                .and_then(|n| i32::try_from(n).ok())
+        };
+        let usage = Usage {
+            input_tokens: tokens("prompt_tokens"),
+            output_tokens: tokens("completion_tokens"),
+        };
+        Ok((response, usage, status))
+    }
+}
+
+/// Server-sent events of OpenAI's streamed chat completions.
+pub mod sse {
+    use serde_json::{json, Value};
+
+    /// Splits a byte stream into the `data:` payloads of its events.
+    #[derive(Debug, Default)]
+    pub struct Events {
+        buffer: Vec<u8>,
+    }
+
+    impl Events {
+        /// Adds `bytes`; returns the data of every event now complete.
+        pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+            self.buffer.extend_from_slice(bytes);
+            let mut out = Vec::new();
+            loop {
+                let text = &self.buffer;
+                // An event ends at a blank line (LF LF, or CR LF CR LF).
+                let end = text
+                    .windows(2)
+                    .position(|w| w == b"\n\n")
+                    .map(|i| (i, 2))
+                    .into_iter()
+                    .chain(
+                        text.windows(4)
+                            .position(|w| w == b"\r\n\r\n")
+                            .map(|i| (i, 4)),
+                    )
+                    .min_by_key(|(i, _)| *i);
+                let Some((at, len)) = end else { break };
+                let event = String::from_utf8_lossy(&self.buffer[..at]).into_owned();
+                self.buffer.drain(..at + len);
+                let data: Vec<&str> = event
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                    .collect();
+                if !data.is_empty() {
+                    out.push(data.join("\n"));
+                }
+            }
+            out
+        }
+    }
+
+    /// The answer, assembled from its chunks.
+    #[derive(Debug, Default)]
+    pub struct Answer {
+        /// The text so far.
+        pub content: String,
+        /// Chunks received.
+        pub chunks: usize,
+        /// `data: [DONE]` arrived.
+        pub done: bool,
+        id: Option<Value>,
+        model: Option<Value>,
+        finish_reason: Option<Value>,
+        usage: Option<Value>,
+    }
+
+    impl Answer {
+        /// Takes one event's data; returns the text it adds, if any.
+        pub fn take(&mut self, data: &str) -> Result<Option<String>, String> {
+            if data.trim() == "[DONE]" {
+                self.done = true;
+                return Ok(None);
+            }
+            let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+            if let Some(error) = event.get("error") {
+                return Err(format!(
+                    "the provider reported an error mid-stream: {error}"
+                ));
+            }
+            self.chunks += 1;
+            for (field, slot) in [("id", &mut self.id), ("model", &mut self.model)] {
+                if slot.is_none() {
+                    *slot = event.get(field).cloned();
+                }
+            }
+            if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
+                self.usage = Some(usage.clone());
+            }
+            let choice = &event["choices"][0];
+            if let Some(reason) = choice.get("finish_reason").filter(|r| !r.is_null()) {
+                self.finish_reason = Some(reason.clone());
+            }
+            match choice["delta"]["content"].as_str() {
+                Some(text) if !text.is_empty() => {
+                    self.content.push_str(text);
+                    Ok(Some(text.to_owned()))
+                }
+                _ => Ok(None),
+            }
+        }
+
+        /// The chat completion the stream amounted to.
+        pub fn completion(&self, request: &Value) -> Value {
+            let mut out = json!({
+                "object": "chat.completion",
+                "model": self.model.clone().unwrap_or_else(|| request["model"].clone()),
+                "choices": [{
+                    "index": 0,
+                    "message": { "role": "assistant", "content": self.content },
+                    "finish_reason": self.finish_reason.clone().unwrap_or(Value::Null),
+                }],
+            });
+            if let Some(id) = &self.id {
+                out["id"] = id.clone();
+            }
+            if let Some(usage) = &self.usage {
+                out["usage"] = usage.clone();
+            }
+            out
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn events_split_at_blank_lines_across_reads() {
+            let mut e = Events::default();
+            assert!(e.push(b"data: {\"a\"").is_empty());
+            assert_eq!(
+                e.push(b":1}\n\ndata: [DONE]\r\n\r\n"),
+                vec!["{\"a\":1}", "[DONE]"]
+            );
+            let mut a = Answer::default();
+            let chunk = r#"{"id":"c1","model":"m","choices":[{"delta":{"content":"hé"}}]}"#;
+            assert_eq!(a.take(chunk).unwrap().as_deref(), Some("hé"));
+            let last = r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#;
+            assert_eq!(a.take(last).unwrap(), None);
+            a.take(r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#)
+                .unwrap();
+            a.take("[DONE]").unwrap();
+            assert!(a.done);
+            let c = a.completion(&json!({ "model": "m" }));
+            assert_eq!(c["choices"][0]["message"]["content"], "hé");
+            assert_eq!(c["choices"][0]["finish_reason"], "stop");
+            assert_eq!(c["usage"]["completion_tokens"], 1);
+            assert!(a.take(r#"{"error":{"message":"overloaded"}}"#).is_err());
+        }
+    }
+}
+
 /// The translation between OpenAI's chat-completions format and Anthropic's
 /// Messages API.
 pub mod anthropic {

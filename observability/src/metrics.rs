@@ -53,6 +53,10 @@ pub struct Metrics {
     pub limit_wait: Histogram<f64>,
     /// [`METRIC_LIMIT_SATURATION`]: the share of a provider limit in use.
     pub limit_saturation: Gauge<f64>,
+    /// [`METRIC_STREAM_TTFT`]: time to a streamed answer's first token.
+    pub stream_ttft: Histogram<f64>,
+    /// [`METRIC_STREAM_TOKENS_PER_SECOND`]: a streamed answer's pace.
+    pub stream_tokens_per_second: Histogram<f64>,
 }
 
 impl Metrics {
@@ -121,6 +125,21 @@ impl Metrics {
                     "Share of a provider limit in use at the last admission (1 while calls wait)",
                 )
                 .build(),
+            stream_ttft: meter
+                .f64_histogram(METRIC_STREAM_TTFT)
+                .with_description("Time from a streamed model call's send to its first token")
+                .with_unit("s")
+                .with_boundaries(DURATION_BOUNDS.to_vec())
+                .build(),
+            stream_tokens_per_second: meter
+                .f64_histogram(METRIC_STREAM_TOKENS_PER_SECOND)
+                .with_description(
+                    "Output tokens per second of a streamed answer, after its first token",
+                )
+                .with_boundaries(vec![
+                    1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0,
+                ])
+                .build(),
         }
     }
 
@@ -155,6 +174,16 @@ impl Metrics {
                 KeyValue::new(GEN_AI_REQUEST_MODEL, model.to_owned()),
             ],
         );
+    }
+
+    /// Records a streamed answer of `model`: its time to first token and,
+    /// when usage was reported, its output tokens per second after it.
+    pub fn stream(&self, model: &str, ttft: std::time::Duration, tokens_per_second: Option<f64>) {
+        let attrs = [KeyValue::new(GEN_AI_REQUEST_MODEL, model.to_owned())];
+        self.stream_ttft.record(ttft.as_secs_f64(), &attrs);
+        if let Some(tps) = tokens_per_second {
+            self.stream_tokens_per_second.record(tps, &attrs);
+        }
     }
 
     /// Records every counter's known label sets at zero (and the gauges at

@@ -129,5 +129,11 @@ pub const METRIC_LIMIT_WAIT: &str = "onceflow.limit.wait";
 /// Gauge: the share (0..=1) of a provider limit in use at the last admission
 /// (1 while calls wait), by provider and model.
 pub const METRIC_LIMIT_SATURATION: &str = "onceflow.limit.saturation";
+/// Histogram (seconds): from a streamed model call's send to its first token.
+pub const METRIC_STREAM_TTFT: &str = "onceflow.stream.time_to_first_token";
+/// Histogram: output tokens per second of a streamed answer, after its first token.
+pub const METRIC_STREAM_TOKENS_PER_SECOND: &str = "onceflow.stream.tokens_per_second";
+/// Span attribute: chunks of a streamed answer journaled by this call.
+pub const STREAM_CHUNKS: &str = "onceflow.stream.chunks";
 /// Histogram (seconds): step duration by `onceflow.step` and `onceflow.outcome`.
 pub const METRIC_STEP_DURATION: &str = "onceflow.step.duration";

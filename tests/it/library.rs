@@ -129,6 +129,7 @@ async fn the_typed_client_submits_reads_and_maps_errors() {
         temperature: None,
         max_tokens: None,
         provider: Default::default(),
+        stream: false,
     };
     let submitted = client
         .submit::<Completion>("typed-1", &input, &env.consumer.url())

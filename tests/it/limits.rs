@@ -184,7 +184,7 @@ async fn a_configured_rpm_holds_across_two_nodes() {
     assert_eq!(env.provider.throttled(), 0, "no call was refused");
     let peak = env.provider.peak_rate(Duration::from_secs(1));
     assert!(
-        (10..20).contains(&peak),
+        (10..=20).contains(&peak),
         "the calls went at the rate allowed: {peak} in the busiest second"
     );
     assert_eq!(env.provider.requests().len(), 60);
@@ -235,8 +235,9 @@ async fn a_configured_tpm_holds_and_learns_each_calls_real_cost() {
         .await;
     let level = bucket[0]["tokens"].as_f64().expect("the bucket was used");
     assert!(
-        level > -1000.0,
-        "the last call's estimate was corrected by its usage: {level}"
+        level > 0.0,
+        "each call's estimate (about 1,020 tokens, taken from a bucket of 100) was \
+         corrected by its usage (10): {level}"
     );
 }
 

@@ -38,6 +38,10 @@ pub struct CompletionInput {
     /// Which provider answers (default OpenAI).
     #[serde(default, skip_serializing_if = "ModelProvider::is_default")]
     pub provider: ModelProvider,
+    /// Stream the answer: its chunks are journaled as they arrive and shown
+    /// on `GET /v1/jobs/{id}/events` (OpenAI only).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
 }
 
 /// The provider a job's model calls go to.
@@ -122,6 +126,12 @@ impl Workflow for Completion {
                 ));
             }
         }
+        if input.stream && input.provider == ModelProvider::Anthropic {
+            return Err(InvalidInput::new(
+                "input.stream",
+                "is supported for provider openai only",
+            ));
+        }
         if let Some(t) = input.temperature {
             if input.provider == ModelProvider::Anthropic && !(0.0..=1.0).contains(&t) {
                 return Err(InvalidInput::new(
@@ -152,6 +162,10 @@ impl Workflow for Completion {
             request["max_tokens"] = json!(m);
         }
         input.provider.mark(&mut request);
+        if input.stream {
+            // Part of the request's identity: a streamed call's key is its own.
+            request["stream"] = json!(true);
+        }
         let response = ctx.generate(GENERATE, &request).await?;
         let choice = &response["choices"][0];
         Ok(CompletionOutput {

@@ -18,6 +18,7 @@ use serde_json::Value;
 use super::batch::{Batcher, ForJob, Keyed};
 use super::lease::{lock_in_order, IdRow};
 use super::sql::sql;
+use super::streams::stream_on;
 use super::{Checkpoint, Fence, Store};
 use crate::db::Db;
 use crate::error::StoreError;
@@ -173,6 +174,8 @@ pub(crate) struct Batches {
     pub(crate) commit_result: Batcher<CommitResult, Checkpoint>,
     /// `None`: the lease is lost.
     pub(crate) begin_call: Batcher<BeginCall, Option<CallRow>>,
+    /// Chunks of streamed answers.
+    pub(crate) stream: Batcher<super::streams::StreamWrite, Checkpoint>,
 }
 
 /// A batch statement `f(conn, requests)` run on a connection of the pool.
@@ -196,6 +199,7 @@ impl Batches {
             intake: Batcher::start(db, pooled!(intake_on)),
             commit_result: Batcher::start(db, pooled!(commit_result_on)),
             begin_call: Batcher::start(db, pooled!(begin_call_on)),
+            stream: Batcher::start(db, pooled!(stream_on)),
         })
     }
 }

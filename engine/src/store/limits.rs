@@ -175,7 +175,7 @@ impl Store {
             if !(slot_room && rate_room) {
                 sql("INSERT INTO provider_waiters (limit_key, holder, node, priority, since, expires_at) \
                      VALUES ($1, $2, $3, $4, 'epoch'::timestamptz + $5 * interval '1 microsecond', \
-                         clock_timestamp() + interval '3 seconds') \
+                         clock_timestamp() + interval '15 seconds') \
                      ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
                          expires_at = EXCLUDED.expires_at")
                 .bind::<Text, _>(ask.key)
@@ -187,7 +187,7 @@ impl Store {
                 .await?;
                 if ask.refresh_node {
                     // The node's best waiter keeps all its waiters' rows fresh.
-                    sql("UPDATE provider_waiters SET expires_at = clock_timestamp() + interval '3 seconds' \
+                    sql("UPDATE provider_waiters SET expires_at = clock_timestamp() + interval '15 seconds' \
                          WHERE limit_key = $1 AND node = $2 AND holder <> $3")
                     .bind::<Text, _>(ask.key)
                     .bind::<Text, _>(ask.node)
@@ -205,6 +205,9 @@ impl Store {
                         })
                     })
                     .reduce(f64::max)
+                    // Calls ahead go first: never ask again sooner than
+                    // they can (a stalled one would make it a busy loop).
+                    .map(|secs| if room.ahead > 0 { secs.max(0.05) } else { secs })
                     .filter(|_| slot_room);
                 return Ok(Admission::Wait {
                     retry_in,
@@ -244,8 +247,8 @@ impl Store {
             let room_left = ((room.live + 1 + room.ahead) as f64) < allowed
                 && after
                     .iter()
-                    .flatten()
-                    .all(|(b, level)| *level >= b.need(1.0));
+                    .zip(costs.iter())
+                    .all(|(a, (_, cost))| a.is_none_or(|(b, level)| level >= b.need(*cost)));
             if room_left && room.waiting > 0 {
                 sql("SELECT pg_notify($1, $2)")
                     .bind::<Text, _>(LIMITS_CHANNEL)

@@ -11,6 +11,7 @@
 //! * [`events`]: the failure events of finished jobs (`job.dead`, `job.cancelled`).
 //! * [`sql`](mod@sql): hand-written statements whose prepared form is cached.
 //! * [`tokens`]: API tokens, stored hashed.
+//! * [`streams`]: the journal of streamed answers, and a job's events for watchers.
 //! * `batch`, `batched`: group commit — `delivered`, `acked` and model answers
 //!   from many actors written by one statement and one commit.
 
@@ -49,6 +50,7 @@ pub mod ledger;
 pub mod limits;
 pub mod operate;
 pub mod sql;
+pub mod streams;
 pub mod tokens;
 
 use std::time::{Duration, Instant};
@@ -72,6 +74,8 @@ pub struct Store {
     retry_budget: Duration,
     /// Statements run again in place after a transient failure.
     retried: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// This node's watchers of streamed jobs.
+    watchers: std::sync::Arc<streams::Watchers>,
 }
 
 /// How long a statement that failed transiently is retried in place by default.
@@ -86,6 +90,7 @@ impl Store {
             batches,
             retry_budget: DEFAULT_RETRY_BUDGET,
             retried: Default::default(),
+            watchers: Default::default(),
         }
     }
 

@@ -59,6 +59,42 @@ struct State {
     peak: Mutex<usize>,
     /// The most calls accepted within a sliding window (429 above it).
     rate: Mutex<Option<(usize, Duration)>>,
+    /// Streams: the answer streamed under each key, and how they go.
+    streams: Mutex<Streams>,
+}
+
+/// How the fake streams (`"stream": true`).
+#[derive(Debug)]
+struct Streams {
+    /// The text streamed under each key, as words.
+    answers: HashMap<String, Vec<String>>,
+    /// A repeated request replays the key's answer (no new work), as a
+    /// provider that de-duplicates by `Idempotency-Key` does; otherwise
+    /// it generates (and is paid for) a new one.
+    replay: bool,
+    /// Chunks per answer.
+    words: usize,
+    /// Time between chunks.
+    interval: Duration,
+    /// The next streams drop the connection after this many chunks.
+    drops: std::collections::VecDeque<usize>,
+    /// Stream requests received, and chunks sent.
+    requests: usize,
+    chunks: usize,
+}
+
+impl Default for Streams {
+    fn default() -> Self {
+        Streams {
+            answers: HashMap::new(),
+            replay: true,
+            words: 8,
+            interval: Duration::from_millis(5),
+            drops: Default::default(),
+            requests: 0,
+            chunks: 0,
+        }
+    }
 }
 
 /// The fake provider. Cheap to clone.
@@ -139,6 +175,50 @@ impl FakeProvider {
             })
             .max()
             .unwrap_or(0)
+    }
+
+    /// Whether a repeated streamed request under a key replays that key's
+    /// answer (default) or generates a new one.
+    pub fn set_stream_replay(&self, replay: bool) {
+        self.state.streams.lock().expect("lock").replay = replay;
+    }
+
+    /// Chunks per streamed answer (default 8) and the time between them.
+    pub fn set_stream_shape(&self, words: usize, interval: Duration) {
+        let mut s = self.state.streams.lock().expect("lock");
+        s.words = words;
+        s.interval = interval;
+    }
+
+    /// The next streamed answer drops the connection after `chunks` chunks.
+    pub fn drop_stream_after(&self, chunks: usize) {
+        self.state
+            .streams
+            .lock()
+            .expect("lock")
+            .drops
+            .push_back(chunks);
+    }
+
+    /// Streamed requests received.
+    pub fn stream_requests(&self) -> usize {
+        self.state.streams.lock().expect("lock").requests
+    }
+
+    /// Chunks streamed, over every request.
+    pub fn chunks_streamed(&self) -> usize {
+        self.state.streams.lock().expect("lock").chunks
+    }
+
+    /// The text streamed under `key` (its latest answer).
+    pub fn streamed_text(&self, key: &str) -> Option<String> {
+        self.state
+            .streams
+            .lock()
+            .expect("lock")
+            .answers
+            .get(key)
+            .map(|w| w.concat())
     }
 
     /// Requests answered 429 for being over the concurrency or rate limit.
@@ -341,6 +421,85 @@ async fn take_time(state: &State, behaviour: &Behaviour) {
     }
 }
 
+/// A streamed answer as OpenAI sends it: one `chat.completion.chunk` event
+/// per word, a last chunk with the finish reason, one with the usage
+/// (`stream_options.include_usage`), then `data: [DONE]`. A repeated key
+/// replays its words (no new work) unless replay is off; a scripted drop
+/// ends the connection mid-answer, without `[DONE]`.
+fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpResponse {
+    let (words, interval, drop_after) = {
+        let mut s = state.streams.lock().expect("lock");
+        s.requests += 1;
+        let known = key.as_ref().and_then(|k| s.answers.get(k)).cloned();
+        let words = match known.filter(|_| s.replay) {
+            Some(words) => words,
+            None => {
+                let n = count_work(state, key.as_ref());
+                let words: Vec<String> = (0..s.words).map(|i| format!("w{n}.{i} ")).collect();
+                if let Some(k) = &key {
+                    s.answers.insert(k.clone(), words.clone());
+                }
+                words
+            }
+        };
+        (words, s.interval, s.drops.pop_front())
+    };
+    let model = body["model"].clone();
+    let chunk = |delta: Value, finish: Value| {
+        let event = json!({
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "model": model,
+            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+        });
+        format!("data: {event}\n\n")
+    };
+    let mut events: Vec<String> = words
+        .iter()
+        .map(|w| chunk(json!({ "content": w }), Value::Null))
+        .collect();
+    let shown = drop_after.unwrap_or(usize::MAX).min(events.len());
+    let complete = drop_after.is_none();
+    if complete {
+        events.push(chunk(json!({}), json!("stop")));
+        let usage = json!({ "choices": [], "usage": {
+            "prompt_tokens": 7, "completion_tokens": words.len(), "total_tokens": 7 + words.len()
+        }});
+        events.push(format!("data: {usage}\n\n"));
+        events.push("data: [DONE]\n\n".to_owned());
+    } else {
+        events.truncate(shown);
+    }
+    let state = state.clone();
+    let body =
+        futures_util::stream::unfold((events.into_iter(), 0usize), move |(mut events, sent)| {
+            let state = state.clone();
+            async move {
+                match events.next() {
+                    Some(e) => {
+                        if sent > 0 {
+                            actix_web::rt::time::sleep(interval).await;
+                        }
+                        if e.contains("\"content\"") {
+                            state.streams.lock().expect("lock").chunks += 1;
+                        }
+                        Some((Ok(web::Bytes::from(e)), (events, sent + 1)))
+                    }
+                    None if !complete => Some((
+                        Err(actix_web::error::ErrorInternalServerError(
+                            "dropped mid-stream",
+                        )),
+                        (events, sent),
+                    )),
+                    None => None,
+                }
+            }
+        });
+    HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .streaming(body)
+}
+
 /// Anthropic's Messages API: no de-duplication, every request works.
 async fn messages(
     state: web::Data<State>,
@@ -440,6 +599,9 @@ async fn chat(state: web::Data<State>, req: HttpRequest, body: web::Json<Value>)
     let (key, behaviour, refused, _answering) = receive(&state, &req, &body);
     if let Some(answer) = refused {
         return answer;
+    }
+    if body.get("stream").and_then(Value::as_bool) == Some(true) {
+        return stream(&state, key, &body);
     }
     // Idempotency: a finished key replays; an unfinished one waits.
     if let Some(key) = &key {
