@@ -243,7 +243,10 @@ pub async fn post(
 /// Sends `post` and returns the open 2xx response for the caller to read
 /// as it arrives (a stream of server-sent events); a non-2xx answer is read
 /// (its first 64 KiB, credentials redacted) into the error, as
-/// [`Read::BodyAndErrors`] does. `post.read` is not used.
+/// [`Read::BodyAndErrors`] does. `post.read` is not used, and
+/// `post.timeout` bounds the wait for the answer's head only: a stream's
+/// reader bounds each gap between chunks itself, as a whole-request
+/// timeout would cut a long answer that is still flowing.
 pub async fn open(
     client: &reqwest::Client,
     post: Post<'_>,
@@ -266,15 +269,19 @@ pub async fn open(
     }
     let mut request = client
         .post(url)
-        .timeout(timeout)
         .header("content-type", "application/json")
         .body(body);
     for (name, value) in headers {
         request = request.header(name, value);
     }
-    let response = request
-        .send()
+    let response = tokio::time::timeout(timeout, request.send())
         .await
+        .map_err(|_| {
+            PostError::Failed(Failure::Ambiguous(format!(
+                "no answer within {} ms",
+                timeout.as_millis()
+            )))
+        })?
         .map_err(|e| PostError::Failed(classify(&e.without_url())))?;
     if let Some(seam) = seam {
         seam.faults

@@ -272,10 +272,19 @@ impl Provider {
         let mut answer = sse::Answer::default();
         let broken = |what: String| PostError::Failed(Failure::Ambiguous(what));
         loop {
-            let chunk = match response.chunk().await {
-                Ok(Some(chunk)) => chunk,
-                Ok(None) => break,
-                Err(e) => {
+            // The model timeout bounds each gap between chunks.
+            let read = tokio::time::timeout(self.config.timeout, response.chunk()).await;
+            let chunk = match read {
+                Ok(Ok(Some(chunk))) => chunk,
+                Ok(Ok(None)) => break,
+                Err(_) => {
+                    return Err(broken(format!(
+                        "the stream stalled for {} ms after {} chunks",
+                        self.config.timeout.as_millis(),
+                        answer.chunks
+                    )))
+                }
+                Ok(Err(e)) => {
                     return Err(broken(format!(
                         "the stream broke after {} chunks: {e}",
                         answer.chunks

@@ -18,6 +18,7 @@ mod limits;
 mod operations;
 mod schedule;
 mod security;
+mod streams;
 mod support;
 mod telemetry;
 mod tracing;

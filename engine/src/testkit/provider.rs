@@ -485,12 +485,16 @@ fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpRe
                         }
                         Some((Ok(web::Bytes::from(e)), (events, sent + 1)))
                     }
-                    None if !complete => Some((
-                        Err(actix_web::error::ErrorInternalServerError(
-                            "dropped mid-stream",
-                        )),
-                        (events, sent),
-                    )),
+                    None if !complete => {
+                        // The chunks before the drop reach the client first.
+                        actix_web::rt::time::sleep(interval).await;
+                        Some((
+                            Err(actix_web::error::ErrorInternalServerError(
+                                "dropped mid-stream",
+                            )),
+                            (events, sent),
+                        ))
+                    }
                     None => None,
                 }
             }

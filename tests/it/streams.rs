@@ -1,0 +1,409 @@
+//! Durable streaming: a job with `"stream": true` journals its answer's
+//! chunks as they arrive, and `GET /v1/jobs/{id}/events` shows watchers only
+//! what is journaled. These tests record the decision for a stream that
+//! fails halfway (README "Streaming", LIFECYCLE.md): the next attempt asks
+//! again under the same key; a provider that replays the answer is checked
+//! against what was shown and the stream continues after it (no repeat, no
+//! reset); one that answers differently gets exactly one `reset` and the
+//! new answer, and the journal keeps both. Each case counts provider
+//! requests, chunks shown and deliveries.
+
+use std::time::Duration;
+
+use onceflow_engine::testkit::TestEnv;
+use onceflow_engine::Registry;
+use onceflow_workflows::Completion;
+use serde_json::{json, Value};
+
+use crate::support::{post_job, serve_api, ServeProcess};
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.register(Completion::default());
+    r
+}
+
+fn streamed_job(id: &str, hook: &str) -> Value {
+    json!({
+        "id": id,
+        "workflow": "completion",
+        "input": {
+            "model": "test-model",
+            "stream": true,
+            "messages": [{ "role": "user", "content": "tell me" }]
+        },
+        "webhook_url": hook,
+    })
+}
+
+/// One server-sent event as a watcher got it.
+#[derive(Debug, Clone)]
+struct Seen {
+    id: i64,
+    kind: String,
+    data: Value,
+}
+
+/// Reads `GET {base}/v1/jobs/{id}/events` (after `last`, when given) until
+/// the server ends it, or until `stop` says so; returns every event.
+async fn watch(
+    base: &str,
+    id: &str,
+    last: Option<i64>,
+    stop: impl Fn(&[Seen]) -> bool,
+) -> Vec<Seen> {
+    let mut request = reqwest::Client::new().get(format!("{base}/v1/jobs/{id}/events"));
+    if let Some(last) = last {
+        request = request.header("last-event-id", last.to_string());
+    }
+    let mut response = request.send().await.expect("GET events");
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.headers()["content-type"].to_str().unwrap(),
+        "text/event-stream"
+    );
+    let (mut buffer, mut seen) = (String::new(), Vec::new());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let chunk = tokio::time::timeout_at(deadline, response.chunk())
+            .await
+            .expect("the event stream went quiet for a minute");
+        let Some(chunk) = chunk.expect("reading events") else {
+            return seen;
+        };
+        buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        while let Some(end) = buffer.find("\n\n") {
+            let frame: String = buffer.drain(..end + 2).collect();
+            let (mut ev_id, mut kind, mut data) = (None, None, None);
+            for line in frame.lines() {
+                if let Some(v) = line.strip_prefix("id: ") {
+                    ev_id = Some(v.parse::<i64>().unwrap());
+                } else if let Some(v) = line.strip_prefix("event: ") {
+                    kind = Some(v.to_owned());
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data = Some(serde_json::from_str::<Value>(v).unwrap());
+                }
+            }
+            if let (Some(id), Some(kind), Some(data)) = (ev_id, kind, data) {
+                seen.push(Seen { id, kind, data });
+                if stop(&seen) {
+                    return seen;
+                }
+            }
+        }
+    }
+}
+
+fn until_finished(_: &[Seen]) -> bool {
+    false
+}
+
+/// The chunks' text, in the order shown.
+fn shown(seen: &[Seen]) -> Vec<String> {
+    seen.iter()
+        .filter(|s| s.kind == "chunk")
+        .map(|s| s.data["text"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// What a watcher ends up displaying: the chunks since the last reset.
+fn displayed(seen: &[Seen]) -> String {
+    let from = seen
+        .iter()
+        .rposition(|s| s.kind == "reset")
+        .map_or(0, |i| i + 1);
+    shown(&seen[from..]).concat()
+}
+
+fn assert_ids_increase(seen: &[Seen]) {
+    for pair in seen.windows(2) {
+        assert!(pair[0].id < pair[1].id, "ids increase: {seen:?}");
+    }
+}
+
+async fn result_content(env: &TestEnv, id: &str) -> String {
+    let rows = env
+        .sql(&format!(
+            "SELECT output->>'content' AS c FROM results WHERE job_id = '{id}'"
+        ))
+        .await;
+    rows[0]["c"].as_str().unwrap().to_owned()
+}
+
+async fn journal(env: &TestEnv, id: &str) -> Vec<(i64, i64, String)> {
+    env.sql(&format!(
+        "SELECT generation AS g, \"offset\" AS o, kind FROM stream_events \
+         WHERE job_id = '{id}' ORDER BY id"
+    ))
+    .await
+    .as_array()
+    .unwrap()
+    .iter()
+    .map(|r| {
+        (
+            r["g"].as_i64().unwrap(),
+            r["o"].as_i64().unwrap(),
+            r["kind"].as_str().unwrap().to_owned(),
+        )
+    })
+    .collect()
+}
+
+/// A clean stream: two watchers from the start see the same events, every
+/// chunk once, in order, then the final state; the result is what they saw.
+#[actix_rt::test]
+async fn a_clean_stream_is_shown_once_to_every_watcher_and_is_the_result() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(40));
+    let base = serve_api(env.store.clone(), registry(), None);
+    let (status, body) = post_job(&base, &streamed_job("s-clean", &env.consumer.url())).await;
+    assert_eq!(status, 201, "{body}");
+    let _engine = env.start(registry(), env.config());
+    let (a, b) = tokio::join!(
+        watch(&base, "s-clean", None, until_finished),
+        watch(&base, "s-clean", None, until_finished),
+    );
+    let content = result_content(&env, "s-clean").await;
+    for seen in [&a, &b] {
+        assert_ids_increase(seen);
+        assert_eq!(shown(seen).len(), 8, "every chunk shown once: {seen:?}");
+        assert_eq!(shown(seen).concat(), content);
+        assert!(seen.iter().all(|s| s.kind != "reset"));
+        let last = seen.last().unwrap();
+        assert_eq!(
+            (last.kind.as_str(), last.data["text"].as_str()),
+            ("state", Some("acked"))
+        );
+    }
+    assert_eq!(
+        a.iter().map(|s| s.id).collect::<Vec<_>>(),
+        b.iter().map(|s| s.id).collect::<Vec<_>>(),
+        "both watchers saw the same events"
+    );
+    assert_eq!(env.provider.stream_requests(), 1);
+    assert_eq!(env.provider.chunks_streamed(), 8);
+    assert_eq!(env.provider.work_done("job:s-clean:generate"), 1);
+    assert_eq!(env.consumer.deliveries_for("s-clean").len(), 1);
+    let delivered = &env.consumer.deliveries_for("s-clean")[0];
+    assert_eq!(
+        delivered.body["result"]["content"].as_str(),
+        Some(content.as_str())
+    );
+}
+
+/// The connection drops after 3 of 8 chunks and the provider replays by
+/// key: the next attempt's stream repeats the 3 (checked, not journaled
+/// again) and the watcher sees the 5 after them — no repeat, no reset —
+/// for one unit of the provider's work and one delivery.
+#[actix_rt::test]
+async fn a_lost_connection_with_a_replaying_provider_continues_without_repeat() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(20));
+    env.provider.drop_stream_after(3);
+    let base = serve_api(env.store.clone(), registry(), None);
+    let (status, _) = post_job(&base, &streamed_job("s-replay", &env.consumer.url())).await;
+    assert_eq!(status, 201);
+    let _engine = env.start(registry(), env.config());
+    let seen = watch(&base, "s-replay", None, until_finished).await;
+    assert_ids_increase(&seen);
+    let content = result_content(&env, "s-replay").await;
+    assert_eq!(
+        shown(&seen).len(),
+        8,
+        "8 chunks shown, none twice: {seen:?}"
+    );
+    assert_eq!(shown(&seen).concat(), content);
+    assert!(seen.iter().all(|s| s.kind != "reset"), "no reset: {seen:?}");
+    assert_eq!(
+        env.provider.stream_requests(),
+        2,
+        "asked again under the same key"
+    );
+    assert_eq!(
+        env.provider.work_done("job:s-replay:generate"),
+        1,
+        "the provider replayed: paid once"
+    );
+    assert_eq!(env.provider.chunks_streamed(), 3 + 8);
+    assert_eq!(env.consumer.deliveries_for("s-replay").len(), 1);
+    let generations: Vec<i64> = journal(&env, "s-replay")
+        .await
+        .iter()
+        .map(|r| r.0)
+        .collect();
+    assert_eq!(generations, vec![1; 8], "one generation of 8 chunks");
+}
+
+/// The connection drops after 3 chunks and the provider answers the repeat
+/// differently (it does not replay by key): watchers see exactly one
+/// `reset`, then the new answer, which is the result; the journal keeps
+/// both generations; the provider worked twice; one delivery.
+#[actix_rt::test]
+async fn a_lost_connection_with_a_new_answer_resets_once_and_keeps_both() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(20));
+    env.provider.set_stream_replay(false);
+    env.provider.drop_stream_after(3);
+    let base = serve_api(env.store.clone(), registry(), None);
+    let (status, _) = post_job(&base, &streamed_job("s-new", &env.consumer.url())).await;
+    assert_eq!(status, 201);
+    let _engine = env.start(registry(), env.config());
+    let seen = watch(&base, "s-new", None, until_finished).await;
+    assert_ids_increase(&seen);
+    let resets: Vec<&Seen> = seen.iter().filter(|s| s.kind == "reset").collect();
+    assert_eq!(resets.len(), 1, "exactly one reset: {seen:?}");
+    assert_eq!(resets[0].data["generation"], 2);
+    assert!(resets[0].data["text"].as_str().unwrap().contains("differs"));
+    let content = result_content(&env, "s-new").await;
+    assert_eq!(displayed(&seen), content, "after the reset, the new answer");
+    let before: Vec<&Seen> = seen
+        .iter()
+        .take_while(|s| s.kind != "reset")
+        .filter(|s| s.kind == "chunk")
+        .collect();
+    assert_eq!(before.len(), 3, "the first answer's 3 chunks, shown once");
+    assert_eq!(env.provider.stream_requests(), 2);
+    assert_eq!(
+        env.provider.work_done("job:s-new:generate"),
+        2,
+        "no replay: paid twice"
+    );
+    assert_eq!(env.consumer.deliveries_for("s-new").len(), 1);
+    let kept = journal(&env, "s-new").await;
+    assert_eq!(
+        kept.iter().filter(|r| r.0 == 1).count(),
+        3,
+        "generation 1 kept: {kept:?}"
+    );
+    assert!(kept.contains(&(2, -1, "reset".into())));
+}
+
+/// A watcher that leaves after 3 chunks and comes back with
+/// `Last-Event-ID` gets exactly the rest: together, every event once, no
+/// gap, no repeat. One that connects after the job finished gets the whole
+/// journaled stream and the final state.
+#[actix_rt::test]
+async fn last_event_id_resumes_exactly_and_a_late_watcher_gets_everything() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(60));
+    let base = serve_api(env.store.clone(), registry(), None);
+    let (status, _) = post_job(&base, &streamed_job("s-resume", &env.consumer.url())).await;
+    assert_eq!(status, 201);
+    let _engine = env.start(registry(), env.config());
+    let first = watch(&base, "s-resume", None, |seen| shown(seen).len() == 3).await;
+    let last = first.last().unwrap().id;
+    assert!(
+        !env.job("s-resume").await.state.is_terminal(),
+        "the watcher left mid-stream"
+    );
+    let rest = watch(&base, "s-resume", Some(last), until_finished).await;
+    assert!(
+        rest.iter().all(|s| s.id > last),
+        "nothing before Last-Event-ID"
+    );
+    let together: Vec<Seen> = first.iter().chain(rest.iter()).cloned().collect();
+    assert_ids_increase(&together);
+    let content = result_content(&env, "s-resume").await;
+    assert_eq!(shown(&together).len(), 8);
+    assert_eq!(shown(&together).concat(), content);
+
+    let late = watch(&base, "s-resume", None, until_finished).await;
+    assert_eq!(
+        late.iter().map(|s| s.id).collect::<Vec<_>>(),
+        together.iter().map(|s| s.id).collect::<Vec<_>>(),
+        "a late watcher gets the same events from the journal"
+    );
+    assert_eq!(late.last().unwrap().data["text"], "acked");
+    // Past the end of a finished job: the stream ends at once, empty.
+    let past = watch(
+        &base,
+        "s-resume",
+        Some(late.last().unwrap().id),
+        until_finished,
+    )
+    .await;
+    assert!(past.is_empty(), "{past:?}");
+    assert_eq!(env.provider.stream_requests(), 1);
+    assert_eq!(env.consumer.deliveries_for("s-resume").len(), 1);
+}
+
+/// A bad `Last-Event-ID` is a 400 naming the header; an unknown job a 404.
+#[actix_rt::test]
+async fn bad_event_requests_get_clear_errors() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), registry(), None);
+    let (status, _) = post_job(&base, &streamed_job("s-bad", &env.consumer.url())).await;
+    assert_eq!(status, 201);
+    let client = reqwest::Client::new();
+    let r = client
+        .get(format!("{base}/v1/jobs/s-bad/events"))
+        .header("last-event-id", "yesterday")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["field"], "Last-Event-ID", "{body}");
+    let r = client
+        .get(format!("{base}/v1/jobs/nobody/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    // `stream` is part of the request: Anthropic cannot stream (yet).
+    let mut job = streamed_job("s-anthropic", &env.consumer.url());
+    job["input"]["provider"] = json!("anthropic");
+    let (status, body) = post_job(&base, &job).await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["error"]["field"], "input.stream", "{body}");
+}
+
+/// `kill -9` of the `serve` process mid-stream (after 3 of 8 chunks were
+/// shown); another node resumes the job: it asks again under the same key,
+/// the replaying provider repeats the answer, and a watcher on that node
+/// sees the 8 chunks once each, no reset; one unit of work, one delivery.
+#[actix_rt::test]
+async fn a_killed_node_mid_stream_is_resumed_by_another_without_repeat() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(300));
+    let dir = tempfile::tempdir().unwrap();
+    let vars = vec![
+        ("DATABASE_URL", env.db_url.clone()),
+        ("OPENAI_BASE_URL", env.provider.base_url()),
+        ("ONCEFLOW_LEASE_MS", "2000".to_owned()),
+        ("ONCEFLOW_POLL_MS", "200".to_owned()),
+        ("ONCEFLOW_NODE_ID", "doomed".to_owned()),
+    ];
+    let mut doomed = ServeProcess::start(&vars, &dir.path().join("doomed.log")).await;
+    let (status, body) = post_job(&doomed.base, &streamed_job("s-kill", &env.consumer.url())).await;
+    assert_eq!(status, 201, "{body}");
+    let before = watch(&doomed.base, "s-kill", None, |seen| shown(seen).len() == 3).await;
+    doomed.sigkill();
+    assert_eq!(env.provider.stream_requests(), 1);
+    // Another node, in this process, with its own API.
+    let base = serve_api(env.store.clone(), registry(), None);
+    let mut config = env.config();
+    config.node_id = "survivor".into();
+    let _survivor = env.start(registry(), config);
+    let seen = watch(&base, "s-kill", None, until_finished).await;
+    assert_ids_increase(&seen);
+    assert_eq!(
+        seen.iter()
+            .take(before.len())
+            .map(|s| s.id)
+            .collect::<Vec<_>>(),
+        before.iter().map(|s| s.id).collect::<Vec<_>>(),
+        "what the first watcher saw is a prefix of the journal"
+    );
+    let content = result_content(&env, "s-kill").await;
+    assert_eq!(shown(&seen).len(), 8, "{seen:?}");
+    assert_eq!(shown(&seen).concat(), content);
+    assert!(seen.iter().all(|s| s.kind != "reset"));
+    assert_eq!(env.provider.stream_requests(), 2);
+    assert_eq!(env.provider.work_done("job:s-kill:generate"), 1);
+    assert_eq!(env.consumer.deliveries_for("s-kill").len(), 1);
+    let worker = env
+        .sql("SELECT worker FROM job_history WHERE job_id = 's-kill' AND state = 'generated'")
+        .await;
+    assert_eq!(worker[0]["worker"], "survivor");
+}
