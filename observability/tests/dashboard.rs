@@ -38,6 +38,7 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
     m.throttled("openai", "gpt-4o");
     m.limit_wait("openai", "gpt-4o", std::time::Duration::from_millis(5));
     m.limit_saturation("openai", "gpt-4o", 0.5);
+    m.stream("gpt-4o", std::time::Duration::from_millis(200), Some(40.0));
     let text = t.prometheus();
     let families = text
         .lines()
@@ -60,7 +61,7 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
 #[test]
 fn every_dashboard_query_names_a_metric_onceflow_exports() {
     let (families, labels) = exported();
-    assert_eq!(families.len(), 13, "{families:?}");
+    assert_eq!(families.len(), 15, "{families:?}");
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/grafana/onceflow-dashboard.json"
@@ -146,6 +147,7 @@ fn a_fresh_node_exports_every_dashboard_series_at_zero() {
             ];
             if name.starts_with("onceflow_step_duration")
                 || name.starts_with("onceflow_limit_")
+                || name.starts_with("onceflow_stream_")
                 || name.starts_with("onceflow_provider_throttled")
                 || LABELS.contains(&name)
             {

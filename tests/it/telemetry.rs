@@ -679,3 +679,74 @@ async fn serve_flushes_spans_and_metrics_on_sigterm() {
         "{counters:?}"
     );
 }
+
+/// A streamed answer shows on telemetry: its `generate` span counts the
+/// chunks it journaled (8, as the fake streamed), and time to first token
+/// and tokens per second are recorded once.
+#[actix_rt::test]
+async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(10));
+    let receiver = Receiver::start();
+    let endpoint = receiver.endpoint();
+    let config = TelemetryConfig::from_lookup(|k| match k {
+        "OTEL_EXPORTER_OTLP_ENDPOINT" => Some(endpoint.clone()),
+        "OTEL_SERVICE_NAME" => Some("onceflow-it".to_owned()),
+        _ => None,
+    })
+    .unwrap();
+    let telemetry = Arc::new(Telemetry::new(config).unwrap());
+    env.submit_job(onceflow_engine::intake::NewJob {
+        id: "otel-stream".into(),
+        workflow: "completion".into(),
+        workflow_version: 1,
+        input: json!({
+            "model": "test-model",
+            "stream": true,
+            "messages": [{ "role": "user", "content": "hi" }]
+        }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let mut config = env.config();
+    config.telemetry = telemetry.clone();
+    let engine = env.start(onceflow_workflows::registry(), config);
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            env.job("otel-stream").await.state == JobState::Acked
+        })
+        .await
+    );
+    let count = |name: &str, unit: &str| {
+        let series = format!(
+            "{}_count{{{}}}",
+            onceflow_observability::prometheus::metric_name(name, unit, false),
+            key(name, &[(GEN_AI_REQUEST_MODEL, "test-model")]).1
+        );
+        parse_prometheus(&telemetry.prometheus())
+            .get(&series)
+            .copied()
+    };
+    assert_eq!(
+        count(METRIC_STREAM_TTFT, "s"),
+        Some(1.0),
+        "{}",
+        telemetry.prometheus()
+    );
+    assert_eq!(count(METRIC_STREAM_TOKENS_PER_SECOND, ""), Some(1.0));
+    engine.shutdown();
+    let tel = telemetry.clone();
+    tokio::task::spawn_blocking(move || tel.shutdown())
+        .await
+        .unwrap()
+        .expect("telemetry flushes");
+    let generate: Vec<Span> = receiver
+        .spans()
+        .into_iter()
+        .filter(|s| s.name == SPAN_GENERATE)
+        .collect();
+    assert_eq!(generate.len(), 1);
+    assert_eq!(generate[0].attr(STREAM_CHUNKS), "8");
+    assert_eq!(env.provider.chunks_streamed(), 8);
+}
