@@ -28,6 +28,8 @@ enum Command {
     Submit(client::SubmitArgs),
     /// Print a job's state and history.
     Status(client::StatusArgs),
+    /// Follow a job live: its streamed answer as it is journaled, then its final state.
+    Watch(client::WatchArgs),
     /// List jobs, newest first (filter by state or workflow).
     Jobs(client::JobsArgs),
     /// Cancel a live job: nothing new starts; it ends `cancelled`.
@@ -109,6 +111,7 @@ impl App {
             Command::Migrate(args) => serve::migrate(args),
             Command::Submit(args) => client::submit(args),
             Command::Status(args) => client::status(args),
+            Command::Watch(args) => client::watch(args),
             Command::Token(args) => token::run(args),
             Command::Jobs(args) => client::jobs(args),
             Command::Cancel(args) => client::cancel(args),

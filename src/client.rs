@@ -383,3 +383,123 @@ pub fn redrive(args: RedriveArgs) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+#[derive(Debug, Args)]
+pub struct WatchArgs {
+    /// The job id.
+    pub id: String,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// Print every event as a JSON line instead of the text as it comes.
+    #[arg(long)]
+    pub json: bool,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// `onceflow watch ID`: the job's streamed answer on stdout as it is
+/// journaled, its state changes and resets on stderr; a dropped connection
+/// is resumed from the last event seen (`Last-Event-ID`), so nothing is
+/// printed twice. Ends with the job's final state: success when acked.
+pub fn watch(args: WatchArgs) -> anyhow::Result<()> {
+    use std::io::Write;
+    let url = format!(
+        "{}/v1/jobs/{}/events",
+        args.server.trim_end_matches('/'),
+        args.id
+    );
+    runtime()?.block_on(async {
+        let http = reqwest::Client::new();
+        let mut last: Option<i64> = None;
+        let mut final_state: Option<String> = None;
+        let mut failures = 0u32;
+        while final_state.is_none() {
+            let mut request = with_token(http.get(&url), args.token.as_deref());
+            if let Some(last) = last {
+                request = request.header("last-event-id", last.to_string());
+            }
+            let mut response = match request.send().await {
+                Ok(r) if r.status().is_success() => r,
+                Ok(r) => {
+                    let status = r.status();
+                    let body: Value = r.json().await.unwrap_or(Value::Null);
+                    return Err(api_error(status, &body));
+                }
+                Err(e) if failures < 30 => {
+                    failures += 1;
+                    eprintln!("[connection failed: {e}; retrying]");
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    continue;
+                }
+                Err(e) => return Err(anyhow::anyhow!("cannot reach {}: {e}", args.server)),
+            };
+            failures = 0;
+            let mut buffer = String::new();
+            loop {
+                let chunk = match response.chunk().await {
+                    Ok(Some(chunk)) => chunk,
+                    Ok(None) => break,
+                    Err(e) => {
+                        eprintln!("\n[connection lost: {e}; resuming]");
+                        break;
+                    }
+                };
+                buffer.push_str(&String::from_utf8_lossy(&chunk));
+                while let Some(end) = buffer.find("\n\n") {
+                    let frame: String = buffer.drain(..end + 2).collect();
+                    let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                        continue; // a keep-alive comment
+                    };
+                    let event: Value = serde_json::from_str(data).with_context(|| {
+                        format!("the server sent an event that is not JSON: {data}")
+                    })?;
+                    last = event["id"].as_i64().or(last);
+                    let text = event["text"].as_str().unwrap_or_default();
+                    if args.json {
+                        println!("{event}");
+                    } else {
+                        match event["kind"].as_str() {
+                            Some("chunk") => {
+                                print!("{text}");
+                                std::io::stdout().flush()?;
+                            }
+                            Some("reset") => eprintln!("\n[reset: {text}]"),
+                            _ => eprintln!("[{text}]"),
+                        }
+                    }
+                    if event["kind"] == "state" && matches!(text, "acked" | "dead" | "cancelled") {
+                        final_state = Some(text.to_owned());
+                    }
+                }
+            }
+            if final_state.is_none() {
+                if last.is_none() {
+                    // The server ended a stream that never started.
+                    bail!("the event stream of {} ended before any event", args.id);
+                }
+                // The server ends a finished job's stream; a resumed stream
+                // past its end is empty: ask the job its state.
+                let job = api(&args.server, args.token.as_deref())
+                    .job_json(&args.id)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                if let Some(state) = job["state"]
+                    .as_str()
+                    .filter(|s| matches!(*s, "acked" | "dead" | "cancelled"))
+                {
+                    final_state = Some(state.to_owned());
+                }
+            }
+        }
+        if !args.json {
+            println!();
+        }
+        match final_state.as_deref() {
+            Some("acked") => Ok(()),
+            Some(other) => bail!("job {} ended {other}", args.id),
+            None => unreachable!("the loop ends with a final state"),
+        }
+    })
+}

@@ -407,3 +407,32 @@ async fn a_killed_node_mid_stream_is_resumed_by_another_without_repeat() {
         .await;
     assert_eq!(worker[0]["worker"], "survivor");
 }
+
+/// `onceflow watch ID` prints the streamed answer as it comes, once, and
+/// exits 0 when the job is acked; its stdout is exactly the result.
+#[actix_rt::test]
+async fn the_watch_command_prints_the_answer_once() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(50));
+    env.provider.drop_stream_after(4);
+    let base = serve_api(env.store.clone(), registry(), None);
+    let (status, _) = post_job(&base, &streamed_job("s-cli", &env.consumer.url())).await;
+    assert_eq!(status, 201);
+    let watcher = {
+        let base = base.clone();
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"))
+                .args(["watch", "s-cli", "--server", &base])
+                .output()
+                .unwrap()
+        })
+    };
+    let _engine = env.start(registry(), env.config());
+    let out = watcher.await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let content = result_content(&env, "s-cli").await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{content}\n"));
+    assert!(stderr.contains("[acked]"), "{stderr}");
+    assert_eq!(env.provider.stream_requests(), 2, "the stream broke once");
+}
