@@ -636,18 +636,28 @@ async fn job_events(
 }
 
 /// Sends `job_id`'s events after `after` to `tx` as they are journaled,
-/// until the job's final state has been sent or the watcher leaves.
+/// until the job's final state has been sent or the watcher leaves. Chunks
+/// written on this node arrive as committed and are sent without reading
+/// them back when they follow the last event sent; anything else (another
+/// node's chunks, state changes, a gap) is read from the journal.
 async fn follow_events(
     store: Store,
     job_id: String,
     mut after: i64,
     tx: tokio::sync::mpsc::Sender<web::Bytes>,
 ) {
-    let moved = store.watch_stream(&job_id);
+    use tokio::sync::broadcast::error::RecvError;
+    let frame = |event: &crate::store::streams::JobEvent| {
+        let data = serde_json::to_string(event).expect("an event serialises");
+        web::Bytes::from(format!(
+            "id: {}\nevent: {}\ndata: {data}\n\n",
+            event.id, event.kind
+        ))
+    };
+    // Subscribed before the first read, so a commit in between is not missed.
+    let mut moved = store.watch_stream(&job_id);
     let mut quiet = std::time::Instant::now();
     loop {
-        // Registered before reading, so a commit in between is not missed.
-        let notified = moved.notified();
         let events = match store.job_events(&job_id, after, 500).await {
             Ok(events) => events,
             Err(e) => {
@@ -664,14 +674,15 @@ async fn follow_events(
                     .text
                     .parse::<crate::JobState>()
                     .is_ok_and(|s| s.is_terminal());
-            let data = serde_json::to_string(event).expect("an event serialises");
-            let frame = format!("id: {}\nevent: {}\ndata: {data}\n\n", event.id, event.kind);
-            if tx.send(web::Bytes::from(frame)).await.is_err() {
+            if tx.send(frame(event)).await.is_err() {
                 return; // the watcher left
             }
         }
         if finished {
             return;
+        }
+        if events.len() == 500 {
+            continue; // more to read
         }
         if events.is_empty() {
             // Resumed past the end of a finished job: nothing more will come.
@@ -690,10 +701,28 @@ async fn follow_events(
                     return;
                 }
             }
-            // Chunks wake us at once; state changes are read every 250 ms.
+        }
+        // Chunks come as they commit; state changes are read every 250 ms.
+        loop {
             tokio::select! {
-                _ = notified => {}
-                _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                published = moved.recv() => match published {
+                    Ok(p) if p.prev == Some(after) && !p.events.is_empty() => {
+                        for event in &p.events {
+                            after = event.id;
+                            if tx.send(frame(event)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    // Announced, and seen already (this node's own write).
+                    Ok(p) if p.upto.is_some_and(|upto| upto <= after) => {}
+                    Ok(_) | Err(RecvError::Lagged(_)) => break,
+                    Err(RecvError::Closed) => {
+                        moved = store.watch_stream(&job_id);
+                        break;
+                    }
+                },
+                _ = tokio::time::sleep(Duration::from_millis(250)) => break,
                 _ = tx.closed() => return,
             }
         }

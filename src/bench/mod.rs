@@ -13,6 +13,7 @@
 
 mod costs;
 mod curve;
+mod streams;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -61,6 +62,25 @@ pub struct BenchArgs {
     /// limit configured, on two engine nodes (`--jobs` jobs).
     #[arg(long, value_name = "CONCURRENCY")]
     pub limit_curve: Option<usize>,
+    /// Streaming mode: this many streamed completions at once, each watched
+    /// over `GET /v1/jobs/{id}/events`; prints the delay each chunk takes
+    /// from the provider to a watcher (journaled first).
+    #[arg(long, value_name = "N")]
+    pub streams: Option<usize>,
+    /// Streaming mode: chunks per answer.
+    #[arg(long, default_value_t = 200)]
+    pub stream_chunks: usize,
+    /// Streaming mode: the streams start spread over this many milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub stream_ramp_ms: u64,
+    /// Streaming mode: milliseconds between chunks (on average).
+    #[arg(long, default_value_t = 25)]
+    pub stream_interval_ms: u64,
+    /// Streaming mode: every stream sends its chunks in lockstep (the worst
+    /// case: all chunks of all streams arrive at once) instead of each gap
+    /// drawn from 0.5–1.5 × the interval, as a model's pace varies.
+    #[arg(long)]
+    pub stream_aligned: bool,
     /// Lease length in milliseconds (the heartbeat renews every third of it).
     #[arg(long, env = "ONCEFLOW_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u64,
@@ -176,6 +196,9 @@ async fn bench(
 
     if args.hold {
         return hold(args, db, &run_id, telemetry).await;
+    }
+    if let Some(n) = args.streams {
+        return streams::run(args, db, &run_id, n).await;
     }
     if let Some(limit) = args.limit_curve {
         return curve::run(args, db, &run_id, limit).await;

@@ -175,7 +175,7 @@ pub(crate) struct Batches {
     /// `None`: the lease is lost.
     pub(crate) begin_call: Batcher<BeginCall, Option<CallRow>>,
     /// Chunks of streamed answers.
-    pub(crate) stream: Batcher<super::streams::StreamWrite, Checkpoint>,
+    pub(crate) stream: Batcher<super::streams::StreamWrite, super::streams::Written>,
 }
 
 /// A batch statement `f(conn, requests)` run on a connection of the pool.

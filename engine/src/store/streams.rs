@@ -12,7 +12,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use super::batch::ForJob;
-use super::lease::{lock_in_order, IdRow};
+use super::lease::lock_in_order;
 use super::sql::sql;
 use super::{Checkpoint, Fence, Store};
 use crate::error::StoreError;
@@ -47,13 +47,41 @@ impl ForJob for StreamWrite {
     }
 }
 
+/// A stream write's outcome: the rows as committed (with their ids and the
+/// job's event before them), or why nothing was written.
+pub(crate) type Written = (Checkpoint, Published);
+
 /// Writes the chunks of many streams in one statement, each job's rows only
 /// while its lease epoch holds (the job rows locked in id order first, as
-/// every batch does), and announces each job on [`STREAM_CHANNEL`].
+/// every batch does), announces each job on [`STREAM_CHANNEL`], and returns
+/// the rows written, with their ids.
 pub(crate) async fn stream_on(
     conn: &mut AsyncPgConnection,
     requests: &[StreamWrite],
-) -> Result<Vec<Checkpoint>, StoreError> {
+) -> Result<Vec<Written>, StoreError> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        job_id: String,
+        /// The job's last event before this write (read under its row lock,
+        /// which every writer of its events holds: exact).
+        #[diesel(sql_type = Nullable<BigInt>)]
+        prev: Option<i64>,
+        #[diesel(sql_type = Nullable<BigInt>)]
+        id: Option<i64>,
+        #[diesel(sql_type = Nullable<Text>)]
+        call: Option<String>,
+        #[diesel(sql_type = Nullable<Integer>)]
+        generation: Option<i32>,
+        #[diesel(sql_type = Nullable<Integer>)]
+        offset: Option<i32>,
+        #[diesel(sql_type = Nullable<Text>)]
+        kind: Option<String>,
+        #[diesel(sql_type = Nullable<Text>)]
+        text: Option<String>,
+        #[diesel(sql_type = Nullable<Timestamptz>)]
+        at: Option<DateTime<Utc>>,
+    }
     let ids: Vec<&str> = requests.iter().map(|r| r.fence.job_id.as_str()).collect();
     let (mut row_ids, mut epochs, mut keys, mut generations, mut offsets, mut kinds, mut texts) = (
         Vec::new(),
@@ -75,7 +103,7 @@ pub(crate) async fn stream_on(
             texts.push(row.text.as_str());
         }
     }
-    let written: Vec<IdRow> = sql(concat!(
+    let rows: Vec<Row> = sql(concat!(
         "WITH input AS (SELECT * FROM unnest($2::text[], $3::bigint[], $4::text[], $5::int[], \
              $6::int[], $7::text[], $8::text[]) WITH ORDINALITY \
              AS i(id, epoch, key, generation, \"offset\", kind, text, n)), ",
@@ -87,9 +115,20 @@ pub(crate) async fn stream_on(
          written AS ( \
              INSERT INTO stream_events (job_id, call_key, generation, \"offset\", kind, text) \
              SELECT id, key, generation, \"offset\", kind, text FROM fenced ORDER BY n \
-             ON CONFLICT (job_id, call_key, generation, \"offset\") DO NOTHING) \
-         SELECT f.id FROM (SELECT DISTINCT id FROM fenced) f \
-             CROSS JOIN LATERAL (SELECT pg_notify($9, f.id)) n"
+             ON CONFLICT (job_id, call_key, generation, \"offset\") DO NOTHING \
+             RETURNING id, job_id, call_key, generation, \"offset\", kind, text, at), \
+         jobs AS (SELECT DISTINCT id FROM fenced), \
+         notified AS (SELECT count(pg_notify($9, w.job_id || ' ' || w.last)) AS n \
+             FROM (SELECT job_id, max(id) AS last FROM written GROUP BY job_id) w), \
+         prev AS (SELECT j.id, greatest( \
+                 (SELECT max(h.id) FROM job_history h WHERE h.job_id = j.id), \
+                 (SELECT max(e.id) FROM stream_events e WHERE e.job_id = j.id)) AS prev \
+             FROM jobs j) \
+         SELECT j.id AS job_id, p.prev, w.id, w.call_key AS call, w.generation, w.\"offset\", \
+             w.kind, w.text, w.at \
+         FROM jobs j CROSS JOIN notified JOIN prev p ON p.id = j.id \
+             LEFT JOIN written w ON w.job_id = j.id \
+         ORDER BY w.id"
     ))
     .bind::<Array<Text>, _>(&ids)
     .bind::<Array<Text>, _>(&row_ids)
@@ -102,15 +141,38 @@ pub(crate) async fn stream_on(
     .bind::<Text, _>(STREAM_CHANNEL)
     .load(conn)
     .await?;
-    let written: std::collections::HashSet<String> = written.into_iter().map(|r| r.id).collect();
+    let mut by_job: HashMap<String, Published> = HashMap::new();
+    for r in rows {
+        let published = by_job.entry(r.job_id).or_insert_with(|| Published {
+            prev: r.prev,
+            upto: None,
+            events: Vec::new(),
+        });
+        let events = &mut published.events;
+        if let (Some(id), Some(kind), Some(text), Some(at)) = (r.id, r.kind, r.text, r.at) {
+            events.push(JobEvent {
+                id,
+                offset: r.offset.filter(|_| kind == "chunk"),
+                kind,
+                call: r.call,
+                generation: r.generation,
+                text,
+                at,
+            });
+        }
+    }
     Ok(requests
         .iter()
-        .map(|r| {
-            if written.contains(&r.fence.job_id) {
-                Checkpoint::Moved
-            } else {
-                Checkpoint::LeaseLost
-            }
+        .map(|r| match by_job.get(&r.fence.job_id) {
+            Some(published) => (Checkpoint::Moved, published.clone()),
+            None => (
+                Checkpoint::LeaseLost,
+                Published {
+                    prev: None,
+                    upto: None,
+                    events: Vec::new(),
+                },
+            ),
         })
         .collect())
 }
@@ -148,41 +210,49 @@ pub struct JobEvent {
     pub at: DateTime<Utc>,
 }
 
-/// Wakes the watchers of a job on this node when its stream moved.
+/// Committed events of one job, handed to this node's watchers so they
+/// need not read them back: `prev` is the id of the job's event just before
+/// them (`None`: only an announcement from another node), so a watcher
+/// uses them only when it has seen exactly up to `prev`, and reads the
+/// journal otherwise.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// The id of the job's event before them (`None`: an announcement).
+    pub prev: Option<i64>,
+    /// An announcement from a node (maybe this one): the job's events now
+    /// reach this id.
+    pub upto: Option<i64>,
+    /// The events, as committed, by id.
+    pub events: Vec<JobEvent>,
+}
+
+/// This node's watchers of streamed jobs, by job.
 #[derive(Debug, Default)]
 pub(crate) struct Watchers {
-    jobs: Mutex<HashMap<String, std::sync::Weak<tokio::sync::Notify>>>,
+    jobs: Mutex<HashMap<String, tokio::sync::broadcast::Sender<Arc<Published>>>>,
 }
 
 impl Watchers {
-    fn subscribe(&self, job_id: &str) -> Arc<tokio::sync::Notify> {
+    fn subscribe(&self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {
         let mut jobs = self.jobs.lock().expect("lock");
-        if let Some(n) = jobs.get(job_id).and_then(std::sync::Weak::upgrade) {
-            return n;
-        }
-        jobs.retain(|_, w| w.strong_count() > 0);
-        let n = Arc::new(tokio::sync::Notify::new());
-        jobs.insert(job_id.to_owned(), Arc::downgrade(&n));
-        n
+        jobs.retain(|_, tx| tx.receiver_count() > 0);
+        jobs.entry(job_id.to_owned())
+            .or_insert_with(|| tokio::sync::broadcast::channel(256).0)
+            .subscribe()
     }
 
-    fn wake(&self, job_id: &str) {
-        let n = self
-            .jobs
-            .lock()
-            .expect("lock")
-            .get(job_id)
-            .and_then(std::sync::Weak::upgrade);
-        if let Some(n) = n {
-            n.notify_waiters();
+    fn publish(&self, job_id: &str, published: Published) {
+        if let Some(tx) = self.jobs.lock().expect("lock").get(job_id) {
+            let _ = tx.send(Arc::new(published));
         }
     }
 }
 
 impl Store {
     /// Journals `rows` of `key`'s stream in `generation`, fenced by the
-    /// lease and group-committed with other streams' chunks; wakes this
-    /// node's watchers of the job once it is durable.
+    /// lease and group-committed with other streams' chunks; the committed
+    /// rows go to this node's watchers, with the id of the job's event
+    /// before them.
     pub async fn journal_stream(
         &self,
         fence: &Fence,
@@ -196,12 +266,14 @@ impl Store {
             generation,
             rows,
         };
-        let out = retrying!(self, "journal_stream", async || {
+        let (checkpoint, published) = retrying!(self, "journal_stream", async || {
             self.batches.stream.call(write.clone()).await
         })
         .await?;
-        self.watchers.wake(&fence.job_id);
-        Ok(out)
+        if !published.events.is_empty() {
+            self.watchers.publish(&fence.job_id, published);
+        }
+        Ok(checkpoint)
     }
 
     /// The latest generation of `key`'s stream in `job_id`'s journal.
@@ -293,14 +365,29 @@ impl Store {
             .collect())
     }
 
-    /// Resolves when `job_id`'s stream may have moved (a batch of its chunks
-    /// committed, here or on another node); register before reading.
-    pub fn watch_stream(&self, job_id: &str) -> Arc<tokio::sync::Notify> {
+    /// Follows `job_id`'s stream on this node: every batch of its chunks
+    /// committed here, with its rows, and an empty [`Published`] when
+    /// another node announces one. Subscribe before reading the journal.
+    pub fn watch_stream(&self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {
         self.watchers.subscribe(job_id)
     }
 
-    /// A node announced that `job_id`'s stream moved ([`STREAM_CHANNEL`]).
-    pub fn stream_moved(&self, job_id: &str) {
-        self.watchers.wake(job_id);
+    /// A node announced on [`STREAM_CHANNEL`] that a job's events reach an
+    /// id (payload `"{job_id} {id}"`): its watchers here read the journal
+    /// unless they have seen that far (this node's own writes reach them
+    /// first, with their rows).
+    pub fn stream_moved(&self, payload: &str) {
+        let (job_id, upto) = match payload.rsplit_once(' ') {
+            Some((job, id)) => (job, id.parse().ok()),
+            None => (payload, None),
+        };
+        self.watchers.publish(
+            job_id,
+            Published {
+                prev: None,
+                upto,
+                events: Vec::new(),
+            },
+        );
     }
 }

@@ -76,11 +76,16 @@ struct Streams {
     words: usize,
     /// Time between chunks.
     interval: Duration,
+    /// Each gap drawn uniformly from 0.5–1.5 × `interval` (a model's pace
+    /// is irregular; streams started together then drift apart).
+    jitter: bool,
     /// The next streams drop the connection after this many chunks.
     drops: std::collections::VecDeque<usize>,
     /// Stream requests received, and chunks sent.
     requests: usize,
     chunks: usize,
+    /// When each chunk was written out (key, index), for benchmarks.
+    sent_at: Vec<(String, usize, std::time::Instant)>,
 }
 
 impl Default for Streams {
@@ -90,9 +95,11 @@ impl Default for Streams {
             replay: true,
             words: 8,
             interval: Duration::from_millis(5),
+            jitter: false,
             drops: Default::default(),
             requests: 0,
             chunks: 0,
+            sent_at: Vec::new(),
         }
     }
 }
@@ -190,6 +197,11 @@ impl FakeProvider {
         s.interval = interval;
     }
 
+    /// Draws each gap between chunks from 0.5–1.5 × the interval.
+    pub fn set_stream_jitter(&self, jitter: bool) {
+        self.state.streams.lock().expect("lock").jitter = jitter;
+    }
+
     /// The next streamed answer drops the connection after `chunks` chunks.
     pub fn drop_stream_after(&self, chunks: usize) {
         self.state
@@ -198,6 +210,12 @@ impl FakeProvider {
             .expect("lock")
             .drops
             .push_back(chunks);
+    }
+
+    /// When each streamed chunk was handed to the connection: (key, its
+    /// index in the answer, the instant).
+    pub fn chunks_sent_at(&self) -> Vec<(String, usize, std::time::Instant)> {
+        self.state.streams.lock().expect("lock").sent_at.clone()
     }
 
     /// Streamed requests received.
@@ -427,7 +445,7 @@ async fn take_time(state: &State, behaviour: &Behaviour) {
 /// replays its words (no new work) unless replay is off; a scripted drop
 /// ends the connection mid-answer, without `[DONE]`.
 fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpResponse {
-    let (words, interval, drop_after) = {
+    let (words, interval, jitter, drop_after) = {
         let mut s = state.streams.lock().expect("lock");
         s.requests += 1;
         let known = key.as_ref().and_then(|k| s.answers.get(k)).cloned();
@@ -442,7 +460,7 @@ fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpRe
                 words
             }
         };
-        (words, s.interval, s.drops.pop_front())
+        (words, s.interval, s.jitter, s.drops.pop_front())
     };
     let model = body["model"].clone();
     let chunk = |delta: Value, finish: Value| {
@@ -471,17 +489,27 @@ fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpRe
         events.truncate(shown);
     }
     let state = state.clone();
+    let key = key.unwrap_or_default();
     let body =
         futures_util::stream::unfold((events.into_iter(), 0usize), move |(mut events, sent)| {
             let state = state.clone();
+            let key = key.clone();
             async move {
                 match events.next() {
                     Some(e) => {
                         if sent > 0 {
-                            actix_web::rt::time::sleep(interval).await;
+                            let gap = if jitter {
+                                interval.mul_f64(rand::random_range(0.5..1.5))
+                            } else {
+                                interval
+                            };
+                            actix_web::rt::time::sleep(gap).await;
                         }
                         if e.contains("\"content\"") {
-                            state.streams.lock().expect("lock").chunks += 1;
+                            let mut s = state.streams.lock().expect("lock");
+                            s.chunks += 1;
+                            s.sent_at
+                                .push((key.clone(), sent, std::time::Instant::now()));
                         }
                         Some((Ok(web::Bytes::from(e)), (events, sent + 1)))
                     }
