@@ -279,7 +279,14 @@ impl Context {
                     texts.push(more);
                 }
                 let rows = tape.accept(&texts);
-                chunks += self.write_stream(key, &tape, rows).await?;
+                let written = self.write_stream(key, &tape, rows).await?;
+                if chunks == 0 && written > 0 {
+                    // Mid-stream: shown so far, the rest still to come.
+                    self.faults
+                        .hit(self.job_id(), crate::faults::FailPoint::StreamChunk)
+                        .await?;
+                }
+                chunks += written;
             }
             Ok::<_, StepError>(chunks)
         };

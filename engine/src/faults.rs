@@ -26,6 +26,10 @@ pub enum FailPoint {
     AfterCommit(&'static str),
     /// The model request was sent and answered; its response is not read yet.
     ModelAfterSend,
+    /// Mid-stream: a streamed model call's first chunks are journaled (and
+    /// shown to watchers), the rest of the answer has not arrived yet. Hit
+    /// once per streamed call, after its first journaled batch.
+    StreamChunk,
     /// The webhook request was sent and answered; its response is not read yet.
     WebhookAfterSend,
     /// A tool's side effect happened; its result is not recorded yet.
@@ -42,6 +46,7 @@ impl fmt::Display for FailPoint {
             FailPoint::BeforeCommit(s) => write!(f, "before-commit:{s}"),
             FailPoint::AfterCommit(s) => write!(f, "after-commit:{s}"),
             FailPoint::ModelAfterSend => f.write_str("model:after-send"),
+            FailPoint::StreamChunk => f.write_str("stream:chunk"),
             FailPoint::WebhookAfterSend => f.write_str("webhook:after-send"),
             FailPoint::ToolAfterEffect => f.write_str("tool:after-effect"),
             FailPoint::StepAfterEffect => f.write_str("step:after-effect"),

@@ -298,7 +298,7 @@ impl Provider {
                     on_text(&text);
                 }
             }
-            if answer.content.len() > self.config.max_response_bytes {
+            if answer.size > self.config.max_response_bytes {
                 return Err(PostError::Failed(Failure::TooLarge {
                     limit: self.config.max_response_bytes,
                 }));
@@ -382,10 +382,15 @@ pub mod sse {
         pub chunks: usize,
         /// `data: [DONE]` arrived.
         pub done: bool,
+        /// Bytes of text taken so far (the answer's and tool calls').
+        pub size: usize,
         id: Option<Value>,
         model: Option<Value>,
         finish_reason: Option<Value>,
         usage: Option<Value>,
+        /// Tool calls, by their `index`: each arrives as a first delta with
+        /// its id, type and name, then its `arguments` in pieces.
+        tool_calls: std::collections::BTreeMap<u64, Value>,
     }
 
     impl Answer {
@@ -414,8 +419,16 @@ pub mod sse {
             if let Some(reason) = choice.get("finish_reason").filter(|r| !r.is_null()) {
                 self.finish_reason = Some(reason.clone());
             }
+            for delta in choice["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                self.tool_call(delta)?;
+            }
             match choice["delta"]["content"].as_str() {
                 Some(text) if !text.is_empty() => {
+                    self.size += text.len();
                     self.content.push_str(text);
                     Ok(Some(text.to_owned()))
                 }
@@ -423,14 +436,44 @@ pub mod sse {
             }
         }
 
+        /// Adds one `delta.tool_calls` entry to the call at its `index`.
+        fn tool_call(&mut self, delta: &Value) -> Result<(), String> {
+            let index = delta["index"]
+                .as_u64()
+                .ok_or("a tool-call delta without an index")?;
+            let call = self.tool_calls.entry(index).or_insert_with(|| {
+                json!({ "id": "", "type": "function", "function": { "name": "", "arguments": "" } })
+            });
+            for field in ["id", "type"] {
+                if let Some(v) = delta[field].as_str() {
+                    call[field] = json!(v);
+                }
+            }
+            for field in ["name", "arguments"] {
+                if let Some(piece) = delta["function"][field].as_str() {
+                    self.size += piece.len();
+                    let so_far = call["function"][field].as_str().unwrap_or_default();
+                    call["function"][field] = json!(format!("{so_far}{piece}"));
+                }
+            }
+            Ok(())
+        }
+
         /// The chat completion the stream amounted to.
         pub fn completion(&self, request: &Value) -> Value {
+            let mut message = json!({ "role": "assistant", "content": self.content });
+            if !self.tool_calls.is_empty() {
+                if self.content.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] = self.tool_calls.values().cloned().collect();
+            }
             let mut out = json!({
                 "object": "chat.completion",
                 "model": self.model.clone().unwrap_or_else(|| request["model"].clone()),
                 "choices": [{
                     "index": 0,
-                    "message": { "role": "assistant", "content": self.content },
+                    "message": message,
                     "finish_reason": self.finish_reason.clone().unwrap_or(Value::Null),
                 }],
             });
@@ -470,6 +513,34 @@ pub mod sse {
             assert_eq!(c["choices"][0]["finish_reason"], "stop");
             assert_eq!(c["usage"]["completion_tokens"], 1);
             assert!(a.take(r#"{"error":{"message":"overloaded"}}"#).is_err());
+        }
+
+        #[test]
+        fn tool_calls_are_assembled_from_their_pieces() {
+            let mut a = Answer::default();
+            for data in [
+                r#"{"choices":[{"delta":{"role":"assistant","content":null,"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"http_post","arguments":""}}]}}]}"#,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":1,"id":"call_2","type":"function","function":{"name":"lookup","arguments":"{}"}}]}}]}"#,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"ticket\""}}]}}]}"#,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":":\"A\"}"}}]}}]}"#,
+                r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
+            ] {
+                assert_eq!(a.take(data).unwrap(), None, "no text in {data}");
+            }
+            let c = a.completion(&json!({ "model": "m" }));
+            let message = &c["choices"][0]["message"];
+            assert_eq!(message["content"], Value::Null);
+            assert_eq!(message["tool_calls"][0]["id"], "call_1");
+            assert_eq!(message["tool_calls"][0]["function"]["name"], "http_post");
+            assert_eq!(
+                message["tool_calls"][0]["function"]["arguments"],
+                r#"{"ticket":"A"}"#
+            );
+            assert_eq!(message["tool_calls"][1]["id"], "call_2");
+            assert_eq!(c["choices"][0]["finish_reason"], "tool_calls");
+            assert!(a
+                .take(r#"{"choices":[{"delta":{"tool_calls":[{"id":"x"}]}}]}"#)
+                .is_err());
         }
     }
 }

@@ -18,7 +18,11 @@ use serde_json::{json, Value};
 /// delivered (before and after), the ack and acked = 13. The agent: two
 /// turns' model calls (4), its tool's effect (1) and the same 11 = 16. The
 /// example: one model call (2), one general step (1) and the 11 = 14.
+/// Streamed, a model call that streams text passes one more boundary,
+/// mid-stream (`stream:chunk`): the agent's final turn streams its answer,
+/// its tool-calling turn no text.
 const COMPLETION_BOUNDARIES: usize = 13;
+const STREAMED_AGENT_BOUNDARIES: usize = 17;
 const AGENT_BOUNDARIES: usize = 16;
 const EXAMPLE_BOUNDARIES: usize = 14;
 
@@ -91,6 +95,42 @@ async fn the_agent_survives_a_crash_or_a_takeover_at_every_boundary() {
         .iter()
         .any(|r| r.boundary == onceflow_engine::FailPoint::ToolAfterEffect));
     assert_exploration(&report, AGENT_BOUNDARIES);
+}
+
+/// The agent with `"stream": true`: its tool call is assembled from a
+/// stream, and a crash or takeover mid-way through the streamed final
+/// answer resumes it without a repeat or a reset (the explorer compares
+/// the stream journal with the clean run's).
+#[actix_rt::test]
+async fn the_streamed_agent_survives_every_boundary_and_mid_stream() {
+    let env = TestEnv::new().await;
+    let tools = FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "ticket": "X" }))]);
+    let url = tools.url();
+    let mut input = prompt();
+    input["stream"] = json!(true);
+    let report = Explorer::new(
+        &env,
+        move || {
+            let mut r = Registry::new();
+            r.register(Agent::new().with_tool(HttpPost::new(url.clone())));
+            r
+        },
+        "agent",
+        input,
+    )
+    .recording(tools)
+    .run()
+    .await;
+    println!("{report}");
+    let mid_stream: Vec<_> = report
+        .rows
+        .iter()
+        .filter(|r| r.boundary == onceflow_engine::FailPoint::StreamChunk)
+        .collect();
+    assert_eq!(mid_stream.len(), 3, "one mid-stream boundary, three modes");
+    assert!(env.provider.stream_requests() > 0);
+    assert_exploration(&report, STREAMED_AGENT_BOUNDARIES);
 }
 
 #[actix_rt::test]

@@ -10,9 +10,9 @@
 
 use std::time::Duration;
 
-use onceflow_engine::testkit::TestEnv;
+use onceflow_engine::testkit::{FakeConsumer, TestEnv};
 use onceflow_engine::Registry;
-use onceflow_workflows::Completion;
+use onceflow_workflows::{Agent, Completion, HttpPost};
 use serde_json::{json, Value};
 
 use crate::support::{post_job, serve_api, ServeProcess};
@@ -435,4 +435,111 @@ async fn the_watch_command_prints_the_answer_once() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{content}\n"));
     assert!(stderr.contains("[acked]"), "{stderr}");
     assert_eq!(env.provider.stream_requests(), 2, "the stream broke once");
+}
+
+/// The agent's final answer, streamed: its first turn streams a tool call
+/// (no text), broken after its head and half its arguments; the repeat under
+/// the same key completes it, and the tool runs once with the whole
+/// arguments. The final turn streams its answer, broken after 3 of 9
+/// chunks; the watcher sees the 9 once each under the final turn's key, no
+/// reset. Each turn paid once, one delivery.
+#[actix_rt::test]
+async fn the_agents_final_answer_streams_and_a_broken_turn_repeats_nothing() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(20));
+    const ANSWER: &str = "ticket A is open and waiting for you now";
+    env.provider.respond_with(|request, _| {
+        let messages = request["messages"].as_array().cloned().unwrap_or_default();
+        let message = if messages.iter().any(|m| m["role"] == "tool") {
+            json!({ "role": "assistant", "content": ANSWER })
+        } else {
+            json!({ "role": "assistant", "content": null, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": { "name": "http_post", "arguments": "{\"ticket\":\"A\"}" }
+            }] })
+        };
+        json!({ "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }] })
+    });
+    // Turn 0 breaks mid-arguments, its repeat goes whole; turn 1 breaks
+    // after 3 chunks, its repeat goes whole.
+    env.provider.drop_stream_after(2);
+    env.provider.stream_whole();
+    env.provider.drop_stream_after(3);
+    let tools = FakeConsumer::start();
+    let agent = |url: String| {
+        let mut r = Registry::new();
+        r.register(Agent::new().with_tool(HttpPost::new(url)));
+        r
+    };
+    let base = serve_api(env.store.clone(), agent(tools.url()), None);
+    let job = json!({
+        "id": "s-agent",
+        "workflow": "agent",
+        "input": {
+            "model": "test-model",
+            "stream": true,
+            "messages": [{ "role": "user", "content": "open a ticket" }]
+        },
+        "webhook_url": env.consumer.url(),
+    });
+    let (status, body) = post_job(&base, &job).await;
+    assert_eq!(status, 201, "{body}");
+    let _engine = env.start(agent(tools.url()), env.config());
+    let seen = watch(&base, "s-agent", None, until_finished).await;
+    assert_ids_increase(&seen);
+    let chunks: Vec<&Seen> = seen.iter().filter(|s| s.kind == "chunk").collect();
+    assert_eq!(chunks.len(), 9, "9 chunks shown, none twice: {seen:?}");
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c.data["call"] == "job:s-agent:turn:1"),
+        "only the final turn has text: {seen:?}"
+    );
+    assert!(seen.iter().all(|s| s.kind != "reset"), "no reset: {seen:?}");
+    assert_eq!(shown(&seen).concat(), ANSWER);
+    assert_eq!(result_content(&env, "s-agent").await, ANSWER);
+    assert_eq!(env.provider.stream_requests(), 4, "each turn asked twice");
+    assert_eq!(env.provider.work_done("job:s-agent:turn:0"), 1);
+    assert_eq!(env.provider.work_done("job:s-agent:turn:1"), 1);
+    let effects = tools.deliveries();
+    assert_eq!(effects.len(), 1, "the tool ran once: {effects:?}");
+    assert_eq!(
+        effects[0].idempotency_key.as_deref(),
+        Some("job:s-agent:tool:0:0")
+    );
+    assert!(
+        effects[0].body.to_string().contains("\"ticket\":\"A\""),
+        "with its whole arguments: {}",
+        effects[0].body
+    );
+    assert_eq!(env.consumer.deliveries_for("s-agent").len(), 1);
+    let delivered = &env.consumer.deliveries_for("s-agent")[0];
+    assert_eq!(delivered.body["result"]["content"], ANSWER);
+    assert_eq!(delivered.body["result"]["tool_calls"], 1);
+}
+
+/// `stream` with a provider that cannot stream is refused at intake,
+/// naming the field, for the agent as for completion; nothing is stored.
+#[actix_rt::test]
+async fn stream_with_anthropic_is_refused_for_the_agent_too() {
+    let env = TestEnv::new().await;
+    let mut r = Registry::new();
+    r.register(Agent::new());
+    let base = serve_api(env.store.clone(), r, None);
+    let job = json!({
+        "id": "s-agent-anthropic",
+        "workflow": "agent",
+        "input": {
+            "model": "claude", "provider": "anthropic", "stream": true,
+            "messages": [{ "role": "user", "content": "hi" }]
+        },
+        "webhook_url": env.consumer.url(),
+    });
+    let (status, body) = post_job(&base, &job).await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["error"]["field"], "input.stream", "{body}");
+    let stored = env
+        .sql("SELECT id FROM jobs WHERE id = 's-agent-anthropic'")
+        .await;
+    assert_eq!(stored.as_array().unwrap().len(), 0);
 }

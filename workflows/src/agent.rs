@@ -5,6 +5,9 @@
 //! through the tool ledger (position = turn and index), its result appended as
 //! a `tool` message, and the model is called again; when it answers without
 //! tool calls, that answer is the result. Past `max_turns` the job is dead.
+//! With `"stream": true` every turn is streamed and journaled as it arrives
+//! (the final answer is the text watchers see grow); a turn's tool calls are
+//! assembled from its stream before any of them runs.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -72,6 +75,12 @@ pub struct AgentInput {
         skip_serializing_if = "crate::completion::ModelProvider::is_default"
     )]
     pub provider: crate::completion::ModelProvider,
+    /// Stream every turn's answer (OpenAI only): the text of each turn —
+    /// the final answer's above all — is journaled as it arrives and shown
+    /// on `GET /v1/jobs/{id}/events` under its turn's key; tool calls are
+    /// assembled from the stream and run once each, as without it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
 }
 
 /// The result of an agent job.
@@ -103,6 +112,12 @@ impl Workflow for Agent {
                 ));
             }
         }
+        if input.stream && input.provider == crate::completion::ModelProvider::Anthropic {
+            return Err(InvalidInput::new(
+                "input.stream",
+                "is supported for provider openai only",
+            ));
+        }
         if let Some(turns) = input.max_turns {
             if !(1..=MAX_TURNS).contains(&turns) {
                 return Err(InvalidInput::new(
@@ -125,6 +140,10 @@ impl Workflow for Agent {
                 request["tools"] = json!(definitions);
             }
             input.provider.mark(&mut request);
+            if input.stream {
+                // Part of the request's identity, as in `completion`.
+                request["stream"] = json!(true);
+            }
             let response = ctx.generate(&format!("turn:{turn}"), &request).await?;
             let message = response["choices"][0]["message"].clone();
             let calls = message["tool_calls"]

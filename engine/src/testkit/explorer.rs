@@ -16,7 +16,10 @@
 //!    keys as the clean run; raw requests (model, webhook, effects) at most
 //!    two more than the clean run's (one interrupted send repeated under its
 //!    key, one more if a lease lapses on a busy machine); a history that is an in-order prefix of the lifecycle with no
-//!    state skipped or repeated. The clean run itself must end `acked`.
+//!    state skipped or repeated; a stream journal (what watchers were
+//!    shown) with as many chunks and resets as the clean run's, since the
+//!    fake provider replays a stream asked again under its key. The clean
+//!    run itself must end `acked`.
 //!
 //! ```no_run
 //! # async fn example(env: onceflow_engine::testkit::TestEnv, effects: onceflow_engine::testkit::FakeConsumer) {
@@ -177,6 +180,9 @@ struct Counts {
     webhook_keys: HashSet<Option<String>>,
     webhook_processed: usize,
     webhook_requests: usize,
+    /// Chunks and resets in the job's stream journal (what watchers saw).
+    stream_chunks: i64,
+    stream_resets: i64,
 }
 
 /// Explores one workflow with one input.
@@ -414,6 +420,16 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 .collect::<HashSet<_>>()
                 .len();
         }
+        let journal = env
+            .sql(&format!(
+                "SELECT count(*) FILTER (WHERE kind = 'chunk') AS chunks, \
+                 count(*) FILTER (WHERE kind = 'reset') AS resets \
+                 FROM stream_events WHERE job_id = '{}'",
+                id.replace('\'', "''")
+            ))
+            .await;
+        c.stream_chunks = journal[0]["chunks"].as_i64().unwrap_or_default();
+        c.stream_resets = journal[0]["resets"].as_i64().unwrap_or_default();
         let hooks = env.consumer.deliveries_for(id);
         c.webhook_requests = hooks.len();
         c.webhook_keys = hooks.iter().map(|d| d.webhook_id.clone()).collect();
@@ -501,6 +517,14 @@ fn violations(baseline: &Counts, c: &Counts) -> Vec<String> {
         if now > clean + 2 {
             v.push(format!("{now} {what} requests, the clean run sent {clean}"));
         }
+    }
+    // A stream asked again under its key is replayed by the fake provider,
+    // so watchers must see it neither repeated nor reset.
+    if (c.stream_chunks, c.stream_resets) != (baseline.stream_chunks, baseline.stream_resets) {
+        v.push(format!(
+            "the stream journal holds {} chunks and {} resets, the clean run's {} and {}",
+            c.stream_chunks, c.stream_resets, baseline.stream_chunks, baseline.stream_resets
+        ));
     }
     if !is_lifecycle_prefix(&c.history) {
         v.push(format!("history {:?} skips or repeats a state", c.history));

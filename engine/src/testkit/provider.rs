@@ -66,8 +66,8 @@ struct State {
 /// How the fake streams (`"stream": true`).
 #[derive(Debug)]
 struct Streams {
-    /// The text streamed under each key, as words.
-    answers: HashMap<String, Vec<String>>,
+    /// The deltas streamed under each key (text pieces, tool-call pieces).
+    answers: HashMap<String, Vec<Value>>,
     /// A repeated request replays the key's answer (no new work), as a
     /// provider that de-duplicates by `Idempotency-Key` does; otherwise
     /// it generates (and is paid for) a new one.
@@ -79,8 +79,9 @@ struct Streams {
     /// Each gap drawn uniformly from 0.5–1.5 × `interval` (a model's pace
     /// is irregular; streams started together then drift apart).
     jitter: bool,
-    /// The next streams drop the connection after this many chunks.
-    drops: std::collections::VecDeque<usize>,
+    /// How the next streams go, in turn: dropped after so many chunks, or
+    /// (`None`) whole.
+    drops: std::collections::VecDeque<Option<usize>>,
     /// Stream requests received, and chunks sent.
     requests: usize,
     chunks: usize,
@@ -209,7 +210,19 @@ impl FakeProvider {
             .lock()
             .expect("lock")
             .drops
-            .push_back(chunks);
+            .push_back(Some(chunks));
+    }
+
+    /// The next streamed answer (after those already planned) goes whole:
+    /// with [`drop_stream_after`](Self::drop_stream_after), plans which of
+    /// several streams break.
+    pub fn stream_whole(&self) {
+        self.state
+            .streams
+            .lock()
+            .expect("lock")
+            .drops
+            .push_back(None);
     }
 
     /// When each streamed chunk was handed to the connection: (key, its
@@ -236,7 +249,12 @@ impl FakeProvider {
             .expect("lock")
             .answers
             .get(key)
-            .map(|w| w.concat())
+            .map(|deltas| {
+                deltas
+                    .iter()
+                    .filter_map(|d| d["content"].as_str())
+                    .collect()
+            })
     }
 
     /// Requests answered 429 for being over the concurrency or rate limit.
@@ -440,30 +458,39 @@ async fn take_time(state: &State, behaviour: &Behaviour) {
 }
 
 /// A streamed answer as OpenAI sends it: one `chat.completion.chunk` event
-/// per word, a last chunk with the finish reason, one with the usage
-/// (`stream_options.include_usage`), then `data: [DONE]`. A repeated key
-/// replays its words (no new work) unless replay is off; a scripted drop
-/// ends the connection mid-answer, without `[DONE]`.
+/// per delta, a last chunk with the finish reason, one with the usage
+/// (`stream_options.include_usage`), then `data: [DONE]`. The answer is the
+/// responder's (see [`FakeProvider::respond_with`]) cut into deltas — its
+/// text by word, each tool call as a head then its arguments in two
+/// pieces — or else numbered words. A repeated key replays its deltas (no
+/// new work) unless replay is off; a scripted drop ends the connection
+/// mid-answer, without `[DONE]`.
 fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpResponse {
-    let (words, interval, jitter, drop_after) = {
+    let responder = state.responder.lock().expect("lock").clone();
+    let (deltas, interval, jitter, drop_after) = {
         let mut s = state.streams.lock().expect("lock");
         s.requests += 1;
         let known = key.as_ref().and_then(|k| s.answers.get(k)).cloned();
-        let words = match known.filter(|_| s.replay) {
-            Some(words) => words,
+        let deltas = match known.filter(|_| s.replay) {
+            Some(deltas) => deltas,
             None => {
                 let n = count_work(state, key.as_ref());
-                let words: Vec<String> = (0..s.words).map(|i| format!("w{n}.{i} ")).collect();
+                let deltas = match &responder {
+                    Some(f) => deltas_of(&f(body, n)),
+                    None => (0..s.words)
+                        .map(|i| json!({ "content": format!("w{n}.{i} ") }))
+                        .collect(),
+                };
                 if let Some(k) = &key {
-                    s.answers.insert(k.clone(), words.clone());
+                    s.answers.insert(k.clone(), deltas.clone());
                 }
-                words
+                deltas
             }
         };
-        (words, s.interval, s.jitter, s.drops.pop_front())
+        (deltas, s.interval, s.jitter, s.drops.pop_front().flatten())
     };
     let model = body["model"].clone();
-    let chunk = |delta: Value, finish: Value| {
+    let chunk = |delta: &Value, finish: Value| {
         let event = json!({
             "id": "chatcmpl-fake",
             "object": "chat.completion.chunk",
@@ -472,19 +499,22 @@ fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpRe
         });
         format!("data: {event}\n\n")
     };
-    let mut events: Vec<String> = words
+    // Each event, and whether it carries text (counted as a chunk streamed).
+    let mut events: Vec<(String, bool)> = deltas
         .iter()
-        .map(|w| chunk(json!({ "content": w }), Value::Null))
+        .map(|d| (chunk(d, Value::Null), d.get("content").is_some()))
         .collect();
     let shown = drop_after.unwrap_or(usize::MAX).min(events.len());
     let complete = drop_after.is_none();
     if complete {
-        events.push(chunk(json!({}), json!("stop")));
+        let calls = deltas.iter().any(|d| d.get("tool_calls").is_some());
+        let finish = if calls { "tool_calls" } else { "stop" };
+        events.push((chunk(&json!({}), json!(finish)), false));
         let usage = json!({ "choices": [], "usage": {
-            "prompt_tokens": 7, "completion_tokens": words.len(), "total_tokens": 7 + words.len()
+            "prompt_tokens": 7, "completion_tokens": deltas.len(), "total_tokens": 7 + deltas.len()
         }});
-        events.push(format!("data: {usage}\n\n"));
-        events.push("data: [DONE]\n\n".to_owned());
+        events.push((format!("data: {usage}\n\n"), false));
+        events.push(("data: [DONE]\n\n".to_owned(), false));
     } else {
         events.truncate(shown);
     }
@@ -496,7 +526,7 @@ fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpRe
             let key = key.clone();
             async move {
                 match events.next() {
-                    Some(e) => {
+                    Some((e, text)) => {
                         if sent > 0 {
                             let gap = if jitter {
                                 interval.mul_f64(rand::random_range(0.5..1.5))
@@ -505,7 +535,7 @@ fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpRe
                             };
                             actix_web::rt::time::sleep(gap).await;
                         }
-                        if e.contains("\"content\"") {
+                        if text {
                             let mut s = state.streams.lock().expect("lock");
                             s.chunks += 1;
                             s.sent_at
@@ -530,6 +560,40 @@ fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpRe
     HttpResponse::Ok()
         .content_type("text/event-stream")
         .streaming(body)
+}
+
+/// The deltas a chat completion streams as: its text word by word, then
+/// each tool call as a head (index, id, type, name) and its arguments in two
+/// pieces.
+fn deltas_of(response: &Value) -> Vec<Value> {
+    let message = &response["choices"][0]["message"];
+    let mut deltas: Vec<Value> = message["content"]
+        .as_str()
+        .unwrap_or_default()
+        .split_inclusive(' ')
+        .map(|word| json!({ "content": word }))
+        .collect();
+    for (index, call) in message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let head = json!({ "index": index, "id": call["id"], "type": "function",
+            "function": { "name": call["function"]["name"], "arguments": "" } });
+        deltas.push(json!({ "tool_calls": [head] }));
+        let arguments = call["function"]["arguments"].as_str().unwrap_or_default();
+        let mut half = arguments.len() / 2;
+        while !arguments.is_char_boundary(half) {
+            half += 1;
+        }
+        for piece in [&arguments[..half], &arguments[half..]] {
+            deltas.push(json!({ "tool_calls": [
+                { "index": index, "function": { "arguments": piece } }
+            ] }));
+        }
+    }
+    deltas
 }
 
 /// Anthropic's Messages API: no de-duplication, every request works.
