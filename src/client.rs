@@ -413,6 +413,7 @@ pub fn watch(args: WatchArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let http = reqwest::Client::new();
         let mut last: Option<i64> = None;
+        let mut shown_call: Option<String> = None;
         let mut final_state: Option<String> = None;
         let mut failures = 0u32;
         while final_state.is_none() {
@@ -436,7 +437,8 @@ pub fn watch(args: WatchArgs) -> anyhow::Result<()> {
                 Err(e) => return Err(anyhow::anyhow!("cannot reach {}: {e}", args.server)),
             };
             failures = 0;
-            let mut buffer = String::new();
+            // Bytes, not text: a character may be split across two reads.
+            let mut buffer: Vec<u8> = Vec::new();
             loop {
                 let chunk = match response.chunk().await {
                     Ok(Some(chunk)) => chunk,
@@ -446,9 +448,10 @@ pub fn watch(args: WatchArgs) -> anyhow::Result<()> {
                         break;
                     }
                 };
-                buffer.push_str(&String::from_utf8_lossy(&chunk));
-                while let Some(end) = buffer.find("\n\n") {
-                    let frame: String = buffer.drain(..end + 2).collect();
+                buffer.extend_from_slice(&chunk);
+                while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
+                    let bytes: Vec<u8> = buffer.drain(..end + 2).collect();
+                    let frame = String::from_utf8_lossy(&bytes);
                     let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data: ")) else {
                         continue; // a keep-alive comment
                     };
@@ -462,6 +465,12 @@ pub fn watch(args: WatchArgs) -> anyhow::Result<()> {
                     } else {
                         match event["kind"].as_str() {
                             Some("chunk") => {
+                                // An agent streams each turn under its own key.
+                                let call = event["call"].as_str().map(str::to_owned);
+                                if shown_call.is_some() && shown_call != call {
+                                    println!();
+                                }
+                                shown_call = call;
                                 print!("{text}");
                                 std::io::stdout().flush()?;
                             }

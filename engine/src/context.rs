@@ -1017,10 +1017,21 @@ impl Tape {
                 return Vec::new();
             }
         } else if got.starts_with(shown) {
-            // Past what was shown: the rest continues this generation.
+            // Past what was shown: the rest continues this generation, one
+            // row per text as a stream that never broke would have written
+            // (the text that straddles the end of what was shown, cut).
             self.verifying = false;
-            let rest = self.got[self.shown.len()..].to_owned();
-            return vec![self.chunk(rest)];
+            let mut upto = self.got.len() - texts.iter().map(String::len).sum::<usize>();
+            let mut rows = Vec::new();
+            for t in texts {
+                let end = upto + t.len();
+                if end > self.shown.len() {
+                    let from = self.shown.len().max(upto) - upto;
+                    rows.push(self.chunk(t[from..].to_owned()));
+                }
+                upto = end;
+            }
+            return rows;
         }
         self.reset()
     }
@@ -1109,6 +1120,15 @@ mod tape_tests {
         assert_eq!(texts(&rows), vec![(3, "chunk", "ld")]);
         assert_eq!(t.generation, 1);
         assert_eq!(texts(&t.accept(&["!".into()])), vec![(4, "chunk", "!")]);
+        // Texts that arrive together past what was shown keep a row each,
+        // as a stream that never broke would have journaled them.
+        let mut t = Tape::new(Journaled {
+            generation: 1,
+            text: "hello wor".into(),
+            next_offset: 3,
+        });
+        let rows = t.accept(&["hel".into(), "lo wo".into(), "rld".into(), "!".into()]);
+        assert_eq!(texts(&rows), vec![(3, "chunk", "ld"), (4, "chunk", "!")]);
     }
 
     #[test]

@@ -298,7 +298,14 @@ impl Provider {
                     on_text(&text);
                 }
             }
-            if answer.size > self.config.max_response_bytes {
+            // Every byte counts against the limit (an event that never
+            // ends, a body that is not a stream), and the text taken, which
+            // is rebuilt from the events into the whole answer.
+            let limit = self.config.max_response_bytes;
+            if answer.size > limit
+                || events.pending() > limit
+                || events.received > limit.saturating_mul(16)
+            {
                 return Err(PostError::Failed(Failure::TooLarge {
                     limit: self.config.max_response_bytes,
                 }));
@@ -332,15 +339,26 @@ impl Provider {
 pub mod sse {
     use serde_json::{json, Value};
 
+    /// Most tool calls taken from one streamed answer.
+    pub const MAX_TOOL_CALLS: usize = 128;
+
     /// Splits a byte stream into the `data:` payloads of its events.
     #[derive(Debug, Default)]
     pub struct Events {
         buffer: Vec<u8>,
+        /// Bytes taken in all.
+        pub received: usize,
     }
 
     impl Events {
+        /// Bytes of an event not complete yet.
+        pub fn pending(&self) -> usize {
+            self.buffer.len()
+        }
+
         /// Adds `bytes`; returns the data of every event now complete.
         pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+            self.received += bytes.len();
             self.buffer.extend_from_slice(bytes);
             let mut out = Vec::new();
             loop {
@@ -403,7 +421,8 @@ pub mod sse {
             let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
             if let Some(error) = event.get("error") {
                 return Err(format!(
-                    "the provider reported an error mid-stream: {error}"
+                    "the provider reported an error mid-stream: {}",
+                    crate::outbound::redact(&error.to_string())
                 ));
             }
             self.chunks += 1;
@@ -441,6 +460,11 @@ pub mod sse {
             let index = delta["index"]
                 .as_u64()
                 .ok_or("a tool-call delta without an index")?;
+            if !self.tool_calls.contains_key(&index) && self.tool_calls.len() >= MAX_TOOL_CALLS {
+                return Err(format!(
+                    "more than {MAX_TOOL_CALLS} tool calls in one answer"
+                ));
+            }
             let call = self.tool_calls.entry(index).or_insert_with(|| {
                 json!({ "id": "", "type": "function", "function": { "name": "", "arguments": "" } })
             });
@@ -449,11 +473,15 @@ pub mod sse {
                     call[field] = json!(v);
                 }
             }
-            for field in ["name", "arguments"] {
-                if let Some(piece) = delta["function"][field].as_str() {
-                    self.size += piece.len();
-                    let so_far = call["function"][field].as_str().unwrap_or_default();
-                    call["function"][field] = json!(format!("{so_far}{piece}"));
+            if let Some(name) = delta["function"]["name"].as_str() {
+                // Sent once, in the call's first piece (some servers repeat it).
+                self.size += name.len();
+                call["function"]["name"] = json!(name);
+            }
+            if let Some(piece) = delta["function"]["arguments"].as_str() {
+                self.size += piece.len();
+                if let Some(Value::String(so_far)) = call["function"].get_mut("arguments") {
+                    so_far.push_str(piece);
                 }
             }
             Ok(())

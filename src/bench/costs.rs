@@ -87,10 +87,10 @@ pub struct Cpu {
 
 /// `/proc` reports CPU time in USER_HZ ticks, which Linux fixes at 100 per
 /// second for user space whatever the kernel's own tick rate.
-const TICKS_PER_SEC: f64 = 100.0;
+pub const TICKS_PER_SEC: f64 = 100.0;
 
 /// (ppid, utime + stime, cutime + cstime) of a process, in ticks.
-fn proc_times(pid: &str) -> Option<(u32, u64, u64)> {
+pub fn proc_times(pid: &str) -> Option<(u32, u64, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name, which may contain spaces: state is 3rd.
     let rest = &stat[stat.rfind(')')? + 2..];

@@ -13,6 +13,7 @@
 
 mod costs;
 mod curve;
+mod nodes;
 mod streams;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -81,6 +82,11 @@ pub struct BenchArgs {
     /// drawn from 0.5–1.5 × the interval, as a model's pace varies.
     #[arg(long)]
     pub stream_aligned: bool,
+    /// Scale-out mode: the saturating phase with 1, 2, … N engine nodes on
+    /// one database (node 1 this process, the others `onceflow serve`
+    /// children); prints jobs/s and per-job costs per node count.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub nodes: Option<u16>,
     /// Lease length in milliseconds (the heartbeat renews every third of it).
     #[arg(long, env = "ONCEFLOW_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u64,
@@ -254,6 +260,7 @@ async fn bench(
     // The loopback consumer is the only private address webhooks may reach.
     let guard = onceflow_engine::UrlGuard::strict().allowing_url(&consumer.url());
     let mut config = EngineConfig {
+        node_id: "bench-node-1".to_owned(),
         max_in_flight: args.max_in_flight,
         poll_interval: Duration::from_millis(200),
         telemetry: telemetry.clone(),
@@ -300,6 +307,29 @@ async fn bench(
         stat_statements,
         postmaster,
     };
+
+    if let Some(n) = args.nodes {
+        let data_dir = args.db.data_dir.clone();
+        std::fs::create_dir_all(&data_dir)?;
+        let result = nodes::run(
+            &env,
+            &run_id,
+            usize::from(n),
+            args.jobs,
+            args.concurrency,
+            args.max_in_flight,
+            pool,
+            &url,
+            limit,
+            &data_dir,
+        )
+        .await;
+        engine.shutdown();
+        server_handle.stop(true).await;
+        drop(env);
+        drop_bench_database(database, db, store, &url).await?;
+        return result;
+    }
 
     eprintln!(
         "phase 1: {} jobs, {} concurrent clients…",
@@ -438,6 +468,17 @@ async fn bench(
         }
     }
 
+    drop(env);
+    drop_bench_database(database, db, store, &url).await
+}
+
+/// Drops the bench's own database on the embedded server.
+async fn drop_bench_database(
+    database: &crate::config::Database,
+    db: Db,
+    store: Store,
+    url: &str,
+) -> anyhow::Result<()> {
     if let Some(pg) = &database.embedded {
         drop(db);
         drop(store);

@@ -499,6 +499,11 @@ async fn the_agents_final_answer_streams_and_a_broken_turn_repeats_nothing() {
     assert_eq!(shown(&seen).concat(), ANSWER);
     assert_eq!(result_content(&env, "s-agent").await, ANSWER);
     assert_eq!(env.provider.stream_requests(), 4, "each turn asked twice");
+    assert_eq!(
+        env.provider.chunks_streamed(),
+        3 + 9,
+        "the final answer broke after 3 chunks, then came whole"
+    );
     assert_eq!(env.provider.work_done("job:s-agent:turn:0"), 1);
     assert_eq!(env.provider.work_done("job:s-agent:turn:1"), 1);
     let effects = tools.deliveries();

@@ -18,7 +18,8 @@
 //!    key, one more if a lease lapses on a busy machine); a history that is an in-order prefix of the lifecycle with no
 //!    state skipped or repeated; a stream journal (what watchers were
 //!    shown) with as many chunks and resets as the clean run's, since the
-//!    fake provider replays a stream asked again under its key. The clean
+//!    fake provider replays a stream asked again under its key, whose text
+//!    is each streamed call's journaled answer. The clean
 //!    run itself must end `acked`.
 //!
 //! ```no_run
@@ -183,6 +184,9 @@ struct Counts {
     /// Chunks and resets in the job's stream journal (what watchers saw).
     stream_chunks: i64,
     stream_resets: i64,
+    /// Streamed calls whose journaled text (latest generation) is not the
+    /// answer journaled for the call.
+    stream_differs: i64,
 }
 
 /// Explores one workflow with one input.
@@ -423,13 +427,24 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         let journal = env
             .sql(&format!(
                 "SELECT count(*) FILTER (WHERE kind = 'chunk') AS chunks, \
-                 count(*) FILTER (WHERE kind = 'reset') AS resets \
-                 FROM stream_events WHERE job_id = '{}'",
-                id.replace('\'', "''")
+                 count(*) FILTER (WHERE kind = 'reset') AS resets, \
+                 (SELECT count(*) FROM ( \
+                     SELECT e.call_key, string_agg(e.text, '' ORDER BY e.id) AS shown \
+                     FROM stream_events e WHERE e.job_id = '{id}' AND e.kind = 'chunk' \
+                       AND e.generation = (SELECT max(g.generation) FROM stream_events g \
+                           WHERE g.job_id = e.job_id AND g.call_key = e.call_key) \
+                     GROUP BY e.call_key) s \
+                   JOIN model_calls m ON m.idempotency_key = s.call_key \
+                   WHERE m.response IS NOT NULL \
+                     AND s.shown IS DISTINCT FROM m.response->'choices'->0->'message'->>'content' \
+                 ) AS differ \
+                 FROM stream_events WHERE job_id = '{id}'",
+                id = id.replace('\'', "''")
             ))
             .await;
         c.stream_chunks = journal[0]["chunks"].as_i64().unwrap_or_default();
         c.stream_resets = journal[0]["resets"].as_i64().unwrap_or_default();
+        c.stream_differs = journal[0]["differ"].as_i64().unwrap_or_default();
         let hooks = env.consumer.deliveries_for(id);
         c.webhook_requests = hooks.len();
         c.webhook_keys = hooks.iter().map(|d| d.webhook_id.clone()).collect();
@@ -524,6 +539,12 @@ fn violations(baseline: &Counts, c: &Counts) -> Vec<String> {
         v.push(format!(
             "the stream journal holds {} chunks and {} resets, the clean run's {} and {}",
             c.stream_chunks, c.stream_resets, baseline.stream_chunks, baseline.stream_resets
+        ));
+    }
+    if c.stream_differs > 0 {
+        v.push(format!(
+            "{} streamed calls show text that is not their journaled answer",
+            c.stream_differs
         ));
     }
     if !is_lifecycle_prefix(&c.history) {
