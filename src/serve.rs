@@ -70,6 +70,8 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
             limits: api::Limits::backlog(args.max_backlog, args.max_backlog_per_token),
             draining: draining.clone(),
             trace_url: args.trace_url.clone(),
+            // A job this node has room for runs here without a queue round trip.
+            handoff: Some(engine.handoff()),
         };
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))

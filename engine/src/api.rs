@@ -55,6 +55,9 @@ pub struct ApiState {
     /// The web console's link to a job's trace: a URL with `{trace_id}`
     /// (e.g. Jaeger's or Tempo's), or `None` for plain text.
     pub trace_url: Option<String>,
+    /// This node's engine, when it runs one: a new job it has room for is
+    /// handed to it in intake's commit (see [`crate::handoff`]).
+    pub handoff: Option<crate::handoff::Handoff>,
 }
 
 /// Per token (`None`: no token): when the backlog was read, in total and its own.
@@ -512,9 +515,13 @@ async fn submit(
         );
     };
     let notify = state.registry.failure_events(&job.workflow);
+    let reservation = state
+        .handoff
+        .as_ref()
+        .and_then(|h| h.reserve(&job.workflow, job.workflow_version));
     let result = state
         .store
-        .submit_owned(&job, trace, who.owner(), notify)
+        .submit_handed(&job, trace, who.owner(), notify, reservation)
         .await;
     let outcome = match &result {
         Ok(Intake::Created(_)) => "created",

@@ -102,6 +102,8 @@ pub(crate) struct Shared {
     pub(crate) draining: Arc<std::sync::atomic::AtomicBool>,
     /// Provider limits and the wake-up of calls waiting on one.
     pub(crate) limiter: Arc<crate::limits::Limiter>,
+    /// Whether intake may hand this node a new job (see [`crate::handoff`]).
+    pub(crate) gate: crate::handoff::Gate,
 }
 
 impl Shared {
@@ -145,6 +147,7 @@ impl Shared {
             faults,
             counters: Arc::new(Counters::default()),
             draining: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            gate: Default::default(),
         }
     }
 
@@ -156,6 +159,7 @@ impl Shared {
 /// A running node. Must be started inside an actix `System`.
 pub struct Engine {
     supervisor: Addr<Supervisor>,
+    handoff: crate::handoff::Handoff,
     store: Store,
     node_id: String,
     stop_listener: tokio::sync::watch::Sender<bool>,
@@ -190,7 +194,8 @@ impl Engine {
                 tracing::warn!(error = %e, "could not free this node's old provider slots");
             }
         });
-        let supervisor = Supervisor::new(shared).start();
+        let supervisor = Supervisor::new(shared.clone()).start();
+        let handoff = crate::handoff::Handoff::new(shared, supervisor.clone());
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
         actix::spawn(listen(
             store.clone(),
@@ -200,6 +205,7 @@ impl Engine {
         ));
         Engine {
             limiter,
+            handoff,
             supervisor,
             store,
             node_id,
@@ -212,6 +218,12 @@ impl Engine {
     /// The supervisor's address.
     pub fn supervisor(&self) -> &Addr<Supervisor> {
         &self.supervisor
+    }
+
+    /// Where this node's intake hands new jobs (give it to the API's
+    /// state, [`crate::api::ApiState::handoff`], on a node that runs both).
+    pub fn handoff(&self) -> crate::handoff::Handoff {
+        self.handoff.clone()
     }
 
     /// Look for work now.

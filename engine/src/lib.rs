@@ -39,6 +39,7 @@ pub mod engine;
 pub mod error;
 pub mod faults;
 pub mod guard;
+pub mod handoff;
 pub mod intake;
 pub mod keys;
 pub mod lifecycle;

@@ -41,6 +41,12 @@ struct Purge;
 /// Jobs purged per statement: small, so a purge never holds many locks.
 const PURGE_BATCH: i64 = 100;
 
+/// Run a job intake has just created already leased to this node (see
+/// [`crate::handoff`]).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Adopt(pub crate::store::Leased);
+
 /// How many jobs this node is running.
 #[derive(Message)]
 #[rtype(result = "usize")]
@@ -131,12 +137,16 @@ impl Handler<Poll> for Supervisor {
             self.poll_again = true;
             return;
         }
+        let gate = &self.shared.gate;
         let capacity = self
             .shared
             .config
             .max_in_flight
-            .saturating_sub(self.in_flight.len());
+            .saturating_sub(self.in_flight.len())
+            .saturating_sub(gate.reserved.load(std::sync::atomic::Ordering::Acquire));
         if capacity == 0 {
+            gate.backlog
+                .store(true, std::sync::atomic::Ordering::Release);
             return;
         }
         self.polling = true;
@@ -165,6 +175,12 @@ impl Handler<Poll> for Supervisor {
                 Ok(leased) => {
                     act.reclaimed_own = true;
                     let full = leased.len() == capacity;
+                    // Room left over: nothing runnable waits, so intake may
+                    // hand new jobs straight to this node.
+                    act.shared
+                        .gate
+                        .backlog
+                        .store(full, std::sync::atomic::Ordering::Release);
                     for job in leased {
                         act.start_job(job, ctx);
                     }
@@ -173,7 +189,13 @@ impl Handler<Poll> for Supervisor {
                         ctx.notify(Poll);
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "could not lease jobs; will retry"),
+                Err(e) => {
+                    act.shared
+                        .gate
+                        .backlog
+                        .store(true, std::sync::atomic::Ordering::Release);
+                    tracing::warn!(error = %e, "could not lease jobs; will retry")
+                }
             }
         }));
     }
@@ -182,6 +204,10 @@ impl Handler<Poll> for Supervisor {
 impl Supervisor {
     /// Reports a change of the number of actors in flight.
     fn report_in_flight(&mut self) {
+        self.shared
+            .gate
+            .running
+            .store(self.in_flight.len(), std::sync::atomic::Ordering::Release);
         let now = self.in_flight.len() as i64;
         let delta = now - self.reported_in_flight;
         if delta != 0 {
@@ -486,6 +512,23 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
     Ok(n)
 }
 
+impl Handler<Adopt> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, Adopt(leased): Adopt, ctx: &mut Self::Context) {
+        // Counted in `in_flight` before the reservation is given back, so
+        // the room it held is never offered twice. Stopping, the job is not
+        // started: its lease lapses and any node resumes it.
+        if !self.stopping {
+            self.start_job(leased, ctx);
+        }
+        self.shared
+            .gate
+            .reserved
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 impl Handler<InFlight> for Supervisor {
     type Result = usize;
     fn handle(&mut self, _: InFlight, _: &mut Self::Context) -> usize {
@@ -497,6 +540,10 @@ impl Handler<Drain> for Supervisor {
     type Result = ();
     fn handle(&mut self, _: Drain, _: &mut Self::Context) {
         self.stopping = true;
+        self.shared
+            .gate
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -504,6 +551,10 @@ impl Handler<Shutdown> for Supervisor {
     type Result = ();
     fn handle(&mut self, _: Shutdown, ctx: &mut Self::Context) {
         self.stopping = true;
+        self.shared
+            .gate
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
         for (_, (_, addr)) in self.in_flight.drain() {
             addr.do_send(Abort);
         }

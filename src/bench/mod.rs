@@ -283,6 +283,7 @@ async fn bench(
         limits: Default::default(),
         draining: Default::default(),
         trace_url: None,
+        handoff: Some(engine.handoff()),
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))

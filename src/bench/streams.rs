@@ -84,6 +84,7 @@ pub(super) async fn run(
         limits: Default::default(),
         draining: Default::default(),
         trace_url: None,
+        handoff: None,
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))

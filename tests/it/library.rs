@@ -196,6 +196,7 @@ async fn the_typed_client_submits_reads_and_maps_errors() {
         limits: onceflow_engine::api::Limits::backlog(0, 0),
         draining: Default::default(),
         trace_url: None,
+        handoff: None,
     });
     match Client::new(full)
         .submit::<Completion>("typed-2", &input, &env.consumer.url())

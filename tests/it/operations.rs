@@ -136,6 +136,7 @@ fn list_api(env: &TestEnv, auth: onceflow_engine::api::Auth) -> String {
         limits: Default::default(),
         draining: Default::default(),
         trace_url: None,
+        handoff: None,
     })
 }
 

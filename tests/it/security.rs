@@ -45,6 +45,7 @@ fn api_limited(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth, limits:
         limits,
         draining: Default::default(),
         trace_url: None,
+        handoff: None,
     })
 }
 
@@ -307,6 +308,7 @@ async fn posts_must_be_json_and_hosts_must_be_known() {
         limits: Default::default(),
         draining: Default::default(),
         trace_url: None,
+        handoff: None,
     });
     let body = serde_json::to_vec(&job_body("ct-1", &env.consumer.url())).unwrap();
     for content_type in [

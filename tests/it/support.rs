@@ -23,6 +23,29 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
         limits: Default::default(),
         draining: Default::default(),
         trace_url: None,
+        handoff: None,
+    })
+}
+
+/// Serves the API of a node that runs `engine` too: a new job it has room
+/// for is handed to it in intake's commit, as `serve` does.
+pub fn serve_node_api(
+    store: Store,
+    registry: Registry,
+    engine: &onceflow_engine::Engine,
+) -> String {
+    serve_api_state(ApiState {
+        store,
+        registry,
+        body_limit: DEFAULT_BODY_LIMIT,
+        telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
+        url_guard: onceflow_engine::UrlGuard::allow_private(),
+        hosts: onceflow_engine::api::Hosts::Any,
+        auth: onceflow_engine::api::Auth::Off,
+        limits: Default::default(),
+        draining: Default::default(),
+        trace_url: None,
+        handoff: Some(engine.handoff()),
     })
 }
 

@@ -281,6 +281,7 @@ async fn spans_and_metrics_arrive_over_otlp_and_match_what_the_fakes_recorded() 
         limits: Default::default(),
         draining: Default::default(),
         trace_url: None,
+        handoff: None,
     });
     // clean: nothing goes wrong. faulty: the provider's answer is lost after
     // it did the work, then the consumer fails once. ackfail: the commit of

@@ -124,6 +124,9 @@ pub(crate) struct NewRow {
     pub(crate) priority: i32,
     pub(crate) run_at: Option<DateTime<Utc>>,
     pub(crate) delay_ms: Option<i64>,
+    /// Insert it leased to this node for this many milliseconds (a
+    /// hand-off, see [`crate::handoff`]).
+    pub(crate) lease: Option<(String, i64)>,
 }
 
 impl Keyed for NewRow {
@@ -145,6 +148,12 @@ pub(crate) struct Inserted {
     pub(crate) incarnation: i32,
     #[diesel(sql_type = Timestamptz)]
     pub(crate) run_at: DateTime<Utc>,
+    #[diesel(sql_type = BigInt)]
+    pub(crate) lease_epoch: i64,
+    #[diesel(sql_type = Integer)]
+    pub(crate) attempts: i32,
+    #[diesel(sql_type = Bool)]
+    pub(crate) leased: bool,
 }
 
 impl ForJob for Ack {
@@ -438,7 +447,11 @@ pub(crate) async fn intake_on(
     let mut priorities = Vec::with_capacity(n);
     let mut run_ats = Vec::with_capacity(n);
     let mut delays = Vec::with_capacity(n);
+    let mut lease_owners = Vec::with_capacity(n);
+    let mut lease_ms = Vec::with_capacity(n);
     for r in requests {
+        lease_owners.push(r.lease.as_ref().map(|(node, _)| node.as_str()));
+        lease_ms.push(r.lease.as_ref().map(|(_, ms)| *ms));
         priorities.push(r.priority);
         run_ats.push(r.run_at);
         delays.push(r.delay_ms);
@@ -451,26 +464,38 @@ pub(crate) async fn intake_on(
         owners.push(r.owner);
         notify.push(r.notify_failures);
     }
+    // A handed-off row is born leased, exactly as an acquire would lease
+    // it (owner, epoch + 1, expiry, attempt 1); only unleased rows wake the
+    // nodes.
     let inserted: Vec<Inserted> = sql(
         "WITH input AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], \
              $5::text[], $6::text[], $7::bigint[], $8::bool[], $11::int[], $12::timestamptz[], \
-             $13::bigint[]) \
+             $13::bigint[], $14::text[], $15::bigint[]) \
              AS i(id, workflow, workflow_version, request, request_hash, trace_context, owner_token, \
-                  notify_failures, priority, run_at, delay_ms)), \
+                  notify_failures, priority, run_at, delay_ms, lease_owner, lease_ms)), \
          job AS ( \
              INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, trace_context, \
-                 incarnation, lease_epoch, owner_token, notify_failures, priority, run_at) \
+                 incarnation, lease_epoch, owner_token, notify_failures, priority, run_at, \
+                 lease_owner, lease_expires_at, attempts) \
              SELECT i.id, i.workflow, i.workflow_version, i.request, i.request_hash, i.trace_context, \
-                 coalesce(t.incarnation + 1, 1), coalesce(t.last_epoch, 0), i.owner_token, i.notify_failures, \
-                 i.priority, coalesce(i.run_at, now() + coalesce(i.delay_ms, 0) * interval '1 millisecond') \
+                 coalesce(t.incarnation + 1, 1), \
+                 coalesce(t.last_epoch, 0) + (i.lease_owner IS NOT NULL)::int, \
+                 i.owner_token, i.notify_failures, \
+                 i.priority, coalesce(i.run_at, now() + coalesce(i.delay_ms, 0) * interval '1 millisecond'), \
+                 i.lease_owner, clock_timestamp() + i.lease_ms * interval '1 millisecond', \
+                 (i.lease_owner IS NOT NULL)::int \
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
              ORDER BY i.id \
-             ON CONFLICT (id) DO NOTHING RETURNING id, created_at, incarnation, run_at), \
+             ON CONFLICT (id) DO NOTHING \
+             RETURNING id, created_at, incarnation, run_at, lease_epoch, attempts, \
+                 lease_owner IS NOT NULL AS leased), \
          history AS ( \
              INSERT INTO job_history (job_id, state, attempt, worker) \
              SELECT id, 'received', 0, $9 FROM job RETURNING job_id, at) \
          SELECT job.id, job.created_at, history.at, job.incarnation, job.run_at, \
-             (SELECT pg_notify($10, count(*)::text) FROM job) IS NULL AS notified \
+             job.lease_epoch, job.attempts, job.leased, \
+             (SELECT pg_notify($10, count(*)::text) FROM job WHERE NOT job.leased \
+                 HAVING count(*) > 0) IS NULL AS notified \
          FROM job JOIN history ON history.job_id = job.id",
     )
     .bind::<Array<Text>, _>(&ids)
@@ -486,6 +511,8 @@ pub(crate) async fn intake_on(
     .bind::<Array<Integer>, _>(&priorities)
     .bind::<Array<Nullable<Timestamptz>>, _>(&run_ats)
     .bind::<Array<Nullable<BigInt>>, _>(&delays)
+    .bind::<Array<Nullable<Text>>, _>(&lease_owners)
+    .bind::<Array<Nullable<BigInt>>, _>(&lease_ms)
     .load(conn)
     .await?;
     let mut by_id: std::collections::HashMap<String, Inserted> =

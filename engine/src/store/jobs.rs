@@ -263,6 +263,25 @@ impl Store {
         owner: Option<i64>,
         notify_failures: bool,
     ) -> Result<Intake, StoreError> {
+        self.submit_handed(job, trace, owner, notify_failures, None)
+            .await
+    }
+
+    /// [`submit_owned`](Self::submit_owned), handing a new job that is due
+    /// now to the node that reserved room for it: the job is inserted
+    /// leased to that node, in the same commit, and its actor started (see
+    /// [`crate::handoff`]). A job that exists already, or is scheduled for
+    /// later, is not handed off, and the reservation is given back.
+    pub async fn submit_handed(
+        &self,
+        job: &NewJob,
+        trace: TraceParent,
+        owner: Option<i64>,
+        notify_failures: bool,
+        reservation: Option<crate::handoff::Reservation>,
+    ) -> Result<Intake, StoreError> {
+        let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
+        let reservation = reservation.filter(|_| !later);
         let hash = job.request_hash();
         // The job row, its first history row and the wake-up: one statement
         // and one commit, shared with the other submissions of the moment
@@ -282,9 +301,30 @@ impl Store {
                 priority: job.schedule.priority,
                 run_at: job.schedule.run_at,
                 delay_ms: job.schedule.delay_ms.map(|ms| ms as i64),
+                lease: reservation
+                    .as_ref()
+                    .map(|r| (r.node().to_owned(), r.lease_ms())),
             })
             .await?;
         if let Some(row) = inserted {
+            if let Some(reservation) = reservation.filter(|_| row.leased) {
+                let worker = reservation.node().to_owned();
+                reservation.adopt(super::Leased {
+                    fence: super::Fence {
+                        job_id: job.id.clone(),
+                        incarnation: row.incarnation,
+                        epoch: row.lease_epoch,
+                        attempt: row.attempts,
+                        worker,
+                    },
+                    workflow: job.workflow.clone(),
+                    workflow_version: job.workflow_version,
+                    request: job.request(),
+                    state: JobState::Received,
+                    previous_owner: None,
+                    trace: Some(trace),
+                });
+            }
             return Ok(Intake::Created(JobView {
                 id: job.id.clone(),
                 workflow: job.workflow.clone(),
@@ -292,7 +332,7 @@ impl Store {
                 priority: job.schedule.priority,
                 run_at: row.run_at,
                 state: JobState::Received,
-                attempts: 0,
+                attempts: row.attempts,
                 incarnation: row.incarnation,
                 input: job.input.clone(),
                 webhook_url: job.webhook_url.clone(),

@@ -1,0 +1,143 @@
+//! Hand-off: a job accepted by a node whose engine has room, and no queue
+//! of older or higher-priority work to jump, is inserted *already leased*
+//! to that node — in intake's own statement and commit — and its actor
+//! starts when the commit returns. It saves the acquire statement, its
+//! commit and the `NOTIFY` round trip on the path from submit to webhook.
+//!
+//! Nothing about the guarantees changes: the lease is the same row columns
+//! an acquire writes (owner, epoch + 1, expiry, attempts 1), durable in the
+//! commit that creates the job, so a node that dies before or after the
+//! actor starts leaves a lease that lapses, and any node resumes the job
+//! from `received` like any stalled job. A job the node cannot take (full,
+//! a backlog waiting, draining, a workflow version it lacks, a schedule
+//! for later) is inserted unleased and woken by `NOTIFY` as before.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use actix::Addr;
+
+use crate::engine::Shared;
+use crate::store::Leased;
+use crate::supervisor::{Adopt, Supervisor};
+
+/// What intake and the supervisor share to decide a hand-off.
+#[derive(Debug)]
+pub(crate) struct Gate {
+    /// Hand-offs reserved and not yet adopted by the supervisor.
+    pub(crate) reserved: AtomicUsize,
+    /// Actors the supervisor runs.
+    pub(crate) running: AtomicUsize,
+    /// The last acquire filled the room it asked for (older work may be
+    /// waiting), or has not run yet: a new job must not jump that queue.
+    pub(crate) backlog: AtomicBool,
+    /// The supervisor stops or drains: no hand-off.
+    pub(crate) closed: AtomicBool,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate {
+            reserved: AtomicUsize::new(0),
+            running: AtomicUsize::new(0),
+            backlog: AtomicBool::new(true),
+            closed: AtomicBool::new(false),
+        }
+    }
+}
+
+/// This node's engine, as intake sees it: where a new job may be handed.
+#[derive(Clone)]
+pub struct Handoff {
+    shared: Arc<Shared>,
+    supervisor: Addr<Supervisor>,
+}
+
+impl std::fmt::Debug for Handoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handoff")
+            .field("node", &self.shared.config.node_id)
+            .finish()
+    }
+}
+
+/// Room reserved on this node for one new job; released when dropped
+/// unless the job was handed to the supervisor.
+#[derive(Debug)]
+pub struct Reservation {
+    handoff: Handoff,
+    adopted: bool,
+}
+
+impl Handoff {
+    pub(crate) fn new(shared: Arc<Shared>, supervisor: Addr<Supervisor>) -> Self {
+        Handoff { shared, supervisor }
+    }
+
+    /// Reserves room for a new job of `workflow`@`version` that is due now,
+    /// or `None` when it must go through the queue.
+    pub fn reserve(&self, workflow: &str, version: i32) -> Option<Reservation> {
+        let shared = &self.shared;
+        let gate = &shared.gate;
+        if gate.closed.load(Ordering::Acquire)
+            || gate.backlog.load(Ordering::Acquire)
+            || shared.is_draining()
+            || shared.faults.any_frozen()
+            || shared.registry.get_version(workflow, version).is_none()
+        {
+            return None;
+        }
+        let max = shared.config.max_in_flight;
+        let running = gate.running.load(Ordering::Acquire);
+        gate.reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                (running + r < max).then_some(r + 1)
+            })
+            .ok()?;
+        Some(Reservation {
+            handoff: self.clone(),
+            adopted: false,
+        })
+    }
+
+    /// The node the lease is written for.
+    pub fn node(&self) -> &str {
+        &self.shared.config.node_id
+    }
+
+    /// The lease's length, in milliseconds.
+    pub fn lease_ms(&self) -> i64 {
+        self.shared.config.lease.as_millis() as i64
+    }
+}
+
+impl Reservation {
+    /// The node the lease is written for.
+    pub fn node(&self) -> &str {
+        self.handoff.node()
+    }
+
+    /// The lease's length, in milliseconds.
+    pub fn lease_ms(&self) -> i64 {
+        self.handoff.lease_ms()
+    }
+
+    /// Hands the job, leased in intake's commit, to the supervisor, which
+    /// starts its actor (or, stopping, lets the lease lapse).
+    pub fn adopt(mut self, leased: Leased) {
+        self.adopted = true;
+        self.handoff.supervisor.do_send(Adopt(leased));
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.adopted {
+            self.handoff
+                .shared
+                .gate
+                .reserved
+                .fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}

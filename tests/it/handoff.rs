@@ -1,0 +1,159 @@
+//! Hand-off at intake (`engine/src/handoff.rs`): a node whose engine has
+//! room, and no queue to jump, inserts a new job already leased to itself in
+//! intake's commit and runs it. These tests check that it is a real lease:
+//! the job runs once, on that node, while another node idles beside it; a
+//! node that dies after the hand-off leaves the job to another, which
+//! resumes it once; a full node, or a job scheduled for later, goes through
+//! the queue instead.
+
+use std::time::Duration;
+
+use onceflow_engine::faults::{Action, FailPoint};
+use onceflow_engine::testkit::{wait_until, TestEnv};
+use onceflow_engine::{JobState, Registry};
+use onceflow_workflows::Completion;
+use serde_json::{json, Value};
+
+use crate::support::{post_job, serve_node_api};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.register(Completion::default());
+    r
+}
+
+fn job(id: &str, hook: &str) -> Value {
+    json!({
+        "id": id,
+        "workflow": "completion",
+        "input": { "model": "m", "messages": [{ "role": "user", "content": "hi" }] },
+        "webhook_url": hook,
+    })
+}
+
+async fn worker_of(env: &TestEnv, id: &str, state: &str) -> Vec<String> {
+    env.sql(&format!(
+        "SELECT worker FROM job_history WHERE job_id = '{id}' AND state = '{state}'"
+    ))
+    .await
+    .as_array()
+    .unwrap()
+    .iter()
+    .map(|r| r["worker"].as_str().unwrap().to_owned())
+    .collect()
+}
+
+/// Twenty jobs accepted by node A are born leased to it (attempt 1 in the
+/// answer to the POST) and all run there, once each, while node B polls
+/// beside it and takes none of them.
+#[actix_rt::test]
+async fn a_handed_off_job_runs_once_on_the_node_that_accepted_it() {
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    config.node_id = "node-a".into();
+    let a = env.start(registry(), config);
+    let mut config = env.config();
+    config.node_id = "node-b".into();
+    let _b = env.start(registry(), config);
+    let base = serve_node_api(env.store.clone(), registry(), &a);
+    // Node A's first poll tells it nothing waits; until then it queues.
+    wait_until(WAIT, || async {
+        a.counters()
+            .started
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..20 {
+        let id = format!("h-{i}");
+        let (status, body) = post_job(&base, &job(&id, &env.consumer.url())).await;
+        assert_eq!(status, 201, "{body}");
+        assert_eq!(body["attempts"], 1, "born leased to node A: {body}");
+    }
+    for i in 0..20 {
+        let id = format!("h-{i}");
+        let view = env.wait_for(&id, JobState::Acked, WAIT).await;
+        assert_eq!(view.attempts, 1, "{id}");
+        assert_eq!(worker_of(&env, &id, "generated").await, vec!["node-a"]);
+        assert_eq!(env.provider.work_done(&format!("job:{id}:generate")), 1);
+        assert_eq!(env.consumer.deliveries_for(&id).len(), 1, "{id}");
+    }
+    let epochs = env
+        .sql("SELECT count(*) AS n FROM jobs WHERE id LIKE 'h-%' AND lease_epoch = 1")
+        .await;
+    assert_eq!(epochs[0]["n"], 20, "one lease each, never taken over");
+}
+
+/// Node A accepts the job, leased to itself, and its attempt dies at its
+/// first model-call checkpoint; A goes down. Node
+/// B resumes the job once A's lease lapses: one model call, one delivery,
+/// the second attempt, B's.
+#[actix_rt::test]
+async fn a_node_that_dies_after_a_hand_off_leaves_the_job_to_another() {
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    config.node_id = "node-a".into();
+    let a = env.start(registry(), config);
+    let base = serve_node_api(env.store.clone(), registry(), &a);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    env.faults.arm(
+        Some("h-crash"),
+        FailPoint::BeforeCommit("model_call"),
+        Action::Crash,
+        1,
+    );
+    let (status, body) = post_job(&base, &job("h-crash", &env.consumer.url())).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["attempts"], 1, "handed off: {body}");
+    assert!(wait_until(WAIT, || async { env.faults.fired("h-crash") }).await);
+    a.shutdown();
+    let mut config = env.config();
+    config.node_id = "node-b".into();
+    let b = env.start(registry(), config);
+    let view = env.wait_for("h-crash", JobState::Acked, WAIT).await;
+    assert_eq!(view.attempts, 2);
+    assert_eq!(
+        worker_of(&env, "h-crash", "generated").await,
+        vec!["node-b"]
+    );
+    assert_eq!(env.provider.work_done("job:h-crash:generate"), 1);
+    assert_eq!(env.consumer.deliveries_for("h-crash").len(), 1);
+    assert_eq!(
+        b.counters()
+            .takeovers
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "B took over A's lease"
+    );
+}
+
+/// A node with room for one job hands off the first and queues the second
+/// (attempt 0 at intake: not leased); a job scheduled for later is never
+/// handed off. All three run once.
+#[actix_rt::test]
+async fn a_full_node_or_a_later_job_goes_through_the_queue() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(400));
+    let mut config = env.config();
+    config.max_in_flight = 1;
+    let a = env.start(registry(), config);
+    let base = serve_node_api(env.store.clone(), registry(), &a);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, first) = post_job(&base, &job("h-first", &env.consumer.url())).await;
+    assert_eq!(first["attempts"], 1, "room for one: {first}");
+    let (_, second) = post_job(&base, &job("h-second", &env.consumer.url())).await;
+    assert_eq!(second["attempts"], 0, "full: queued: {second}");
+    let mut later = job("h-later", &env.consumer.url());
+    later["delay_ms"] = json!(50);
+    let (status, later) = post_job(&base, &later).await;
+    assert_eq!(status, 201, "{later}");
+    assert_eq!(later["attempts"], 0, "scheduled: queued: {later}");
+    for id in ["h-first", "h-second", "h-later"] {
+        env.wait_for(id, JobState::Acked, WAIT).await;
+        assert_eq!(env.provider.work_done(&format!("job:{id}:generate")), 1);
+        assert_eq!(env.consumer.deliveries_for(id).len(), 1, "{id}");
+    }
+}
