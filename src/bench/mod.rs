@@ -300,7 +300,7 @@ async fn bench(
         .build()?;
     let env = Env {
         client,
-        base,
+        bases: vec![base],
         hook: consumer.url(),
         db: db.clone(),
         provider: provider.clone(),
@@ -503,9 +503,11 @@ enum Pacing {
     Open(f64),
 }
 
+#[derive(Clone)]
 struct Env {
     client: reqwest::Client,
-    base: String,
+    /// The API of each node jobs are submitted to, in turn.
+    bases: Vec<String>,
     hook: String,
     db: Db,
     provider: FakeProvider,
@@ -530,9 +532,12 @@ impl Env {
             Default::default();
         let failures = Arc::new(AtomicU64::new(0));
         let start = Instant::now();
+        // Spread over the nodes' APIs, as a load balancer would (`--nodes`).
+        let next_api = std::sync::atomic::AtomicUsize::new(0);
         let submit = |id: String| {
             let client = self.client.clone();
-            let url = format!("{}/v1/jobs", self.base);
+            let api = next_api.fetch_add(1, Ordering::Relaxed) % self.bases.len();
+            let url = format!("{}/v1/jobs", self.bases[api]);
             let hook = self.hook.clone();
             let submitted = submitted.clone();
             let failures = failures.clone();

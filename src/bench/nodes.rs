@@ -1,9 +1,10 @@
 //! `bench --nodes N`: the saturating phase again with 1, 2, … N engine
-//! processes on one database. Node 1 is this process (engine and API: every
-//! job is submitted to it); each further node is an `onceflow serve` child
-//! process on the same database and the same loopback provider, so the
-//! nodes compete for jobs exactly as deployed nodes do (`FOR UPDATE SKIP
-//! LOCKED`, fenced leases). For each count it prints jobs/s, the ratio to
+//! processes on one database. Node 1 is this process (engine and API); each
+//! further node is an `onceflow serve` child process on the same database
+//! and the same loopback provider. Submissions go to each node's API in
+//! turn, as behind a load balancer: a node runs what it accepts while it
+//! has room (hand-off) and the nodes share the rest as deployed nodes do
+//! (`FOR UPDATE SKIP LOCKED`, fenced leases). For each count it prints jobs/s, the ratio to
 //! the commit limit, the per-job costs summed over every process, and how
 //! the jobs were shared. On one small machine this shows what coordination
 //! costs, not growth: the nodes share the cores the database needs.
@@ -20,6 +21,8 @@ use super::{costs, Env, Pacing, Phase};
 /// A further engine node: an `onceflow serve` child process.
 struct Node {
     child: Child,
+    /// Its API, which takes its share of the submissions.
+    base: String,
 }
 
 impl Drop for Node {
@@ -70,7 +73,10 @@ async fn start_node(
         .stderr(log)
         .spawn()
         .context("starting a node: onceflow serve")?;
-    let node = Node { child };
+    let node = Node {
+        child,
+        base: format!("http://127.0.0.1:{port}"),
+    };
     let health = format!("http://127.0.0.1:{port}/healthz");
     let started = Instant::now();
     loop {
@@ -140,14 +146,18 @@ pub(super) async fn run(
                 start_node(k, url, &env.provider.base_url(), max_in_flight, pool, &log).await?,
             );
         }
-        eprintln!("{count} node(s): {jobs} jobs, {concurrency} concurrent clients…");
+        let mut env = env.clone();
+        env.bases.extend(nodes.iter().map(|n| n.base.clone()));
+        eprintln!(
+            "{count} node(s): {jobs} jobs, {concurrency} concurrent clients, submitted to each node's API in turn…"
+        );
         let prefix = format!("{run_id}-n{count}");
         let before = cpu_ms(&nodes);
         let phase = env
             .phase(&prefix, jobs, Pacing::Closed(concurrency))
             .await?;
         let others_cpu = cpu_ms(&nodes) - before;
-        let share = share(env, &format!("bench-{prefix}-%")).await?;
+        let share = share(&env, &format!("bench-{prefix}-%")).await?;
         runs.push(Run {
             nodes: count,
             phase,
