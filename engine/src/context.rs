@@ -358,7 +358,9 @@ impl Context {
         request: &Value,
     ) -> Result<(Value, Served), StepError> {
         let key = keys::model_call(&self.fence.key(), step);
-        self.follow_journal(step, &key, false).await?;
+        // Boxed, as every database call here: a query's future is large, and
+        // an unboxed one widens the future every waiting job keeps.
+        Box::pin(self.follow_journal(step, &key, false)).await?;
         let hash = canonical_hash(request);
         // The in-flight mark outlives the request timeout a little, so a
         // concurrent attempt does not send while ours may still be answered.
@@ -435,10 +437,7 @@ impl Context {
         let limit_key = format!("{provider_name}/{model_name}");
         let spec = self.limiter.limits().spec(&provider_name, &model_name);
         let cap = spec.concurrency;
-        let limited = self
-            .limiter
-            .limited(&self.store, &limit_key, spec.is_set())
-            .await;
+        let limited = Box::pin(self.limiter.limited(&self.store, &limit_key, spec.is_set())).await;
         // The slot's holder is this attempt's call: a takeover's is another.
         let holder = format!("{key}#{}", self.fence.epoch);
         let estimate = if spec.tpm.is_some() {
@@ -466,11 +465,13 @@ impl Context {
                 queued: false,
                 refresh_node: false,
             };
-            if self.wait_for_slot(&mut ask).await? {
+            if Box::pin(self.wait_for_slot(&mut ask)).await? {
                 // It waited: the in-flight mark counts from the send.
-                self.store
-                    .extend_in_flight(&key, self.fence.epoch, in_flight_ms)
-                    .await?;
+                Box::pin(
+                    self.store
+                        .extend_in_flight(&key, self.fence.epoch, in_flight_ms),
+                )
+                .await?;
             }
         }
         let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
@@ -516,9 +517,11 @@ impl Context {
             _ => 0.0,
         };
         if limited || end == CallEnd::Throttled {
-            if let Err(e) = self
-                .store
-                .end_call(&limit_key, &holder, end, cap, tokens_over)
+            if let Err(e) =
+                Box::pin(
+                    self.store
+                        .end_call(&limit_key, &holder, end, cap, tokens_over),
+                )
                 .await
             {
                 // The slot lapses at its expiry; the window learns next time.
