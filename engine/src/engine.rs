@@ -265,7 +265,11 @@ impl Engine {
         self.limiter.wake_all();
         let _ = self.supervisor.send(crate::supervisor::Drain).await;
         let deadline = tokio::time::Instant::now() + timeout;
-        while self.in_flight().await > 0 && tokio::time::Instant::now() < deadline {
+        // Hand-offs already committed are adopted (and then drained) or
+        // left to the lease release below, never to lapse unseen.
+        while (self.in_flight().await > 0 || self.handoff.reserved() > 0)
+            && tokio::time::Instant::now() < deadline
+        {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         let left = self.in_flight().await;

@@ -28,9 +28,11 @@ pub(crate) struct Gate {
     pub(crate) reserved: AtomicUsize,
     /// Actors the supervisor runs.
     pub(crate) running: AtomicUsize,
-    /// The last acquire filled the room it asked for (older work may be
-    /// waiting), or has not run yet: a new job must not jump that queue.
-    pub(crate) backlog: AtomicBool,
+    /// Hand-offs allowed until the next acquire: the room the last acquire
+    /// left over (it found nothing more runnable, so a new job jumps no
+    /// queue). Zero while an acquire runs, after one that filled the room
+    /// it asked for (older work may be waiting), and before the first.
+    pub(crate) budget: AtomicUsize,
     /// The supervisor stops or drains: no hand-off.
     pub(crate) closed: AtomicBool,
 }
@@ -40,7 +42,7 @@ impl Default for Gate {
         Gate {
             reserved: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
-            backlog: AtomicBool::new(true),
+            budget: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
         }
     }
@@ -80,20 +82,25 @@ impl Handoff {
         let shared = &self.shared;
         let gate = &shared.gate;
         if gate.closed.load(Ordering::Acquire)
-            || gate.backlog.load(Ordering::Acquire)
             || shared.is_draining()
             || shared.faults.any_frozen()
             || shared.registry.get_version(workflow, version).is_none()
         {
             return None;
         }
-        let max = shared.config.max_in_flight;
-        let running = gate.running.load(Ordering::Acquire);
-        gate.reserved
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
-                (running + r < max).then_some(r + 1)
-            })
+        gate.budget
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| b.checked_sub(1))
             .ok()?;
+        let max = shared.config.max_in_flight;
+        let room = gate
+            .reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                (gate.running.load(Ordering::Acquire) + r < max).then_some(r + 1)
+            });
+        if room.is_err() {
+            gate.budget.fetch_add(1, Ordering::AcqRel);
+            return None;
+        }
         Some(Reservation {
             handoff: self.clone(),
             adopted: false,
@@ -108,6 +115,16 @@ impl Handoff {
     /// The lease's length, in milliseconds.
     pub fn lease_ms(&self) -> i64 {
         self.shared.config.lease.as_millis() as i64
+    }
+
+    /// Hand-offs this node would take now (the room its last acquire left).
+    pub fn budget(&self) -> usize {
+        self.shared.gate.budget.load(Ordering::Acquire)
+    }
+
+    /// Reservations not yet adopted or given back.
+    pub fn reserved(&self) -> usize {
+        self.shared.gate.reserved.load(Ordering::Acquire)
     }
 }
 
@@ -133,11 +150,11 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.adopted {
-            self.handoff
-                .shared
-                .gate
-                .reserved
-                .fetch_sub(1, Ordering::AcqRel);
+            // Not handed off after all (the id existed, the insert failed):
+            // the room and the budget are given back.
+            let gate = &self.handoff.shared.gate;
+            gate.reserved.fetch_sub(1, Ordering::AcqRel);
+            gate.budget.fetch_add(1, Ordering::AcqRel);
         }
     }
 }

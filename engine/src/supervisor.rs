@@ -144,9 +144,9 @@ impl Handler<Poll> for Supervisor {
             .max_in_flight
             .saturating_sub(self.in_flight.len())
             .saturating_sub(gate.reserved.load(std::sync::atomic::Ordering::Acquire));
+        // No hand-off while the acquire runs: it may lease the room.
+        gate.budget.store(0, std::sync::atomic::Ordering::Release);
         if capacity == 0 {
-            gate.backlog
-                .store(true, std::sync::atomic::Ordering::Release);
             return;
         }
         self.polling = true;
@@ -175,12 +175,13 @@ impl Handler<Poll> for Supervisor {
                 Ok(leased) => {
                     act.reclaimed_own = true;
                     let full = leased.len() == capacity;
-                    // Room left over: nothing runnable waits, so intake may
-                    // hand new jobs straight to this node.
+                    // Room left over: nothing runnable waited, so intake may
+                    // hand that many new jobs straight to this node.
+                    let left = if full { 0 } else { capacity - leased.len() };
                     act.shared
                         .gate
-                        .backlog
-                        .store(full, std::sync::atomic::Ordering::Release);
+                        .budget
+                        .store(left, std::sync::atomic::Ordering::Release);
                     for job in leased {
                         act.start_job(job, ctx);
                     }
@@ -189,13 +190,7 @@ impl Handler<Poll> for Supervisor {
                         ctx.notify(Poll);
                     }
                 }
-                Err(e) => {
-                    act.shared
-                        .gate
-                        .backlog
-                        .store(true, std::sync::atomic::Ordering::Release);
-                    tracing::warn!(error = %e, "could not lease jobs; will retry")
-                }
+                Err(e) => tracing::warn!(error = %e, "could not lease jobs; will retry"),
             }
         }));
     }
@@ -519,7 +514,13 @@ impl Handler<Adopt> for Supervisor {
         // Counted in `in_flight` before the reservation is given back, so
         // the room it held is never offered twice. Stopping, the job is not
         // started: its lease lapses and any node resumes it.
-        if !self.stopping {
+        if self.stopping {
+            tracing::debug!(job.id = %leased.fence.job_id, "stopping: a handed-off job is left to its lease");
+        } else if self.in_flight.contains_key(&leased.fence.job_id) {
+            // Adopted too late: its lease lapsed and an acquire here already
+            // runs the job under a newer epoch; this one is fenced out.
+            tracing::warn!(job.id = %leased.fence.job_id, epoch = leased.fence.epoch, "a handed-off job already runs here under a newer lease; not started again");
+        } else {
             self.start_job(leased, ctx);
         }
         self.shared

@@ -58,15 +58,9 @@ async fn a_handed_off_job_runs_once_on_the_node_that_accepted_it() {
     config.node_id = "node-b".into();
     let _b = env.start(registry(), config);
     let base = serve_node_api(env.store.clone(), registry(), &a);
-    // Node A's first poll tells it nothing waits; until then it queues.
-    wait_until(WAIT, || async {
-        a.counters()
-            .started
-            .load(std::sync::atomic::Ordering::Relaxed)
-            == 0
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Node A's first acquire leaves it room; until then it queues.
+    let handoff = a.handoff();
+    assert!(wait_until(WAIT, || async { handoff.budget() > 0 }).await);
     for i in 0..20 {
         let id = format!("h-{i}");
         let (status, body) = post_job(&base, &job(&id, &env.consumer.url())).await;
@@ -98,7 +92,8 @@ async fn a_node_that_dies_after_a_hand_off_leaves_the_job_to_another() {
     config.node_id = "node-a".into();
     let a = env.start(registry(), config);
     let base = serve_node_api(env.store.clone(), registry(), &a);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let handoff = a.handoff();
+    assert!(wait_until(WAIT, || async { handoff.budget() > 0 }).await);
     env.faults.arm(
         Some("h-crash"),
         FailPoint::BeforeCommit("model_call"),
@@ -141,19 +136,27 @@ async fn a_full_node_or_a_later_job_goes_through_the_queue() {
     config.max_in_flight = 1;
     let a = env.start(registry(), config);
     let base = serve_node_api(env.store.clone(), registry(), &a);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let handoff = a.handoff();
+    assert!(wait_until(WAIT, || async { handoff.budget() > 0 }).await);
+    // With room, a job scheduled for later still waits in the queue.
+    let mut later = job("h-later", &env.consumer.url());
+    later["delay_ms"] = json!(300);
+    let (status, later) = post_job(&base, &later).await;
+    assert_eq!(status, 201, "{later}");
+    assert_eq!(later["attempts"], 0, "scheduled: queued: {later}");
+    assert_eq!(handoff.reserved(), 0, "its room given back");
     let (_, first) = post_job(&base, &job("h-first", &env.consumer.url())).await;
     assert_eq!(first["attempts"], 1, "room for one: {first}");
     let (_, second) = post_job(&base, &job("h-second", &env.consumer.url())).await;
     assert_eq!(second["attempts"], 0, "full: queued: {second}");
-    let mut later = job("h-later", &env.consumer.url());
-    later["delay_ms"] = json!(50);
-    let (status, later) = post_job(&base, &later).await;
-    assert_eq!(status, 201, "{later}");
-    assert_eq!(later["attempts"], 0, "scheduled: queued: {later}");
     for id in ["h-first", "h-second", "h-later"] {
         env.wait_for(id, JobState::Acked, WAIT).await;
         assert_eq!(env.provider.work_done(&format!("job:{id}:generate")), 1);
         assert_eq!(env.consumer.deliveries_for(id).len(), 1, "{id}");
     }
+    assert_eq!(
+        handoff.reserved(),
+        0,
+        "every reservation adopted or given back"
+    );
 }
