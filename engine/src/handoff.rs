@@ -28,10 +28,11 @@ pub(crate) struct Gate {
     pub(crate) reserved: AtomicUsize,
     /// Actors the supervisor runs.
     pub(crate) running: AtomicUsize,
-    /// Hand-offs allowed until the next acquire: the room the last acquire
-    /// left over (it found nothing more runnable, so a new job jumps no
-    /// queue). Zero while an acquire runs, after one that filled the room
-    /// it asked for (older work may be waiting), and before the first.
+    /// Hand-offs allowed: the room the last acquire left over (it found
+    /// nothing more runnable, so a new job jumps no queue). An acquire in
+    /// progress leaves this much room to hand-offs; zero after one that
+    /// filled what it asked for (older work may be waiting), and before
+    /// the first.
     pub(crate) budget: AtomicUsize,
     /// The supervisor stops or drains: no hand-off.
     pub(crate) closed: AtomicBool,

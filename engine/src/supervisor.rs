@@ -137,18 +137,23 @@ impl Handler<Poll> for Supervisor {
             self.poll_again = true;
             return;
         }
+        use std::sync::atomic::Ordering::Acquire;
         let gate = &self.shared.gate;
-        let capacity = self
+        let room = self
             .shared
             .config
             .max_in_flight
             .saturating_sub(self.in_flight.len())
-            .saturating_sub(gate.reserved.load(std::sync::atomic::Ordering::Acquire));
-        // No hand-off while the acquire runs: it may lease the room.
-        gate.budget.store(0, std::sync::atomic::Ordering::Release);
-        if capacity == 0 {
+            .saturating_sub(gate.reserved.load(Acquire));
+        if room == 0 {
+            gate.budget.store(0, std::sync::atomic::Ordering::Release);
             return;
         }
+        // The room promised to hand-offs stays theirs while this acquire
+        // runs, so the two never add up past `max_in_flight`; the acquire
+        // takes the rest, one job at least, so queued work is always seen.
+        let promised = gate.budget.load(Acquire).min(room);
+        let capacity = (room - promised).max(1);
         self.polling = true;
         let shared = self.shared.clone();
         let reclaim_own = !self.reclaimed_own;
@@ -175,16 +180,23 @@ impl Handler<Poll> for Supervisor {
                 Ok(leased) => {
                     act.reclaimed_own = true;
                     let full = leased.len() == capacity;
-                    // Room left over: nothing runnable waited, so intake may
-                    // hand that many new jobs straight to this node.
-                    let left = if full { 0 } else { capacity - leased.len() };
-                    act.shared
-                        .gate
-                        .budget
-                        .store(left, std::sync::atomic::Ordering::Release);
                     for job in leased {
                         act.start_job(job, ctx);
                     }
+                    // Room left over: nothing runnable waited, so intake may
+                    // hand new jobs straight to this node, up to that room.
+                    // A full answer means more may wait: the queue first.
+                    let gate = &act.shared.gate;
+                    let left = act
+                        .shared
+                        .config
+                        .max_in_flight
+                        .saturating_sub(act.in_flight.len())
+                        .saturating_sub(gate.reserved.load(Acquire));
+                    gate.budget.store(
+                        if full { 0 } else { left },
+                        std::sync::atomic::Ordering::Release,
+                    );
                     if full || act.poll_again {
                         act.poll_again = false;
                         ctx.notify(Poll);
