@@ -139,12 +139,7 @@ impl Handler<Poll> for Supervisor {
         }
         use std::sync::atomic::Ordering::Acquire;
         let gate = &self.shared.gate;
-        let room = self
-            .shared
-            .config
-            .max_in_flight
-            .saturating_sub(self.in_flight.len())
-            .saturating_sub(gate.reserved.load(Acquire));
+        let room = self.room();
         if room == 0 {
             gate.budget.store(0, std::sync::atomic::Ordering::Release);
             return;
@@ -186,14 +181,8 @@ impl Handler<Poll> for Supervisor {
                     // Room left over: nothing runnable waited, so intake may
                     // hand new jobs straight to this node, up to that room.
                     // A full answer means more may wait: the queue first.
-                    let gate = &act.shared.gate;
-                    let left = act
-                        .shared
-                        .config
-                        .max_in_flight
-                        .saturating_sub(act.in_flight.len())
-                        .saturating_sub(gate.reserved.load(Acquire));
-                    gate.budget.store(
+                    let left = act.room();
+                    act.shared.gate.budget.store(
                         if full { 0 } else { left },
                         std::sync::atomic::Ordering::Release,
                     );
@@ -209,6 +198,21 @@ impl Handler<Poll> for Supervisor {
 }
 
 impl Supervisor {
+    /// Jobs this node may still take: `max_in_flight` less those running
+    /// and those reserved by hand-offs not yet adopted.
+    fn room(&self) -> usize {
+        self.shared
+            .config
+            .max_in_flight
+            .saturating_sub(self.in_flight.len())
+            .saturating_sub(
+                self.shared
+                    .gate
+                    .reserved
+                    .load(std::sync::atomic::Ordering::Acquire),
+            )
+    }
+
     /// Reports a change of the number of actors in flight.
     fn report_in_flight(&mut self) {
         self.shared

@@ -12,7 +12,27 @@ use serde_json::Value;
 
 /// Serves the API on 127.0.0.1:0 inside the current actix System; returns its base URL.
 pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) -> String {
-    serve_api_state(ApiState {
+    serve_api_state(api_state(store, registry, body_limit, None))
+}
+
+/// Serves the API of a node that runs `engine` too: a new job it has room
+/// for is handed to it in intake's commit, as `serve` does.
+pub fn serve_node_api(
+    store: Store,
+    registry: Registry,
+    engine: &onceflow_engine::Engine,
+) -> String {
+    serve_api_state(api_state(store, registry, None, Some(engine.handoff())))
+}
+
+/// The API's state for tests: open (no tokens), private URLs allowed.
+fn api_state(
+    store: Store,
+    registry: Registry,
+    body_limit: Option<usize>,
+    handoff: Option<onceflow_engine::handoff::Handoff>,
+) -> ApiState {
+    ApiState {
         store,
         registry,
         body_limit: body_limit.unwrap_or(DEFAULT_BODY_LIMIT),
@@ -23,30 +43,8 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
         limits: Default::default(),
         draining: Default::default(),
         trace_url: None,
-        handoff: None,
-    })
-}
-
-/// Serves the API of a node that runs `engine` too: a new job it has room
-/// for is handed to it in intake's commit, as `serve` does.
-pub fn serve_node_api(
-    store: Store,
-    registry: Registry,
-    engine: &onceflow_engine::Engine,
-) -> String {
-    serve_api_state(ApiState {
-        store,
-        registry,
-        body_limit: DEFAULT_BODY_LIMIT,
-        telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
-        url_guard: onceflow_engine::UrlGuard::allow_private(),
-        hosts: onceflow_engine::api::Hosts::Any,
-        auth: onceflow_engine::api::Auth::Off,
-        limits: Default::default(),
-        draining: Default::default(),
-        trace_url: None,
-        handoff: Some(engine.handoff()),
-    })
+        handoff,
+    }
 }
 
 /// Serves the API with this state (e.g. an engine's telemetry).
