@@ -519,10 +519,21 @@ async fn submit(
         .handoff
         .as_ref()
         .and_then(|h| h.reserve(&job.workflow, job.workflow_version));
-    let result = state
-        .store
-        .submit_handed(&job, trace, who.owner(), notify, reservation)
-        .await;
+    // On a task of its own: a caller that goes away while the batch commits
+    // must not strand a handed-off job (committed leased, never adopted).
+    let submitting = {
+        let (store, job, owner) = (state.store.clone(), job.clone(), who.owner());
+        actix_web::rt::spawn(async move {
+            store
+                .submit_handed(&job, trace, owner, notify, reservation)
+                .await
+        })
+    };
+    let result = submitting.await.unwrap_or_else(|e| {
+        Err(crate::error::StoreError::Batch(format!(
+            "the submission's task failed: {e}"
+        )))
+    });
     let outcome = match &result {
         Ok(Intake::Created(_)) => "created",
         Ok(Intake::Existing(_)) => "existing",
