@@ -1,5 +1,6 @@
-//! Hand-off: a job accepted by a node whose engine has room, and no queue
-//! of older or higher-priority work to jump, is inserted *already leased*
+//! Hand-off: a job accepted by a node whose engine has room and budget
+//! left — the room its last acquire left over, so there is no queue of
+//! older or higher-priority work to jump — is inserted *already leased*
 //! to that node — in intake's own statement and commit — and its actor
 //! starts when the commit returns. It saves the acquire statement, its
 //! commit and the `NOTIFY` round trip on the path from submit to webhook.
@@ -9,8 +10,8 @@
 //! commit that creates the job, so a node that dies before or after the
 //! actor starts leaves a lease that lapses, and any node resumes the job
 //! from `received` like any stalled job. A job the node cannot take (full,
-//! a backlog waiting, draining, a workflow version it lacks, a schedule
-//! for later) is inserted unleased and woken by `NOTIFY` as before.
+//! no budget, draining, a workflow version it lacks, a schedule for later)
+//! is inserted unleased and woken by `NOTIFY` as before.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;

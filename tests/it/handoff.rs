@@ -72,7 +72,9 @@ async fn a_handed_off_job_runs_once_on_the_node_that_accepted_it() {
         let view = env.wait_for(&id, JobState::Acked, WAIT).await;
         assert_eq!(view.attempts, 1, "{id}");
         assert_eq!(worker_of(&env, &id, "generated").await, vec!["node-a"]);
-        assert_eq!(env.provider.work_done(&format!("job:{id}:generate")), 1);
+        let key = format!("job:{id}:generate");
+        assert_eq!(env.provider.requests_for(&key), 1, "sent once: {key}");
+        assert_eq!(env.provider.work_done(&key), 1);
         assert_eq!(env.consumer.deliveries_for(&id).len(), 1, "{id}");
     }
     let epochs = env
@@ -151,7 +153,9 @@ async fn a_full_node_or_a_later_job_goes_through_the_queue() {
     assert_eq!(second["attempts"], 0, "full: queued: {second}");
     for id in ["h-first", "h-second", "h-later"] {
         env.wait_for(id, JobState::Acked, WAIT).await;
-        assert_eq!(env.provider.work_done(&format!("job:{id}:generate")), 1);
+        let key = format!("job:{id}:generate");
+        assert_eq!(env.provider.requests_for(&key), 1, "sent once: {key}");
+        assert_eq!(env.provider.work_done(&key), 1);
         assert_eq!(env.consumer.deliveries_for(id).len(), 1, "{id}");
     }
     assert_eq!(
