@@ -139,6 +139,8 @@ struct Phase {
     checkpoints: i64,
     /// WAL flushes (fsyncs) during the phase; several commits may share one.
     commits: i64,
+    /// Row and WAL work during the phase.
+    rows: Counters,
     model_requests: usize,
     deliveries: usize,
 }
@@ -387,6 +389,18 @@ async fn bench(
         ("WAL flushes (fsync) per job", |p: &Phase| {
             p.commits as f64 / p.jobs as f64
         }),
+        ("WAL kB per job", |p: &Phase| {
+            p.rows.wal_bytes as f64 / 1024.0 / p.jobs as f64
+        }),
+        ("rows inserted per job", |p: &Phase| {
+            p.rows.rows_inserted as f64 / p.jobs as f64
+        }),
+        ("rows updated per job", |p: &Phase| {
+            p.rows.rows_updated as f64 / p.jobs as f64
+        }),
+        ("  of which HOT (no index write)", |p: &Phase| {
+            p.rows.rows_hot as f64 / p.jobs as f64
+        }),
         ("model requests per job", |p: &Phase| {
             p.model_requests as f64 / p.jobs as f64
         }),
@@ -470,7 +484,53 @@ async fn bench(
     }
 
     drop(env);
+    print_row_work(&db, max.jobs + paced.jobs).await?;
     drop_bench_database(database, db, store, &url).await
+}
+
+/// Rows written per job by table over the whole run: where the index
+/// writes go (an update that is not HOT writes an entry in every index).
+async fn print_row_work(db: &Db, jobs: usize) -> anyhow::Result<()> {
+    #[derive(diesel::QueryableByName)]
+    struct Table {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        name: String,
+        #[diesel(sql_type = BigInt)]
+        indexes: i64,
+        #[diesel(sql_type = BigInt)]
+        ins: i64,
+        #[diesel(sql_type = BigInt)]
+        upd: i64,
+        #[diesel(sql_type = BigInt)]
+        hot: i64,
+    }
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let mut conn = db.conn().await?;
+    let _ = conn.batch_execute("SELECT pg_stat_clear_snapshot()").await;
+    let tables: Vec<Table> = diesel::sql_query(
+        "/* bench */ SELECT t.relname::text AS name, \
+         (SELECT count(*) FROM pg_index i WHERE i.indrelid = t.relid) AS indexes, \
+         t.n_tup_ins AS ins, t.n_tup_upd AS upd, t.n_tup_hot_upd AS hot \
+         FROM pg_stat_user_tables t \
+         WHERE t.relname NOT IN ('bench_commits', '__diesel_schema_migrations') AND t.n_tup_ins + t.n_tup_upd > 0 \
+         ORDER BY t.n_tup_ins + t.n_tup_upd DESC",
+    )
+    .load(&mut conn)
+    .await?;
+    println!();
+    println!("rows per job by table, both phases (inserted, updated, of which HOT, indexes):");
+    let per_job = |n: i64| n as f64 / jobs.max(1) as f64;
+    for t in tables {
+        println!(
+            "  {:<28} {:>6.2} {:>6.2} {:>6.2} {:>4}",
+            t.name,
+            per_job(t.ins),
+            per_job(t.upd),
+            per_job(t.hot),
+            t.indexes
+        );
+    }
+    Ok(())
 }
 
 /// Drops the bench's own database on the embedded server.
@@ -605,7 +665,7 @@ impl Env {
             failed == 0,
             "{failed} submissions were not accepted with 201"
         );
-        let after = counters(&self.db).await?;
+        let after = counters(&self.db).await? - before;
         let submitted = submitted.lock().expect("lock");
         let deliveries = self.consumer.deliveries();
         let mut latencies = Vec::with_capacity(jobs);
@@ -627,8 +687,9 @@ impl Env {
             statements,
             elapsed,
             latencies,
-            checkpoints: after.0 - before.0,
-            commits: after.1 - before.1,
+            checkpoints: after.checkpoints,
+            commits: after.wal_syncs,
+            rows: after,
             model_requests: self.provider.requests().len() - requests_before,
             deliveries: deliveries.len() - deliveries_before,
         })
@@ -692,24 +753,76 @@ async fn acked(db: &Db, pattern: &str) -> anyhow::Result<i64> {
     Ok(c.n)
 }
 
-/// (history rows, WAL flushes to disk of the whole server).
-async fn counters(db: &Db) -> anyhow::Result<(i64, i64)> {
+/// Server-wide counters read before and after a phase.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    /// History rows: one per checkpoint.
+    checkpoints: i64,
+    /// WAL flushes to disk of the whole server.
+    wal_syncs: i64,
+    wal_bytes: i64,
+    /// Rows inserted and updated in the engine's tables, and how many of
+    /// the updates were HOT (no index entry written).
+    rows_inserted: i64,
+    rows_updated: i64,
+    rows_hot: i64,
+}
+
+impl std::ops::Sub for Counters {
+    type Output = Counters;
+    fn sub(self, b: Counters) -> Counters {
+        Counters {
+            checkpoints: self.checkpoints - b.checkpoints,
+            wal_syncs: self.wal_syncs - b.wal_syncs,
+            wal_bytes: self.wal_bytes - b.wal_bytes,
+            rows_inserted: self.rows_inserted - b.rows_inserted,
+            rows_updated: self.rows_updated - b.rows_updated,
+            rows_hot: self.rows_hot - b.rows_hot,
+        }
+    }
+}
+
+/// Reads [`Counters`]. PostgreSQL backends publish their statistics when
+/// they go idle, at most once a second, so each reading waits that second
+/// out first.
+async fn counters(db: &Db) -> anyhow::Result<Counters> {
     #[derive(diesel::QueryableByName)]
     struct Row {
         #[diesel(sql_type = BigInt)]
         checkpoints: i64,
         #[diesel(sql_type = BigInt)]
-        commits: i64,
+        wal_syncs: i64,
+        #[diesel(sql_type = BigInt)]
+        wal_bytes: i64,
+        #[diesel(sql_type = BigInt)]
+        ins: i64,
+        #[diesel(sql_type = BigInt)]
+        upd: i64,
+        #[diesel(sql_type = BigInt)]
+        hot: i64,
     }
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
     let mut conn = db.conn().await?;
     let _ = conn.batch_execute("SELECT pg_stat_clear_snapshot()").await;
     let r: Row = diesel::sql_query(
         "/* bench */ SELECT (SELECT count(*) FROM job_history) AS checkpoints, \
-         (SELECT wal_sync FROM pg_stat_wal) AS commits",
+         w.wal_sync AS wal_syncs, w.wal_bytes::bigint AS wal_bytes, \
+         t.ins::bigint AS ins, t.upd::bigint AS upd, t.hot::bigint AS hot \
+         FROM pg_stat_wal w, \
+         (SELECT coalesce(sum(n_tup_ins), 0) AS ins, coalesce(sum(n_tup_upd), 0) AS upd, \
+                 coalesce(sum(n_tup_hot_upd), 0) AS hot \
+          FROM pg_stat_user_tables WHERE relname <> 'bench_commits') t",
     )
     .get_result(&mut conn)
     .await?;
-    Ok((r.checkpoints, r.commits))
+    Ok(Counters {
+        checkpoints: r.checkpoints,
+        wal_syncs: r.wal_syncs,
+        wal_bytes: r.wal_bytes,
+        rows_inserted: r.ins,
+        rows_updated: r.upd,
+        rows_hot: r.hot,
+    })
 }
 
 /// Durable one-row commits per second from `workers` pooled connections.
