@@ -164,14 +164,17 @@ impl JobRun {
                 .map_or(0, |p| p as i32),
             scope,
         };
+        let mut request = leased.request;
         JobRun {
-            input: leased.request.get("input").cloned().unwrap_or(Value::Null),
-            webhook_url: leased
-                .request
+            webhook_url: request
                 .get("webhook_url")
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_owned(),
+            input: request
+                .as_object_mut()
+                .and_then(|r| r.remove("input"))
+                .unwrap_or(Value::Null),
             fence: leased.fence,
             state: leased.state,
             workflow,
@@ -217,14 +220,11 @@ impl JobRun {
                 Step::RunBody | Step::Persist => {
                     // From `generated` the body replays from the journal: no
                     // model call is repeated.
-                    let output = self.workflow.run(&mut self.ctx, self.input.clone()).await?;
+                    let output = self.workflow.run(&mut self.ctx, &self.input).await?;
                     Box::pin(self.commit_result(&output)).await?
                 }
                 Step::Claim => {
-                    let output = self
-                        .shared
-                        .store
-                        .result_of(&self.fence.job_id)
+                    let output = Box::pin(self.shared.store.result_of(&self.fence.job_id))
                         .await?
                         .ok_or_else(|| {
                             StepError::permanent(
@@ -236,20 +236,7 @@ impl JobRun {
                     Box::pin(self.commit_result(&output)).await?
                 }
                 Step::Deliver => Box::pin(self.deliver()).await?,
-                Step::Ack => {
-                    // A job found at `delivered`: recorded by a version that
-                    // committed the delivery and the ack apart. Today's
-                    // delivery commits both at once.
-                    let span = self.ctx.scope.step(
-                        SPAN_ACK,
-                        SpanKind::Internal,
-                        vec![KeyValue::new(TRANSITION, "delivered->acked")],
-                    );
-                    faults.hit(&self.fence.job_id, FailPoint::Ack).await?;
-                    let c = Box::pin(self.shared.store.ack(&self.fence)).await?;
-                    span.end(checkpoint_outcome(c));
-                    self.settled(c, JobState::Acked, "acked")?
-                }
+                Step::Ack => Box::pin(self.ack_found()).await?,
                 Step::Done => {
                     return Ok(match self.state {
                         JobState::Dead => Outcome::Dead,
@@ -270,11 +257,28 @@ impl JobRun {
             };
             self.state = reached;
             for state in passed {
-                faults
-                    .hit(&self.fence.job_id, FailPoint::AfterCommit(state.as_str()))
+                Box::pin(faults.hit(&self.fence.job_id, FailPoint::AfterCommit(state.as_str())))
                     .await?;
             }
         }
+    }
+
+    /// Acks a job found at `delivered`: recorded by a version that
+    /// committed the delivery and the ack apart. Today's delivery commits
+    /// both at once.
+    async fn ack_found(&mut self) -> Result<JobState, StepError> {
+        let span = self.ctx.scope.step(
+            SPAN_ACK,
+            SpanKind::Internal,
+            vec![KeyValue::new(TRANSITION, "delivered->acked")],
+        );
+        self.shared
+            .faults
+            .hit(&self.fence.job_id, FailPoint::Ack)
+            .await?;
+        let c = self.shared.store.ack(&self.fence).await?;
+        span.end(checkpoint_outcome(c));
+        self.settled(c, JobState::Acked, "acked")
     }
 
     /// Commits the output and claims the completion webhook (through `claimed`).

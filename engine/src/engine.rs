@@ -119,6 +119,7 @@ impl Shared {
         // itself, past the guard.
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(64)
+            .retry(no_hidden_retries())
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .dns_resolver(crate::guard::GuardedResolver::new(config.url_guard.clone()))
@@ -129,11 +130,13 @@ impl Shared {
         let provider_client = if config.provider.h2c {
             reqwest::Client::builder()
                 .http2_prior_knowledge()
+                .retry(no_hidden_retries())
                 .build()
                 .expect("the HTTP/2 client builds")
         } else {
             reqwest::Client::builder()
                 .pool_max_idle_per_host(64)
+                .retry(no_hidden_retries())
                 .build()
                 .expect("the HTTP client builds")
         };
@@ -366,4 +369,14 @@ async fn listen_on(
         }
     }
     Ok(())
+}
+
+/// reqwest resends a request the server refused unprocessed (an HTTP/2
+/// `REFUSED_STREAM`, streams past a `GOAWAY`) on its own, out of sight:
+/// onceflow retries every call itself, under the same key, counted in the
+/// journal, so every request it sends is one it decided to send. (Keeping a
+/// copy of every request's headers for a hidden resend also cost ~0.6 KB per
+/// call in flight.)
+fn no_hidden_retries() -> reqwest::retry::Builder {
+    reqwest::retry::never().max_retries_per_request(0)
 }

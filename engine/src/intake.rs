@@ -54,22 +54,21 @@ impl NewJob {
     /// schedule's fields appear only when given, so a request without them
     /// hashes as it always did.
     pub fn request(&self) -> Value {
-        let mut request = serde_json::json!({
-            "workflow": self.workflow,
-            "input": self.input,
-            "webhook_url": self.webhook_url,
-        });
+        let mut request = serde_json::Map::new();
+        request.insert("workflow".into(), self.workflow.clone().into());
+        request.insert("input".into(), self.input.clone());
+        request.insert("webhook_url".into(), self.webhook_url.clone().into());
         let s = &self.schedule;
         if s.priority != 0 {
-            request["priority"] = s.priority.into();
+            request.insert("priority".into(), s.priority.into());
         }
         if let Some(at) = s.run_at {
-            request["run_at"] = at.to_rfc3339().into();
+            request.insert("run_at".into(), at.to_rfc3339().into());
         }
         if let Some(ms) = s.delay_ms {
-            request["delay_ms"] = ms.into();
+            request.insert("delay_ms".into(), ms.into());
         }
-        request
+        Value::Object(request)
     }
 
     /// SHA-256 of the canonical request: equal exactly when two submissions
@@ -364,38 +363,38 @@ fn validate_webhook_url(raw: &str, guard: &UrlGuard) -> Result<(), InvalidInput>
 /// SHA-256 (hex) of `value` serialised canonically: object keys sorted,
 /// no insignificant whitespace.
 pub fn canonical_hash(value: &Value) -> String {
-    let mut out = String::new();
+    let mut out = Vec::with_capacity(256);
     write_canonical(value, &mut out);
-    hex::encode(Sha256::digest(out.as_bytes()))
+    hex::encode(Sha256::digest(&out))
 }
 
-fn write_canonical(value: &Value, out: &mut String) {
+fn write_canonical(value: &Value, out: &mut Vec<u8>) {
     match value {
         Value::Object(map) => {
             let mut keys: Vec<&String> = map.keys().collect();
             keys.sort();
-            out.push('{');
+            out.push(b'{');
             for (i, k) in keys.into_iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.push(b',');
                 }
-                out.push_str(&Value::String(k.clone()).to_string());
-                out.push(':');
+                serde_json::to_writer(&mut *out, k).expect("writing to memory");
+                out.push(b':');
                 write_canonical(&map[k], out);
             }
-            out.push('}');
+            out.push(b'}');
         }
         Value::Array(items) => {
-            out.push('[');
+            out.push(b'[');
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.push(b',');
                 }
                 write_canonical(item, out);
             }
-            out.push(']');
+            out.push(b']');
         }
-        scalar => out.push_str(&scalar.to_string()),
+        scalar => serde_json::to_writer(&mut *out, scalar).expect("writing to memory"),
     }
 }
 
@@ -411,6 +410,18 @@ mod tests {
         assert_eq!(canonical_hash(&a), canonical_hash(&b));
         let c = json!({"a": {"x": "s", "y": [2, 1]}, "b": 1});
         assert_ne!(canonical_hash(&a), canonical_hash(&c));
+    }
+
+    /// Stored hashes are compared with later submissions of the same id,
+    /// across upgrades: the canonical form must never change. (Its bytes,
+    /// here, and their SHA-256 were computed independently of this code.)
+    #[test]
+    fn canonical_hash_is_pinned() {
+        let v = json!({"b": -1, "a": {"y": [1, 2.5, null, true], "x": "s\u{e9}\n"}});
+        assert_eq!(
+            canonical_hash(&v),
+            "b240e2d053964985c3ee0c6a7cdc2bea0755c7f43509c3e2da95119ab2d54dfa"
+        );
     }
 
     #[test]

@@ -141,7 +141,7 @@ impl Provider {
                 "{}/v1/messages",
                 self.config.anthropic_base_url.trim_end_matches('/')
             );
-            (url, anthropic::request(request))
+            (url, std::borrow::Cow::Owned(anthropic::request(request)))
         } else {
             if let Some(api_key) = &self.config.api_key {
                 headers.push(("authorization", format!("Bearer {api_key}")));
@@ -150,13 +150,19 @@ impl Provider {
                 "{}/chat/completions",
                 self.config.base_url.trim_end_matches('/')
             );
-            let mut request = request.clone();
-            if let Some(o) = request.as_object_mut() {
-                o.remove("provider");
-            }
-            (url, request)
+            // `provider` is onceflow's own field: it is not sent.
+            let body = if request.get("provider").is_some() {
+                let mut request = request.clone();
+                if let Some(o) = request.as_object_mut() {
+                    o.remove("provider");
+                }
+                std::borrow::Cow::Owned(request)
+            } else {
+                std::borrow::Cow::Borrowed(request)
+            };
+            (url, body)
         };
-        let body = serde_json::to_vec(&body).expect("a JSON value serialises");
+        let body = serde_json::to_vec(&*body).expect("a JSON value serialises");
         let request = Post {
             url: &url,
             headers,

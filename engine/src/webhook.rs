@@ -98,7 +98,12 @@ impl WebhookSecret {
 
 /// The completion event's body.
 pub fn completed_body(job_id: &str, result: &Value) -> Value {
-    serde_json::json!({ "type": COMPLETED_EVENT, "job_id": job_id, "result": result })
+    // Built directly: `json!` would serialise `result` into a new value.
+    let mut body = serde_json::Map::new();
+    body.insert("type".into(), COMPLETED_EVENT.into());
+    body.insert("job_id".into(), job_id.into());
+    body.insert("result".into(), result.clone());
+    Value::Object(body)
 }
 
 /// How webhooks leave this node.

@@ -107,11 +107,13 @@ pub trait DynWorkflow: Send + Sync {
     fn failure_events(&self) -> bool;
     /// Decodes `input` into the workflow's input type and runs [`Workflow::validate`].
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
-    /// Decodes `input`, runs the body and serialises its output.
+    /// Decodes `input`, runs the body and serialises its output. The input
+    /// is borrowed: a job in flight keeps one copy of it (its decoded form
+    /// lives in the body's future).
     fn run<'a>(
         &'a self,
         ctx: &'a mut Context,
-        input: Value,
+        input: &'a Value,
     ) -> BoxFuture<'a, Result<Value, StepError>>;
 }
 
@@ -140,10 +142,10 @@ impl<W: Workflow> DynWorkflow for W {
     fn run<'a>(
         &'a self,
         ctx: &'a mut Context,
-        input: Value,
+        input: &'a Value,
     ) -> BoxFuture<'a, Result<Value, StepError>> {
         async move {
-            let typed = decode::<W::Input>(&input).map_err(StepError::invalid_input)?;
+            let typed = decode::<W::Input>(input).map_err(StepError::invalid_input)?;
             let output = Workflow::run(self, ctx, typed).await?;
             serde_json::to_value(output).map_err(|e| StepError::Serialize(e.to_string()))
         }

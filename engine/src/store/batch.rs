@@ -21,6 +21,7 @@
 use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use diesel_async::pooled_connection::bb8::Pool;
 use diesel_async::AsyncPgConnection;
@@ -37,11 +38,12 @@ const CONCURRENT_BATCHES: usize = 2;
 type Reply<O> = oneshot::Sender<Result<O, StoreError>>;
 
 /// Runs one batch: gets the requests (distinct jobs), returns one outcome per
-/// request, in order.
+/// request, in order. The requests are shared, not copied: when the batch
+/// fails they are taken back to be written one by one.
 pub(crate) type RunBatch<R, O> = Box<
     dyn Fn(
             Pool<AsyncPgConnection>,
-            Vec<R>,
+            Arc<Vec<R>>,
         ) -> Pin<Box<dyn Future<Output = Result<Vec<O>, StoreError>> + Send>>
         + Send
         + Sync,
@@ -83,7 +85,7 @@ impl<R, O> std::fmt::Debug for Batcher<R, O> {
 
 impl<R, O> Batcher<R, O>
 where
-    R: Keyed + Clone + Send + 'static,
+    R: Keyed + Clone + Send + Sync + 'static,
     O: Send + 'static,
 {
     /// Starts the task on the database runtime; it ends when the last
@@ -135,6 +137,7 @@ where
                 let (run, pool) = (run.clone(), pool.clone());
                 tokio::spawn(async move {
                     let _slot = slot;
+                    let requests = Arc::new(requests);
                     let outcomes = match run(pool.clone(), requests.clone()).await {
                         Ok(outcomes) if outcomes.len() == n => {
                             outcomes.into_iter().map(Ok).collect()
@@ -148,9 +151,12 @@ where
                         // request alone, so only its own error reaches it.
                         Err(e) if n > 1 => {
                             tracing::warn!(error = %e, batch = n, "a batched write failed; writing its rows one by one");
+                            // The failed run has dropped its share by now.
+                            let requests =
+                                Arc::try_unwrap(requests).unwrap_or_else(|shared| (*shared).clone());
                             let mut each = Vec::with_capacity(n);
                             for request in requests {
-                                each.push(match run(pool.clone(), vec![request]).await {
+                                each.push(match run(pool.clone(), Arc::new(vec![request])).await {
                                     Ok(mut one) if one.len() == 1 => Ok(one.remove(0)),
                                     Ok(one) => Err(StoreError::Batch(format!(
                                         "a batch of 1 returned {} outcomes",

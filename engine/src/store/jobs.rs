@@ -282,7 +282,15 @@ impl Store {
     ) -> Result<Intake, StoreError> {
         let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
         let reservation = reservation.filter(|_| !later);
-        let hash = job.request_hash();
+        let request = job.request();
+        let hash = crate::intake::canonical_hash(&request);
+        // A hand-off needs the request once more, for the actor; otherwise
+        // it moves into the row.
+        let (row_request, kept) = if reservation.is_some() {
+            (request.clone(), Some(request))
+        } else {
+            (request, None)
+        };
         // The job row, its first history row and the wake-up: one statement
         // and one commit, shared with the other submissions of the moment
         // (group commit); `None` when the id exists.
@@ -293,7 +301,7 @@ impl Store {
                 id: job.id.clone(),
                 workflow: job.workflow.clone(),
                 workflow_version: job.workflow_version,
-                request: job.request(),
+                request: row_request,
                 request_hash: hash.clone(),
                 trace: trace.to_string(),
                 owner,
@@ -319,7 +327,7 @@ impl Store {
                     },
                     workflow: job.workflow.clone(),
                     workflow_version: job.workflow_version,
-                    request: job.request(),
+                    request: kept.unwrap_or_else(|| job.request()),
                     state: JobState::Received,
                     previous_owner: None,
                     trace: Some(trace),
