@@ -136,6 +136,15 @@ impl Browser {
             .unwrap();
         std::fs::write(path, png).unwrap();
     }
+
+    /// Ends the session, which closes Chromium; killing chromedriver alone
+    /// (the fallback in `drop`) leaves the browser running.
+    async fn quit(self) {
+        let _ = client()
+            .delete(format!("{}/session/{}", self.base, self.session))
+            .send()
+            .await;
+    }
 }
 
 impl Drop for Browser {
@@ -257,4 +266,5 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
             .await
     );
     browser.screenshot(&shots.join("console.png")).await;
+    browser.quit().await;
 }
