@@ -504,7 +504,7 @@ async fn print_row_work(db: &Db, jobs: usize) -> anyhow::Result<()> {
         #[diesel(sql_type = BigInt)]
         hot: i64,
     }
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    // Read after the last phase's counters settled.
     let mut conn = db.conn().await?;
     let _ = conn.batch_execute("SELECT pg_stat_clear_snapshot()").await;
     let tables: Vec<Table> = diesel::sql_query(
@@ -754,7 +754,7 @@ async fn acked(db: &Db, pattern: &str) -> anyhow::Result<i64> {
 }
 
 /// Server-wide counters read before and after a phase.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Counters {
     /// History rows: one per checkpoint.
     checkpoints: i64,
@@ -782,10 +782,25 @@ impl std::ops::Sub for Counters {
     }
 }
 
-/// Reads [`Counters`]. PostgreSQL backends publish their statistics when
-/// they go idle, at most once a second, so each reading waits that second
-/// out first.
+/// Reads [`Counters`] once they have settled. PostgreSQL backends publish
+/// their statistics when they go idle, at most once a second, and one that
+/// met a lock on the way tries again only ten seconds later: so this reads
+/// until two readings 0.7 s apart agree (after a phase nothing else runs),
+/// for at most 15 s.
 async fn counters(db: &Db) -> anyhow::Result<Counters> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut last = read_counters(db).await?;
+    loop {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let now = read_counters(db).await?;
+        if now == last || Instant::now() > deadline {
+            return Ok(now);
+        }
+        last = now;
+    }
+}
+
+async fn read_counters(db: &Db) -> anyhow::Result<Counters> {
     #[derive(diesel::QueryableByName)]
     struct Row {
         #[diesel(sql_type = BigInt)]
@@ -801,7 +816,6 @@ async fn counters(db: &Db) -> anyhow::Result<Counters> {
         #[diesel(sql_type = BigInt)]
         hot: i64,
     }
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
     let mut conn = db.conn().await?;
     let _ = conn.batch_execute("SELECT pg_stat_clear_snapshot()").await;
     let r: Row = diesel::sql_query(
