@@ -128,9 +128,13 @@ impl Shared {
         // The provider is the operator's own: a client of its own, unguarded
         // (HTTP/2 only when it speaks h2c).
         let provider_client = if config.provider.h2c {
+            // HTTP/2 keeps reqwest's resend of a request the server refused
+            // unprocessed (`REFUSED_STREAM`, past a graceful `GOAWAY`): the
+            // protocol says it was not processed, so resending at once is
+            // right, where onceflow's own retry would count an ambiguous
+            // attempt and back off.
             reqwest::Client::builder()
                 .http2_prior_knowledge()
-                .retry(no_hidden_retries())
                 .build()
                 .expect("the HTTP/2 client builds")
         } else {
@@ -371,12 +375,10 @@ async fn listen_on(
     Ok(())
 }
 
-/// reqwest resends a request the server refused unprocessed (an HTTP/2
-/// `REFUSED_STREAM`, streams past a `GOAWAY`) on its own, out of sight:
-/// onceflow retries every call itself, under the same key, counted in the
-/// journal, so every request it sends is one it decided to send. (Keeping a
-/// copy of every request's headers for a hidden resend also cost ~0.6 KB per
-/// call in flight.)
+/// reqwest keeps a copy of every request's headers to resend one an HTTP/2
+/// server refused unprocessed. Over HTTP/1.1 that resend never happens, so
+/// the clients that speak it (webhooks and tools, an HTTP/1.1 provider) do
+/// without the copy.
 fn no_hidden_retries() -> reqwest::retry::Builder {
     reqwest::retry::never().max_retries_per_request(0)
 }

@@ -591,6 +591,7 @@ impl Env {
         let submitted: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>> =
             Default::default();
         let failures = Arc::new(AtomicU64::new(0));
+        let wal_start = wal_position(&self.db).await?;
         let start = Instant::now();
         // Spread over the nodes' APIs, as a load balancer would (`--nodes`).
         let next_api = std::sync::atomic::AtomicUsize::new(0);
@@ -655,6 +656,7 @@ impl Env {
         }
         let elapsed = start.elapsed();
         let cpu_after = costs::cpu_now(self.postmaster);
+        let wal_bytes = wal_position(&self.db).await? - wal_start;
         let statements = if self.stat_statements {
             Some(costs::read_statements(&self.db).await?)
         } else {
@@ -665,7 +667,8 @@ impl Env {
             failed == 0,
             "{failed} submissions were not accepted with 201"
         );
-        let after = counters(&self.db).await? - before;
+        let mut after = counters(&self.db).await? - before;
+        after.wal_bytes = wal_bytes;
         let submitted = submitted.lock().expect("lock");
         let deliveries = self.consumer.deliveries();
         let mut latencies = Vec::with_capacity(jobs);
@@ -760,6 +763,8 @@ struct Counters {
     checkpoints: i64,
     /// WAL flushes to disk of the whole server.
     wal_syncs: i64,
+    /// WAL written during the phase, from the WAL position itself (exact, no
+    /// statistics lag); set by the phase, not by [`counters`].
     wal_bytes: i64,
     /// Rows inserted and updated in the engine's tables, and how many of
     /// the updates were HOT (no index entry written).
@@ -783,21 +788,37 @@ impl std::ops::Sub for Counters {
 }
 
 /// Reads [`Counters`] once they have settled. PostgreSQL backends publish
-/// their statistics when they go idle, at most once a second, and one that
-/// met a lock on the way tries again only ten seconds later: so this reads
-/// until two readings 0.7 s apart agree (after a phase nothing else runs),
-/// for at most 15 s.
+/// their statistics when they go idle, but one that published less than a
+/// second before, or met a lock, waits ten seconds to publish again: so this
+/// reads until two readings 10.5 s apart agree (after a phase nothing else
+/// runs), for at most a minute.
 async fn counters(db: &Db) -> anyhow::Result<Counters> {
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = read_counters(db).await?;
     loop {
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        tokio::time::sleep(Duration::from_millis(10_500)).await;
         let now = read_counters(db).await?;
         if now == last || Instant::now() > deadline {
             return Ok(now);
         }
         last = now;
     }
+}
+
+/// The server's WAL insert position, in bytes.
+async fn wal_position(db: &Db) -> anyhow::Result<i64> {
+    #[derive(diesel::QueryableByName)]
+    struct Lsn {
+        #[diesel(sql_type = BigInt)]
+        at: i64,
+    }
+    let mut conn = db.conn().await?;
+    let r: Lsn = diesel::sql_query(
+        "/* bench */ SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint AS at",
+    )
+    .get_result(&mut conn)
+    .await?;
+    Ok(r.at)
 }
 
 async fn read_counters(db: &Db) -> anyhow::Result<Counters> {
@@ -807,8 +828,6 @@ async fn read_counters(db: &Db) -> anyhow::Result<Counters> {
         checkpoints: i64,
         #[diesel(sql_type = BigInt)]
         wal_syncs: i64,
-        #[diesel(sql_type = BigInt)]
-        wal_bytes: i64,
         #[diesel(sql_type = BigInt)]
         ins: i64,
         #[diesel(sql_type = BigInt)]
@@ -820,7 +839,7 @@ async fn read_counters(db: &Db) -> anyhow::Result<Counters> {
     let _ = conn.batch_execute("SELECT pg_stat_clear_snapshot()").await;
     let r: Row = diesel::sql_query(
         "/* bench */ SELECT (SELECT count(*) FROM job_history) AS checkpoints, \
-         w.wal_sync AS wal_syncs, w.wal_bytes::bigint AS wal_bytes, \
+         w.wal_sync AS wal_syncs, \
          t.ins::bigint AS ins, t.upd::bigint AS upd, t.hot::bigint AS hot \
          FROM pg_stat_wal w, \
          (SELECT coalesce(sum(n_tup_ins), 0) AS ins, coalesce(sum(n_tup_upd), 0) AS upd, \
@@ -832,7 +851,7 @@ async fn read_counters(db: &Db) -> anyhow::Result<Counters> {
     Ok(Counters {
         checkpoints: r.checkpoints,
         wal_syncs: r.wal_syncs,
-        wal_bytes: r.wal_bytes,
+        wal_bytes: 0,
         rows_inserted: r.ins,
         rows_updated: r.upd,
         rows_hot: r.hot,

@@ -649,6 +649,15 @@ async fn dead_and_cancelled_jobs_send_their_event_once() {
     })
     .await;
     assert!(recorded, "the event's outbox row is recorded delivered");
+    // A closed event leaves the range the claim walks (`run_at <= now()` on
+    // the due index), however many closed ones the index holds.
+    assert_eq!(
+        env.sql(
+            "SELECT run_at = 'infinity' AS gone FROM outbox WHERE idempotency_key = 'job:fail-ev:dead'",
+        )
+        .await[0]["gone"],
+        true
+    );
 
     // Cancelled: its own event and key.
     env.provider.set_latency(Duration::from_secs(3));

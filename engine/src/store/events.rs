@@ -61,7 +61,10 @@ impl Store {
     }
 
     /// Records an event's outcome: delivered (`status` set), retried at
-    /// `retry_at`, or closed `dead` (`retry_at` none).
+    /// `retry_at`, or closed `dead` (`retry_at` none). A closed event's
+    /// `run_at` becomes `infinity`: the index of due events keeps closed ones
+    /// until the purge, and the claim, which walks it in `run_at` order up to
+    /// now, then never reaches them.
     pub async fn event_outcome(
         &self,
         key: &str,
@@ -78,7 +81,8 @@ impl Store {
                      status = CASE WHEN $3 IS NULL THEN 'delivered'::outbox_status \
                                    WHEN $4 IS NULL THEN 'dead'::outbox_status ELSE status END, \
                      delivered_at = CASE WHEN $3 IS NULL THEN now() ELSE delivered_at END, \
-                     run_at = coalesce($4, run_at) \
+                     run_at = CASE WHEN $3 IS NOT NULL AND $4 IS NOT NULL THEN $4 \
+                                   ELSE 'infinity'::timestamptz END \
                  WHERE idempotency_key = $1 AND status = 'claimed'",
             )
             .bind::<Text, _>(key)
