@@ -793,6 +793,7 @@ impl std::ops::Sub for Counters {
 /// reads until two readings 10.5 s apart agree (after a phase nothing else
 /// runs), for at most a minute.
 async fn counters(db: &Db) -> anyhow::Result<Counters> {
+    eprintln!("  reading PostgreSQL's statistics (published up to 10 s late)…");
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = read_counters(db).await?;
     loop {
