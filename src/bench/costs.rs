@@ -191,3 +191,57 @@ pub fn one_line(query: &str, width: usize) -> String {
 
 /// How long to let pgbench run at each client count.
 pub const PGBENCH_TIME: Duration = Duration::from_secs(5);
+
+/// Where a job's time goes between its checkpoints, from the journal's own
+/// timestamps: p50 and p99 in ms of each stage over the jobs whose ids match
+/// `pattern`. Each stage ends when its batch statement wrote the next row,
+/// so the wait for that batch counts in the stage it ends.
+pub(super) async fn stages(
+    db: &onceflow_engine::Db,
+    pattern: &str,
+) -> anyhow::Result<Vec<(&'static str, f64, f64)>> {
+    #[derive(diesel::QueryableByName)]
+    struct Stage {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        n: i32,
+        #[diesel(sql_type = diesel::sql_types::Double)]
+        p50: f64,
+        #[diesel(sql_type = diesel::sql_types::Double)]
+        p99: f64,
+    }
+    const NAMES: [&str; 4] = [
+        "received → model call journaled",
+        "model call → answer journaled",
+        "answer → result committed (claimed)",
+        "claimed → delivered (webhook POST)",
+    ];
+    let mut conn = db.conn().await?;
+    let rows: Vec<Stage> = diesel::sql_query(
+        "/* bench */ WITH h AS ( \
+             SELECT job_id, \
+                 max(at) FILTER (WHERE state = 'received') AS received, \
+                 max(at) FILTER (WHERE state = 'claimed') AS claimed, \
+                 max(at) FILTER (WHERE state = 'delivered') AS delivered \
+             FROM job_history WHERE job_id LIKE $1 GROUP BY job_id), \
+         m AS (SELECT job_id, min(created_at) AS began, max(updated_at) AS answered \
+             FROM model_calls WHERE job_id LIKE $1 GROUP BY job_id), \
+         d AS (SELECT ARRAY[m.began - h.received, m.answered - m.began, \
+                 h.claimed - m.answered, h.delivered - h.claimed] AS spans \
+             FROM h JOIN m USING (job_id)), \
+         s AS (SELECT n::int AS n, extract(epoch FROM span) * 1000 AS ms \
+             FROM d, unnest(d.spans) WITH ORDINALITY AS u(span, n)) \
+         SELECT n, percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50, \
+             percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) AS p99 \
+         FROM s GROUP BY n ORDER BY n",
+    )
+    .bind::<diesel::sql_types::Text, _>(pattern)
+    .load(&mut conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|r| {
+            let name = NAMES.get(usize::try_from(r.n).ok()?.checked_sub(1)?)?;
+            Some((*name, r.p50, r.p99))
+        })
+        .collect())
+}

@@ -483,6 +483,23 @@ async fn bench(
         }
     }
 
+    println!();
+    println!(
+        "time between checkpoints (p50 / p99 ms; a stage ends when its batch wrote the next row):"
+    );
+    println!("{:<38} {:>16} {:>16}", "", "max (closed)", "paced (open)");
+    let (max_stages, paced_stages) = (
+        costs::stages(&db, &format!("bench-{run_id}-max-%")).await?,
+        costs::stages(&db, &format!("bench-{run_id}-paced-%")).await?,
+    );
+    for ((name, a50, a99), (_, b50, b99)) in max_stages.iter().zip(&paced_stages) {
+        println!(
+            "  {name:<36} {:>16} {:>16}",
+            format!("{a50:.1} / {a99:.1}"),
+            format!("{b50:.1} / {b99:.1}")
+        );
+    }
+
     drop(env);
     print_row_work(&db, max.jobs + paced.jobs).await?;
     drop_bench_database(database, db, store, &url).await

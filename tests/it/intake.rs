@@ -314,3 +314,46 @@ async fn unknown_jobs_and_routes_are_404_and_healthz_is_200() {
     let (status, answer) = get(&format!("{base}/healthz")).await;
     assert_eq!(status, 200, "{answer}");
 }
+
+/// The database holds the shapes of ids and hashes on its own (domains
+/// `job_id` and `sha256_hex`), whatever the API lets through: exactly the
+/// values `^[A-Za-z0-9_.:-]{1,200}$` and `^[0-9a-f]{64}$` accept, no more
+/// and no fewer (migration 000018 writes them without the costly bounded
+/// repetition; these are its edges).
+#[actix_rt::test]
+async fn the_database_accepts_exactly_the_documented_id_and_hash_shapes() {
+    use diesel_async::RunQueryDsl;
+    let env = TestEnv::new().await;
+    let mut conn = env.store.db().conn().await.expect("conn");
+    let cases: [(&str, &str, bool); 16] = [
+        ("job_id", "'a'", true),
+        ("job_id", "'Az09_.:-'", true),
+        ("job_id", "repeat('x', 200)", true),
+        ("job_id", "''", false),
+        ("job_id", "repeat('x', 201)", false),
+        ("job_id", "'a b'", false),
+        ("job_id", "'a/b'", false),
+        ("job_id", "E'a\\n'", false),
+        ("job_id", "'é'", false),
+        ("sha256_hex", "repeat('0a', 32)", true),
+        ("sha256_hex", "repeat('f', 64)", true),
+        ("sha256_hex", "repeat('a', 63)", false),
+        ("sha256_hex", "repeat('a', 65)", false),
+        ("sha256_hex", "repeat('A', 64)", false),
+        ("sha256_hex", "repeat('g', 64)", false),
+        ("sha256_hex", "repeat('a', 63) || E'\\n'", false),
+    ];
+    for (domain, value, valid) in cases {
+        let cast = format!("SELECT ({value})::{domain}");
+        match diesel::sql_query(&cast).execute(&mut conn).await {
+            Ok(_) => assert!(valid, "{cast} was accepted"),
+            Err(e) => {
+                assert!(!valid, "{cast} was refused: {e}");
+                assert!(
+                    e.to_string().contains(&format!("domain {domain} violates")),
+                    "{cast}: {e}"
+                );
+            }
+        }
+    }
+}
