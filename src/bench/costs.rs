@@ -194,8 +194,12 @@ pub const PGBENCH_TIME: Duration = Duration::from_secs(5);
 
 /// Where a job's time goes between its checkpoints, from the journal's own
 /// timestamps: p50 and p99 in ms of each stage over the jobs whose ids match
-/// `pattern`. Each stage ends when its batch statement wrote the next row,
-/// so the wait for that batch counts in the stage it ends.
+/// `pattern` (stages no job of the phase reached are left out). A stage ends
+/// when the batch statement that journals its end began (the model-call
+/// row's `created_at` and `updated_at` are `now()`) or wrote the history row
+/// (`clock_timestamp()`): the wait for a batch to start counts in the stage
+/// it ends. The bench's workflow makes one model call per job and is never
+/// redriven, so each job has one of each.
 pub(super) async fn stages(
     db: &onceflow_engine::Db,
     pattern: &str,
@@ -204,10 +208,10 @@ pub(super) async fn stages(
     struct Stage {
         #[diesel(sql_type = diesel::sql_types::Integer)]
         n: i32,
-        #[diesel(sql_type = diesel::sql_types::Double)]
-        p50: f64,
-        #[diesel(sql_type = diesel::sql_types::Double)]
-        p99: f64,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Double>)]
+        p50: Option<f64>,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Double>)]
+        p99: Option<f64>,
     }
     const NAMES: [&str; 4] = [
         "received → model call journaled",
@@ -241,7 +245,7 @@ pub(super) async fn stages(
         .into_iter()
         .filter_map(|r| {
             let name = NAMES.get(usize::try_from(r.n).ok()?.checked_sub(1)?)?;
-            Some((*name, r.p50, r.p99))
+            Some((*name, r.p50?, r.p99?))
         })
         .collect())
 }

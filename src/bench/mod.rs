@@ -485,7 +485,7 @@ async fn bench(
 
     println!();
     println!(
-        "time between checkpoints (p50 / p99 ms; a stage ends when its batch wrote the next row):"
+        "time between checkpoints (p50 / p99 ms; a stage ends when the batch journaling its end ran):"
     );
     println!("{:<38} {:>16} {:>16}", "", "max (closed)", "paced (open)");
     let (max_stages, paced_stages) = (
