@@ -194,7 +194,7 @@ pub const PGBENCH_TIME: Duration = Duration::from_secs(5);
 
 /// Where a job's time goes between its checkpoints, from the journal's own
 /// timestamps: p50 and p99 in ms of each stage over the jobs whose ids match
-/// `pattern` (stages no job of the phase reached are left out). A stage ends
+/// `pattern` (`None` for a stage no job of the phase reached). A stage ends
 /// when the batch statement that journals its end began (the model-call
 /// row's `created_at` and `updated_at` are `now()`) or wrote the history row
 /// (`clock_timestamp()`): the wait for a batch to start counts in the stage
@@ -203,7 +203,7 @@ pub const PGBENCH_TIME: Duration = Duration::from_secs(5);
 pub(super) async fn stages(
     db: &onceflow_engine::Db,
     pattern: &str,
-) -> anyhow::Result<Vec<(&'static str, f64, f64)>> {
+) -> anyhow::Result<[Option<(f64, f64)>; STAGES.len()]> {
     #[derive(diesel::QueryableByName)]
     struct Stage {
         #[diesel(sql_type = diesel::sql_types::Integer)]
@@ -213,12 +213,6 @@ pub(super) async fn stages(
         #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Double>)]
         p99: Option<f64>,
     }
-    const NAMES: [&str; 4] = [
-        "received → model call journaled",
-        "model call → answer journaled",
-        "answer → result committed (claimed)",
-        "claimed → delivered (webhook POST)",
-    ];
     let mut conn = db.conn().await?;
     let rows: Vec<Stage> = diesel::sql_query(
         "/* bench */ WITH h AS ( \
@@ -241,11 +235,23 @@ pub(super) async fn stages(
     .bind::<diesel::sql_types::Text, _>(pattern)
     .load(&mut conn)
     .await?;
-    Ok(rows
-        .into_iter()
-        .filter_map(|r| {
-            let name = NAMES.get(usize::try_from(r.n).ok()?.checked_sub(1)?)?;
-            Some((*name, r.p50?, r.p99?))
-        })
-        .collect())
+    let mut out = [None; STAGES.len()];
+    for r in rows {
+        let slot = usize::try_from(r.n)
+            .ok()
+            .and_then(|n| n.checked_sub(1))
+            .and_then(|i| out.get_mut(i));
+        if let (Some(slot), Some(p50), Some(p99)) = (slot, r.p50, r.p99) {
+            *slot = Some((p50, p99));
+        }
+    }
+    Ok(out)
 }
+
+/// The stages [`stages`] measures, in order.
+pub(super) const STAGES: [&str; 4] = [
+    "received → model call journaled",
+    "model call → answer journaled",
+    "answer → result committed (claimed)",
+    "claimed → delivered (webhook POST)",
+];

@@ -492,12 +492,14 @@ async fn bench(
         costs::stages(&db, &format!("bench-{run_id}-max-%")).await?,
         costs::stages(&db, &format!("bench-{run_id}-paced-%")).await?,
     );
-    for ((name, a50, a99), (_, b50, b99)) in max_stages.iter().zip(&paced_stages) {
-        println!(
-            "  {name:<36} {:>16} {:>16}",
-            format!("{a50:.1} / {a99:.1}"),
-            format!("{b50:.1} / {b99:.1}")
-        );
+    let cell = |s: Option<(f64, f64)>| {
+        s.map_or_else(
+            || "n/a".to_owned(),
+            |(p50, p99)| format!("{p50:.1} / {p99:.1}"),
+        )
+    };
+    for ((name, a), b) in costs::STAGES.iter().zip(max_stages).zip(paced_stages) {
+        println!("  {name:<36} {:>16} {:>16}", cell(a), cell(b));
     }
 
     drop(env);
