@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use diesel::sql_types::{BigInt, Double, Text};
+use diesel::sql_types::{BigInt, Bool, Double, Text};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use onceflow_engine::Db;
 
@@ -132,8 +132,12 @@ pub fn cpu_now(postmaster: Option<u32>) -> Cpu {
 pub struct Statements {
     pub calls: i64,
     pub exec_ms: f64,
-    /// The costliest statements: (calls, total ms, text).
-    pub top: Vec<(i64, f64, String)>,
+    /// Planning time, when the server tracks it
+    /// (`pg_stat_statements.track_planning`; the embedded server does).
+    pub plan_ms: Option<f64>,
+    /// The costliest statements: calls, total execution ms, total planning
+    /// ms (when tracked), text.
+    pub top: Vec<(i64, f64, Option<f64>, String)>,
 }
 
 /// Creates the extension and clears its counters; `false` when the server
@@ -156,25 +160,34 @@ pub async fn read_statements(db: &Db) -> anyhow::Result<Statements> {
         calls: i64,
         #[diesel(sql_type = Double)]
         ms: f64,
+        #[diesel(sql_type = Double)]
+        plan_ms: f64,
+        #[diesel(sql_type = Bool)]
+        planning_tracked: bool,
         #[diesel(sql_type = Text)]
         query: String,
     }
     let mut conn = db.conn().await?;
     let rows: Vec<Row> = diesel::sql_query(format!(
-        "{MARK} SELECT calls, total_exec_time AS ms, query FROM pg_stat_statements \
+        "{MARK} SELECT calls, total_exec_time AS ms, total_plan_time AS plan_ms, \
+             current_setting('pg_stat_statements.track_planning')::bool AS planning_tracked, \
+             query FROM pg_stat_statements \
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
            AND query NOT LIKE '{MARK}%' AND query NOT LIKE '%pg_stat_statements%' \
          ORDER BY total_exec_time DESC"
     ))
     .load(&mut conn)
     .await?;
+    // (`as_slice`: on the `Vec` itself, `first` is `RunQueryDsl::first`.)
+    let tracked = rows.as_slice().first().is_some_and(|r| r.planning_tracked);
     Ok(Statements {
         calls: rows.iter().map(|r| r.calls).sum(),
         exec_ms: rows.iter().map(|r| r.ms).sum(),
+        plan_ms: tracked.then(|| rows.iter().map(|r| r.plan_ms).sum()),
         top: rows
             .into_iter()
             .take(8)
-            .map(|r| (r.calls, r.ms, r.query))
+            .map(|r| (r.calls, r.ms, tracked.then_some(r.plan_ms), r.query))
             .collect(),
     })
 }

@@ -436,6 +436,19 @@ async fn bench(
             .map(|s| per_job(&paced, s.exec_ms))),
     );
     row(
+        "PostgreSQL planning ms per job",
+        opt(max
+            .statements
+            .as_ref()
+            .and_then(|s| s.plan_ms)
+            .map(|ms| per_job(&max, ms))),
+        opt(paced
+            .statements
+            .as_ref()
+            .and_then(|s| s.plan_ms)
+            .map(|ms| per_job(&paced, ms))),
+    );
+    row(
         "CPU ms per job, this process",
         format!("{:.2}", per_job(&max, max.cpu.0)),
         format!("{:.2}", per_job(&paced, paced.cpu.0)),
@@ -471,14 +484,19 @@ async fn bench(
     for (name, phase) in [("phase 1", &max), ("phase 2", &paced)] {
         let Some(s) = &phase.statements else { continue };
         println!();
-        println!("costliest statements, {name} (calls per job, ms per call, total ms):");
-        for (calls, ms, query) in &s.top {
+        println!(
+            "costliest statements, {name} (calls per job, execution ms per call, planning ms \
+             per call, total execution ms):"
+        );
+        for (calls, ms, plan_ms, query) in &s.top {
+            let per_call = |ms: f64| ms / (*calls).max(1) as f64;
             println!(
-                "  {:>5.2} {:>7.3} {:>8.0}  {}",
+                "  {:>5.2} {:>7.3} {:>7} {:>8.0}  {}",
                 *calls as f64 / phase.jobs as f64,
-                ms / (*calls).max(1) as f64,
+                per_call(*ms),
+                plan_ms.map_or("n/a".into(), |p| format!("{:.3}", per_call(p))),
                 ms,
-                costs::one_line(query, 90)
+                costs::one_line(query, 80)
             );
         }
     }

@@ -106,13 +106,17 @@ struct LeasedRow {
 /// `lease_epoch` is the row's latest committed version (a locking read
 /// re-reads a row updated meanwhile), unlike a plain join on `jobs`, which
 /// sees the statement's snapshot: a fence that is not an `UPDATE`'s own
-/// `WHERE` must compare against `locked.lease_epoch`.
+/// `WHERE` must compare against `locked.lease_epoch`. The array is read
+/// through a sub-select, as every batch array is (see [`batched`]), so the
+/// statement's cached generic plan is used at every batch size.
+///
+/// [`batched`]: super::batched
 macro_rules! lock_in_order {
     ($ids:literal) => {
         concat!(
-            "locked AS MATERIALIZED (SELECT id, lease_epoch FROM jobs WHERE id = ANY(",
+            "locked AS MATERIALIZED (SELECT id, lease_epoch FROM jobs WHERE id = ANY((SELECT ",
             $ids,
-            ") ORDER BY id FOR NO KEY UPDATE) "
+            "::text[])::text[]) ORDER BY id FOR NO KEY UPDATE) "
         )
     };
 }
@@ -230,7 +234,7 @@ impl Store {
                 "WITH ",
                 lock_in_order!("$2"),
                 "UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
-                 FROM unnest($2::text[], $3::bigint[]) AS l(id, epoch) \
+                 FROM unnest((SELECT $2::text[]), (SELECT $3::bigint[])) AS l(id, epoch) \
                  WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
                    AND (SELECT count(*) FROM locked) >= 0 \
                  RETURNING j.id"

@@ -104,8 +104,10 @@ pub(crate) async fn stream_on(
         }
     }
     let rows: Vec<Row> = sql(concat!(
-        "WITH input AS (SELECT * FROM unnest($2::text[], $3::bigint[], $4::text[], $5::int[], \
-             $6::int[], $7::text[], $8::text[]) WITH ORDINALITY \
+        "WITH input AS (SELECT * FROM unnest( \
+                 (SELECT $2::text[]), (SELECT $3::bigint[]), (SELECT $4::text[]), \
+                 (SELECT $5::int[]), (SELECT $6::int[]), (SELECT $7::text[]), \
+                 (SELECT $8::text[])) WITH ORDINALITY \
              AS i(id, epoch, key, generation, \"offset\", kind, text, n)), ",
         lock_in_order!("$1"),
         ", ",
