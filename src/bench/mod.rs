@@ -38,6 +38,11 @@ pub struct BenchArgs {
     /// Jobs in the saturating phase (the paced phase runs half as many).
     #[arg(long, default_value_t = 2000)]
     pub jobs: usize,
+    /// Jobs run at the maximum before phase 1 and not counted, so the pool's
+    /// connections have prepared and planned their statements as a running
+    /// engine's have (0: none).
+    #[arg(long, default_value_t = 1000)]
+    pub warmup: usize,
     /// Concurrent submitting clients in the saturating phase.
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
@@ -334,6 +339,18 @@ async fn bench(
         return result;
     }
 
+    if args.warmup > 0 {
+        eprintln!(
+            "warm-up: {} jobs, {} concurrent clients, not counted…",
+            args.warmup, args.concurrency
+        );
+        env.phase(
+            &format!("{run_id}-warmup"),
+            args.warmup,
+            Pacing::Closed(args.concurrency),
+        )
+        .await?;
+    }
     eprintln!(
         "phase 1: {} jobs, {} concurrent clients…",
         args.jobs, args.concurrency
@@ -360,6 +377,12 @@ async fn bench(
         "onceflow bench — model latency {} ms, durable PostgreSQL",
         args.model_latency_ms
     );
+    if args.warmup > 0 {
+        println!(
+            "(after a warm-up of {} jobs at the maximum, not counted)",
+            args.warmup
+        );
+    }
     println!("{:<34} {:>14} {:>14}", "", "max (closed)", "paced (open)");
     let row = |name: &str, a: String, b: String| println!("{name:<34} {a:>14} {b:>14}");
     row("jobs", max.jobs.to_string(), paced.jobs.to_string());
@@ -521,7 +544,7 @@ async fn bench(
     }
 
     drop(env);
-    print_row_work(&db, max.jobs + paced.jobs).await?;
+    print_row_work(&db, args.warmup + max.jobs + paced.jobs).await?;
     drop_bench_database(database, db, store, &url).await
 }
 
@@ -555,7 +578,10 @@ async fn print_row_work(db: &Db, jobs: usize) -> anyhow::Result<()> {
     .load(&mut conn)
     .await?;
     println!();
-    println!("rows per job by table, both phases (inserted, updated, of which HOT, indexes):");
+    println!(
+        "rows per job by table, warm-up and both phases (inserted, updated, of which HOT, \
+         indexes):"
+    );
     let per_job = |n: i64| n as f64 / jobs.max(1) as f64;
     for t in tables {
         println!(
