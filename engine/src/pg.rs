@@ -303,13 +303,9 @@ impl EmbeddedPg {
         if durability == Durability::Fast {
             options.push_str(" -c fsync=off -c synchronous_commit=off -c full_page_writes=off");
         } else if self.has_library("pg_stat_statements") {
-            // Per-statement costs, planning included, for `bench` and for
-            // operators (the extension is created on demand; loading it and
-            // timing plans cost little).
-            options.push_str(
-                " -c shared_preload_libraries=pg_stat_statements \
-                 -c pg_stat_statements.track_planning=on",
-            );
+            // Per-statement costs for `bench` and for operators (the
+            // extension is created on demand; loading it costs little).
+            options.push_str(" -c shared_preload_libraries=pg_stat_statements");
         }
         let log = self.data_dir.join("server.log");
         let output = self

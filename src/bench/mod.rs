@@ -40,7 +40,7 @@ pub struct BenchArgs {
     pub jobs: usize,
     /// Jobs run at the maximum before phase 1 and not counted, so the pool's
     /// connections have prepared and planned their statements as a running
-    /// engine's have (0: none).
+    /// engine's have (0: none; the two-phase run only, not the modes below).
     #[arg(long, default_value_t = 1000)]
     pub warmup: usize,
     /// Concurrent submitting clients in the saturating phase.
@@ -198,6 +198,21 @@ async fn bench(
         Some(pg) => {
             let name = format!("bench_{}", std::process::id());
             db::create_database(&pg.url("postgres"), &name, None).await?;
+            // Planning time per statement, for this database's sessions only
+            // (the embedded server preloads `pg_stat_statements`).
+            let planning = async {
+                use diesel_async::{AsyncConnection, AsyncPgConnection};
+                let mut admin = AsyncPgConnection::establish(&pg.url("postgres")).await?;
+                admin
+                    .batch_execute(&format!(
+                        "ALTER DATABASE {name} SET pg_stat_statements.track_planning = on"
+                    ))
+                    .await?;
+                anyhow::Ok(())
+            };
+            if let Err(e) = planning.await {
+                eprintln!("planning time is not tracked: {e}");
+            }
             pg.url(&name)
         }
         None => database.url.clone(),
