@@ -133,7 +133,8 @@ pub struct Statements {
     pub calls: i64,
     pub exec_ms: f64,
     /// Planning time, when the server tracks it
-    /// (`pg_stat_statements.track_planning`; the embedded server does).
+    /// (`pg_stat_statements.track_planning`; `bench` turns it on for its own
+    /// database on the embedded server).
     pub plan_ms: Option<f64>,
     /// The costliest statements: calls, total execution ms, total planning
     /// ms (when tracked), text.

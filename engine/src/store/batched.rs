@@ -416,7 +416,8 @@ pub(crate) async fn begin_call_on(
     let rows: Vec<CallRow> = sql(concat!(
         "WITH input AS (SELECT * FROM unnest( \
                  (SELECT $1::text[]), (SELECT $2::bigint[]), (SELECT $3::text[]), \
-                 (SELECT $4::text[]), (SELECT $5::bigint[])) AS i(id, epoch, key, request_hash, in_flight_ms)), \
+                 (SELECT $4::text[]), (SELECT $5::bigint[])) \
+             AS i(id, epoch, key, request_hash, in_flight_ms)), \
 ",
         lock_in_order!("$1"),
         " INSERT INTO model_calls (job_id, idempotency_key, request_hash, attempts, \
@@ -551,7 +552,8 @@ pub(crate) async fn model_answer_on(
     let written: Vec<IdRow> = sql(concat!(
         "WITH input AS (SELECT * FROM unnest( \
                  (SELECT $1::text[]), (SELECT $2::bigint[]), (SELECT $3::text[]), \
-                 (SELECT $4::jsonb[]), (SELECT $5::int[]), (SELECT $6::int[])) AS i(id, epoch, key, response, input_tokens, output_tokens)), \
+                 (SELECT $4::jsonb[]), (SELECT $5::int[]), (SELECT $6::int[])) \
+             AS i(id, epoch, key, response, input_tokens, output_tokens)), \
 ",
         lock_in_order!("$1"),
         ", ",
