@@ -382,6 +382,56 @@ async fn a_model_call_longer_than_the_lease_keeps_the_job() {
     );
 }
 
+/// The heartbeat's answer names only leases another attempt took: a job its
+/// own attempt acked while the heartbeat was on its way keeps its epoch and
+/// is not "lost" (under load that raced, logging a takeover that never
+/// happened and counting it), while a taken-over job and a vanished row are.
+#[actix_rt::test]
+async fn renewal_calls_lost_only_what_was_taken_over() {
+    let env = TestEnv::new().await;
+    let reg = registry(DeliveryPolicy::AtLeastOnce);
+    env.submit("renew-done", "hello").await;
+    let done = env.lease("node-a", Duration::from_secs(60)).await;
+    let done_epoch = done.fence.epoch;
+    assert_eq!(
+        env.run_attempt(&reg, done, env.config()).await,
+        Outcome::Acked
+    );
+    env.submit("renew-taken", "hello").await;
+    let taken = env.lease("node-a", Duration::from_millis(1)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let fresh = env.lease("node-b", Duration::from_secs(60)).await;
+    assert!(fresh.fence.epoch > taken.fence.epoch, "a takeover");
+    env.submit("renew-held", "hello").await;
+    let held = env.lease("node-a", Duration::from_millis(500)).await;
+
+    let mut lost = env
+        .store
+        .renew(
+            "node-a",
+            &[
+                ("renew-done".into(), done_epoch),
+                ("renew-taken".into(), taken.fence.epoch),
+                ("renew-held".into(), held.fence.epoch),
+                ("renew-missing".into(), 1),
+            ],
+            60_000,
+        )
+        .await
+        .expect("renew");
+    lost.sort();
+    assert_eq!(lost, ["renew-missing", "renew-taken"]);
+    // The held lease was extended (500 ms → a minute); node-b's was not touched.
+    let extended = env
+        .sql(
+            "SELECT id FROM jobs WHERE lease_expires_at > now() + interval '30 seconds' \
+             AND lease_owner = 'node-a'",
+        )
+        .await;
+    assert_eq!(extended.as_array().unwrap().len(), 1, "{extended}");
+    assert_eq!(extended[0]["id"], "renew-held", "{extended}");
+}
+
 #[actix_rt::test]
 async fn a_zombie_with_a_stale_epoch_cannot_write_or_call() {
     let env = TestEnv::new().await;

@@ -204,7 +204,9 @@ impl Store {
     }
 
     /// Extends the leases `node` holds on `held` (job id, epoch) in one
-    /// statement; returns the ids whose lease is gone (taken over or finished).
+    /// statement; returns the ids whose lease is lost: the epoch moved on (a
+    /// takeover, a cancel) or the row is gone. A job the attempt finished or
+    /// released itself keeps its epoch and is not among them.
     pub async fn renew(
         &self,
         node: &str,
@@ -226,18 +228,27 @@ impl Store {
     ) -> Result<Vec<String>, StoreError> {
         let ids: Vec<String> = held.iter().map(|(id, _)| id.clone()).collect();
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
-        let kept: Vec<IdRow> = sql(
+        let lost: Vec<IdRow> = sql(
             // Rows locked in id order, as batched checkpoints lock theirs, so
             // a heartbeat and a batch never wait on each other in a cycle
-            // (see `LOCK_IN_ORDER`).
+            // (see `LOCK_IN_ORDER`). Lost is judged on `locked`, the rows'
+            // latest versions: a job whose epoch moved on (a takeover, a
+            // cancel) or whose row is gone. A job the attempt itself
+            // finished or released while the heartbeat waited for its row
+            // keeps its epoch and is not lost — its actor is ending anyway,
+            // and calling it lost would log a takeover that never happened.
             concat!(
                 "WITH ",
                 lock_in_order!("$2"),
-                "UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
-                 FROM unnest((SELECT $2::text[]), (SELECT $3::bigint[])) AS l(id, epoch) \
-                 WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
-                   AND (SELECT count(*) FROM locked) >= 0 \
-                 RETURNING j.id"
+                ", held AS (SELECT * FROM unnest((SELECT $2::text[]), (SELECT $3::bigint[])) AS l(id, epoch)), \
+                 renewed AS ( \
+                     UPDATE jobs j SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
+                     FROM held l \
+                     WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
+                       AND (SELECT count(*) FROM locked) >= 0 \
+                 ) \
+                 SELECT l.id FROM held l LEFT JOIN locked k ON k.id = l.id \
+                 WHERE k.id IS NULL OR k.lease_epoch <> l.epoch"
             ),
         )
         .bind::<Text, _>(node)
@@ -246,8 +257,7 @@ impl Store {
         .bind::<BigInt, _>(lease_ms)
         .load(conn)
         .await?;
-        let kept: std::collections::HashSet<String> = kept.into_iter().map(|r| r.id).collect();
-        Ok(ids.into_iter().filter(|id| !kept.contains(id)).collect())
+        Ok(lost.into_iter().map(|r| r.id).collect())
     }
 
     /// Locks the job row for the rest of `conn`'s transaction if `fence` still
