@@ -38,6 +38,11 @@ const EVENT_BATCH: i64 = 32;
 #[rtype(result = "()")]
 struct Purge;
 
+/// Refresh the jobs-by-state and unrunnable gauges.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Gauge;
+
 /// Jobs purged per statement: small, so a purge never holds many locks.
 const PURGE_BATCH: i64 = 100;
 
@@ -85,6 +90,7 @@ pub struct Supervisor {
     poll_again: bool,
     renewing: bool,
     purging: bool,
+    gauging: bool,
     sending_events: bool,
     reclaimed_own: bool,
     stopping: bool,
@@ -101,6 +107,7 @@ impl Supervisor {
             poll_again: false,
             renewing: false,
             purging: false,
+            gauging: false,
             sending_events: false,
             reclaimed_own: false,
             stopping: false,
@@ -119,6 +126,10 @@ impl Actor for Supervisor {
         // Purging is one indexed DELETE of at most PURGE_BATCH rows: cheap
         // enough to run every ten polls.
         ctx.run_interval(config.poll_interval * 10, |_, ctx| ctx.notify(Purge));
+        // The gauges on the same cadence but apart from the purge, which
+        // goes again at once while a backlog lasts: their statements read
+        // only live and dead jobs, never the retained finished ones.
+        ctx.run_interval(config.poll_interval * 10, |_, ctx| ctx.notify(Gauge));
         ctx.run_interval(config.poll_interval, |_, ctx| ctx.notify(SendEvents));
         // On start, recover whatever this node's previous incarnation held.
         ctx.notify(Poll);
@@ -379,16 +390,38 @@ impl Handler<Purge> for Supervisor {
                 .store
                 .purge_finished_keeping_dead(retention_ms, dead_retention_ms, PURGE_BATCH)
                 .await;
-            // The jobs-by-state gauge rides on the same cadence: one
-            // GROUP BY over the (retention-bounded) jobs table.
-            match shared.store.count_by_state().await {
+            purged
+        };
+        ctx.spawn(purge.into_actor(self).map(|result, act, ctx| {
+            act.purging = false;
+            match result {
+                // A full batch: more may be waiting.
+                Ok(n) if n as i64 == PURGE_BATCH => ctx.notify(Purge),
+                Ok(n) => {
+                    if n > 0 {
+                        tracing::info!(purged = n, "purged jobs past their retention");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
+            }
+        }));
+    }
+}
+
+impl Handler<Gauge> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: Gauge, ctx: &mut Self::Context) {
+        if self.gauging || self.stopping {
+            return;
+        }
+        self.gauging = true;
+        let shared = self.shared.clone();
+        let gauge = async move {
+            match shared.store.count_live_and_dead().await {
                 Ok(counts) => {
                     let gauge = &shared.config.telemetry.metrics().jobs;
-                    for state in crate::lifecycle::JobState::ALL {
-                        let n = counts
-                            .iter()
-                            .find(|(s, _)| *s == state)
-                            .map_or(0, |(_, n)| *n);
+                    for (state, n) in counts {
                         gauge.record(
                             n,
                             &[opentelemetry::KeyValue::new(
@@ -413,21 +446,8 @@ impl Handler<Purge> for Supervisor {
                     .record(n, &[]),
                 Err(e) => tracing::debug!(error = %e, "could not count unrunnable jobs"),
             }
-            purged
         };
-        ctx.spawn(purge.into_actor(self).map(|result, act, ctx| {
-            act.purging = false;
-            match result {
-                // A full batch: more may be waiting.
-                Ok(n) if n as i64 == PURGE_BATCH => ctx.notify(Purge),
-                Ok(n) => {
-                    if n > 0 {
-                        tracing::info!(purged = n, "purged jobs past their retention");
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
-            }
-        }));
+        ctx.spawn(gauge.into_actor(self).map(|(), act, _| act.gauging = false));
     }
 }
 

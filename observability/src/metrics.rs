@@ -41,7 +41,7 @@ pub struct Metrics {
     pub lease_takeovers: Counter<u64>,
     /// [`METRIC_ACTORS_IN_FLIGHT`]: job actors running on this node.
     pub actors_in_flight: UpDownCounter<i64>,
-    /// [`METRIC_JOBS`]: jobs in the database by state.
+    /// [`METRIC_JOBS`]: live jobs by state, and dead jobs.
     pub jobs: Gauge<u64>,
     /// [`METRIC_JOBS_UNRUNNABLE`]: live jobs whose workflow this node does not register.
     pub jobs_unrunnable: Gauge<u64>,
@@ -204,7 +204,11 @@ impl Metrics {
         }
         for state in STATES {
             self.transitions.add(0, &[KeyValue::new(STATE, *state)]);
-            self.jobs.record(0, &[KeyValue::new(STATE, *state)]);
+            // The gauge counts live and dead jobs, not the finished ones kept
+            // for the retention window (see `METRIC_JOBS`).
+            if !matches!(*state, "acked" | "cancelled") {
+                self.jobs.record(0, &[KeyValue::new(STATE, *state)]);
+            }
         }
         for outcome in [
             OUTCOME_PERFORMED,

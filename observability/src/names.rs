@@ -118,7 +118,10 @@ pub const METRIC_TOOL_EXECUTIONS: &str = "onceflow.tool.executions";
 pub const METRIC_LEASE_TAKEOVERS: &str = "onceflow.lease.takeovers";
 /// Up-down counter: job actors running on this node.
 pub const METRIC_ACTORS_IN_FLIGHT: &str = "onceflow.actors.in_flight";
-/// Gauge: jobs in the database by `onceflow.state` (refreshed by the supervisor).
+/// Gauge: live jobs by `onceflow.state`, and dead jobs (refreshed by the
+/// supervisor every ten polls). Acked and cancelled jobs kept for the
+/// retention window are not counted: that would read the whole table at every
+/// refresh; `onceflow.transitions` counts them as they happen.
 pub const METRIC_JOBS: &str = "onceflow.jobs";
 /// Live jobs whose workflow is not registered on this node (it never takes them).
 pub const METRIC_JOBS_UNRUNNABLE: &str = "onceflow.jobs.unrunnable";

@@ -675,6 +675,54 @@ async fn a_job_of_an_unregistered_workflow_is_left_alone_and_counted() {
     assert!(job.dead_reason.is_none());
 }
 
+/// The `onceflow.jobs` gauge counts live jobs by state and the dead ones,
+/// and not the acked and cancelled ones kept for the retention window (their
+/// count would cost a read of the whole table at every refresh).
+#[actix_rt::test]
+async fn the_jobs_gauge_counts_live_and_dead_jobs_only() {
+    let env = TestEnv::new().await;
+    let telemetry = Arc::new(onceflow_observability::Telemetry::disabled());
+    let mut config = env.config();
+    config.telemetry = telemetry.clone();
+    // Two live jobs no node runs, one dead, two acked.
+    for id in ["gauge-live-1", "gauge-live-2", "gauge-dead"] {
+        env.submit_job(onceflow_engine::intake::NewJob {
+            id: id.into(),
+            workflow: "not.here".into(),
+            workflow_version: 1,
+            input: json!({}),
+            webhook_url: env.consumer.url(),
+            schedule: Default::default(),
+        })
+        .await;
+    }
+    env.execute(
+        "UPDATE jobs SET state = 'dead', dead_reason = 'gone for good', finished_at = now() \
+         WHERE id = 'gauge-dead'",
+    )
+    .await;
+    let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
+    env.submit("gauge-acked-1", "hello").await;
+    env.submit("gauge-acked-2", "hello").await;
+    env.wait_for("gauge-acked-1", JobState::Acked, WAIT).await;
+    env.wait_for("gauge-acked-2", JobState::Acked, WAIT).await;
+    let line = |state: &str, n: u64| format!("onceflow_jobs{{onceflow_state=\"{state}\"}} {n}");
+    let counted = wait_until(Duration::from_secs(10), || async {
+        let text = telemetry.prometheus();
+        text.lines().any(|l| l == line("received", 2))
+            && text.lines().any(|l| l == line("dead", 1))
+            && text.lines().any(|l| l == line("claimed", 0))
+    })
+    .await;
+    let text = telemetry.prometheus();
+    assert!(counted, "{text}");
+    assert!(
+        !text.contains("onceflow_jobs{onceflow_state=\"acked\"}")
+            && !text.contains("onceflow_jobs{onceflow_state=\"cancelled\"}"),
+        "finished jobs are not gauged: {text}"
+    );
+}
+
 /// A 2xx is delivered on its status alone, even when its body cannot be read.
 #[actix_rt::test]
 async fn a_2xx_with_an_unreadable_body_is_delivered() {

@@ -354,11 +354,46 @@ impl Store {
         Self::purge_in(&mut conn, retention_ms, dead_retention_ms, batch).await
     }
 
-    /// How many jobs are in each state (every state, zeros included).
-    pub async fn count_by_state(
+    /// How many jobs are in each live state and how many are dead (zeros
+    /// included): the `onceflow.jobs` gauge. Acked and cancelled jobs are
+    /// not counted: they are most of a table that keeps a day of finished
+    /// jobs, and counting them would cost a read of all of it at every
+    /// refresh. This reads only live rows (through `jobs_runnable`, whose
+    /// predicate is `finished_at IS NULL`) and dead ones (through
+    /// `jobs_dead`, `dead_reason IS NOT NULL`, which only dead rows have),
+    /// so its cost follows the backlog and the dead letters, not retention.
+    /// (`GET /v1/stats` still counts every state, on request.)
+    pub async fn count_live_and_dead(
         &self,
     ) -> Result<Vec<(crate::lifecycle::JobState, u64)>, StoreError> {
-        self.stats(None).await
+        use crate::lifecycle::JobState;
+        #[derive(QueryableByName)]
+        struct StateCount {
+            #[diesel(sql_type = Text)]
+            state: String,
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<StateCount> = sql(
+            "SELECT state::text AS state, count(*) AS n FROM jobs WHERE finished_at IS NULL GROUP BY state \
+             UNION ALL \
+             SELECT 'dead', count(*) FROM jobs WHERE dead_reason IS NOT NULL",
+        )
+        .load(&mut conn)
+        .await?;
+        let mut counts: Vec<(JobState, u64)> = JobState::ALL
+            .iter()
+            .filter(|s| !s.is_terminal() || **s == JobState::Dead)
+            .map(|s| (*s, 0))
+            .collect();
+        for r in rows {
+            let state = super::jobs::parse_state(&r.state)?;
+            if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == state) {
+                slot.1 = r.n.max(0) as u64;
+            }
+        }
+        Ok(counts)
     }
 
     /// Unfinished jobs in all, and of API token `owner` (0 for `None`).

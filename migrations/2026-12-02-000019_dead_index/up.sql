@@ -1,0 +1,15 @@
+-- The dead letters, indexed apart (issue 13): the `onceflow.jobs` gauge
+-- counts live jobs through `jobs_runnable` and dead ones through this index,
+-- instead of a GROUP BY over the whole table, most of which is finished jobs
+-- kept for the retention window (a read of all of it every ten polls on
+-- every node, and once more after each 100-row batch of a purge backlog).
+--
+-- Its predicate names `dead_reason`, which only a dead row has (the
+-- `dead_shape` check) and no hot-path statement changes, so no live or acked
+-- row has an entry and every update that was HOT stays HOT. (A predicate on
+-- `state` would make `state` an indexed column and every checkpoint's
+-- update a non-HOT one.)
+--
+-- Upgrading, the build reads `jobs` once with writes held off it: on a
+-- large table, run it in a maintenance window.
+CREATE INDEX jobs_dead ON jobs (finished_at) WHERE dead_reason IS NOT NULL;
