@@ -864,7 +864,14 @@ async fn cancel(
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "no reason given".into());
     use crate::store::operate::Cancelled;
-    match state.store.cancel(&id, &by, &reason).await {
+    let cancelled = state.store.cancel(&id, &by, &reason).await;
+    if let Ok(Cancelled::Now) = cancelled {
+        state
+            .telemetry
+            .metrics()
+            .transition(crate::lifecycle::JobState::Cancelled.as_str());
+    }
+    match cancelled {
         Ok(Cancelled::Now | Cancelled::Already) => match state.store.job(&id).await {
             Ok(Some(view)) => HttpResponse::Accepted().json(view),
             Ok(None) => error(

@@ -337,25 +337,24 @@ impl Handler<Heartbeat> for Supervisor {
         let shared = self.shared.clone();
         let renew = async move {
             let lease_ms = shared.config.lease.as_millis() as i64;
-            let lost = shared
+            let renewal = shared
                 .store
                 .renew(&shared.config.node_id, &held, lease_ms)
                 .await;
-            (held, lost)
+            (held, renewal)
         };
-        ctx.spawn(renew.into_actor(self).map(|(held, lost), act, _| {
+        ctx.spawn(renew.into_actor(self).map(|(held, renewal), act, _| {
             act.renewing = false;
-            match lost {
-                Ok(lost) => {
+            match renewal {
+                Ok(renewal) => {
                     let counters = &act.shared.counters;
                     counters
                         .renewals
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    counters.renewed_leases.fetch_add(
-                        (held.len() - lost.len()) as u64,
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
-                    for id in lost {
+                    counters
+                        .renewed_leases
+                        .fetch_add(renewal.renewed as u64, std::sync::atomic::Ordering::Relaxed);
+                    for id in renewal.lost {
                         // Only abort the attempt we asked about, not a newer one.
                         let asked = held.iter().find(|(h, _)| *h == id).map(|(_, e)| *e);
                         if let Some((epoch, addr)) = act.in_flight.get(&id) {

@@ -26,8 +26,7 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
     m.tool("performed");
     m.lease_takeovers.add(1, &[]);
     m.actors_in_flight.add(1, &[]);
-    m.jobs
-        .record(1, &[KeyValue::new("onceflow.state", "acked")]);
+    m.jobs.record(1, &[KeyValue::new("onceflow.state", "dead")]);
     m.step_duration.record(
         0.1,
         &[

@@ -684,8 +684,13 @@ async fn the_jobs_gauge_counts_live_and_dead_jobs_only() {
     let telemetry = Arc::new(onceflow_observability::Telemetry::disabled());
     let mut config = env.config();
     config.telemetry = telemetry.clone();
-    // Two live jobs no node runs, one dead, two acked.
-    for id in ["gauge-live-1", "gauge-live-2", "gauge-dead"] {
+    // Two live jobs no node runs, one dead, one cancelled, two acked.
+    for id in [
+        "gauge-live-1",
+        "gauge-live-2",
+        "gauge-dead",
+        "gauge-cancelled",
+    ] {
         env.submit_job(onceflow_engine::intake::NewJob {
             id: id.into(),
             workflow: "not.here".into(),
@@ -701,6 +706,10 @@ async fn the_jobs_gauge_counts_live_and_dead_jobs_only() {
          WHERE id = 'gauge-dead'",
     )
     .await;
+    env.store
+        .cancel("gauge-cancelled", "test", "not wanted")
+        .await
+        .expect("cancel");
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
     env.submit("gauge-acked-1", "hello").await;
     env.submit("gauge-acked-2", "hello").await;

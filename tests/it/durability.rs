@@ -405,7 +405,10 @@ async fn renewal_calls_lost_only_what_was_taken_over() {
     env.submit("renew-held", "hello").await;
     let held = env.lease("node-a", Duration::from_millis(500)).await;
 
-    let mut lost = env
+    let taken_by_b = env
+        .sql("SELECT lease_expires_at::text AS t FROM jobs WHERE id = 'renew-taken'")
+        .await;
+    let renewal = env
         .store
         .renew(
             "node-a",
@@ -419,9 +422,16 @@ async fn renewal_calls_lost_only_what_was_taken_over() {
         )
         .await
         .expect("renew");
+    let mut lost = renewal.lost.clone();
     lost.sort();
     assert_eq!(lost, ["renew-missing", "renew-taken"]);
+    assert_eq!(renewal.renewed, 1, "only the held lease: {renewal:?}");
     // The held lease was extended (500 ms → a minute); node-b's was not touched.
+    assert_eq!(
+        env.sql("SELECT lease_expires_at::text AS t FROM jobs WHERE id = 'renew-taken'")
+            .await,
+        taken_by_b
+    );
     let extended = env
         .sql(
             "SELECT id FROM jobs WHERE lease_expires_at > now() + interval '30 seconds' \

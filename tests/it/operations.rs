@@ -384,6 +384,7 @@ async fn a_cancelled_job_starts_nothing_more() {
     .await;
     assert_eq!(status, 202, "{view}");
     assert_eq!(view["state"], "cancelled");
+    assert_eq!(cancels_counted(&base).await, 1, "a transition, counted");
     // The call in flight finishes; nothing is journaled, claimed or sent.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let job = env.job("cancel-1").await;
@@ -429,6 +430,23 @@ async fn a_cancelled_job_starts_nothing_more() {
     );
     let history_count = env.sql("SELECT count(*) AS n FROM job_history WHERE job_id = 'cancel-1' AND state = 'cancelled'").await;
     assert_eq!(history_count[0]["n"], 1, "the repeat wrote nothing");
+    assert_eq!(cancels_counted(&base).await, 1, "the repeat is not counted");
+}
+
+/// The node's `onceflow.transitions` count of cancels, from its `/metrics`.
+async fn cancels_counted(base: &str) -> u64 {
+    let metrics = client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("onceflow_transitions_total{onceflow_state=\"cancelled\"} "))
+        .map_or(0, |n| n.parse().unwrap())
 }
 
 /// Redrive: a job that died at delivery resumes at `claimed` with the same

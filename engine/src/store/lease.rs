@@ -122,6 +122,17 @@ macro_rules! lock_in_order {
 }
 pub(crate) use lock_in_order;
 
+/// What one heartbeat did: how many leases it extended, and which it found
+/// lost (see [`Store::renew`]). A job its own attempt finished or released
+/// meanwhile is in neither.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Renewal {
+    /// Leases extended.
+    pub renewed: usize,
+    /// Jobs whose epoch moved on (a takeover, a cancel) or whose row is gone.
+    pub lost: Vec<String>,
+}
+
 #[derive(QueryableByName)]
 pub(crate) struct IdRow {
     #[diesel(sql_type = Text)]
@@ -204,17 +215,18 @@ impl Store {
     }
 
     /// Extends the leases `node` holds on `held` (job id, epoch) in one
-    /// statement; returns the ids whose lease is lost: the epoch moved on (a
-    /// takeover, a cancel) or the row is gone. A job the attempt finished or
-    /// released itself keeps its epoch and is not among them.
+    /// statement; returns how many it extended and the ids whose lease is
+    /// lost: the epoch moved on (a takeover, a cancel) or the row is gone. A
+    /// job the attempt finished or released itself keeps its epoch and is in
+    /// neither.
     pub async fn renew(
         &self,
         node: &str,
         held: &[(String, i64)],
         lease_ms: i64,
-    ) -> Result<Vec<String>, StoreError> {
+    ) -> Result<Renewal, StoreError> {
         if held.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Renewal::default());
         }
         let mut conn = self.db().conn().await?;
         Self::renew_on(&mut conn, node, held, lease_ms).await
@@ -225,10 +237,19 @@ impl Store {
         node: &str,
         held: &[(String, i64)],
         lease_ms: i64,
-    ) -> Result<Vec<String>, StoreError> {
+    ) -> Result<Renewal, StoreError> {
         let ids: Vec<String> = held.iter().map(|(id, _)| id.clone()).collect();
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e).collect();
-        let lost: Vec<IdRow> = sql(
+        #[derive(QueryableByName)]
+        struct RenewRow {
+            #[diesel(sql_type = Text)]
+            id: String,
+            #[diesel(sql_type = Bool)]
+            renewed: bool,
+            #[diesel(sql_type = Bool)]
+            lost: bool,
+        }
+        let rows: Vec<RenewRow> = sql(
             // Rows locked in id order, as batched checkpoints lock theirs, so
             // a heartbeat and a batch never wait on each other in a cycle
             // (see `LOCK_IN_ORDER`). Lost is judged on `locked`, the rows'
@@ -246,9 +267,10 @@ impl Store {
                      FROM held l \
                      WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.lease_owner = $1 \
                        AND (SELECT count(*) FROM locked) >= 0 \
-                 ) \
-                 SELECT l.id FROM held l LEFT JOIN locked k ON k.id = l.id \
-                 WHERE k.id IS NULL OR k.lease_epoch <> l.epoch"
+                     RETURNING j.id) \
+                 SELECT l.id, r.id IS NOT NULL AS renewed, \
+                        (k.id IS NULL OR k.lease_epoch <> l.epoch) AS lost \
+                 FROM held l LEFT JOIN locked k ON k.id = l.id LEFT JOIN renewed r ON r.id = l.id"
             ),
         )
         .bind::<Text, _>(node)
@@ -257,7 +279,10 @@ impl Store {
         .bind::<BigInt, _>(lease_ms)
         .load(conn)
         .await?;
-        Ok(lost.into_iter().map(|r| r.id).collect())
+        Ok(Renewal {
+            renewed: rows.iter().filter(|r| r.renewed).count(),
+            lost: rows.into_iter().filter(|r| r.lost).map(|r| r.id).collect(),
+        })
     }
 
     /// Locks the job row for the rest of `conn`'s transaction if `fence` still

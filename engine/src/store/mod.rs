@@ -64,7 +64,7 @@ use crate::error::StoreError;
 
 pub use batched::BatchKind;
 pub use jobs::{DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter};
-pub use lease::{Checkpoint, Fence, Leased};
+pub use lease::{Checkpoint, Fence, Leased, Renewal};
 
 /// The Postgres store.
 #[derive(Debug, Clone)]
