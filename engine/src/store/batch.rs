@@ -6,9 +6,13 @@
 //! (up to a limit), runs them as one statement over arrays, and answers each
 //! actor with its own row's outcome — only after the commit, so no
 //! checkpoint is acknowledged before it is durable. With one actor there is
-//! no waiting and no delay: a batch of one is the plain statement. Under load
-//! the requests that arrive while a batch runs form the next; two batches of
-//! a kind run at once.
+//! no waiting and no delay: a batch of one is the plain statement. The
+//! requests that arrive while a batch runs form the next. Two batches of a
+//! kind may run at once, but a small one (under [`SMALL_BATCH`]) waits for
+//! the running one to end and takes in what arrives meanwhile: each
+//! statement costs PostgreSQL a fixed ~0.3 ms, so at moderate load two small
+//! statements cost about twice one (measured: statements per job 17–30 %
+//! fewer, the same latency within the machine's noise; README, Benchmark).
 //!
 //! When a batch fails, its requests are written again one by one, so one
 //! row PostgreSQL refuses fails only its own request, never its batchmates.
@@ -34,6 +38,9 @@ pub(crate) const MAX_BATCH: usize = 256;
 /// Batches of one kind in flight at once: while one commits, the next forms
 /// and runs, so a request waits for at most one batch ahead of it.
 const CONCURRENT_BATCHES: usize = 2;
+/// A batch smaller than this waits for the one in flight before it runs; a
+/// queue this long runs beside it at once.
+pub(crate) const SMALL_BATCH: usize = 8;
 
 type Reply<O> = oneshot::Sender<Result<O, StoreError>>;
 
@@ -122,6 +129,21 @@ where
                     match rx.try_recv() {
                         Ok(next) => carried.push(next),
                         Err(_) => break,
+                    }
+                }
+                // A small batch while the other slot's batch runs waits for
+                // it and grows meanwhile: two small statements cost PostgreSQL
+                // about twice one (a fixed ~0.3 ms each), which at moderate
+                // load is most of its CPU. A large queue runs at once.
+                if carried.len() < SMALL_BATCH && slots.available_permits() == 0 {
+                    if let Ok(running) = slots.acquire().await {
+                        drop(running);
+                    }
+                    while carried.len() < MAX_BATCH {
+                        match rx.try_recv() {
+                            Ok(next) => carried.push(next),
+                            Err(_) => break,
+                        }
                     }
                 }
                 // One request per job in this batch; repeats wait for the next.
