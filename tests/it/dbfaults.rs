@@ -413,18 +413,22 @@ async fn one_refused_row_never_fails_its_batchmates() {
 
 /// A small batch waits for the batch of its kind already running and grows
 /// meanwhile, instead of running beside it alone: answers that come back one
-/// by one while another answer's statement runs are journaled together
-/// afterwards, in one statement (each statement costs PostgreSQL a fixed
-/// ~0.3 ms, most of its work at moderate load).
+/// by one while another answer's statement runs wait together, and run as
+/// one statement once eight have gathered, without waiting longer (each
+/// statement costs PostgreSQL a fixed ~0.3 ms, a large share of its work at
+/// moderate load).
 #[actix_rt::test]
 async fn small_batches_wait_for_the_running_one_and_grow() {
+    use diesel_async::{AsyncConnection, AsyncPgConnection};
     let env = TestEnv::new().await;
-    // The first job's answer takes 3 s to journal.
+    // The first job's answer waits inside its statement for an advisory lock
+    // this test holds. Its id sorts first, so a heartbeat that runs meanwhile
+    // stops at its row before locking the others'.
     env.execute(
         "CREATE FUNCTION slow_answer() RETURNS trigger LANGUAGE plpgsql AS $f$ \
          BEGIN \
-             IF NEW.job_id = 'grow-slow' AND NEW.status = 'completed' THEN \
-                 PERFORM pg_sleep(3); \
+             IF NEW.job_id = 'grow-0-slow' AND NEW.status = 'completed' THEN \
+                 PERFORM pg_advisory_xact_lock(4242); \
              END IF; \
              RETURN NEW; \
          END $f$",
@@ -435,40 +439,70 @@ async fn small_batches_wait_for_the_running_one_and_grow() {
          FOR EACH ROW EXECUTE FUNCTION slow_answer()",
     )
     .await;
+    let mut gate = AsyncPgConnection::establish(&env.db_url).await.unwrap();
+    diesel_async::RunQueryDsl::execute(
+        diesel::sql_query("SELECT pg_advisory_lock(4242)"),
+        &mut gate,
+    )
+    .await
+    .unwrap();
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), long_lease(&env));
-    env.submit("grow-slow", "slow").await;
-    let answered = |id: &'static str| {
-        let env = &env;
-        async move {
-            wait_until(WAIT, || async {
-                env.provider.requests_for(&gen_key(id)) == 1
-            })
-            .await
-        }
-    };
-    assert!(answered("grow-slow").await);
-    // Its answer's statement is running (asleep); three more jobs' answers
-    // come back one after another while it runs.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    for id in ["grow-1", "grow-2", "grow-3"] {
-        env.submit(id, "quick").await;
-        assert!(answered(id).await, "{id} answered");
-    }
-    // None ran alone in the free slot: all three wait, queued together.
-    let together = wait_until(Duration::from_secs(2), || async {
-        env.store.queued_batch_requests() == 3
+    env.submit("grow-0-slow", "slow").await;
+    let waiting = wait_until(WAIT, || async {
+        let v = env
+            .sql(
+                "SELECT pid FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'",
+            )
+            .await;
+        v.as_array().is_some_and(|a| a.len() == 1)
     })
     .await;
+    assert!(waiting, "the first answer's statement is running, held");
+    // Three more jobs' answers come back one after another meanwhile.
+    for id in ["grow-1", "grow-2", "grow-3"] {
+        env.submit(id, "quick").await;
+        let answered = wait_until(WAIT, || async {
+            env.provider.requests_for(&gen_key(id)) == 1
+        })
+        .await;
+        assert!(answered, "{id} answered");
+    }
+    // None ran alone in the free slot: all three wait, queued together, for
+    // as long as the running batch runs.
+    let together = wait_until(WAIT, || async { env.store.queued_batch_requests() == 3 }).await;
     assert!(
         together,
         "queued: {} (a small batch ran beside the running one)",
         env.store.queued_batch_requests()
     );
-    for id in ["grow-slow", "grow-1", "grow-2", "grow-3"] {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(env.store.queued_batch_requests(), 3, "still waiting");
+    // Once eight have gathered they stop waiting and run beside it: the
+    // eight jobs finish while the first is still held.
+    let quick: Vec<String> = (1..=8).map(|i| format!("grow-{i}")).collect();
+    for id in &quick[3..] {
+        env.submit(id, "quick").await;
+    }
+    for id in &quick {
         env.wait_for(id, JobState::Acked, WAIT).await;
+    }
+    assert_eq!(env.job("grow-0-slow").await.state, JobState::Received);
+    diesel_async::RunQueryDsl::execute(
+        diesel::sql_query("SELECT pg_advisory_unlock(4242)"),
+        &mut gate,
+    )
+    .await
+    .unwrap();
+    env.wait_for("grow-0-slow", JobState::Acked, WAIT).await;
+    for id in quick.iter().map(String::as_str).chain(["grow-0-slow"]) {
         assert_eq!(env.provider.requests_for(&gen_key(id)), 1, "{id}");
         assert_eq!(posts(&env, id), 1, "{id}");
     }
+    assert!(
+        env.store.largest_batch() >= 8,
+        "the eight answers went in one statement"
+    );
 }
 
 /// A zombie (an attempt whose lease was taken over) can neither clear the

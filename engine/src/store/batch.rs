@@ -9,10 +9,13 @@
 //! no waiting and no delay: a batch of one is the plain statement. The
 //! requests that arrive while a batch runs form the next. Two batches of a
 //! kind may run at once, but a small one (under [`SMALL_BATCH`]) waits for
-//! the running one to end and takes in what arrives meanwhile: each
-//! statement costs PostgreSQL a fixed ~0.3 ms, so at moderate load two small
-//! statements cost about twice one (measured: statements per job 17–30 %
-//! fewer, the same latency within the machine's noise; README, Benchmark).
+//! the running one to end and takes in what arrives meanwhile, until it
+//! holds that many: each statement costs PostgreSQL a fixed ~0.33 ms (the
+//! `delivered` batch, measured), a large share of its CPU at moderate load
+//! (measured: statements per job 17–30 % fewer, jobs/s and p99 within the
+//! machine's noise, p50 at half the maximum about 5 ms higher in two pairs
+//! of three; README, Benchmark, item 12). A request whose batch already
+//! waited for one ahead does not wait again, so none waits for more than one.
 //!
 //! When a batch fails, its requests are written again one by one, so one
 //! row PostgreSQL refuses fails only its own request, never its batchmates.
@@ -110,10 +113,17 @@ where
         db.spawn(async move {
             let mut carried: Vec<(R, Reply<O>)> = Vec::new();
             loop {
-                // A free slot first, so the batch takes everything queued by then.
-                let Ok(slot) = slots.clone().acquire_owned().await else {
-                    return;
+                // A free slot first, so the batch takes everything queued by
+                // then. Waiting for it means a batch ahead has just ended.
+                let (slot, waited) = match slots.clone().try_acquire_owned() {
+                    Ok(slot) => (slot, false),
+                    Err(_) => match slots.clone().acquire_owned().await {
+                        Ok(slot) => (slot, true),
+                        Err(_) => return,
+                    },
                 };
+                // Repeats carried over from the last batch have waited for it.
+                let waited = waited || !carried.is_empty();
                 if carried.is_empty() {
                     match rx.recv().await {
                         Some(first) => carried.push(first),
@@ -132,12 +142,31 @@ where
                     }
                 }
                 // A small batch while the other slot's batch runs waits for
-                // it and grows meanwhile: two small statements cost PostgreSQL
-                // about twice one (a fixed ~0.3 ms each), which at moderate
-                // load is most of its CPU. A large queue runs at once.
-                if carried.len() < SMALL_BATCH && slots.available_permits() == 0 {
-                    if let Ok(running) = slots.acquire().await {
-                        drop(running);
+                // it and grows meanwhile: each statement costs PostgreSQL a
+                // fixed ~0.33 ms (the `delivered` batch, measured), a large
+                // share of its CPU at moderate load. It stops waiting once it
+                // holds SMALL_BATCH requests, and never waits when its
+                // requests already waited for a batch ahead, so no request
+                // waits for more than one batch.
+                if !waited && carried.len() < SMALL_BATCH && slots.available_permits() == 0 {
+                    let running = slots.acquire();
+                    tokio::pin!(running);
+                    loop {
+                        tokio::select! {
+                            ended = &mut running => {
+                                drop(ended);
+                                break;
+                            }
+                            next = rx.recv() => match next {
+                                Some(next) => {
+                                    carried.push(next);
+                                    if carried.len() >= SMALL_BATCH {
+                                        break;
+                                    }
+                                }
+                                None => break,
+                            },
+                        }
                     }
                     while carried.len() < MAX_BATCH {
                         match rx.try_recv() {
