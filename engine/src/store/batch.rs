@@ -14,8 +14,10 @@
 //! `delivered` batch, measured), a large share of its CPU at moderate load
 //! (measured: statements per job 17–30 % fewer, jobs/s and p99 within the
 //! machine's noise, p50 at half the maximum about 5 ms higher in two pairs
-//! of three; README, Benchmark, item 12). A request whose batch already
-//! waited for one ahead does not wait again, so none waits for more than one.
+//! of three; README, Benchmark, item 12). A request so waits for at most
+//! two batches ahead of it: one for a slot when both are busy, then, if its
+//! batch is small, the one still running beside — a batch's time, the
+//! price of the fewer statements at the maximum.
 //!
 //! When a batch fails, its requests are written again one by one, so one
 //! row PostgreSQL refuses fails only its own request, never its batchmates.
@@ -39,7 +41,7 @@ use crate::error::StoreError;
 /// Most requests in one statement.
 pub(crate) const MAX_BATCH: usize = 256;
 /// Batches of one kind in flight at once: while one commits, the next forms
-/// and runs, so a request waits for at most one batch ahead of it.
+/// and runs (a small one waits for the running one: see [`SMALL_BATCH`]).
 const CONCURRENT_BATCHES: usize = 2;
 /// A batch smaller than this waits for the one in flight before it runs; a
 /// queue this long runs beside it at once.
@@ -113,17 +115,10 @@ where
         db.spawn(async move {
             let mut carried: Vec<(R, Reply<O>)> = Vec::new();
             loop {
-                // A free slot first, so the batch takes everything queued by
-                // then. Waiting for it means a batch ahead has just ended.
-                let (slot, waited) = match slots.clone().try_acquire_owned() {
-                    Ok(slot) => (slot, false),
-                    Err(_) => match slots.clone().acquire_owned().await {
-                        Ok(slot) => (slot, true),
-                        Err(_) => return,
-                    },
+                // A free slot first, so the batch takes everything queued by then.
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    return;
                 };
-                // Repeats carried over from the last batch have waited for it.
-                let waited = waited || !carried.is_empty();
                 if carried.is_empty() {
                     match rx.recv().await {
                         Some(first) => carried.push(first),
@@ -145,10 +140,9 @@ where
                 // it and grows meanwhile: each statement costs PostgreSQL a
                 // fixed ~0.33 ms (the `delivered` batch, measured), a large
                 // share of its CPU at moderate load. It stops waiting once it
-                // holds SMALL_BATCH requests, and never waits when its
-                // requests already waited for a batch ahead, so no request
-                // waits for more than one batch.
-                if !waited && carried.len() < SMALL_BATCH && slots.available_permits() == 0 {
+                // holds SMALL_BATCH requests, so a slow batch never stalls a
+                // long queue of its kind.
+                if carried.len() < SMALL_BATCH && slots.available_permits() == 0 {
                     let running = slots.acquire();
                     tokio::pin!(running);
                     loop {
