@@ -735,6 +735,19 @@ async fn a_heartbeat_failing_past_the_lease_does_not_start_a_second_actor() {
     );
 }
 
+/// Submits job `id` of a workflow no node registers (`not.here`): it stays live.
+async fn submit_unregistered(env: &TestEnv, id: &str) {
+    env.submit_job(onceflow_engine::intake::NewJob {
+        id: id.into(),
+        workflow: "not.here".into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+}
+
 /// A job whose workflow this node does not have is never taken by it (nor
 /// dead-lettered); `/metrics` counts it as unrunnable.
 #[actix_rt::test]
@@ -744,15 +757,7 @@ async fn a_job_of_an_unregistered_workflow_is_left_alone_and_counted() {
     let mut config = env.config();
     config.telemetry = telemetry.clone();
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
-    env.submit_job(onceflow_engine::intake::NewJob {
-        id: "elsewhere-1".into(),
-        workflow: "not.here".into(),
-        workflow_version: 1,
-        input: json!({}),
-        webhook_url: env.consumer.url(),
-        schedule: Default::default(),
-    })
-    .await;
+    submit_unregistered(&env, "elsewhere-1").await;
     env.submit("here-1", "hello").await;
     env.wait_for("here-1", JobState::Acked, WAIT).await;
     let counted = wait_until(Duration::from_secs(10), || async {
@@ -785,15 +790,7 @@ async fn the_jobs_gauge_counts_live_and_dead_jobs_only() {
         "gauge-dead",
         "gauge-cancelled",
     ] {
-        env.submit_job(onceflow_engine::intake::NewJob {
-            id: id.into(),
-            workflow: "not.here".into(),
-            workflow_version: 1,
-            input: json!({}),
-            webhook_url: env.consumer.url(),
-            schedule: Default::default(),
-        })
-        .await;
+        submit_unregistered(&env, id).await;
     }
     env.execute(
         "UPDATE jobs SET state = 'dead', dead_reason = 'gone for good', finished_at = now() \

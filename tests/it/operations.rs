@@ -435,15 +435,8 @@ async fn a_cancelled_job_starts_nothing_more() {
 
 /// The node's `onceflow.transitions` count of cancels, from its `/metrics`.
 async fn cancels_counted(base: &str) -> u64 {
-    let metrics = client()
-        .get(format!("{base}/metrics"))
-        .send()
+    crate::support::get_text(&format!("{base}/metrics"))
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    metrics
         .lines()
         .find_map(|l| l.strip_prefix("onceflow_transitions_total{onceflow_state=\"cancelled\"} "))
         .map_or(0, |n| n.parse().unwrap())

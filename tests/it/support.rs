@@ -100,6 +100,12 @@ pub async fn get(url: &str) -> (u16, Value) {
     (status, response.json().await.unwrap_or(Value::Null))
 }
 
+/// The body of a GET as text (`/metrics`).
+pub async fn get_text(url: &str) -> String {
+    let response = client().get(url).send().await.expect("GET");
+    response.text().await.expect("a text body")
+}
+
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

@@ -322,14 +322,7 @@ async fn spans_and_metrics_arrive_over_otlp_and_match_what_the_fakes_recorded() 
     assert_eq!(attempts["otel-ackfail"], 2);
 
     // `/metrics` before the pipeline shuts down.
-    let text = client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = crate::support::get_text(&format!("{base}/metrics")).await;
     engine.shutdown();
     let tel = telemetry.clone();
     tokio::task::spawn_blocking(move || tel.shutdown())

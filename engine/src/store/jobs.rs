@@ -590,26 +590,37 @@ impl Store {
 
     /// Jobs per state (every state, zeros included), of `owner` or of all.
     pub async fn stats(&self, owner: Option<i64>) -> Result<Vec<(JobState, u64)>, StoreError> {
-        #[derive(QueryableByName)]
-        struct StateCount {
-            #[diesel(sql_type = Text)]
-            state: String,
-            #[diesel(sql_type = BigInt)]
-            n: i64,
-        }
         let mut conn = self.db.conn().await?;
         let rows: Vec<StateCount> = sql("SELECT state::text AS state, count(*) AS n FROM jobs \
              WHERE ($1::bigint IS NULL OR owner_token = $1) GROUP BY state")
         .bind::<Nullable<BigInt>, _>(owner)
         .load(&mut conn)
         .await?;
-        let mut counts: Vec<(JobState, u64)> = JobState::ALL.iter().map(|s| (*s, 0)).collect();
-        for r in rows {
-            let state = parse_state(&r.state)?;
-            if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == state) {
-                slot.1 = r.n.max(0) as u64;
-            }
-        }
-        Ok(counts)
+        per_state(JobState::ALL, rows)
     }
+}
+
+/// One row of a count of jobs by state.
+#[derive(QueryableByName)]
+pub(crate) struct StateCount {
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// The counts of `rows` for each of `states`, in that order, zeros included
+/// (a counted state not among `states` is left out).
+pub(crate) fn per_state(
+    states: impl IntoIterator<Item = JobState>,
+    rows: Vec<StateCount>,
+) -> Result<Vec<(JobState, u64)>, StoreError> {
+    let mut counts: Vec<(JobState, u64)> = states.into_iter().map(|s| (s, 0)).collect();
+    for r in rows {
+        let state = parse_state(&r.state)?;
+        if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == state) {
+            slot.1 = r.n.max(0) as u64;
+        }
+    }
+    Ok(counts)
 }

@@ -366,14 +366,8 @@ impl Store {
     pub async fn count_live_and_dead(
         &self,
     ) -> Result<Vec<(crate::lifecycle::JobState, u64)>, StoreError> {
+        use super::jobs::{per_state, StateCount};
         use crate::lifecycle::JobState;
-        #[derive(QueryableByName)]
-        struct StateCount {
-            #[diesel(sql_type = Text)]
-            state: String,
-            #[diesel(sql_type = BigInt)]
-            n: i64,
-        }
         let mut conn = self.db().conn().await?;
         let rows: Vec<StateCount> = sql(
             "SELECT state::text AS state, count(*) AS n FROM jobs WHERE finished_at IS NULL GROUP BY state \
@@ -382,18 +376,12 @@ impl Store {
         )
         .load(&mut conn)
         .await?;
-        let mut counts: Vec<(JobState, u64)> = JobState::ALL
-            .iter()
-            .filter(|s| !s.is_terminal() || **s == JobState::Dead)
-            .map(|s| (*s, 0))
-            .collect();
-        for r in rows {
-            let state = super::jobs::parse_state(&r.state)?;
-            if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == state) {
-                slot.1 = r.n.max(0) as u64;
-            }
-        }
-        Ok(counts)
+        per_state(
+            JobState::ALL
+                .into_iter()
+                .filter(|s| !s.is_terminal() || *s == JobState::Dead),
+            rows,
+        )
     }
 
     /// Unfinished jobs in all, and of API token `owner` (0 for `None`).
