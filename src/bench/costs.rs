@@ -208,7 +208,8 @@ pub const PGBENCH_TIME: Duration = Duration::from_secs(5);
 
 /// Where a job's time goes between its checkpoints, from the journal's own
 /// timestamps: p50 and p99 in ms of each stage over the jobs whose ids match
-/// `pattern` (`None` for a stage no job of the phase reached). A stage ends
+/// `pattern`, a paced phase's lead-in (ids with `-lead-`) left out as in its
+/// latencies (`None` for a stage no job of the phase reached). A stage ends
 /// when the batch statement that journals its end began (the model-call
 /// row's `created_at` and `updated_at` are `now()`) or wrote the history row
 /// (`clock_timestamp()`): the wait for a batch to start counts in the stage
@@ -234,9 +235,9 @@ pub(super) async fn stages(
                  max(at) FILTER (WHERE state = 'received') AS received, \
                  max(at) FILTER (WHERE state = 'claimed') AS claimed, \
                  max(at) FILTER (WHERE state = 'delivered') AS delivered \
-             FROM job_history WHERE job_id LIKE $1 GROUP BY job_id), \
+             FROM job_history WHERE job_id LIKE $1 AND job_id NOT LIKE '%-lead-%' GROUP BY job_id), \
          m AS (SELECT job_id, min(created_at) AS began, max(updated_at) AS answered \
-             FROM model_calls WHERE job_id LIKE $1 GROUP BY job_id), \
+             FROM model_calls WHERE job_id LIKE $1 AND job_id NOT LIKE '%-lead-%' GROUP BY job_id), \
          d AS (SELECT ARRAY[m.began - h.received, m.answered - m.began, \
                  h.claimed - m.answered, h.delivered - h.claimed] AS spans \
              FROM h JOIN m USING (job_id)), \

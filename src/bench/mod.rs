@@ -55,6 +55,13 @@ pub struct BenchArgs {
     /// Pace the second phase at this many jobs/s instead of half the measured maximum.
     #[arg(long)]
     pub rate: Option<f64>,
+    /// The paced phase first submits this many milliseconds' worth of jobs at
+    /// its rate, with no pause before the counted ones, and leaves them out of
+    /// its latency figures (printed apart): the engine starting from idle
+    /// after the statistics wait, not the steady rate (0: none). Their work
+    /// is in the per-job costs.
+    #[arg(long, default_value_t = 1000)]
+    pub lead_in_ms: u64,
     /// Scale mode: hold all `--jobs` in flight at once (the provider runs in a
     /// child process) and report peak memory and lease-renewal load.
     #[arg(long)]
@@ -134,7 +141,12 @@ fn peak_rss_mib() -> f64 {
 }
 
 struct Phase {
+    /// Every job the phase ran, the lead-in's included: per-job costs and
+    /// jobs/s are over these.
     jobs: usize,
+    /// Of them, the paced phase's lead-in, left out of [`Phase::latencies`].
+    lead: usize,
+    lead_latencies: Vec<Duration>,
     /// CPU used during the phase (ms): this process, the server.
     cpu: (f64, Option<f64>),
     /// `pg_stat_statements` over the phase, when the server loads it.
@@ -155,12 +167,16 @@ impl Phase {
         self.jobs as f64 / self.elapsed.as_secs_f64()
     }
     fn percentile(&self, p: f64) -> Duration {
-        let mut l = self.latencies.clone();
-        l.sort();
-        l.get(((l.len() as f64 - 1.0) * p).round() as usize)
-            .copied()
-            .unwrap_or_default()
+        percentile(&self.latencies, p)
     }
+}
+
+fn percentile(latencies: &[Duration], p: f64) -> Duration {
+    let mut l = latencies.to_vec();
+    l.sort();
+    l.get(((l.len() as f64 - 1.0) * p).round() as usize)
+        .copied()
+        .unwrap_or_default()
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -379,9 +395,19 @@ async fn bench(
         .await?;
     let rate = args.rate.unwrap_or(max.jobs_per_sec() / 2.0).max(1.0);
     let paced_jobs = (args.jobs / 2).max(1);
-    eprintln!("phase 2: {paced_jobs} jobs paced at {rate:.0} jobs/s…");
+    eprintln!(
+        "phase 2: {paced_jobs} jobs paced at {rate:.0} jobs/s, after a lead-in of {} ms…",
+        args.lead_in_ms
+    );
     let paced = env
-        .phase(&format!("{run_id}-paced"), paced_jobs, Pacing::Open(rate))
+        .phase(
+            &format!("{run_id}-paced"),
+            paced_jobs,
+            Pacing::Open {
+                rate,
+                lead: (rate * args.lead_in_ms as f64 / 1000.0).round() as usize,
+            },
+        )
         .await?;
 
     engine.shutdown();
@@ -402,6 +428,11 @@ async fn bench(
     let row = |name: &str, a: String, b: String| println!("{name:<34} {a:>14} {b:>14}");
     row("jobs", max.jobs.to_string(), paced.jobs.to_string());
     row(
+        "  of which lead-in (see below)",
+        max.lead.to_string(),
+        paced.lead.to_string(),
+    );
+    row(
         "jobs/s",
         format!("{:.1}", max.jobs_per_sec()),
         format!("{:.1}", paced.jobs_per_sec()),
@@ -414,6 +445,14 @@ async fn bench(
             label,
             format!("{:.1}", max.percentile(p).as_secs_f64() * 1e3),
             format!("{:.1}", paced.percentile(p).as_secs_f64() * 1e3),
+        );
+    }
+    if paced.lead > 0 {
+        let ms = |p| percentile(&paced.lead_latencies, p).as_secs_f64() * 1e3;
+        row(
+            "  lead-in p50 / p99 (ms)",
+            String::new(),
+            format!("{:.1} / {:.1}", ms(0.5), ms(0.99)),
         );
     }
     for (label, f) in [
@@ -637,8 +676,9 @@ async fn drop_bench_database(
 enum Pacing {
     /// This many clients, each submitting its next job as soon as the last is accepted.
     Closed(usize),
-    /// Submissions started at this rate (jobs/s), whatever the answers take.
-    Open(f64),
+    /// Submissions started at this rate (jobs/s), whatever the answers take;
+    /// the first `lead` of them are a lead-in, left out of the latencies.
+    Open { rate: f64, lead: usize },
 }
 
 #[derive(Clone)]
@@ -665,7 +705,16 @@ impl Env {
         let cpu_before = costs::cpu_now(self.postmaster);
         let requests_before = self.provider.requests().len();
         let deliveries_before = self.consumer.deliveries().len();
-        let ids: Vec<String> = (0..jobs).map(|i| format!("bench-{prefix}-{i}")).collect();
+        let lead = match pacing {
+            Pacing::Open { lead, .. } => lead,
+            Pacing::Closed(_) => 0,
+        };
+        let lead_prefix = format!("bench-{prefix}-lead-");
+        let ids: Vec<String> = (0..lead)
+            .map(|i| format!("{lead_prefix}{i}"))
+            .chain((0..jobs).map(|i| format!("bench-{prefix}-{i}")))
+            .collect();
+        let jobs = ids.len();
         let submitted: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>> =
             Default::default();
         let failures = Arc::new(AtomicU64::new(0));
@@ -717,7 +766,7 @@ impl Env {
                 let (_, done) = tokio::join!(submitting, progress);
                 done?;
             }
-            Pacing::Open(rate) => {
+            Pacing::Open { rate, .. } => {
                 let interval = Duration::from_secs_f64(1.0 / rate);
                 let mut tasks = Vec::with_capacity(jobs);
                 for (i, id) in ids.iter().enumerate() {
@@ -749,15 +798,22 @@ impl Env {
         after.wal_bytes = wal_bytes;
         let submitted = submitted.lock().expect("lock");
         let deliveries = self.consumer.deliveries();
-        let mut latencies = Vec::with_capacity(jobs);
+        let (mut latencies, mut lead_latencies) = (Vec::with_capacity(jobs), Vec::new());
         for d in &deliveries[deliveries_before..] {
             let id = d.body["job_id"].as_str().unwrap_or_default();
             if let Some(t0) = submitted.get(id) {
-                latencies.push(d.received_at.saturating_duration_since(*t0));
+                let took = d.received_at.saturating_duration_since(*t0);
+                if id.starts_with(&lead_prefix) {
+                    lead_latencies.push(took);
+                } else {
+                    latencies.push(took);
+                }
             }
         }
         Ok(Phase {
             jobs,
+            lead,
+            lead_latencies,
             cpu: (
                 cpu_after.this_process - cpu_before.this_process,
                 cpu_after
