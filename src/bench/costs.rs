@@ -203,13 +203,17 @@ pub fn one_line(query: &str, width: usize) -> String {
     }
 }
 
+/// In the id of each job of a paced phase's lead-in (no `_` or `%`: it is
+/// matched with `LIKE`).
+pub(super) const LEAD_IN_TAG: &str = "-lead-";
+
 /// How long to let pgbench run at each client count.
 pub const PGBENCH_TIME: Duration = Duration::from_secs(5);
 
 /// Where a job's time goes between its checkpoints, from the journal's own
 /// timestamps: p50 and p99 in ms of each stage over the jobs whose ids match
-/// `pattern`, a paced phase's lead-in (ids with `-lead-`) left out as in its
-/// latencies (`None` for a stage no job of the phase reached). A stage ends
+/// `pattern`, a paced phase's lead-in (ids with [`LEAD_IN_TAG`]) left out as
+/// in its latencies (`None` for a stage no job of the phase reached). A stage ends
 /// when the batch statement that journals its end began (the model-call
 /// row's `created_at` and `updated_at` are `now()`) or wrote the history row
 /// (`clock_timestamp()`): the wait for a batch to start counts in the stage
@@ -235,9 +239,9 @@ pub(super) async fn stages(
                  max(at) FILTER (WHERE state = 'received') AS received, \
                  max(at) FILTER (WHERE state = 'claimed') AS claimed, \
                  max(at) FILTER (WHERE state = 'delivered') AS delivered \
-             FROM job_history WHERE job_id LIKE $1 AND job_id NOT LIKE '%-lead-%' GROUP BY job_id), \
+             FROM job_history WHERE job_id LIKE $1 AND job_id NOT LIKE $2 GROUP BY job_id), \
          m AS (SELECT job_id, min(created_at) AS began, max(updated_at) AS answered \
-             FROM model_calls WHERE job_id LIKE $1 AND job_id NOT LIKE '%-lead-%' GROUP BY job_id), \
+             FROM model_calls WHERE job_id LIKE $1 AND job_id NOT LIKE $2 GROUP BY job_id), \
          d AS (SELECT ARRAY[m.began - h.received, m.answered - m.began, \
                  h.claimed - m.answered, h.delivered - h.claimed] AS spans \
              FROM h JOIN m USING (job_id)), \
@@ -248,6 +252,7 @@ pub(super) async fn stages(
          FROM s GROUP BY n ORDER BY n",
     )
     .bind::<diesel::sql_types::Text, _>(pattern)
+    .bind::<diesel::sql_types::Text, _>(format!("%{LEAD_IN_TAG}%"))
     .load(&mut conn)
     .await?;
     let mut out = [None; STAGES.len()];

@@ -55,11 +55,13 @@ pub struct BenchArgs {
     /// Pace the second phase at this many jobs/s instead of half the measured maximum.
     #[arg(long)]
     pub rate: Option<f64>,
-    /// The paced phase first submits this many milliseconds' worth of jobs at
-    /// its rate, with no pause before the counted ones, and leaves them out of
-    /// its latency figures (printed apart): the engine starting from idle
-    /// after the statistics wait, not the steady rate (0: none). Their work
-    /// is in the per-job costs.
+    /// Before the paced phase's counted jobs, submit `rate × ms / 1000` more
+    /// at the same rate, with no pause before the counted ones. Their
+    /// latencies are printed on their own line (and with the counted ones'
+    /// as a whole) and left out of the phase's p50/p99 and stage table, so
+    /// that the steady rate is reported apart from the step up from idle
+    /// that follows the statistics wait; their work is in the per-job
+    /// costs. 0 disables.
     #[arg(long, default_value_t = 1000)]
     pub lead_in_ms: u64,
     /// Scale mode: hold all `--jobs` in flight at once (the provider runs in a
@@ -395,10 +397,12 @@ async fn bench(
         .await?;
     let rate = args.rate.unwrap_or(max.jobs_per_sec() / 2.0).max(1.0);
     let paced_jobs = (args.jobs / 2).max(1);
-    eprintln!(
-        "phase 2: {paced_jobs} jobs paced at {rate:.0} jobs/s, after a lead-in of {} ms…",
-        args.lead_in_ms
-    );
+    let lead_in = if args.lead_in_ms > 0 {
+        format!(", after a lead-in of {} ms", args.lead_in_ms)
+    } else {
+        String::new()
+    };
+    eprintln!("phase 2: {paced_jobs} jobs paced at {rate:.0} jobs/s{lead_in}…");
     let paced = env
         .phase(
             &format!("{run_id}-paced"),
@@ -422,6 +426,13 @@ async fn bench(
         println!(
             "(after a warm-up of {} jobs at the maximum, not counted)",
             args.warmup
+        );
+    }
+    if paced.lead > 0 {
+        println!(
+            "(paced p50 / p99 and stage times: the counted jobs, after a lead-in of {} \
+             at the same rate, shown apart)",
+            paced.lead
         );
     }
     println!("{:<34} {:>14} {:>14}", "", "max (closed)", "paced (open)");
@@ -448,11 +459,26 @@ async fn bench(
         );
     }
     if paced.lead > 0 {
-        let ms = |p| percentile(&paced.lead_latencies, p).as_secs_f64() * 1e3;
+        let ms = |l: &[Duration], p| percentile(l, p).as_secs_f64() * 1e3;
         row(
             "  lead-in p50 / p99 (ms)",
             String::new(),
-            format!("{:.1} / {:.1}", ms(0.5), ms(0.99)),
+            format!(
+                "{:.1} / {:.1}",
+                ms(&paced.lead_latencies, 0.5),
+                ms(&paced.lead_latencies, 0.99)
+            ),
+        );
+        let all: Vec<Duration> = paced
+            .latencies
+            .iter()
+            .chain(&paced.lead_latencies)
+            .copied()
+            .collect();
+        row(
+            "  lead-in and counted p50 / p99",
+            String::new(),
+            format!("{:.1} / {:.1}", ms(&all, 0.5), ms(&all, 0.99)),
         );
     }
     for (label, f) in [
@@ -709,7 +735,7 @@ impl Env {
             Pacing::Open { lead, .. } => lead,
             Pacing::Closed(_) => 0,
         };
-        let lead_prefix = format!("bench-{prefix}-lead-");
+        let lead_prefix = format!("bench-{prefix}{}", costs::LEAD_IN_TAG);
         let ids: Vec<String> = (0..lead)
             .map(|i| format!("{lead_prefix}{i}"))
             .chain((0..jobs).map(|i| format!("bench-{prefix}-{i}")))
