@@ -430,7 +430,7 @@ async fn bench(
     }
     if paced.lead > 0 {
         println!(
-            "(paced p50 / p99 and stage times: the counted jobs, after a lead-in of {} \
+            "(paced p50 / p99 and stage times: the counted jobs, after a lead-in of {} jobs \
              at the same rate, shown apart)",
             paced.lead
         );
