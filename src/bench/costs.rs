@@ -81,6 +81,9 @@ pub async fn drop_commit_table(db: &Db) -> anyhow::Result<()> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cpu {
     pub this_process: f64,
+    /// Of it, the fake provider's and consumer's threads (ms on CPU, from
+    /// `/proc/self/task/<tid>/schedstat`): the harness, not the engine.
+    pub fakes: f64,
     /// The server: the postmaster, its live backends and its reaped children.
     pub postgres: Option<f64>,
 }
@@ -124,8 +127,22 @@ pub fn cpu_now(postmaster: Option<u32>) -> Cpu {
     });
     Cpu {
         this_process,
+        fakes: threads_cpu_ms(&onceflow_engine::testkit::fake_server_threads()),
         postgres,
     }
+}
+
+/// Time on CPU (ms) of these threads of this process, from their
+/// `schedstat` (nanoseconds, user and system). A thread that has exited
+/// counts nothing from then on; the fakes' threads live as long as the run.
+pub fn threads_cpu_ms(tids: &[u32]) -> f64 {
+    tids.iter()
+        .filter_map(|tid| {
+            let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+            stat.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .sum::<u64>() as f64
+        / 1e6
 }
 
 /// Statement counts from `pg_stat_statements`, when the server loads it.
@@ -275,3 +292,71 @@ pub(super) const STAGES: [&str; 4] = [
     "answer → result committed (claimed)",
     "claimed → delivered (webhook POST)",
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// The fakes' threads are the ones that do their work: requests to a
+    /// fake consumer accrue CPU on the recorded threads, and this thread
+    /// (a client's) is not among them.
+    #[test]
+    fn the_fakes_cpu_is_read_from_their_own_threads() {
+        let consumer = onceflow_engine::testkit::FakeConsumer::start();
+        let addr = consumer.url();
+        let addr = addr
+            .trim_start_matches("http://")
+            .split('/')
+            .next()
+            .expect("host:port")
+            .to_owned();
+        let body = r#"{"job_id":"cpu-test"}"#;
+        let post = |n: usize| {
+            for _ in 0..n {
+                let mut s = std::net::TcpStream::connect(&addr).expect("connect");
+                write!(
+                    s,
+                    "POST /hooks/completed HTTP/1.1\r\nHost: {addr}\r\n\
+                     Content-Type: application/json\r\nContent-Length: {}\r\n\
+                     Connection: close\r\n\r\n{body}",
+                    body.len()
+                )
+                .expect("send");
+                let mut answer = String::new();
+                s.read_to_string(&mut answer).expect("answer");
+                assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+            }
+        };
+        // Every worker has started once connections have reached them.
+        post(20);
+        let threads = onceflow_engine::testkit::fake_server_threads();
+        let me: u32 = std::fs::read_link("/proc/thread-self")
+            .expect("/proc/thread-self")
+            .file_name()
+            .and_then(|n| n.to_str()?.parse().ok())
+            .expect("a thread id");
+        assert!(
+            threads.len() >= 2,
+            "the server's thread and a worker: {threads:?}"
+        );
+        assert!(
+            !threads.contains(&me),
+            "the caller's thread is not a fake's"
+        );
+        for tid in &threads {
+            assert!(
+                std::path::Path::new(&format!("/proc/self/task/{tid}")).exists(),
+                "thread {tid} of this process"
+            );
+        }
+        let before = threads_cpu_ms(&threads);
+        post(200);
+        assert_eq!(consumer.delivery_count(), 220);
+        let after = threads_cpu_ms(&threads);
+        assert!(
+            after > before,
+            "200 requests cost the fakes' threads CPU: {before} → {after} ms"
+        );
+    }
+}

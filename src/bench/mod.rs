@@ -151,6 +151,8 @@ struct Phase {
     lead_latencies: Vec<Duration>,
     /// CPU used during the phase (ms): this process, the server.
     cpu: (f64, Option<f64>),
+    /// Of this process's, the fake provider's and consumer's (ms).
+    fakes_cpu: f64,
     /// `pg_stat_statements` over the phase, when the server loads it.
     statements: Option<costs::Statements>,
     elapsed: Duration,
@@ -557,6 +559,11 @@ async fn bench(
         format!("{:.2}", per_job(&paced, paced.cpu.0)),
     );
     row(
+        "  of which fake provider + consumer",
+        format!("{:.2}", per_job(&max, max.fakes_cpu)),
+        format!("{:.2}", per_job(&paced, paced.fakes_cpu)),
+    );
+    row(
         "CPU ms per job, PostgreSQL",
         opt(max.cpu.1.map(|c| per_job(&max, c))),
         opt(paced.cpu.1.map(|c| per_job(&paced, c))),
@@ -847,6 +854,7 @@ impl Env {
                     .zip(cpu_before.postgres)
                     .map(|(a, b)| a - b),
             ),
+            fakes_cpu: cpu_after.fakes - cpu_before.fakes,
             statements,
             elapsed,
             latencies,

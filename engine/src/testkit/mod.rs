@@ -23,4 +23,4 @@ pub use consumer::{Delivery, FakeConsumer};
 pub use env::{wait_until, TestEnv};
 pub use explorer::{Explorer, Mode, Report, Row};
 pub use provider::{FakeProvider, ProviderRequest};
-pub use server::Behaviour;
+pub use server::{threads as fake_server_threads, Behaviour};

@@ -40,6 +40,32 @@ impl Script {
     }
 }
 
+/// The threads the fake servers run on (their System's thread and its
+/// workers), so that a benchmark can tell their CPU time from the engine's.
+static THREADS: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+/// The kernel's id of the calling thread (as in `/proc/self/task/<tid>`).
+fn this_thread() -> Option<u32> {
+    let link = std::fs::read_link("/proc/thread-self").ok()?;
+    link.file_name()?.to_str()?.parse().ok()
+}
+
+fn note_this_thread() {
+    if let Some(tid) = this_thread() {
+        let mut threads = THREADS.lock().expect("threads lock");
+        if !threads.contains(&tid) {
+            threads.push(tid);
+        }
+    }
+}
+
+/// The thread ids of every fake server started in this process so far (the
+/// System's thread and its workers; not their accept threads). Empty where
+/// `/proc` is not mounted.
+pub fn threads() -> Vec<u32> {
+    THREADS.lock().expect("threads lock").clone()
+}
+
 /// Starts `configure` on 127.0.0.1:0 on a thread of its own; returns the address.
 pub(crate) fn spawn<F>(name: &str, configure: F) -> SocketAddr
 where
@@ -51,15 +77,20 @@ where
     std::thread::Builder::new()
         .name(name.to_owned())
         .spawn(move || {
+            note_this_thread();
             actix_web::rt::System::new().block_on(async move {
-                let server = HttpServer::new(move || App::new().configure(configure.clone()))
-                    .workers(2)
-                    .disable_signals()
-                    .shutdown_timeout(0)
-                    // HTTP/1.1, or HTTP/2 for a client that starts with its preface (h2c).
-                    .listen_auto_h2c(listener)
-                    .expect("listen")
-                    .run();
+                // The factory runs once on each worker's thread.
+                let server = HttpServer::new(move || {
+                    note_this_thread();
+                    App::new().configure(configure.clone())
+                })
+                .workers(2)
+                .disable_signals()
+                .shutdown_timeout(0)
+                // HTTP/1.1, or HTTP/2 for a client that starts with its preface (h2c).
+                .listen_auto_h2c(listener)
+                .expect("listen")
+                .run();
                 ready_tx.send(()).expect("ready");
                 let _ = server.await;
             })
