@@ -83,7 +83,7 @@ pub struct Cpu {
     pub this_process: f64,
     /// Of it, the fake provider's and consumer's threads (ms on CPU, from
     /// `/proc/self/task/<tid>/schedstat`): the harness, not the engine.
-    pub fakes: f64,
+    pub fakes: Option<f64>,
     /// The server: the postmaster, its live backends and its reaped children.
     pub postgres: Option<f64>,
 }
@@ -133,16 +133,32 @@ pub fn cpu_now(postmaster: Option<u32>) -> Cpu {
 }
 
 /// Time on CPU (ms) of these threads of this process, from their
-/// `schedstat` (nanoseconds, user and system). A thread that has exited
-/// counts nothing from then on; the fakes' threads live as long as the run.
-pub fn threads_cpu_ms(tids: &[u32]) -> f64 {
-    tids.iter()
-        .filter_map(|tid| {
-            let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-            stat.split_whitespace().next()?.parse::<u64>().ok()
-        })
-        .sum::<u64>() as f64
-        / 1e6
+/// `schedstat` (nanoseconds, user and system); `None` when none of them can
+/// be read (no such threads, or a kernel without scheduler statistics). A
+/// thread that has exited counts nothing from then on; the fakes' threads
+/// live as long as the run.
+pub fn threads_cpu_ms(tids: &[u32]) -> Option<f64> {
+    let read: Vec<u64> = tids
+        .iter()
+        .filter_map(|tid| thread_cpu_ns(&tid.to_string()))
+        .collect();
+    (!read.is_empty()).then(|| read.iter().sum::<u64>() as f64 / 1e6)
+}
+
+/// A thread's time on CPU (ns): the first field of its `schedstat`; `tid`
+/// is an id under `/proc/self/task`, or `thread-self`.
+fn thread_cpu_ns(tid: &str) -> Option<u64> {
+    let path = if tid == "thread-self" {
+        "/proc/thread-self/schedstat".to_owned()
+    } else {
+        format!("/proc/self/task/{tid}/schedstat")
+    };
+    std::fs::read_to_string(path)
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// Statement counts from `pg_stat_statements`, when the server loads it.
@@ -298,14 +314,16 @@ mod tests {
     use super::*;
     use std::io::{Read, Write};
 
-    /// The fakes' threads are the ones that do their work: requests to a
-    /// fake consumer accrue CPU on the recorded threads, and this thread
-    /// (a client's) is not among them.
+    /// The fakes' threads are the ones that do their work: starting a fake
+    /// consumer records its System's thread and its two workers and no
+    /// other; CPU burnt on this (a client's) thread does not show in their
+    /// figure, and requests to the consumer do.
     #[test]
     fn the_fakes_cpu_is_read_from_their_own_threads() {
+        let earlier = onceflow_engine::testkit::fake_server_threads();
         let consumer = onceflow_engine::testkit::FakeConsumer::start();
-        let addr = consumer.url();
-        let addr = addr
+        let url = consumer.url();
+        let addr = url
             .trim_start_matches("http://")
             .split('/')
             .next()
@@ -328,32 +346,46 @@ mod tests {
                 assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
             }
         };
-        // Every worker has started once connections have reached them.
+        // The workers note themselves as they start; they have once
+        // connections have reached them.
         post(20);
-        let threads = onceflow_engine::testkit::fake_server_threads();
-        let me: u32 = std::fs::read_link("/proc/thread-self")
-            .expect("/proc/thread-self")
-            .file_name()
-            .and_then(|n| n.to_str()?.parse().ok())
-            .expect("a thread id");
-        assert!(
-            threads.len() >= 2,
-            "the server's thread and a worker: {threads:?}"
+        let threads: Vec<u32> = onceflow_engine::testkit::fake_server_threads()
+            .into_iter()
+            .filter(|t| !earlier.contains(t))
+            .collect();
+        let mut names: Vec<String> = threads
+            .iter()
+            .map(|t| {
+                std::fs::read_to_string(format!("/proc/self/task/{t}/comm"))
+                    .expect("a thread of this process")
+                    .trim()
+                    .to_owned()
+            })
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["actix-rt|system", "actix-rt|system", "fake-consumer"],
+            "the consumer's System thread and its two workers: {threads:?}"
         );
-        assert!(
-            !threads.contains(&me),
-            "the caller's thread is not a fake's"
-        );
-        for tid in &threads {
-            assert!(
-                std::path::Path::new(&format!("/proc/self/task/{tid}")).exists(),
-                "thread {tid} of this process"
-            );
+
+        // This thread's own CPU is not the fakes'.
+        let fakes_before = threads_cpu_ms(&threads).expect("schedstat");
+        let mine = thread_cpu_ns("thread-self").expect("schedstat");
+        let mut x = 0u64;
+        while thread_cpu_ns("thread-self").expect("schedstat") < mine + 30_000_000 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
         }
-        let before = threads_cpu_ms(&threads);
+        let fakes_idle = threads_cpu_ms(&threads).expect("schedstat") - fakes_before;
+        assert!(
+            fakes_idle < 10.0,
+            "30 ms burnt on this thread showed as {fakes_idle} ms of the fakes'"
+        );
+
+        let before = threads_cpu_ms(&threads).expect("schedstat");
         post(200);
         assert_eq!(consumer.delivery_count(), 220);
-        let after = threads_cpu_ms(&threads);
+        let after = threads_cpu_ms(&threads).expect("schedstat");
         assert!(
             after > before,
             "200 requests cost the fakes' threads CPU: {before} → {after} ms"

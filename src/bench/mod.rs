@@ -152,7 +152,7 @@ struct Phase {
     /// CPU used during the phase (ms): this process, the server.
     cpu: (f64, Option<f64>),
     /// Of this process's, the fake provider's and consumer's (ms).
-    fakes_cpu: f64,
+    fakes_cpu: Option<f64>,
     /// `pg_stat_statements` over the phase, when the server loads it.
     statements: Option<costs::Statements>,
     elapsed: Duration,
@@ -560,8 +560,8 @@ async fn bench(
     );
     row(
         "  of which fake provider + consumer",
-        format!("{:.2}", per_job(&max, max.fakes_cpu)),
-        format!("{:.2}", per_job(&paced, paced.fakes_cpu)),
+        opt(max.fakes_cpu.map(|c| per_job(&max, c))),
+        opt(paced.fakes_cpu.map(|c| per_job(&paced, c))),
     );
     row(
         "CPU ms per job, PostgreSQL",
@@ -854,7 +854,7 @@ impl Env {
                     .zip(cpu_before.postgres)
                     .map(|(a, b)| a - b),
             ),
-            fakes_cpu: cpu_after.fakes - cpu_before.fakes,
+            fakes_cpu: cpu_after.fakes.zip(cpu_before.fakes).map(|(a, b)| a - b),
             statements,
             elapsed,
             latencies,
