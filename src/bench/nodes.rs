@@ -185,7 +185,7 @@ pub(super) async fn run(
     line("jobs/s", &|r| format!("{:.0}", r.phase.jobs_per_sec()));
     line("(jobs/s × checkpoints/job) ÷ limit", &|r| {
         let checkpoints = r.phase.checkpoints as f64 / r.phase.jobs as f64;
-        format!("{:.2}", r.phase.jobs_per_sec() * checkpoints / limit)
+        format!("{:.3}", r.phase.jobs_per_sec() * checkpoints / limit)
     });
     line("p99 submit→webhook (ms)", &|r| {
         format!("{:.0}", r.phase.percentile(0.99).as_secs_f64() * 1e3)
