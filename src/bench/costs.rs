@@ -140,20 +140,15 @@ pub fn cpu_now(postmaster: Option<u32>) -> Cpu {
 pub fn threads_cpu_ms(tids: &[u32]) -> Option<f64> {
     let read: Vec<u64> = tids
         .iter()
-        .filter_map(|tid| thread_cpu_ns(&tid.to_string()))
+        .filter_map(|tid| thread_cpu_ns(&format!("self/task/{tid}")))
         .collect();
     (!read.is_empty()).then(|| read.iter().sum::<u64>() as f64 / 1e6)
 }
 
-/// A thread's time on CPU (ns): the first field of its `schedstat`; `tid`
-/// is an id under `/proc/self/task`, or `thread-self`.
-fn thread_cpu_ns(tid: &str) -> Option<u64> {
-    let path = if tid == "thread-self" {
-        "/proc/thread-self/schedstat".to_owned()
-    } else {
-        format!("/proc/self/task/{tid}/schedstat")
-    };
-    std::fs::read_to_string(path)
+/// A thread's time on CPU (ns): the first field of `/proc/{thread}/schedstat`,
+/// `thread` being `self/task/<tid>` or `thread-self`.
+fn thread_cpu_ns(thread: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{thread}/schedstat"))
         .ok()?
         .split_whitespace()
         .next()?

@@ -9,7 +9,8 @@
 //! at 64 clients), so the figures hold on a noisy machine: the ratio
 //! (jobs/s × checkpoints per job) ÷ the best of the two. It also prints what
 //! each job costs ([`costs`]): statements, PostgreSQL execution time, WAL
-//! flushes, and CPU time of this process and of the server.
+//! flushes, and CPU time of this process (and, of it, the fake provider's
+//! and consumer's threads) and of the server.
 
 mod costs;
 mod curve;
