@@ -88,6 +88,86 @@ pub struct Cpu {
     pub postgres: Option<f64>,
 }
 
+/// The machine's CPU time so far, all cores together, from the `cpu` line
+/// of `/proc/stat` (USER_HZ ticks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MachineTicks {
+    /// Every tick counted: user, nice, system, idle, iowait, irq, softirq, steal.
+    pub total: u64,
+    /// Ticks the cores were not idle (nor waiting on I/O), steal included.
+    pub busy: u64,
+    /// Ticks a virtual machine's cores were runnable but the hypervisor ran
+    /// something else: capacity the machine did not have in that time.
+    pub steal: u64,
+}
+
+impl MachineTicks {
+    /// Of the time from `earlier` to this reading, the share the cores were
+    /// busy and the share stolen, in percent.
+    pub fn since(&self, earlier: &MachineTicks) -> Option<(f64, f64)> {
+        let total = self.total.checked_sub(earlier.total).filter(|&t| t > 0)? as f64;
+        let busy = self.busy.checked_sub(earlier.busy)? as f64;
+        let steal = self.steal.checked_sub(earlier.steal)? as f64;
+        Some((100.0 * busy / total, 100.0 * steal / total))
+    }
+}
+
+/// Parses the first (`cpu `, all cores) line of `/proc/stat`. Kernels older
+/// than 2.6.11 have no steal field: then it is 0.
+pub fn parse_proc_stat(stat: &str) -> Option<MachineTicks> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().ok())
+        .collect::<Option<_>>()?;
+    // guest and guest_nice (fields 9 and 10) are already inside user and nice.
+    let at = |i: usize| f.get(i).copied().unwrap_or(0);
+    let total: u64 = (0..8).map(at).sum();
+    let (idle, iowait) = (*f.get(3)?, at(4));
+    Some(MachineTicks {
+        total,
+        busy: total - idle - iowait,
+        steal: at(7),
+    })
+}
+
+/// The machine's CPU time so far, or `None` where `/proc/stat` is missing.
+pub fn machine_ticks() -> Option<MachineTicks> {
+    parse_proc_stat(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+/// How fast this machine's cores are at the moment: the milliseconds a fixed
+/// single-thread workload (generating and sorting a million 64-bit numbers)
+/// takes, the best of three. On a virtual machine the same work can take
+/// markedly longer in one hour than in another; `bench` runs it before and
+/// after its phases so each run says what machine it ran on.
+pub fn cpu_gauge_ms() -> f64 {
+    (0..3)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            std::hint::black_box(gauge_work(std::hint::black_box(1 << 20)));
+            start.elapsed().as_secs_f64() * 1000.0
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// The gauge's work: `n` pseudo-random numbers (xorshift), sorted; returns
+/// the median so nothing can be optimised away.
+fn gauge_work(n: usize) -> u64 {
+    let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+    let mut v: Vec<u64> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        })
+        .collect();
+    v.sort_unstable();
+    v[n / 2]
+}
+
 /// `/proc` reports CPU time in USER_HZ ticks, which Linux fixes at 100 per
 /// second for user space whatever the kernel's own tick rate.
 pub const TICKS_PER_SEC: f64 = 100.0;
@@ -308,6 +388,44 @@ pub(super) const STAGES: [&str; 4] = [
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+
+    /// The busy and stolen shares come from the right fields of the `cpu`
+    /// line (user nice system idle iowait irq softirq steal guest guest_nice).
+    #[test]
+    fn proc_stat_gives_busy_and_stolen_shares() {
+        let earlier = parse_proc_stat(
+            "cpu  100 0 50 800 10 0 5 35 7 0\ncpu0 50 0 25 400 5 0 2 18 3 0\nintr 1 2\n",
+        )
+        .expect("parses");
+        assert_eq!(
+            earlier,
+            MachineTicks {
+                total: 1000,
+                busy: 190,
+                steal: 35
+            }
+        );
+        // 1,000 ticks later: 300 idle, 100 user, 100 system, 100 iowait, 400 stolen.
+        let later = parse_proc_stat("cpu  200 0 150 1100 110 0 5 435 7 0\n").expect("parses");
+        assert_eq!(later.since(&earlier), Some((60.0, 40.0)));
+        // No time passed: no shares rather than a division by zero.
+        assert_eq!(earlier.since(&earlier), None);
+        // An old kernel's line without steal.
+        let old = parse_proc_stat("cpu  10 0 5 80 5\n").expect("parses");
+        assert_eq!((old.total, old.busy, old.steal), (100, 15, 0));
+        assert_eq!(parse_proc_stat("intr 1 2\n"), None);
+        assert_eq!(parse_proc_stat("cpu  x y\n"), None);
+    }
+
+    /// The gauge's work is fixed (the same median every time) and it is
+    /// really done: twice the numbers take longer than the gauge's count.
+    #[test]
+    fn the_cpu_gauge_does_fixed_work() {
+        assert_eq!(gauge_work(1 << 12), gauge_work(1 << 12));
+        assert_ne!(gauge_work(1 << 12), gauge_work(1 << 13));
+        let gauge = cpu_gauge_ms();
+        assert!(gauge > 0.0 && gauge.is_finite(), "{gauge}");
+    }
 
     /// The fakes' threads are the ones that do their work: starting a fake
     /// consumer records its System's thread and its two workers and no

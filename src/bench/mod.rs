@@ -154,6 +154,8 @@ struct Phase {
     cpu: (f64, Option<f64>),
     /// Of this process's, the fake provider's and consumer's (ms).
     fakes_cpu: Option<f64>,
+    /// The machine's cores during the phase: % busy, % stolen by the hypervisor.
+    machine: Option<(f64, f64)>,
     /// `pg_stat_statements` over the phase, when the server loads it.
     statements: Option<costs::Statements>,
     elapsed: Duration,
@@ -256,6 +258,9 @@ async fn bench(
     // The commit limit, before anything else runs: pgbench at 16 and 64
     // clients (the best is the denominator), and the pooled probe earlier
     // versions printed (through this process's own pool, for comparison).
+    eprintln!("gauging the cores' speed (fixed single-thread work, best of three)…");
+    let gauge_before = tokio::task::spawn_blocking(costs::cpu_gauge_ms).await?;
+    eprintln!("  {gauge_before:.1} ms");
     costs::create_commit_table(&db).await?;
     let mut pgbench = Vec::new();
     match costs::find_pgbench(database.embedded.as_ref()) {
@@ -419,6 +424,8 @@ async fn bench(
 
     engine.shutdown();
     server_handle.stop(true).await;
+    eprintln!("gauging the cores' speed again…");
+    let gauge_after = tokio::task::spawn_blocking(costs::cpu_gauge_ms).await?;
 
     println!();
     println!(
@@ -438,6 +445,10 @@ async fn bench(
             paced.lead
         );
     }
+    println!(
+        "(cores' speed: a fixed single-thread workload took {gauge_before:.1} ms before the \
+         phases and {gauge_after:.1} ms after; lower is faster)"
+    );
     println!("{:<34} {:>14} {:>14}", "", "max (closed)", "paced (open)");
     let row = |name: &str, a: String, b: String| println!("{name:<34} {a:>14} {b:>14}");
     row("jobs", max.jobs.to_string(), paced.jobs.to_string());
@@ -522,6 +533,7 @@ async fn bench(
     }
     let per_job = |p: &Phase, x: f64| x / p.jobs as f64;
     let opt = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}"));
+    let pct = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.1}"));
     row(
         "statements (round trips) per job",
         opt(max
@@ -568,6 +580,16 @@ async fn bench(
         "CPU ms per job, PostgreSQL",
         opt(max.cpu.1.map(|c| per_job(&max, c))),
         opt(paced.cpu.1.map(|c| per_job(&paced, c))),
+    );
+    row(
+        "cores busy, % of both",
+        pct(max.machine.map(|m| m.0)),
+        pct(paced.machine.map(|m| m.0)),
+    );
+    row(
+        "  of which stolen by the hypervisor",
+        pct(max.machine.map(|m| m.1)),
+        pct(paced.machine.map(|m| m.1)),
     );
     let checkpoint_rate = |p: &Phase| p.jobs_per_sec() * (p.checkpoints as f64 / p.jobs as f64);
     for (clients, rate) in &pgbench {
@@ -738,6 +760,7 @@ impl Env {
         }
         let before = counters(&self.db).await?;
         let cpu_before = costs::cpu_now(self.postmaster);
+        let machine_before = costs::machine_ticks();
         let requests_before = self.provider.requests().len();
         let deliveries_before = self.consumer.deliveries().len();
         let lead = match pacing {
@@ -818,6 +841,7 @@ impl Env {
         }
         let elapsed = start.elapsed();
         let cpu_after = costs::cpu_now(self.postmaster);
+        let machine_after = costs::machine_ticks();
         let wal_bytes = wal_position(&self.db).await? - wal_start;
         let statements = if self.stat_statements {
             Some(costs::read_statements(&self.db).await?)
@@ -857,6 +881,9 @@ impl Env {
                     .map(|(a, b)| a - b),
             ),
             fakes_cpu: cpu_after.fakes.zip(cpu_before.fakes).map(|(a, b)| a - b),
+            machine: machine_after
+                .zip(machine_before)
+                .and_then(|(a, b)| a.since(&b)),
             statements,
             elapsed,
             latencies,
