@@ -255,12 +255,12 @@ async fn bench(
         return curve::run(args, db, &run_id, limit).await;
     }
 
+    eprintln!("gauging the cores' speed (fixed single-thread work, best of five)…");
+    let gauge_before = tokio::task::spawn_blocking(costs::cpu_gauge_ms).await?;
+    eprintln!("  {gauge_before:.1} ms");
     // The commit limit, before anything else runs: pgbench at 16 and 64
     // clients (the best is the denominator), and the pooled probe earlier
     // versions printed (through this process's own pool, for comparison).
-    eprintln!("gauging the cores' speed (fixed single-thread work, best of three)…");
-    let gauge_before = tokio::task::spawn_blocking(costs::cpu_gauge_ms).await?;
-    eprintln!("  {gauge_before:.1} ms");
     costs::create_commit_table(&db).await?;
     let mut pgbench = Vec::new();
     match costs::find_pgbench(database.embedded.as_ref()) {
@@ -582,7 +582,7 @@ async fn bench(
         opt(paced.cpu.1.map(|c| per_job(&paced, c))),
     );
     row(
-        "cores busy, % of both",
+        "cores busy, % of all",
         pct(max.machine.map(|m| m.0)),
         pct(paced.machine.map(|m| m.0)),
     );
