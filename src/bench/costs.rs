@@ -1,7 +1,8 @@
 //! What `bench` measures besides jobs/s: the machine's commit limit taken the
 //! way the field takes it (pgbench), and what each job costs — statements,
 //! PostgreSQL execution time, WAL flushes, CPU of this process and of the
-//! server.
+//! server — and the machine's own state: its cores' busy and stolen shares
+//! (`/proc/stat`) and a speed gauge.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -10,7 +10,9 @@
 //! (jobs/s × checkpoints per job) ÷ the best of the two. It also prints what
 //! each job costs ([`costs`]): statements, PostgreSQL execution time, WAL
 //! flushes, and CPU time of this process (and, of it, the fake provider's
-//! and consumer's threads) and of the server.
+//! and consumer's threads) and of the server; and what the machine did
+//! meanwhile: how busy its cores were, how much of their time the
+//! hypervisor stole, and a fixed workload's time before and after.
 
 mod costs;
 mod curve;
