@@ -350,12 +350,62 @@ fn misdirected(state: &ApiState, req: &HttpRequest) -> Option<HttpResponse> {
     })
 }
 
+/// `403` for a browser's request sent by another site's page. Such a page
+/// may send a `POST` that needs no preflight (a form, or a body-less
+/// `no-cors` fetch) with the right `Host`, and on loopback with no tokens
+/// nothing else would stop it from cancelling or redriving jobs. Browsers
+/// name the page's origin on every such request (`Origin`, and
+/// `Sec-Fetch-Site`); it must be the server itself: the request's own
+/// `Host`, or a name the API answers. Clients that are not browsers send
+/// neither header and pass.
+fn cross_site(state: &ApiState, req: &HttpRequest) -> Option<HttpResponse> {
+    let headers = req.headers();
+    let same = match headers.get(actix_web::http::header::ORIGIN) {
+        Some(origin) => {
+            let host = headers
+                .get(actix_web::http::header::HOST)
+                .and_then(|v| v.to_str().ok());
+            origin
+                .to_str()
+                .ok()
+                .and_then(origin_authority)
+                .is_some_and(|authority| {
+                    host.is_some_and(|h| h.eq_ignore_ascii_case(authority))
+                        || matches!(&state.hosts, Hosts::Only(list)
+                            if list.contains(&authority.to_ascii_lowercase()))
+                })
+        }
+        // Without `Origin`, trust only a browser that says the request is
+        // its own page's (or typed by the user).
+        None => headers
+            .get("sec-fetch-site")
+            .and_then(|v| v.to_str().ok())
+            .is_none_or(|site| site == "same-origin" || site == "none"),
+    };
+    (!same).then(|| {
+        error(
+            StatusCode::FORBIDDEN,
+            "cross_site",
+            "a page of another site may not call this API;              call it from the console or a client that is not a browser",
+            None,
+        )
+    })
+}
+
+/// `host[:port]` of an `Origin` value (`scheme://host[:port]`); `None` for
+/// `null` and anything else.
+fn origin_authority(origin: &str) -> Option<&str> {
+    let (scheme, authority) = origin.split_once("://")?;
+    let plain = |s: &str| !s.is_empty() && !s.contains(['/', '?', '#', '@', ' ']);
+    (plain(scheme) && plain(authority)).then_some(authority)
+}
+
 async fn submit(
     state: web::Data<ApiState>,
     req: HttpRequest,
     mut payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
         return refused;
     }
     // A form or text/plain POST is what a web page can send cross-site
@@ -758,30 +808,49 @@ struct ActionBody {
     limit: Option<i64>,
 }
 
-/// Reads an action's optional JSON body (at most 16 KiB).
+/// Reads an action's optional JSON body (at most 16 KiB, within the
+/// intake's body timeout, so a dribbled body cannot hold a connection).
 async fn action_body(
+    state: &ApiState,
     req: &HttpRequest,
     mut payload: web::Payload,
 ) -> Result<ActionBody, HttpResponse> {
     let mut body = web::BytesMut::new();
-    while let Some(chunk) = payload.next().await {
-        let chunk = chunk.map_err(|_| {
-            error(
-                StatusCode::BAD_REQUEST,
-                "bad_body",
-                "could not read the request body",
-                None,
-            )
-        })?;
-        if body.len() + chunk.len() > 16 * 1024 {
-            return Err(error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "too_large",
-                "an action's body is at most 16 KiB",
-                None,
-            ));
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let chunk = chunk.map_err(|_| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    "could not read the request body",
+                    None,
+                )
+            })?;
+            if body.len() + chunk.len() > 16 * 1024 {
+                return Err(error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "too_large",
+                    "an action's body is at most 16 KiB",
+                    None,
+                ));
+            }
+            body.extend_from_slice(&chunk);
         }
-        body.extend_from_slice(&chunk);
+        Ok(())
+    };
+    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
+        Ok(read) => read?,
+        Err(_) => {
+            return Err(error(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!(
+                    "the request body did not arrive within {} s",
+                    state.limits.body_timeout.as_secs_f64()
+                ),
+                None,
+            ))
+        }
     }
     if body.is_empty() {
         return Ok(ActionBody::default());
@@ -847,14 +916,14 @@ async fn cancel(
     id: web::Path<String>,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
         return refused;
     }
     let who = match authenticate(&state, &req).await {
         Ok(who) => who,
         Err(refused) => return refused,
     };
-    let body = match action_body(&req, payload).await {
+    let body = match action_body(&state, &req, payload).await {
         Ok(b) => b,
         Err(refused) => return refused,
     };
@@ -915,7 +984,7 @@ async fn redrive(
     id: web::Path<String>,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
         return refused;
     }
     let who = match authenticate(&state, &req).await {
@@ -933,7 +1002,7 @@ async fn redrive(
             )
         }
     };
-    let body = match action_body(&req, payload).await {
+    let body = match action_body(&state, &req, payload).await {
         Ok(b) => b,
         Err(refused) => return refused,
     };
@@ -989,7 +1058,7 @@ async fn redrive_bulk(
     req: HttpRequest,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
         return refused;
     }
     let who = match authenticate(&state, &req).await {
@@ -1007,7 +1076,7 @@ async fn redrive_bulk(
             )
         }
     };
-    let body = match action_body(&req, payload).await {
+    let body = match action_body(&state, &req, payload).await {
         Ok(b) => b,
         Err(refused) => return refused,
     };

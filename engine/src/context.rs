@@ -741,7 +741,9 @@ impl ToolInvocation {
                 retry_after: f.retry_after(),
             }),
             Err(PostError::Failed(f)) => Err(StepError::Permanent {
-                reason: format!("the tool's request to {url} was refused"),
+                // The URL stays out: the job's owner reads the reason, and
+                // the operator's tool URL may carry a key in its query.
+                reason: "the tool's request was refused".to_owned(),
                 error: f.envelope(),
             }),
         }

@@ -248,10 +248,23 @@ impl StepError {
         }
     }
 
-    /// The envelope stored with the job.
+    /// The envelope stored with the job. The job's owner reads it (`GET
+    /// /v1/jobs/{id}`, the `job.dead` webhook), so a database failure is
+    /// named, never quoted: PostgreSQL's message can name tables,
+    /// constraints and values. The node logs the whole error where it
+    /// retries or kills the job.
     pub fn envelope(&self) -> ErrorEnvelope {
         match self {
             StepError::Retry { error, .. } | StepError::Permanent { error, .. } => error.clone(),
+            StepError::Store(e) => ErrorEnvelope {
+                code: "store".to_owned(),
+                message: if e.is_retryable() {
+                    "a database statement failed; the node's log has the details".to_owned()
+                } else {
+                    "the database refused a statement; the node's log has the details".to_owned()
+                },
+                retryable: e.is_retryable(),
+            },
             other => ErrorEnvelope {
                 code: match other {
                     StepError::LeaseLost => "lease_lost",
@@ -259,8 +272,7 @@ impl StepError {
                     StepError::Injected(_) => "injected",
                     StepError::InvalidInput(_) => "invalid_input",
                     StepError::Serialize(_) => "serialize",
-                    StepError::Store(_) => "store",
-                    StepError::Retry { .. } | StepError::Permanent { .. } => {
+                    StepError::Store(_) | StepError::Retry { .. } | StepError::Permanent { .. } => {
                         unreachable!("matched above")
                     }
                 }
@@ -268,6 +280,29 @@ impl StepError {
                 message: other.to_string(),
                 retryable: other.is_retryable(),
             },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_database_failure_is_named_not_quoted_to_the_jobs_owner() {
+        let secret = "duplicate key value violates unique constraint \"outbox_pkey\"";
+        for e in [
+            StoreError::Batch(secret.into()),
+            StoreError::InvalidData(secret.into()),
+        ] {
+            let retryable = e.is_retryable();
+            let step = StepError::Store(e);
+            let envelope = step.envelope();
+            assert_eq!(envelope.code, "store");
+            assert_eq!(envelope.retryable, retryable);
+            assert!(!envelope.message.contains("outbox_pkey"), "{envelope:?}");
+            // The log line keeps it.
+            assert!(step.to_string().contains("outbox_pkey"));
         }
     }
 }

@@ -163,6 +163,16 @@ impl Faults {
             .any(|(j, _, _)| j == job)
     }
 
+    /// Whether an armed failpoint has fired for `job` at `point`.
+    pub fn fired_at(&self, job: &str, point: FailPoint) -> bool {
+        self.0
+            .fired
+            .lock()
+            .expect("faults lock")
+            .iter()
+            .any(|(j, p, _)| j == job && *p == point)
+    }
+
     /// True while any attempt is frozen: its node does not poll for work.
     pub fn any_frozen(&self) -> bool {
         self.0.any.load(Ordering::Acquire) && !self.0.frozen.lock().expect("faults lock").is_empty()

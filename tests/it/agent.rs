@@ -153,11 +153,19 @@ async fn a_node_restarted_mid_loop_does_not_run_the_tool_again() {
         })
         .await
     );
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        wait_until(WAIT, || async { env.faults.fired("agent-2") }).await,
+        "the crash after turn 1's send fired"
+    );
     first.shutdown();
     // A new node, nothing in memory: the ledger is all it has.
     let _second = env.start(agent_registry(&tools.url()), env.config());
-    env.wait_for("agent-2", JobState::Acked, WAIT).await;
+    let job = env.wait_for("agent-2", JobState::Acked, WAIT).await;
+    assert!(
+        job.attempts >= 2,
+        "a second attempt finished the job: {}",
+        job.attempts
+    );
     assert_eq!(
         tools.requests_with_key(&tool_key("agent-2", 0, 0)),
         1,

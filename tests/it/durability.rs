@@ -242,7 +242,17 @@ async fn at_most_once_sends_a_claim_that_crashed_before_any_send() {
         .arm_once("amo-2", FailPoint::AfterCommit("claimed"), Action::Crash);
     let _engine = env.start(registry(DeliveryPolicy::AtMostOnce), env.config());
     env.submit("amo-2", "hello").await;
-    env.wait_for("amo-2", JobState::Acked, WAIT).await;
+    let job = env.wait_for("amo-2", JobState::Acked, WAIT).await;
+    assert!(
+        env.faults
+            .fired_at("amo-2", FailPoint::AfterCommit("claimed")),
+        "the crash after the claim fired"
+    );
+    assert!(
+        job.attempts >= 2,
+        "a second attempt sent it: {}",
+        job.attempts
+    );
     assert_eq!(env.consumer.deliveries_for("amo-2").len(), 1);
     assert_one_delivery(&env, "amo-2");
 }
@@ -290,14 +300,23 @@ async fn a_second_attempt_during_a_slow_result_write_does_not_call_the_model() {
     let reg = registry(DeliveryPolicy::AtLeastOnce);
     let first = env.run_attempt(&reg, leased.clone(), env.config());
     let second = async {
-        // Start once the first attempt has its answer and is writing it.
+        // Start once the first attempt has its answer and is stalled
+        // writing it: the answer is not journaled yet.
         assert!(
             wait_until(WAIT, || async {
-                env.provider.requests_for(&gen_key("slow-1")) == 1
+                env.faults
+                    .fired_at("slow-1", FailPoint::BeforeCommit("model_call"))
             })
-            .await
+            .await,
+            "the stall before the answer's commit fired"
         );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(env.provider.requests_for(&gen_key("slow-1")), 1);
+        assert_eq!(
+            env.sql("SELECT status::text FROM model_calls WHERE job_id = 'slow-1'")
+                .await,
+            serde_json::json!([{ "status": "pending" }]),
+            "the second attempt starts while the answer is unwritten"
+        );
         env.run_attempt(&reg, leased.clone(), env.config()).await
     };
     let (a, b) = tokio::join!(first, second);

@@ -1,6 +1,6 @@
 //! Safe to expose: the SSRF guard (at intake, at send time, no redirects),
 //! nothing internal reflected, bounded answers, JSON-only and Host-checked
-//! requests, strict JSON at intake.
+//! requests, no cross-site changes, strict JSON at intake.
 
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -196,14 +196,17 @@ async fn a_redirect_is_not_followed() {
 }
 
 /// A tool's request goes through the same guard: a model cannot steer the
-/// built-in `http_post` tool at an internal address.
+/// built-in `http_post` tool at an internal address; the refusal the job's
+/// owner reads does not quote the operator's tool URL.
 #[actix_rt::test]
 async fn a_tool_request_to_an_internal_address_is_refused() {
     let env = TestEnv::new().await;
     let tools = FakeConsumer::start();
     crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "ticket": "A" }))]);
     let mut r = Registry::new();
-    r.register(Agent::new().with_tool(HttpPost::new(tools.url())));
+    // The operator's tool URL may carry a key: it is never shown to the job's owner.
+    let tool_url = format!("{}?key=s3cret", tools.url());
+    r.register(Agent::new().with_tool(HttpPost::new(tool_url)));
     let mut config = env.config();
     // The webhook consumer is allowed; the tool's loopback target is not.
     config.url_guard = UrlGuard::strict().allowing_url(&env.consumer.url());
@@ -218,7 +221,13 @@ async fn a_tool_request_to_an_internal_address_is_refused() {
     })
     .await;
     let job = env.wait_for("tool-ssrf", JobState::Dead, WAIT).await;
-    assert_eq!(job.last_error.unwrap().code, "url_refused");
+    let reason = job.dead_reason.unwrap();
+    let error = job.last_error.unwrap();
+    assert_eq!(error.code, "url_refused");
+    assert!(
+        !reason.contains("s3cret") && !error.message.contains("s3cret"),
+        "{reason} / {error:?}"
+    );
     assert_eq!(tools.deliveries().len(), 0, "the tool's target saw nothing");
 }
 
@@ -337,6 +346,85 @@ async fn posts_must_be_json_and_hosts_must_be_known() {
             .unwrap();
         assert_eq!(r.status().as_u16(), expected, "Host: {host}");
     }
+}
+
+/// Development mode (loopback, no tokens) answers requests without a token,
+/// so a page of another site could cancel or submit with a body-less or
+/// JSON `POST` and the right `Host`: a request that names another origin
+/// (`Origin`, or `Sec-Fetch-Site` without it) is a `403` and changes
+/// nothing; the server's own origin (the console) passes.
+#[actix_rt::test]
+async fn a_page_of_another_site_can_change_nothing() {
+    let env = TestEnv::new().await;
+    let base = serve_api_for(|addr| ApiState {
+        store: env.store.clone(),
+        registry: registry(),
+        body_limit: DEFAULT_BODY_LIMIT,
+        telemetry: Arc::new(onceflow_observability::Telemetry::disabled()),
+        url_guard: UrlGuard::allow_private(),
+        hosts: Hosts::for_listen(addr, &[]),
+        auth: Auth::Off,
+        limits: Default::default(),
+        draining: Default::default(),
+        trace_url: None,
+        handoff: None,
+    });
+    let mut job = job_body("xs-1", &env.consumer.url());
+    job["delay_ms"] = json!(3_600_000);
+    let (status, answer) = post_json(&base, &job).await;
+    assert_eq!(status, 201, "{answer}");
+    let authority = base.strip_prefix("http://").unwrap().to_owned();
+    let refused: [(&str, &str); 4] = [
+        ("origin", "http://evil.example"),
+        ("origin", "null"),
+        ("origin", "http://127.0.0.1.evil.example"),
+        ("sec-fetch-site", "cross-site"),
+    ];
+    for (name, value) in refused {
+        for path in [
+            "/v1/jobs/xs-1/cancel",
+            "/v1/jobs/redrive?confirm_unknown=true",
+        ] {
+            let r = client()
+                .post(format!("{base}{path}"))
+                .header(name, value)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let answer: Value = r.json().await.unwrap_or(Value::Null);
+            assert_eq!(status, 403, "{name}: {value} {path}: {answer}");
+            assert_eq!(answer["error"]["code"], "cross_site", "{answer}");
+        }
+        let r = client()
+            .post(format!("{base}/v1/jobs"))
+            .header(name, value)
+            .json(&job_body("xs-2", &env.consumer.url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 403, "{name}: {value} submit");
+    }
+    assert_eq!(
+        env.sql("SELECT id, state::text FROM jobs ORDER BY id")
+            .await,
+        json!([{ "id": "xs-1", "state": "received" }]),
+        "nothing was cancelled or submitted"
+    );
+    // The server's own page (the console) may act.
+    let r = client()
+        .post(format!("{base}/v1/jobs/xs-1/cancel"))
+        .header("origin", format!("http://{authority}"))
+        .header("sec-fetch-site", "same-origin")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    assert_eq!(
+        env.sql("SELECT state::text FROM jobs WHERE id = 'xs-1'")
+            .await,
+        json!([{ "state": "cancelled" }])
+    );
 }
 
 /// Strict JSON at intake: a NUL anywhere is a `422` naming the field, a

@@ -98,6 +98,16 @@ async fn a_job_without_a_caller_trace_gets_its_own() {
     let _engine = env.start(onceflow_workflows::registry(), env.config());
     let created = env.submit("traced-2", "hello").await;
     let job = env.wait_for("traced-2", JobState::Acked, WAIT).await;
+    assert!(
+        env.faults
+            .fired_at("traced-2", FailPoint::AfterCommit("claimed")),
+        "the crash after the claim fired"
+    );
+    assert!(
+        job.attempts >= 2,
+        "resumed by a second attempt: {}",
+        job.attempts
+    );
     let trace = job.trace_id.clone().expect("a trace id");
     assert_eq!(created.trace_id, job.trace_id);
     let seen = seen(&env, "traced-2");
