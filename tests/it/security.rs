@@ -806,22 +806,32 @@ async fn a_dribbled_body_times_out() {
         Auth::Off,
         limits,
     );
-    let addr = base.trim_start_matches("http://").to_owned();
-    let answer = tokio::task::spawn_blocking(move || {
-        let mut stream = std::net::TcpStream::connect(addr).unwrap();
-        stream
-            .write_all(
-                b"POST /v1/jobs HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\"",
-            )
-            .unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let started = std::time::Instant::now();
-        let mut buf = [0u8; 4096];
-        let n = stream.read(&mut buf).unwrap_or(0);
-        (String::from_utf8_lossy(&buf[..n]).into_owned(), started.elapsed())
-    })
-    .await
-    .unwrap();
-    assert!(answer.0.starts_with("HTTP/1.1 408"), "{:?}", answer.0);
-    assert!(answer.1 < Duration::from_secs(5), "{:?}", answer.1);
+    // Intake, and an action's body (cancel) the same.
+    for path in ["/v1/jobs", "/v1/jobs/x/cancel"] {
+        let addr = base.trim_start_matches("http://").to_owned();
+        let answer = tokio::task::spawn_blocking(move || {
+            let mut stream = std::net::TcpStream::connect(addr).unwrap();
+            stream
+                .write_all(
+                    format!(
+                        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"id\""
+                    )
+                    .as_bytes(),
+                )
+                .unwrap();
+            stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let started = std::time::Instant::now();
+            let mut buf = [0u8; 4096];
+            let n = stream.read(&mut buf).unwrap_or(0);
+            (String::from_utf8_lossy(&buf[..n]).into_owned(), started.elapsed())
+        })
+        .await
+        .unwrap();
+        assert!(
+            answer.0.starts_with("HTTP/1.1 408"),
+            "{path}: {:?}",
+            answer.0
+        );
+        assert!(answer.1 < Duration::from_secs(5), "{path}: {:?}", answer.1);
+    }
 }
