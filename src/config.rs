@@ -149,6 +149,12 @@ pub struct ServeArgs {
     /// The same bound per API token.
     #[arg(long, env = "ONCEFLOW_MAX_BACKLOG_PER_TOKEN", default_value_t = 10_000)]
     pub max_backlog_per_token: u64,
+    /// Event streams (`GET /v1/jobs/{id}/events`) open at once on this node.
+    #[arg(long, env = "ONCEFLOW_MAX_STREAMS", default_value_t = 1_000)]
+    pub max_streams: usize,
+    /// The same bound per API token.
+    #[arg(long, env = "ONCEFLOW_MAX_STREAMS_PER_TOKEN", default_value_t = 100)]
+    pub max_streams_per_token: usize,
 }
 
 impl ServeArgs {

@@ -67,7 +67,12 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
             url_guard: config_guard,
             hosts: api::Hosts::for_listen(args.listen, &args.allowed_hosts),
             auth: api::Auth::Tokens { loopback },
-            limits: api::Limits::backlog(args.max_backlog, args.max_backlog_per_token),
+            limits: {
+                let mut limits = api::Limits::backlog(args.max_backlog, args.max_backlog_per_token);
+                limits.max_streams = args.max_streams;
+                limits.max_streams_per_token = args.max_streams_per_token;
+                limits
+            },
             draining: draining.clone(),
             trace_url: args.trace_url.clone(),
             // A job this node has room for runs here without a queue round trip.

@@ -76,6 +76,42 @@ pub struct Limits {
     pub max_backlog_per_token: u64,
     /// The last counts read, with when (refreshed at most once a second).
     seen: Arc<std::sync::Mutex<BacklogSeen>>,
+    /// Event streams (`GET /v1/jobs/{id}/events`) open at once on this
+    /// node; one more is `429`. Each reads the journal about every 250 ms
+    /// until its job ends, on the pool the engine writes through.
+    pub max_streams: usize,
+    /// The same bound per API token.
+    pub max_streams_per_token: usize,
+    /// The event streams open now: in all, and per token.
+    streams: Arc<std::sync::Mutex<OpenStreams>>,
+}
+
+#[derive(Debug, Default)]
+struct OpenStreams {
+    total: usize,
+    per_token: std::collections::HashMap<i64, usize>,
+}
+
+/// An open event stream's place under [`Limits::max_streams`], given back
+/// when the stream ends.
+struct StreamSlot {
+    streams: Arc<std::sync::Mutex<OpenStreams>>,
+    token: Option<i64>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut open = self.streams.lock().expect("streams lock");
+        open.total -= 1;
+        if let Some(token) = self.token {
+            if let Some(n) = open.per_token.get_mut(&token) {
+                *n -= 1;
+                if *n == 0 {
+                    open.per_token.remove(&token);
+                }
+            }
+        }
+    }
 }
 
 impl Default for Limits {
@@ -85,6 +121,9 @@ impl Default for Limits {
             max_backlog: 100_000,
             max_backlog_per_token: 10_000,
             seen: Default::default(),
+            max_streams: 1_000,
+            max_streams_per_token: 100,
+            streams: Default::default(),
         }
     }
 }
@@ -97,6 +136,32 @@ impl Limits {
             max_backlog_per_token,
             ..Limits::default()
         }
+    }
+
+    /// A place for one more event stream of `token`, or why not.
+    fn open_stream(&self, token: Option<i64>) -> Result<StreamSlot, String> {
+        let mut open = self.streams.lock().expect("streams lock");
+        if open.total >= self.max_streams {
+            return Err(format!(
+                "{} event streams are open on this node; the limit is {}",
+                open.total, self.max_streams
+            ));
+        }
+        if let Some(token) = token {
+            let mine = open.per_token.entry(token).or_insert(0);
+            if *mine >= self.max_streams_per_token {
+                return Err(format!(
+                    "this token has {mine} event streams open; the limit is {}",
+                    self.max_streams_per_token
+                ));
+            }
+            *mine += 1;
+        }
+        open.total += 1;
+        Ok(StreamSlot {
+            streams: self.streams.clone(),
+            token,
+        })
     }
 
     /// The backlog (in total, and of `owner`), at most a second old: one
@@ -686,13 +751,28 @@ async fn job_events(
     if let Err(refused) = own_job(&state, who, &id).await {
         return refused;
     }
+    let slot = match state.limits.open_stream(who.owner()) {
+        Ok(slot) => slot,
+        Err(message) => {
+            let mut r = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_streams",
+                message,
+                None,
+            );
+            r.headers_mut().insert(
+                actix_web::http::header::RETRY_AFTER,
+                actix_web::http::header::HeaderValue::from_static("5"),
+            );
+            return r;
+        }
+    };
     let (tx, mut rx) = tokio::sync::mpsc::channel::<web::Bytes>(64);
-    actix_web::rt::spawn(follow_events(
-        state.store.clone(),
-        id.into_inner(),
-        after,
-        tx,
-    ));
+    let (store, id) = (state.store.clone(), id.into_inner());
+    actix_web::rt::spawn(async move {
+        let _slot = slot; // held until the stream ends
+        follow_events(store, id, after, tx).await
+    });
     let body = futures_util::stream::poll_fn(move |cx| {
         rx.poll_recv(cx).map(|b| b.map(Ok::<_, actix_web::Error>))
     });

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use onceflow_engine::api::{ApiState, Auth, Hosts, Limits, DEFAULT_BODY_LIMIT};
 use onceflow_engine::intake::NewJob;
-use onceflow_engine::testkit::{Behaviour, FakeConsumer, TestEnv};
+use onceflow_engine::testkit::{wait_until, Behaviour, FakeConsumer, TestEnv};
 use onceflow_engine::{JobState, Registry, UrlGuard};
 use onceflow_workflows::{Agent, Completion, HttpPost};
 use serde_json::{json, Value};
@@ -488,6 +488,74 @@ async fn call(
         .get("www-authenticate")
         .map(|v| v.to_str().unwrap().to_owned());
     (status, r.json().await.unwrap_or(Value::Null), challenge)
+}
+
+/// Event streams are bounded: each reads the journal until its job ends,
+/// on the pool the engine writes through, so a caller could otherwise open
+/// thousands. One more than a token's or the node's bound is a `429`
+/// naming it; a closed stream gives its place back.
+#[actix_rt::test]
+async fn event_streams_are_bounded_per_token_and_per_node() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let mut limits = Limits::default();
+    limits.max_streams = 3;
+    limits.max_streams_per_token = 2;
+    let base = api_limited(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: true },
+        limits,
+    );
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let bob = env.store.create_token("bob", false).await.unwrap();
+    for (id, token) in [("st-a", &alice), ("st-b", &bob)] {
+        let mut job = job_body(id, &env.consumer.url());
+        job["delay_ms"] = json!(3_600_000); // never ends while the test runs
+        let url = format!("{base}/v1/jobs");
+        let (status, answer, _) = call(Method::POST, &url, Some(token), Some(&job)).await;
+        assert_eq!(status, 201, "{answer}");
+    }
+    let open = |id: &'static str, token: String| {
+        let url = format!("{base}/v1/jobs/{id}/events");
+        async move { client().get(url).bearer_auth(token).send().await.unwrap() }
+    };
+    let refused = |r: reqwest::Response, why: &'static str| async move {
+        assert_eq!(r.status().as_u16(), 429, "{why}");
+        assert!(r.headers().contains_key("retry-after"), "{why}");
+        let answer: Value = r.json().await.unwrap();
+        assert_eq!(
+            answer["error"]["code"], "too_many_streams",
+            "{why}: {answer}"
+        );
+        answer["error"]["message"].as_str().unwrap().to_owned()
+    };
+    let a1 = open("st-a", alice.clone()).await;
+    let a2 = open("st-a", alice.clone()).await;
+    assert_eq!((a1.status().as_u16(), a2.status().as_u16()), (200, 200));
+    let message = refused(open("st-a", alice.clone()).await, "alice's third").await;
+    assert!(message.contains("this token"), "{message}");
+    let b1 = open("st-b", bob.clone()).await;
+    assert_eq!(b1.status().as_u16(), 200, "bob's first: the node has 3");
+    let message = refused(open("st-b", bob.clone()).await, "the node's fourth").await;
+    assert!(message.contains("this node"), "{message}");
+    // Alice leaves one: its place comes back once the server sees it go,
+    // at the latest when a keep-alive comment (every 15 s) fails to send.
+    drop(a1);
+    let left = std::time::Instant::now();
+    assert!(
+        wait_until(Duration::from_secs(45), || async {
+            open("st-a", alice.clone()).await.status().as_u16() == 200
+        })
+        .await,
+        "a closed stream gave its place back"
+    );
+    eprintln!(
+        "a closed stream's place came back after {:?}",
+        left.elapsed()
+    );
+    drop((a2, b1));
 }
 
 /// API tokens: once one exists every request needs one; a token sees only
