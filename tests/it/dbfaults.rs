@@ -401,7 +401,7 @@ async fn one_refused_row_never_fails_its_batchmates() {
     let bad = env.wait_for("batch-bad", JobState::Dead, WAIT).await;
     env.wait_for("batch-good", JobState::Acked, WAIT).await;
     assert!(
-        env.store.largest_batch() >= 2,
+        env.store.largest_model_answer_batch() >= 2,
         "the two answers shared a batch"
     );
     assert!(fault.fired(&env).await >= 1);
@@ -500,7 +500,7 @@ async fn small_batches_wait_for_the_running_one_and_grow() {
         assert_eq!(posts(&env, id), 1, "{id}");
     }
     assert!(
-        env.store.largest_batch() >= 8,
+        env.store.largest_model_answer_batch() >= 8,
         "the eight answers went in one statement"
     );
 }

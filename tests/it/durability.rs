@@ -645,6 +645,12 @@ async fn a_graceful_shutdown_hands_running_jobs_over_at_once() {
         1,
         "the model did the work once"
     );
+    assert_eq!(
+        env.provider.requests_for(&gen_key("handover-1")),
+        2,
+        "the abandoned call was asked for again, once, under its key"
+    );
+    assert_eq!(env.provider.total_work(), 1, "no work under another key");
     assert_one_delivery(&env, "handover-1");
 }
 

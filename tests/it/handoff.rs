@@ -117,6 +117,12 @@ async fn a_node_that_dies_after_a_hand_off_leaves_the_job_to_another() {
         vec!["node-b"]
     );
     assert_eq!(env.provider.work_done("job:h-crash:generate"), 1);
+    assert_eq!(
+        env.provider.requests_for("job:h-crash:generate"),
+        2,
+        "the unjournaled answer was asked for again, once, under its key"
+    );
+    assert_eq!(env.provider.total_work(), 1, "no work under another key");
     assert_eq!(env.consumer.deliveries_for("h-crash").len(), 1);
     assert_eq!(
         b.counters()

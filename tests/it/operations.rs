@@ -682,6 +682,8 @@ async fn dead_and_cancelled_jobs_send_their_event_once() {
         })
         .await
     );
+    // The model answers 3 s after this: the attempt then finishes its call.
+    let answered_by = std::time::Instant::now() + Duration::from_millis(3500);
     assert_eq!(
         env.store
             .cancel("cancel-ev", "test", "no longer needed")
@@ -700,10 +702,27 @@ async fn dead_and_cancelled_jobs_send_their_event_once() {
     assert_eq!(event.body["type"], "job.cancelled");
     assert_eq!(event.body["reason"], "no longer needed");
 
-    // The quiet one sent nothing, ever.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The quiet one sent nothing, ever; the cancelled one, once its
+    // attempt's model call has ended too, nothing but its one event.
+    tokio::time::sleep_until(
+        answered_by
+            .max(std::time::Instant::now() + Duration::from_millis(500))
+            .into(),
+    )
+    .await;
     assert_eq!(env.consumer.deliveries_for("fail-quiet").len(), 0);
     assert_eq!(env.consumer.deliveries_for("fail-ev").len(), 2);
+    let cancel_ev: Vec<_> = env
+        .consumer
+        .deliveries_for("cancel-ev")
+        .into_iter()
+        .map(|d| d.webhook_id)
+        .collect();
+    assert_eq!(
+        cancel_ev,
+        [Some("job:cancel-ev:cancelled".to_owned())],
+        "no completion after the cancel"
+    );
 }
 
 /// Dead letters outlive finished jobs: kept `dead_retention`, so they can

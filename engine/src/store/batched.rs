@@ -625,20 +625,10 @@ impl Store {
         self.batches.model_answer.queued()
     }
 
-    /// The most requests one group-commit batch has held, over every kind.
+    /// The most requests one batch of model answers has held.
     #[doc(hidden)]
-    pub fn largest_batch(&self) -> usize {
-        [
-            self.batches.ack.largest(),
-            self.batches.delivered.largest(),
-            self.batches.model_answer.largest(),
-            self.batches.intake.largest(),
-            self.batches.commit_result.largest(),
-            self.batches.begin_call.largest(),
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0)
+    pub fn largest_model_answer_batch(&self) -> usize {
+        self.batches.model_answer.largest()
     }
 
     /// Test seam: runs the group-commit statement `kind` over `fences`
