@@ -214,6 +214,51 @@ impl Workflow for SentInMemory {
     }
 }
 
+/// Broken on purpose: it runs its side effect as a journaled step, then
+/// sends it once more under the step's own key, outside the step, on every
+/// run. A replay of the job repeats a send whose outcome is journaled; the
+/// recorder drops the repeat (same key, processed once), so only the
+/// explorer's journal check can see it.
+struct SentAgainOutsideItsStep {
+    url: String,
+}
+
+impl Workflow for SentAgainOutsideItsStep {
+    const NAME: &'static str = "broken.sent_again_outside_its_step";
+    type Input = Note;
+    type Output = Note;
+
+    async fn run(&self, ctx: &mut Context, note: Note) -> Result<Note, StepError> {
+        let body = json!({ "job_id": ctx.job_id(), "text": note.text });
+        let url = self.url.clone();
+        let key = ctx
+            .step("notify", |step| {
+                let body = body.clone();
+                async move {
+                    step.client
+                        .post(&url)
+                        .header("idempotency-key", &step.idempotency_key)
+                        .json(&body)
+                        .send()
+                        .await
+                        .map_err(|e| {
+                            StepError::permanent("send", "could not notify", e.to_string())
+                        })?;
+                    Ok(step.idempotency_key)
+                }
+            })
+            .await?;
+        ctx.http()
+            .post(&self.url)
+            .header("idempotency-key", key)
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| StepError::permanent("send", "could not confirm", e.to_string()))?;
+        Ok(note)
+    }
+}
+
 /// Explores a deliberately broken workflow that sends its side effect to a
 /// recorder; the explorer must find at least one broken invariant.
 async fn explore_broken<W: Workflow>(make: impl Fn(String) -> W + 'static) -> Report {
@@ -267,6 +312,21 @@ async fn the_explorer_catches_an_in_memory_already_sent_check() {
     assert!(
         failures.iter().all(|r| r.effect_requests > 1
             && r.violations.iter().any(|v| v.contains("processed 2 times"))),
+        "{report}"
+    );
+}
+
+#[actix_rt::test]
+async fn the_explorer_catches_a_journaled_effect_sent_again() {
+    let report = explore_broken(|url| SentAgainOutsideItsStep { url }).await;
+    // Caught for the right reason, and only by the journal check: every
+    // failing row is a crash after the step's journal commit, and the
+    // recorder saw one key, processed once, as in the clean run.
+    let failures = report.failures();
+    assert!(
+        failures.iter().all(|r| r.mode != Mode::Freeze
+            && r.violations.len() == 1
+            && r.violations[0].contains(":step:notify was journaled before the crash")),
         "{report}"
     );
 }

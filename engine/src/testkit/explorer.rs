@@ -19,7 +19,10 @@
 //!    state skipped or repeated; a stream journal (what watchers were
 //!    shown) with as many chunks and resets as the clean run's, since the
 //!    fake provider replays a stream asked again under its key, whose text
-//!    is each streamed call's journaled answer. The clean
+//!    is each streamed call's journaled answer; and after a crash, no
+//!    request at all under a key whose outcome the dead attempt had
+//!    journaled (a model call answered, a tool call or step completed, a
+//!    webhook recorded delivered). The clean
 //!    run itself must end `acked`.
 //!
 //! ```no_run
@@ -282,6 +285,9 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 self.submit(&id).await;
                 let fired = super::wait_until(wait, || async { env.faults.fired(&id) }).await;
                 crashing.shutdown();
+                // What the dead attempt had journaled is never asked for again.
+                let journaled = self.journaled(&id).await;
+                let resumed_at = std::time::Instant::now();
                 let resumed = node(if mode == Mode::Crash {
                     "crashing"
                 } else {
@@ -289,7 +295,10 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 });
                 let counts = self.settle(&id, wait).await;
                 resumed.shutdown();
-                rows.push(row(*point, *nth, mode, &id, fired, &baseline, &counts));
+                let mut row = row(*point, *nth, mode, &id, fired, &baseline, &counts);
+                row.violations
+                    .extend(self.asked_again(&journaled, resumed_at));
+                rows.push(row);
             }
         }
 
@@ -364,6 +373,59 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         })
         .await;
         self.count(id).await
+    }
+
+    /// The keys of `id`'s side effects whose outcome is journaled: model
+    /// calls answered, tool calls and steps completed, webhooks recorded
+    /// delivered.
+    async fn journaled(&self, id: &str) -> Vec<String> {
+        let rows = self
+            .env
+            .sql(&format!(
+                "SELECT idempotency_key AS key FROM model_calls \
+                     WHERE job_id = '{id}' AND status = 'completed' \
+                 UNION ALL SELECT 'job:' || job_id || ':tool:' || turn || ':' || call_index \
+                     FROM tool_calls WHERE job_id = '{id}' AND status = 'completed' \
+                 UNION ALL SELECT step_key FROM steps WHERE job_id = '{id}' \
+                 UNION ALL SELECT idempotency_key FROM outbox \
+                     WHERE job_id = '{id}' AND status = 'delivered'",
+                id = id.replace('\'', "''")
+            ))
+            .await;
+        rows.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r["key"].as_str().map(str::to_owned))
+            .collect()
+    }
+
+    /// One violation per journaled key that the provider, the webhook
+    /// consumer or a recorder received again after `since`.
+    fn asked_again(&self, journaled: &[String], since: std::time::Instant) -> Vec<String> {
+        let env = self.env;
+        let is = |key: &Option<String>, wanted: &str| key.as_deref() == Some(wanted);
+        journaled
+            .iter()
+            .filter_map(|key| {
+                let model = env
+                    .provider
+                    .requests()
+                    .iter()
+                    .filter(|r| r.received_at > since && is(&r.idempotency_key, key))
+                    .count();
+                let sent = std::iter::once(&env.consumer)
+                    .chain(&self.recorders)
+                    .flat_map(|c| c.deliveries())
+                    .filter(|d| d.received_at > since && is(&d.idempotency_key, key))
+                    .count();
+                (model + sent > 0).then(|| {
+                    format!(
+                        "{key} was journaled before the crash, yet sent again {} times",
+                        model + sent
+                    )
+                })
+            })
+            .collect()
     }
 
     async fn count(&self, id: &str) -> Counts {
