@@ -8,7 +8,8 @@
 //!    and a new node with another name (it waits for the lease) — and
 //!    another that freezes there past the lease (the other node takes over
 //!    while the first attempt is still alive), on two nodes with separate
-//!    memory. Every armed failpoint must fire.
+//!    memory. Every armed failpoint must fire; a job frozen unfinished
+//!    must be taken over by another attempt, and the frozen one wake.
 //! 3. It checks each job against the invariants, by counting: the job ended
 //!    where the clean run ended; one distinct delivery key, processed once;
 //!    every model call's work done once, under as many keys as the clean run;
@@ -312,21 +313,34 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             env.faults
                 .arm_nth(&id, *point, Action::Freeze(freeze), *nth);
             self.submit(&id).await;
+            // Frozen with its job unfinished, the attempt must be taken over:
+            // the job can then only end by another attempt.
+            let frozen_live = super::wait_until(wait, || async { env.faults.fired(&id) }).await
+                && env
+                    .store
+                    .job(&id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .is_some_and(|j| !j.state.is_terminal());
             self.settle(&id, wait).await;
             // Let the zombie wake up and try whatever it was about to do.
-            super::wait_until(wait, || async { !env.faults.any_frozen() }).await;
+            let woke = super::wait_until(wait, || async { !env.faults.any_frozen() }).await;
             tokio::time::sleep(lease).await;
             let counts = self.count(&id).await;
             let fired = env.faults.fired(&id);
-            rows.push(row(
-                *point,
-                *nth,
-                Mode::Freeze,
-                &id,
-                fired,
-                &baseline,
-                &counts,
-            ));
+            let mut row = row(*point, *nth, Mode::Freeze, &id, fired, &baseline, &counts);
+            if frozen_live && counts.attempts < 2 {
+                row.violations.push(format!(
+                    "frozen with the job unfinished, yet no other attempt took it over ({} attempt)",
+                    counts.attempts
+                ));
+            }
+            if !woke {
+                row.violations
+                    .push("the frozen attempt never woke up".to_owned());
+            }
+            rows.push(row);
         }
         a.shutdown();
         b.shutdown();
