@@ -3,8 +3,10 @@
 //!
 //! Requests are authenticated with API tokens ([`Auth`]): a token sees its
 //! own jobs (another's is `404`), an admin token all of them. `POST` bodies
-//! must be JSON (`415`), and the `Host` must be one this server answers
-//! (`421`, against DNS rebinding).
+//! must be JSON (`415`), the `Host` must be one this server answers
+//! (`421`, against DNS rebinding), and a `POST` a browser sent from another
+//! site's page is refused (`403`). Event streams are bounded per node and
+//! per token (`429`).
 //!
 //! Errors are `{"error":{"code","message"[,"field"]}}`. No bad request changes
 //! stored state: the body is read under a size limit, parsed, validated, and
@@ -451,10 +453,25 @@ fn cross_site(state: &ApiState, req: &HttpRequest) -> Option<HttpResponse> {
         error(
             StatusCode::FORBIDDEN,
             "cross_site",
-            "a page of another site may not call this API;              call it from the console or a client that is not a browser",
+            "a page of another site may not call this API; \
+             call it from the console or a client that is not a browser",
             None,
         )
     })
+}
+
+/// `408`: a request body (intake's or an action's) did not arrive within
+/// [`Limits::body_timeout`].
+fn body_timed_out(limits: &Limits) -> HttpResponse {
+    error(
+        StatusCode::REQUEST_TIMEOUT,
+        "body_timeout",
+        format!(
+            "the request body did not arrive within {} s",
+            limits.body_timeout.as_secs_f64()
+        ),
+        None,
+    )
 }
 
 /// `host[:port]` of an `Origin` value (`scheme://host[:port]`); `None` for
@@ -571,17 +588,7 @@ async fn submit(
     match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
         Ok(Ok(())) => {}
         Ok(Err(refused)) => return refused,
-        Err(_) => {
-            return error(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!(
-                    "the request body did not arrive within {} s",
-                    state.limits.body_timeout.as_secs_f64()
-                ),
-                None,
-            )
-        }
+        Err(_) => return body_timed_out(&state.limits),
     }
     let job = match intake::parse(&body, &state.registry, &state.url_guard) {
         Ok(job) => job,
@@ -920,17 +927,7 @@ async fn action_body(
     };
     match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
         Ok(read) => read?,
-        Err(_) => {
-            return Err(error(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!(
-                    "the request body did not arrive within {} s",
-                    state.limits.body_timeout.as_secs_f64()
-                ),
-                None,
-            ))
-        }
+        Err(_) => return Err(body_timed_out(&state.limits)),
     }
     if body.is_empty() {
         return Ok(ActionBody::default());

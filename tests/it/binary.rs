@@ -170,27 +170,7 @@ async fn a_hundred_jobs_survive_two_sigkills_of_serve() {
         );
     }
     assert!(provider.keys_worked_twice().is_empty());
-    // Work under any other key (or none) would be a second bill for a job.
-    let expected: HashSet<String> = ids.iter().map(|id| format!("job:{id}:generate")).collect();
-    let strays: Vec<_> = provider
-        .requests()
-        .iter()
-        .filter(|r| {
-            !r.idempotency_key
-                .as_ref()
-                .is_some_and(|k| expected.contains(k))
-        })
-        .map(|r| r.idempotency_key.clone())
-        .collect();
-    assert!(
-        strays.is_empty(),
-        "model requests under no job's key: {strays:?}"
-    );
-    assert_eq!(
-        provider.total_work(),
-        ids.len() as u64,
-        "model work once per job, in all"
-    );
+    crate::support::assert_model_work_once_per_job(&provider, &ids);
     let raw_repeats = consumer.deliveries().iter().filter(|d| d.duplicate).count();
     println!("100 jobs, 2 SIGKILLs: {raw_repeats} repeated webhook requests (same key, dropped by the consumer)");
 }

@@ -160,27 +160,7 @@ async fn jobs_survive_random_sigkills_and_a_postgres_restart() {
             "{id}"
         );
     }
-    // Work under any other key (or none) would be a second bill for a job.
-    let expected: HashSet<String> = ids.iter().map(|id| format!("job:{id}:generate")).collect();
-    let strays: Vec<_> = provider
-        .requests()
-        .iter()
-        .filter(|r| {
-            !r.idempotency_key
-                .as_ref()
-                .is_some_and(|k| expected.contains(k))
-        })
-        .map(|r| r.idempotency_key.clone())
-        .collect();
-    assert!(
-        strays.is_empty(),
-        "model requests under no job's key: {strays:?}"
-    );
-    assert_eq!(
-        provider.total_work(),
-        ids.len() as u64,
-        "model work once per job, in all"
-    );
+    crate::support::assert_model_work_once_per_job(&provider, &ids);
     let repeats = consumer.deliveries().iter().filter(|d| d.duplicate).count();
     let model_requests = provider.requests().len();
     println!(

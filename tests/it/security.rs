@@ -49,6 +49,24 @@ fn api_limited(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth, limits:
     })
 }
 
+/// Development mode (no tokens) that answers only its own listen address
+/// as `Host`, as `serve` on loopback does.
+fn api_answering_its_listen_address(env: &TestEnv) -> String {
+    serve_api_for(|addr| ApiState {
+        store: env.store.clone(),
+        registry: registry(),
+        body_limit: DEFAULT_BODY_LIMIT,
+        telemetry: Arc::new(onceflow_observability::Telemetry::disabled()),
+        url_guard: UrlGuard::allow_private(),
+        hosts: Hosts::for_listen(addr, &[]),
+        auth: Auth::Off,
+        limits: Default::default(),
+        draining: Default::default(),
+        trace_url: None,
+        handoff: None,
+    })
+}
+
 fn job_body(id: &str, webhook_url: &str) -> Value {
     json!({
         "id": id, "workflow": "completion", "webhook_url": webhook_url,
@@ -306,19 +324,7 @@ async fn a_huge_provider_answer_is_cut_off() {
 #[actix_rt::test]
 async fn posts_must_be_json_and_hosts_must_be_known() {
     let env = TestEnv::new().await;
-    let base = serve_api_for(|addr| ApiState {
-        store: env.store.clone(),
-        registry: registry(),
-        body_limit: DEFAULT_BODY_LIMIT,
-        telemetry: Arc::new(onceflow_observability::Telemetry::disabled()),
-        url_guard: UrlGuard::allow_private(),
-        hosts: Hosts::for_listen(addr, &[]),
-        auth: Auth::Off,
-        limits: Default::default(),
-        draining: Default::default(),
-        trace_url: None,
-        handoff: None,
-    });
+    let base = api_answering_its_listen_address(&env);
     let body = serde_json::to_vec(&job_body("ct-1", &env.consumer.url())).unwrap();
     for content_type in [
         "text/plain",
@@ -356,19 +362,7 @@ async fn posts_must_be_json_and_hosts_must_be_known() {
 #[actix_rt::test]
 async fn a_page_of_another_site_can_change_nothing() {
     let env = TestEnv::new().await;
-    let base = serve_api_for(|addr| ApiState {
-        store: env.store.clone(),
-        registry: registry(),
-        body_limit: DEFAULT_BODY_LIMIT,
-        telemetry: Arc::new(onceflow_observability::Telemetry::disabled()),
-        url_guard: UrlGuard::allow_private(),
-        hosts: Hosts::for_listen(addr, &[]),
-        auth: Auth::Off,
-        limits: Default::default(),
-        draining: Default::default(),
-        trace_url: None,
-        handoff: None,
-    });
+    let base = api_answering_its_listen_address(&env);
     let mut job = job_body("xs-1", &env.consumer.url());
     job["delay_ms"] = json!(3_600_000);
     let (status, answer) = post_json(&base, &job).await;

@@ -240,3 +240,33 @@ impl Drop for StopPostgresOnDrop {
         }
     }
 }
+
+/// Every model request the provider received was under one of the jobs'
+/// `job:{id}:generate` keys, and the work was done once per job in all:
+/// work under any other key (or none) would be a second bill for a job.
+pub fn assert_model_work_once_per_job(
+    provider: &onceflow_engine::testkit::FakeProvider,
+    ids: &[String],
+) {
+    let expected: std::collections::HashSet<String> =
+        ids.iter().map(|id| format!("job:{id}:generate")).collect();
+    let strays: Vec<_> = provider
+        .requests()
+        .iter()
+        .filter(|r| {
+            !r.idempotency_key
+                .as_ref()
+                .is_some_and(|k| expected.contains(k))
+        })
+        .map(|r| r.idempotency_key.clone())
+        .collect();
+    assert!(
+        strays.is_empty(),
+        "model requests under no job's key: {strays:?}"
+    );
+    assert_eq!(
+        provider.total_work(),
+        ids.len() as u64,
+        "model work once per job, in all"
+    );
+}
