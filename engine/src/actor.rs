@@ -127,8 +127,10 @@ pub(crate) struct JobRun {
     ctx: Context,
     shared: Arc<Shared>,
     /// Set when this attempt claimed the completion event itself: the outbox
-    /// row was born with send 1 in flight for us (url, body).
-    first_send: Option<(String, Value)>,
+    /// row was born with send 1 in flight for us (url, body), and the lease
+    /// runs for at least `lease` from the instant given (taken before the
+    /// commit was sent).
+    first_send: Option<(String, Value, std::time::Instant)>,
 }
 
 impl JobRun {
@@ -292,6 +294,7 @@ impl JobRun {
             url: &self.webhook_url,
             body: &body,
             in_flight_ms: at_least_once.then(|| self.delivery_in_flight_ms()),
+            lease_ms: at_least_once.then(|| self.shared.config.lease.as_millis() as i64),
         };
         // One commit: `persist` (when the output is new) and `claim` spans
         // cover the same statement.
@@ -315,6 +318,7 @@ impl JobRun {
                 KeyValue::new(SHARED_COMMIT, shared_commit),
             ],
         );
+        let committing = std::time::Instant::now();
         let c = self
             .shared
             .store
@@ -325,7 +329,7 @@ impl JobRun {
         }
         claim_span.end(checkpoint_outcome(c));
         if c == Checkpoint::Moved && at_least_once {
-            self.first_send = Some((self.webhook_url.clone(), body));
+            self.first_send = Some((self.webhook_url.clone(), body, committing));
         }
         self.settled(c, JobState::Claimed, "claimed")
     }
@@ -357,12 +361,22 @@ impl JobRun {
                 return Err(StepError::Draining);
             }
             let start = match self.first_send.take() {
-                // We claimed the event in this attempt: send 1 is ours already.
-                Some((url, body)) => DeliveryStart::Send {
-                    attempt: 1,
-                    url,
-                    body,
-                },
+                // We claimed the event in this attempt: send 1 is ours
+                // already. While the lease the commit extended has at least
+                // half to run, no takeover can have happened; later (the
+                // attempt was paused or slow), the fence is read first.
+                Some((url, body, committing)) => {
+                    if committing.elapsed() >= self.shared.config.lease / 2
+                        && !store.holds(&self.fence).await?
+                    {
+                        return Err(StepError::LeaseLost);
+                    }
+                    DeliveryStart::Send {
+                        attempt: 1,
+                        url,
+                        body,
+                    }
+                }
                 None => {
                     store
                         .begin_delivery(&self.fence, &key, at_most_once, in_flight_ms)

@@ -200,6 +200,7 @@ impl Context {
                     }
                     return Ok(waited);
                 }
+                Admission::Fenced => return Err(StepError::LeaseLost),
                 Admission::Wait { retry_in, since_us } => {
                     place.queued_since(since_us);
                     if !waited {
@@ -457,6 +458,9 @@ impl Context {
             let mut ask = Ask {
                 key: &limit_key,
                 holder: &holder,
+                job_id: &self.fence.job_id,
+                call_key: &key,
+                epoch: self.fence.epoch,
                 node: &self.fence.worker,
                 lease_ms: in_flight_ms,
                 spec,
@@ -465,14 +469,9 @@ impl Context {
                 queued: false,
                 refresh_node: false,
             };
-            if Box::pin(self.wait_for_slot(&mut ask)).await? {
-                // It waited: the in-flight mark counts from the send.
-                Box::pin(
-                    self.store
-                        .extend_in_flight(&key, self.fence.epoch, in_flight_ms),
-                )
-                .await?;
-            }
+            // Granted only while this attempt still holds the job, with the
+            // call's in-flight mark renewed from the send.
+            Box::pin(self.wait_for_slot(&mut ask)).await?;
         }
         let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
         let sent = if streaming {
@@ -949,9 +948,18 @@ impl Context {
                 KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
             ],
         );
-        if let Some(stored) = self.store.step_output(&self.fence.job_id, &key).await? {
-            span.end(OUTCOME_REPLAYED);
-            return decode(&stored);
+        // Fenced before the work runs: a cancelled or taken-over attempt
+        // runs no step body.
+        match self.store.begin_step(&self.fence, &key).await? {
+            None => {
+                span.end(OUTCOME_SUPPRESSED);
+                return Err(StepError::LeaseLost);
+            }
+            Some(Some(stored)) => {
+                span.end(OUTCOME_REPLAYED);
+                return decode(&stored);
+            }
+            Some(None) => {}
         }
         self.not_draining()?;
         let output = work(StepInvocation {

@@ -27,6 +27,12 @@ pub type Conn<'a> = bb8::PooledConnection<'a, AsyncDieselConnectionManager<Async
 #[derive(Clone)]
 pub struct Db {
     pool: Pool<AsyncPgConnection>,
+    /// Lease renewals only: a heartbeat never queues behind the actors'
+    /// checkpoints, however saturated `pool` is.
+    lease_pool: Pool<AsyncPgConnection>,
+    /// Token lookups only: a flood of requests with bogus tokens waits here,
+    /// never for the connections checkpoints and heartbeats use.
+    auth_pool: Pool<AsyncPgConnection>,
     runtime: Arc<DbRuntime>,
     url: Arc<str>,
 }
@@ -61,31 +67,51 @@ impl Db {
             .build()
             .map_err(|e| StoreError::Migrate(format!("cannot start the database runtime: {e}")))?;
         let handle = runtime.handle().clone();
-        let mut config = ManagerConfig::default();
-        config.custom_setup = Box::new(move |url| {
-            let url = url.to_owned();
+        // Every connection is opened on the database runtime (see above).
+        let manager = || {
             let handle = handle.clone();
-            async move {
-                handle
-                    .spawn(async move { AsyncPgConnection::establish(&url).await })
-                    .await
-                    .unwrap_or_else(|e| Err(diesel::ConnectionError::BadConnection(e.to_string())))
-            }
-            .boxed()
-        });
-        let manager = AsyncDieselConnectionManager::new_with_config(url, config);
+            let mut config = ManagerConfig::default();
+            config.custom_setup = Box::new(move |url| {
+                let url = url.to_owned();
+                let handle = handle.clone();
+                async move {
+                    handle
+                        .spawn(async move { AsyncPgConnection::establish(&url).await })
+                        .await
+                        .unwrap_or_else(|e| {
+                            Err(diesel::ConnectionError::BadConnection(e.to_string()))
+                        })
+                }
+                .boxed()
+            });
+            AsyncDieselConnectionManager::new_with_config(url, config)
+        };
+        // No `SELECT 1` before every checkout (it was ~9 round trips per
+        // job): a connection that broke fails its query, the step is
+        // retried, and bb8 drops connections diesel-async marks broken.
         let pool = Pool::builder()
             .max_size(max_size)
             // Under a burst (thousands of actors finishing at once) waiting for a
             // connection is backpressure, not a failure.
             .connection_timeout(Duration::from_secs(120))
-            // No `SELECT 1` before every checkout (it was ~9 round trips per
-            // job): a connection that broke fails its query, the step is
-            // retried, and bb8 drops connections diesel-async marks broken.
             .test_on_check_out(false)
-            .build_unchecked(manager);
+            .build_unchecked(manager());
+        // Opened on first use; one heartbeat statement runs at a time per
+        // node, so two connections leave room for a reconnect.
+        let lease_pool = Pool::builder()
+            .max_size(2)
+            .connection_timeout(Duration::from_secs(10))
+            .test_on_check_out(false)
+            .build_unchecked(manager());
+        let auth_pool = Pool::builder()
+            .max_size(4)
+            .connection_timeout(Duration::from_secs(10))
+            .test_on_check_out(false)
+            .build_unchecked(manager());
         let db = Db {
             pool,
+            lease_pool,
+            auth_pool,
             runtime: Arc::new(DbRuntime(Some(runtime))),
             url: url.into(),
         };
@@ -97,6 +123,16 @@ impl Db {
     /// Borrows a connection from the pool.
     pub async fn conn(&self) -> Result<Conn<'_>, StoreError> {
         Ok(self.pool.get().await?)
+    }
+
+    /// Borrows a connection reserved for lease renewals.
+    pub async fn lease_conn(&self) -> Result<Conn<'_>, StoreError> {
+        Ok(self.lease_pool.get().await?)
+    }
+
+    /// Borrows a connection reserved for token lookups.
+    pub async fn auth_conn(&self) -> Result<Conn<'_>, StoreError> {
+        Ok(self.auth_pool.get().await?)
     }
 
     /// The URL this pool connects to.

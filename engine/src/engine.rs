@@ -356,9 +356,10 @@ async fn listen_on(
     limiter: &crate::limits::Limiter,
 ) -> Result<(), diesel::result::Error> {
     use crate::store::limits::LIMITS_CHANNEL;
+    use crate::store::operate::CANCEL_CHANNEL;
     use crate::store::streams::STREAM_CHANNEL;
     conn.batch_execute(&format!(
-        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}; LISTEN {STREAM_CHANNEL}"
+        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}; LISTEN {STREAM_CHANNEL}; LISTEN {CANCEL_CHANNEL}"
     ))
     .await?;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
@@ -368,6 +369,8 @@ async fn listen_on(
             limiter.wake(&n.payload);
         } else if n.channel == STREAM_CHANNEL {
             store.stream_moved(&n.payload);
+        } else if n.channel == CANCEL_CHANNEL {
+            supervisor.do_send(crate::supervisor::Cancelled(n.payload));
         } else {
             supervisor.do_send(Poll);
         }

@@ -485,6 +485,14 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
     let events = shared.store.claim_events(EVENT_BATCH, in_flight_ms).await?;
     let n = events.len();
     for event in events {
+        if !shared
+            .store
+            .mark_event_sending(&event, in_flight_ms)
+            .await?
+        {
+            tracing::debug!(key = %event.idempotency_key, "another node claimed this event meanwhile");
+            continue;
+        }
         let sender = crate::webhook::Sender {
             client: &shared.client,
             guard: &config.url_guard,
@@ -569,6 +577,23 @@ impl Handler<InFlight> for Supervisor {
     type Result = usize;
     fn handle(&mut self, _: InFlight, _: &mut Self::Context) -> usize {
         self.in_flight.len()
+    }
+}
+
+/// Job `0` was cancelled (on any node): its attempt here, if any, stops at
+/// once, wherever it waits (a provider limit, a model call, a step).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Cancelled(pub String);
+
+impl Handler<Cancelled> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, Cancelled(id): Cancelled, _: &mut Self::Context) {
+        if let Some((_, addr)) = self.in_flight.remove(&id) {
+            tracing::info!(job.id = %id, "cancelled; stopping the attempt");
+            addr.do_send(Abort);
+            self.report_in_flight();
+        }
     }
 }
 

@@ -69,6 +69,9 @@ pub(crate) struct CommitResult {
     pub(crate) url: String,
     pub(crate) body: Value,
     pub(crate) in_flight_ms: Option<i64>,
+    /// The lease runs at least this long from the commit (see
+    /// [`Claim::lease_ms`](super::journal::Claim::lease_ms)).
+    pub(crate) lease_ms: Option<i64>,
 }
 
 /// The fast path of `begin_model_call`: the fenced insert of a fresh row,
@@ -349,19 +352,23 @@ pub(crate) async fn commit_result_on(
     let urls: Vec<&str> = requests.iter().map(|r| r.url.as_str()).collect();
     let bodies: Vec<&Value> = requests.iter().map(|r| &r.body).collect();
     let in_flight: Vec<Option<i64>> = requests.iter().map(|r| r.in_flight_ms).collect();
+    let lease: Vec<Option<i64>> = requests.iter().map(|r| r.lease_ms).collect();
     let moved: Vec<IdRow> = sql(concat!(
         "WITH input AS (SELECT * FROM unnest( \
                  (SELECT $1::text[]), (SELECT $2::bigint[]), (SELECT $3::int[]), \
                  (SELECT $4::text[]), (SELECT $5::text[]), (SELECT $6::text[]), \
                  (SELECT $7::jsonb[]), (SELECT $8::text[]), (SELECT $9::text[]), \
-                 (SELECT $10::text[]), (SELECT $11::jsonb[]), (SELECT $12::bigint[])) \
+                 (SELECT $10::text[]), (SELECT $11::jsonb[]), (SELECT $12::bigint[]), \
+                 (SELECT $13::bigint[])) \
              AS i(id, epoch, attempt, worker, from_state, passed, output, event, key, url, body, \
-                  in_flight_ms)), \
+                  in_flight_ms, lease_ms)), \
 ",
         lock_in_order!("$1"),
         ", ",
         "         moved AS ( \
-             UPDATE jobs j SET state = 'claimed', updated_at = now() \
+             UPDATE jobs j SET state = 'claimed', updated_at = now(), \
+                 lease_expires_at = CASE WHEN i.lease_ms IS NULL THEN j.lease_expires_at \
+                     ELSE greatest(j.lease_expires_at, clock_timestamp() + i.lease_ms * interval '1 millisecond') END \
              FROM input i \
              WHERE j.id = i.id AND j.state = i.from_state::job_state AND j.lease_epoch = i.epoch \
                AND (SELECT count(*) FROM locked) >= 0 \
@@ -397,6 +404,7 @@ pub(crate) async fn commit_result_on(
     .bind::<Array<Text>, _>(&urls)
     .bind::<Array<Jsonb>, _>(&bodies)
     .bind::<Array<Nullable<BigInt>>, _>(&in_flight)
+    .bind::<Array<Nullable<BigInt>>, _>(&lease)
     .load(conn)
     .await?;
     outcomes(conn, requests, moved).await
@@ -688,6 +696,7 @@ impl Store {
                                 url: "http://127.0.0.1:9/".into(),
                                 body: Value::Null,
                                 in_flight_ms: None,
+                                lease_ms: Some(30_000),
                             })
                             .collect();
                         commit_result_on(conn, &requests).await?;

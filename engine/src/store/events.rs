@@ -60,6 +60,33 @@ impl Store {
         .await?)
     }
 
+    /// Marks claimed `event` in flight for `in_flight_ms` from now, just
+    /// before its own send, when this node's claim still holds it (no other
+    /// node claimed it since: its `attempts` is the one this claim set). A
+    /// batch's single claim mark would lapse while earlier events of the
+    /// batch are sent to a slow consumer; this one covers each send. False:
+    /// another node has it, do not send.
+    pub async fn mark_event_sending(
+        &self,
+        event: &EventSend,
+        in_flight_ms: i64,
+    ) -> Result<bool, StoreError> {
+        retrying!(self, "mark_event_sending", async || {
+            let mut conn = self.db().conn().await?;
+            let n = sql(
+                "UPDATE outbox SET in_flight_until = clock_timestamp() + $3 * interval '1 millisecond' \
+                 WHERE idempotency_key = $1 AND attempts = $2 AND status = 'claimed'",
+            )
+            .bind::<Text, _>(&event.idempotency_key)
+            .bind::<Integer, _>(event.attempts)
+            .bind::<BigInt, _>(in_flight_ms)
+            .execute(&mut conn)
+            .await?;
+            Ok(n == 1)
+        })
+        .await
+    }
+
     /// Records an event's outcome: delivered (`status` set), retried at
     /// `retry_at`, or closed `dead` (`retry_at` none). A closed event's
     /// `run_at` becomes `infinity`: the index of due events keeps closed ones

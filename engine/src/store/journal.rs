@@ -89,6 +89,11 @@ pub struct Claim<'a> {
     /// How long the claimant's first send is marked in flight; `None` leaves
     /// the row unsent (at-most-once marks each send only as it starts).
     pub in_flight_ms: Option<i64>,
+    /// When set, the commit also extends the job's lease to at least this
+    /// long from the commit: until half of it has passed, the claimant's
+    /// first send needs no further fenced read (no other attempt can take
+    /// a job whose lease has not expired; a cancel stops the attempt).
+    pub lease_ms: Option<i64>,
 }
 
 /// What a failed send records on its model-call or outbox row.
@@ -557,6 +562,7 @@ impl Store {
             url: claim.url.to_owned(),
             body: claim.body.clone(),
             in_flight_ms: claim.in_flight_ms,
+            lease_ms: claim.lease_ms,
         };
         retrying!(self, "commit_result", async || {
             self.batches.commit_result.call(request.clone()).await

@@ -228,7 +228,7 @@ impl Store {
         if held.is_empty() {
             return Ok(Renewal::default());
         }
-        let mut conn = self.db().conn().await?;
+        let mut conn = self.db().lease_conn().await?;
         Self::renew_on(&mut conn, node, held, lease_ms).await
     }
 
@@ -290,6 +290,23 @@ impl Store {
     /// lock first, so writes of one job are serialised (a takeover, or a
     /// concurrent attempt sharing the lease, waits for the commit) and always
     /// lock the job row before any side table, which rules out deadlocks.
+    /// Whether `fence` still holds its unfinished job (no cancel, no
+    /// takeover): the check before a send that follows no fenced write.
+    pub async fn holds(&self, fence: &Fence) -> Result<bool, StoreError> {
+        retrying!(self, "holds", async || {
+            let mut conn = self.db().conn().await?;
+            let rows: Vec<IdRow> = sql(
+                "SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
+            )
+            .bind::<Text, _>(&fence.job_id)
+            .bind::<BigInt, _>(fence.epoch)
+            .load(&mut conn)
+            .await?;
+            Ok(rows.len() == 1)
+        })
+        .await
+    }
+
     pub(crate) async fn hold_fence(
         conn: &mut AsyncPgConnection,
         fence: &Fence,

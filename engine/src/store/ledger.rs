@@ -288,17 +288,33 @@ impl Store {
         .await
     }
 
-    /// The journaled output of step `key`, if it ran.
-    pub async fn step_output(&self, job_id: &str, key: &str) -> Result<Option<String>, StoreError> {
-        retrying!(self, "step_output", async || {
+    /// Begins step `key` under the attempt's fence, before its work runs:
+    /// the journaled output when the step already ran (`Some(Some(..))`),
+    /// `Some(None)` when this attempt is to run it, and `None` when the
+    /// attempt no longer holds the job (cancelled or taken over), so the
+    /// work must not run. The job's row is locked as every fenced write
+    /// locks it, so a cancel or takeover either commits before this (and
+    /// the step is refused) or waits for it.
+    pub async fn begin_step(
+        &self,
+        fence: &Fence,
+        key: &str,
+    ) -> Result<Option<Option<String>>, StoreError> {
+        retrying!(self, "begin_step", async || {
             let mut conn = self.db().conn().await?;
-            let rows: Vec<Output> =
-                sql("SELECT output FROM steps WHERE job_id = $1 AND step_key = $2")
-                    .bind::<Text, _>(job_id)
-                    .bind::<Text, _>(key)
-                    .load(&mut conn)
-                    .await?;
-            Ok(rows.into_iter().next().map(|r| r.output))
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                if !Store::hold_fence(conn, fence).await? {
+                    return Ok(None);
+                }
+                let rows: Vec<Output> =
+                    sql("SELECT output FROM steps WHERE job_id = $1 AND step_key = $2")
+                        .bind::<Text, _>(&fence.job_id)
+                        .bind::<Text, _>(key)
+                        .load(conn)
+                        .await?;
+                Ok(Some(rows.into_iter().next().map(|r| r.output)))
+            })
+            .await
         })
         .await
     }

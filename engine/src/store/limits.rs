@@ -43,6 +43,13 @@ pub struct Ask<'a> {
     pub key: &'a str,
     /// The call (its model-call key and the attempt's epoch).
     pub holder: &'a str,
+    /// The job the call belongs to.
+    pub job_id: &'a str,
+    /// The model call's idempotency key (its journal row).
+    pub call_key: &'a str,
+    /// The attempt's lease epoch: a slot is granted only while it still
+    /// holds the job (no cancel, no takeover since the call was journaled).
+    pub epoch: i64,
     /// The node running the call.
     pub node: &'a str,
     /// How long the slot is held if the node dies with it.
@@ -78,6 +85,10 @@ pub enum Admission {
         /// among the calls of its priority.
         since_us: i64,
     },
+    /// The attempt no longer holds the job (cancelled, or its lease taken
+    /// over) or the call is no longer in flight under its epoch: nothing is
+    /// granted and the call must not be sent.
+    Fenced,
 }
 
 impl Store {
@@ -213,6 +224,30 @@ impl Store {
                     retry_in,
                     since_us: room.since_us,
                 });
+            }
+            // The fence, checked as the slot is granted: the call was
+            // journaled before it waited, and a cancel or a takeover may
+            // have come meanwhile. Its in-flight mark counts from now, the
+            // send (a concurrent attempt waits on it).
+            let held = sql(
+                "UPDATE model_calls m SET in_flight_until = clock_timestamp() + $4 * interval '1 millisecond' \
+                 FROM jobs j \
+                 WHERE m.idempotency_key = $1 AND m.in_flight_epoch = $3 AND m.status <> 'completed' \
+                   AND j.id = $2 AND m.job_id = j.id AND j.lease_epoch = $3 AND j.finished_at IS NULL",
+            )
+            .bind::<Text, _>(ask.call_key)
+            .bind::<Text, _>(ask.job_id)
+            .bind::<BigInt, _>(ask.epoch)
+            .bind::<BigInt, _>(ask.lease_ms)
+            .execute(conn)
+            .await?;
+            if held == 0 {
+                sql("DELETE FROM provider_waiters WHERE limit_key = $1 AND holder = $2")
+                    .bind::<Text, _>(ask.key)
+                    .bind::<Text, _>(ask.holder)
+                    .execute(conn)
+                    .await?;
+                return Ok(Admission::Fenced);
             }
             sql(
                 "INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
@@ -360,26 +395,6 @@ impl Store {
         )
         .bind::<Text, _>(node)
         .bind::<Text, _>(LIMITS_CHANNEL)
-        .execute(&mut conn)
-        .await?;
-        Ok(())
-    }
-
-    /// Keeps `holder`'s model call marked in flight for `in_flight_ms` more,
-    /// from now, when `epoch` still holds the mark (a call that waited for
-    /// a provider limit sends only now).
-    pub async fn extend_in_flight(
-        &self,
-        holder: &str,
-        epoch: i64,
-        in_flight_ms: i64,
-    ) -> Result<(), StoreError> {
-        let mut conn = self.db().conn().await?;
-        sql("UPDATE model_calls SET in_flight_until = clock_timestamp() + $3 * interval '1 millisecond' \
-             WHERE idempotency_key = $1 AND in_flight_epoch = $2 AND status <> 'completed'")
-        .bind::<Text, _>(holder)
-        .bind::<BigInt, _>(epoch)
-        .bind::<BigInt, _>(in_flight_ms)
         .execute(&mut conn)
         .await?;
         Ok(())

@@ -47,6 +47,10 @@ struct StateRow {
     attempts: i32,
 }
 
+/// The channel a cancel is announced on (payload: the job id), so the node
+/// running the job stops its attempt at once, wherever the attempt waits.
+pub const CANCEL_CHANNEL: &str = "onceflow_cancelled";
+
 impl Store {
     /// Cancels job `id`: any live state → `cancelled`, in one statement that
     /// also bumps the lease epoch (an attempt still running is fenced out:
@@ -101,8 +105,9 @@ impl Store {
                  WHERE job_id IN (SELECT id FROM moved) AND status = 'claimed' AND event = 'job.completed'), \
              history AS ( \
                  INSERT INTO job_history (job_id, state, attempt, worker, note) \
-                 SELECT id, 'cancelled', attempts, $2, $4 FROM moved) \
-             SELECT EXISTS (SELECT 1 FROM moved) AS moved, \
+                 SELECT id, 'cancelled', attempts, $2, $4 FROM moved), \
+             told AS (SELECT pg_notify($7, id) FROM moved) \
+             SELECT EXISTS (SELECT 1 FROM moved) AND (SELECT count(*) FROM told) >= 0 AS moved, \
                  (SELECT state::text FROM jobs WHERE id = $1) AS state",
         )
         .bind::<Text, _>(id)
@@ -111,6 +116,7 @@ impl Store {
         .bind::<Text, _>(reason)
         .bind::<Text, _>(crate::keys::CANCELLED_EVENT)
         .bind::<Text, _>(&event_key)
+        .bind::<Text, _>(CANCEL_CHANNEL)
         .get_result(&mut conn)
         .await?;
         Ok(match (row.moved, row.state) {

@@ -137,7 +137,7 @@ impl Store {
             #[diesel(sql_type = Bool)]
             admin: bool,
         }
-        let mut conn = self.db().conn().await?;
+        let mut conn = self.db().auth_conn().await?;
         let rows: Vec<Row> =
             sql("SELECT id, admin FROM api_tokens WHERE token_hash = $1 AND revoked_at IS NULL")
                 .bind::<Text, _>(token_hash(token))
@@ -156,7 +156,7 @@ impl Store {
             #[diesel(sql_type = Bool)]
             exists: bool,
         }
-        let mut conn = self.db().conn().await?;
+        let mut conn = self.db().auth_conn().await?;
         let row: Row =
             sql("SELECT EXISTS (SELECT 1 FROM api_tokens WHERE revoked_at IS NULL) AS exists")
                 .get_result(&mut conn)
