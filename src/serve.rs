@@ -27,6 +27,18 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
     let result = actix_web::rt::System::new().block_on(async {
         let db = database.open(args.db.db_pool).await?;
         let store = Store::new(db);
+        // One live node per name, held until this process ends.
+        let mut _node_name = store
+            .db()
+            .dedicated()
+            .await
+            .context("opening the node's own connection")?;
+        if !Store::lock_node_id(&mut _node_name, &config.node_id).await? {
+            anyhow::bail!(
+                "another running node uses the name {:?} (ONCEFLOW_NODE_ID): two nodes under one                  name would renew and release each other's leases. Give each node its own                  ONCEFLOW_NODE_ID, or leave it unset (host:pid)",
+                config.node_id
+            );
+        }
         // Off loopback, tokens are required, and there must be one to use.
         let loopback = args.listen.ip().is_loopback();
         let tokens = store.tokens_exist().await.context("reading the API tokens")?;
@@ -130,7 +142,9 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
             Err(e) => tracing::warn!(error = %e, "could not flush telemetry"),
         }
     }
-    if let Some(pg) = &database.embedded {
+    // A server another process started (a second node on the same data
+    // directory) is that process's to stop.
+    if let Some(pg) = database.embedded.as_ref().filter(|pg| pg.started_here()) {
         if let Err(e) = pg.stop() {
             tracing::warn!(error = %e, "could not stop the embedded PostgreSQL");
         }

@@ -27,9 +27,19 @@ pub enum TokenCommand {
     /// List the tokens (names, never the tokens themselves).
     List,
     /// Revoke the token with this name: requests carrying it get 401.
+    /// Revoking the last one does not reopen the API: without a live
+    /// token every request is 401 until `open-development-mode`.
     Revoke {
         /// The token's name.
         name: String,
+    },
+    /// With no live token left, let a loopback server answer without a
+    /// token again (development mode: anyone on this machine sees every
+    /// job). Refused while a live token exists.
+    OpenDevelopmentMode {
+        /// Required: says you mean it.
+        #[arg(long)]
+        yes: bool,
     },
 }
 
@@ -71,6 +81,17 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                 } else {
                     anyhow::bail!("no live token named {name:?}");
                 }
+            }
+            TokenCommand::OpenDevelopmentMode { yes } => {
+                if !yes {
+                    anyhow::bail!(
+                        "this lets a loopback server answer anyone on this machine without a                          token, and show them every job; pass --yes if you mean it"
+                    );
+                }
+                let released = store.open_development_mode().await?;
+                eprintln!(
+                    "WARNING: DEVELOPMENT MODE reopened ({released} revoked token(s) released):                      with no live token, a server listening on loopback answers requests without                      a token and shows every job. `onceflow token create` closes it again."
+                );
             }
         }
         anyhow::Ok(())

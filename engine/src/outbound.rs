@@ -372,7 +372,10 @@ pub fn redact(body: &str) -> String {
             // `"api_key": "…"` or `api_key=…`: keep the name, drop the value.
             out.push_str(word);
             let sep = after
-                .find(|c: char| !(c == '"' || c == '\'' || c == ':' || c == '=' || c == ' '))
+                // A backslash too: `api_key=\"…\"` inside a JSON string.
+                .find(|c: char| {
+                    !(c == '"' || c == '\'' || c == ':' || c == '=' || c == ' ' || c == '\\')
+                })
                 .unwrap_or(after.len());
             if sep > 0 && after[..sep].contains([':', '=']) {
                 out.push_str(&after[..sep]);
@@ -387,7 +390,12 @@ pub fn redact(body: &str) -> String {
                 }
                 let value_end = after[sep..]
                     .find(|c: char| {
-                        c == '"' || c == '\'' || c == ',' || c == '}' || c.is_whitespace()
+                        c == '"'
+                            || c == '\''
+                            || c == ','
+                            || c == '}'
+                            || c == '\\'
+                            || c.is_whitespace()
                     })
                     .map_or(after.len(), |i| sep + i);
                 out.push_str("[redacted]");
@@ -445,6 +453,16 @@ mod tests {
         assert!(out.contains("Incorrect API"), "{out}");
         assert!(out.contains("\"code\": \"invalid\""), "{out}");
         assert_eq!(redact(&"x".repeat(2000)).len(), 500);
+        // Quoted inside a JSON string: `api_key=\"…\"`.
+        for body in [
+            r#"{"error": {"message": "rejected api_key=\"hunter2\" for this org"}}"#,
+            r#"{"error": "api_key=hunter2"}"#,
+            r#"api_key='hunter2'"#,
+        ] {
+            let out = redact(body);
+            assert!(!out.contains("hunter2"), "{out}");
+            assert!(out.contains("api_key"), "{out}");
+        }
         // Never panics on multi-byte text around the names it looks for.
         for text in [
             "token: é",

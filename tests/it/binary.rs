@@ -203,3 +203,53 @@ async fn app_roles(data: &std::path::Path) -> Vec<(String, bool)> {
     .unwrap();
     rows.into_iter().map(|r| (r.rolname, r.rolsuper)).collect()
 }
+
+/// Two nodes on one data directory: a second node under the first one's
+/// ONCEFLOW_NODE_ID refuses to start, saying why; a second node under its
+/// own name runs, and stopping it leaves the first node's embedded
+/// PostgreSQL (which it did not start) running.
+#[actix_rt::test]
+async fn a_second_node_on_one_data_dir_neither_shares_a_name_nor_stops_the_database() {
+    let dir = tempfile::Builder::new()
+        .prefix("onceflow-it-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let data = dir.path().join("data");
+    let _cleanup = StopPostgresOnDrop(data.clone());
+    let log = dir.path().join("serve.log");
+    let node = |name: &str| {
+        [
+            ("ONCEFLOW_DATA_DIR", data.display().to_string()),
+            ("ONCEFLOW_NODE_ID", name.to_owned()),
+        ]
+    };
+    let first = ServeProcess::start(&node("node-one"), &log).await;
+    let twin = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .arg("serve")
+        .env_remove("DATABASE_URL")
+        .env("ONCEFLOW_DATA_DIR", data.display().to_string())
+        .env("ONCEFLOW_NODE_ID", "node-one")
+        .env(
+            "ONCEFLOW_LISTEN",
+            format!("127.0.0.1:{}", crate::support::free_port()),
+        )
+        .output()
+        .unwrap();
+    assert!(!twin.status.success(), "a second node-one must not run");
+    let said = String::from_utf8_lossy(&twin.stderr);
+    assert!(
+        said.contains("ONCEFLOW_NODE_ID") && said.contains("node-one"),
+        "{said}"
+    );
+    let healthz = format!("{}/healthz", first.base);
+    assert_eq!(get(&healthz).await.0, 200, "the twin left the database up");
+
+    let mut second = ServeProcess::start(&node("node-two"), &log).await;
+    assert!(second.sigterm().success());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        get(&healthz).await.0,
+        200,
+        "the second node stopped the first one's PostgreSQL on its way out"
+    );
+}

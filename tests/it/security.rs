@@ -897,3 +897,41 @@ async fn a_dribbled_body_times_out() {
         assert!(answer.1 < Duration::from_secs(5), "{path}: {:?}", answer.1);
     }
 }
+
+/// Revoking the last token does not bring development mode back: every
+/// request still needs a live token (401) until the operator releases the
+/// revoked tokens explicitly; a live token blocks that.
+#[actix_rt::test]
+async fn revoking_the_last_token_keeps_the_api_closed() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: true },
+    );
+    let stats = format!("{base}/v1/stats");
+    assert_eq!(
+        call(Method::GET, &stats, None, None).await.0,
+        200,
+        "no token has ever existed: development mode"
+    );
+    let token = env.store.create_token("only", false).await.unwrap();
+    assert_eq!(call(Method::GET, &stats, None, None).await.0, 401);
+    assert_eq!(call(Method::GET, &stats, Some(&token), None).await.0, 200);
+    assert!(
+        env.store.open_development_mode().await.is_err(),
+        "refused while a live token exists"
+    );
+    assert!(env.store.revoke_token("only").await.unwrap());
+    let (status, answer, _) = call(Method::GET, &stats, None, None).await;
+    assert_eq!(status, 401, "the last token revoked: still closed ({answer})");
+    assert_eq!(call(Method::GET, &stats, Some(&token), None).await.0, 401);
+    assert_eq!(env.store.open_development_mode().await.unwrap(), 1);
+    assert_eq!(
+        call(Method::GET, &stats, None, None).await.0,
+        200,
+        "reopened by the operator, explicitly"
+    );
+}

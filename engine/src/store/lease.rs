@@ -290,6 +290,26 @@ impl Store {
     /// lock first, so writes of one job are serialised (a takeover, or a
     /// concurrent attempt sharing the lease, waits for the commit) and always
     /// lock the job row before any side table, which rules out deadlocks.
+    /// Takes node name `node` for as long as `conn` (a dedicated
+    /// connection) stays open: a session advisory lock on the name. False
+    /// when another live node holds it; two nodes under one name would
+    /// each renew, reclaim and release the other's leases.
+    pub async fn lock_node_id(
+        conn: &mut AsyncPgConnection,
+        node: &str,
+    ) -> Result<bool, StoreError> {
+        #[derive(QueryableByName)]
+        struct Locked {
+            #[diesel(sql_type = Bool)]
+            locked: bool,
+        }
+        let row: Locked = sql("SELECT pg_try_advisory_lock(7310586, hashtext($1)) AS locked")
+            .bind::<Text, _>(node)
+            .get_result(conn)
+            .await?;
+        Ok(row.locked)
+    }
+
     /// Whether `fence` still holds its unfinished job (no cancel, no
     /// takeover): the check before a send that follows no fenced write.
     pub async fn holds(&self, fence: &Fence) -> Result<bool, StoreError> {

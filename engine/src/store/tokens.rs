@@ -149,7 +149,9 @@ impl Store {
         }))
     }
 
-    /// Whether any live token exists (then every API request needs one).
+    /// Whether the API requires a token: a live token exists, or a revoked
+    /// one the operator has not released ([`Self::open_development_mode`]).
+    /// Revoking the last token never reopens the API by itself.
     pub async fn tokens_exist(&self) -> Result<bool, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
@@ -158,9 +160,35 @@ impl Store {
         }
         let mut conn = self.db().auth_conn().await?;
         let row: Row =
-            sql("SELECT EXISTS (SELECT 1 FROM api_tokens WHERE revoked_at IS NULL) AS exists")
+            sql("SELECT EXISTS (SELECT 1 FROM api_tokens WHERE released_at IS NULL) AS exists")
                 .get_result(&mut conn)
                 .await?;
         Ok(row.exists)
     }
+
+    /// Releases every revoked token, so that with no live token a loopback
+    /// server answers without one again (development mode). Refused while
+    /// a live token exists; returns how many were released.
+    pub async fn open_development_mode(&self) -> Result<u64, StoreError> {
+        let mut conn = self.db().conn().await?;
+        #[derive(QueryableByName)]
+        struct Live {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let live: Live = sql("SELECT count(*) AS n FROM api_tokens WHERE revoked_at IS NULL")
+            .get_result(&mut conn)
+            .await?;
+        if live.n > 0 {
+            return Err(StoreError::InvalidData(format!(
+                "{} live token(s) exist: revoke them first (`onceflow token list`)",
+                live.n
+            )));
+        }
+        let n = sql("UPDATE api_tokens SET released_at = now() WHERE released_at IS NULL AND revoked_at IS NOT NULL")
+            .execute(&mut conn)
+            .await?;
+        Ok(n as u64)
+    }
 }
+
