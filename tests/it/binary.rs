@@ -233,8 +233,22 @@ async fn a_second_node_on_one_data_dir_neither_shares_a_name_nor_stops_the_datab
             "ONCEFLOW_LISTEN",
             format!("127.0.0.1:{}", crate::support::free_port()),
         )
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    let pid = twin.id() as i32;
+    let exited = wait_until(Duration::from_secs(30), || async {
+        !alive(pid)
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z "))
+    })
+    .await;
+    if !exited {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+    }
+    let twin = twin.wait_with_output().unwrap();
+    assert!(exited, "a second node-one must not run");
     assert!(!twin.status.success(), "a second node-one must not run");
     let said = String::from_utf8_lossy(&twin.stderr);
     assert!(

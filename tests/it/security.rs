@@ -926,7 +926,10 @@ async fn revoking_the_last_token_keeps_the_api_closed() {
     );
     assert!(env.store.revoke_token("only").await.unwrap());
     let (status, answer, _) = call(Method::GET, &stats, None, None).await;
-    assert_eq!(status, 401, "the last token revoked: still closed ({answer})");
+    assert_eq!(
+        status, 401,
+        "the last token revoked: still closed ({answer})"
+    );
     assert_eq!(call(Method::GET, &stats, Some(&token), None).await.0, 401);
     assert_eq!(env.store.open_development_mode().await.unwrap(), 1);
     assert_eq!(

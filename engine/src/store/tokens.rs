@@ -191,4 +191,3 @@ impl Store {
         Ok(n as u64)
     }
 }
-
