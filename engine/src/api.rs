@@ -360,8 +360,10 @@ impl Hosts {
 /// Mounts the API on an actix-web app.
 pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
-        cfg.app_data(web::Data::new(state))
-            .route("/v1/jobs", web::post().to(submit))
+        cfg.app_data(web::Data::new(state)).service(
+            web::scope("")
+                .wrap(actix_web::middleware::from_fn(hygiene))
+                .route("/v1/jobs", web::post().to(submit))
             .route("/v1/jobs", web::get().to(list_jobs))
             .route("/v1/stats", web::get().to(stats))
             .route("/v1/jobs/redrive", web::post().to(redrive_bulk))
@@ -374,8 +376,44 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
             .route("/console.css", web::get().to(console_css))
             .route("/healthz", web::get().to(healthz))
             .route("/metrics", web::get().to(metrics))
-            .default_service(web::to(not_found));
+            .default_service(web::to(not_found)),
+        );
     }
+}
+
+/// Every answer says `X-Content-Type-Options: nosniff`; a path or query
+/// holding a NUL character (`%00`, which PostgreSQL cannot store or
+/// compare) is refused with `422` before any handler runs.
+async fn hygiene(
+    req: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody + 'static>,
+) -> Result<actix_web::dev::ServiceResponse<actix_web::body::BoxBody>, actix_web::Error> {
+    let uri = req.uri();
+    let nul = |part: Option<&str>| part.is_some_and(|p| p.contains("%00"));
+    let refused = if nul(Some(uri.path())) {
+        Some("path")
+    } else if nul(uri.query()) {
+        Some("query")
+    } else {
+        None
+    };
+    let mut res = match refused {
+        Some(field) => {
+            let answer = error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                format!("the {field} contains a NUL character (%00)"),
+                Some(field),
+            );
+            req.into_response(answer)
+        }
+        None => next.call(req).await?.map_into_boxed_body(),
+    };
+    res.headers_mut().insert(
+        actix_web::http::header::X_CONTENT_TYPE_OPTIONS,
+        actix_web::http::header::HeaderValue::from_static("nosniff"),
+    );
+    Ok(res)
 }
 
 fn error(
@@ -946,14 +984,25 @@ async fn action_body(
             None,
         ));
     }
-    serde_json::from_slice(&body).map_err(|e| {
+    let parsed: ActionBody = serde_json::from_slice(&body).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,
             "malformed_json",
             e.to_string(),
             None,
         )
-    })
+    })?;
+    for (field, text) in [("reason", &parsed.reason), ("workflow", &parsed.workflow)] {
+        if text.as_deref().is_some_and(|t| t.contains('\0')) {
+            return Err(error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                format!("{field} contains a NUL character"),
+                Some(field),
+            ));
+        }
+    }
+    Ok(parsed)
 }
 
 /// How a caller is named in history rows.

@@ -938,3 +938,46 @@ async fn revoking_the_last_token_keeps_the_api_closed() {
         "reopened by the operator, explicitly"
     );
 }
+
+/// A NUL character in a path, a query or an action's reason is a `422`
+/// naming where (PostgreSQL cannot hold one; it was a `503`), and every
+/// answer carries `X-Content-Type-Options: nosniff`.
+#[actix_rt::test]
+async fn nul_characters_are_refused_by_name_and_answers_say_nosniff() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api(&env, UrlGuard::allow_private(), Hosts::Any);
+    env.submit("nul-target", "hi").await;
+    for (method, url, body, field) in [
+        (Method::GET, format!("{base}/v1/jobs/%00"), None, "path"),
+        (Method::GET, format!("{base}/v1/jobs/a%00b/events"), None, "path"),
+        (Method::GET, format!("{base}/v1/jobs?workflow=%00"), None, "query"),
+        (
+            Method::POST,
+            format!("{base}/v1/jobs/nul-target/cancel"),
+            Some(json!({"reason": "a\u{0}b"})),
+            "reason",
+        ),
+    ] {
+        let (status, answer, _) = call(method, &url, None, body.as_ref()).await;
+        assert_eq!(status, 422, "{url}: {answer}");
+        assert_eq!(answer["error"]["field"], field, "{url}: {answer}");
+    }
+    assert_eq!(env.job("nul-target").await.state, onceflow_engine::JobState::Received);
+    for url in [
+        format!("{base}/v1/jobs/nul-target"),
+        format!("{base}/v1/jobs/missing"),
+        format!("{base}/v1/jobs/%00"),
+        format!("{base}/nowhere"),
+        format!("{base}/healthz"),
+    ] {
+        let r = client().get(&url).send().await.unwrap();
+        assert_eq!(
+            r.headers()
+                .get("x-content-type-options")
+                .and_then(|v| v.to_str().ok()),
+            Some("nosniff"),
+            "{url}"
+        );
+    }
+}
