@@ -92,6 +92,14 @@ impl App {
     pub fn run(self) -> anyhow::Result<()> {
         let cli = Cli::parse();
         onceflow_observability::init_logging();
+        if std::env::args_os().any(|a| {
+            a.to_str()
+                .is_some_and(|a| a == "--token" || a.starts_with("--token="))
+        }) {
+            eprintln!(
+                "warning: --token on the command line is visible to every user of this machine                  (ps, /proc/PID/cmdline); set ONCEFLOW_TOKEN instead"
+            );
+        }
         self.run_command(cli.command)
     }
 

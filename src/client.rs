@@ -38,6 +38,7 @@ pub struct SubmitArgs {
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub server: String,
     /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
     #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
 }
@@ -53,6 +54,7 @@ pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
     /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
     #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
 }
@@ -227,6 +229,7 @@ pub struct JobsArgs {
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub server: String,
     /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
     #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
 }
@@ -316,6 +319,7 @@ pub struct CancelArgs {
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub server: String,
     /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
     #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
 }
@@ -341,6 +345,7 @@ pub struct RedriveArgs {
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub server: String,
     /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
     #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
 }
@@ -395,6 +400,7 @@ pub struct WatchArgs {
     #[arg(long)]
     pub json: bool,
     /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
     #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
 }

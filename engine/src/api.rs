@@ -364,19 +364,19 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
             web::scope("")
                 .wrap(actix_web::middleware::from_fn(hygiene))
                 .route("/v1/jobs", web::post().to(submit))
-            .route("/v1/jobs", web::get().to(list_jobs))
-            .route("/v1/stats", web::get().to(stats))
-            .route("/v1/jobs/redrive", web::post().to(redrive_bulk))
-            .route("/v1/jobs/{id}", web::get().to(get_job))
-            .route("/v1/jobs/{id}/events", web::get().to(job_events))
-            .route("/v1/jobs/{id}/cancel", web::post().to(cancel))
-            .route("/v1/jobs/{id}/redrive", web::post().to(redrive))
-            .route("/", web::get().to(console_page))
-            .route("/console.js", web::get().to(console_js))
-            .route("/console.css", web::get().to(console_css))
-            .route("/healthz", web::get().to(healthz))
-            .route("/metrics", web::get().to(metrics))
-            .default_service(web::to(not_found)),
+                .route("/v1/jobs", web::get().to(list_jobs))
+                .route("/v1/stats", web::get().to(stats))
+                .route("/v1/jobs/redrive", web::post().to(redrive_bulk))
+                .route("/v1/jobs/{id}", web::get().to(get_job))
+                .route("/v1/jobs/{id}/events", web::get().to(job_events))
+                .route("/v1/jobs/{id}/cancel", web::post().to(cancel))
+                .route("/v1/jobs/{id}/redrive", web::post().to(redrive))
+                .route("/", web::get().to(console_page))
+                .route("/console.js", web::get().to(console_js))
+                .route("/console.css", web::get().to(console_css))
+                .route("/healthz", web::get().to(healthz))
+                .route("/metrics", web::get().to(metrics))
+                .default_service(web::to(not_found)),
         );
     }
 }

@@ -950,8 +950,18 @@ async fn nul_characters_are_refused_by_name_and_answers_say_nosniff() {
     env.submit("nul-target", "hi").await;
     for (method, url, body, field) in [
         (Method::GET, format!("{base}/v1/jobs/%00"), None, "path"),
-        (Method::GET, format!("{base}/v1/jobs/a%00b/events"), None, "path"),
-        (Method::GET, format!("{base}/v1/jobs?workflow=%00"), None, "query"),
+        (
+            Method::GET,
+            format!("{base}/v1/jobs/a%00b/events"),
+            None,
+            "path",
+        ),
+        (
+            Method::GET,
+            format!("{base}/v1/jobs?workflow=%00"),
+            None,
+            "query",
+        ),
         (
             Method::POST,
             format!("{base}/v1/jobs/nul-target/cancel"),
@@ -963,7 +973,10 @@ async fn nul_characters_are_refused_by_name_and_answers_say_nosniff() {
         assert_eq!(status, 422, "{url}: {answer}");
         assert_eq!(answer["error"]["field"], field, "{url}: {answer}");
     }
-    assert_eq!(env.job("nul-target").await.state, onceflow_engine::JobState::Received);
+    assert_eq!(
+        env.job("nul-target").await.state,
+        onceflow_engine::JobState::Received
+    );
     for url in [
         format!("{base}/v1/jobs/nul-target"),
         format!("{base}/v1/jobs/missing"),
@@ -980,4 +993,25 @@ async fn nul_characters_are_refused_by_name_and_answers_say_nosniff() {
             "{url}"
         );
     }
+}
+
+/// A token given as `--token` is visible in `ps`: the CLI says so and
+/// names ONCEFLOW_TOKEN; given through the environment, it says nothing.
+#[test]
+fn a_token_on_the_command_line_is_warned_about() {
+    let run = |flag: bool| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"));
+        cmd.args(["status", "x", "--server", "http://127.0.0.1:9"]);
+        if flag {
+            cmd.args(["--token", "secret-token"]);
+        } else {
+            cmd.env("ONCEFLOW_TOKEN", "secret-token");
+        }
+        String::from_utf8_lossy(&cmd.output().unwrap().stderr).into_owned()
+    };
+    let flagged = run(true);
+    assert!(flagged.contains("set ONCEFLOW_TOKEN instead"), "{flagged}");
+    assert!(!flagged.contains("secret-token"), "{flagged}");
+    let quiet = run(false);
+    assert!(!quiet.contains("ONCEFLOW_TOKEN instead"), "{quiet}");
 }
