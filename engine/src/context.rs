@@ -188,6 +188,7 @@ impl Context {
         let mut waited = false;
         let mut place = self.limiter.enqueue(ask.key, ask.priority);
         let (provider, model) = ask.key.split_once('/').unwrap_or(("", ask.key));
+        let (provider, model) = self.limiter.limits().labels(provider, model);
         let metrics = self.scope.metrics();
         loop {
             self.not_draining()?;
@@ -243,7 +244,7 @@ impl Context {
         key: &str,
         request: &Value,
         traceparent: &str,
-        model: &str,
+        (provider, model): (&str, &str),
     ) -> Result<(Result<(Value, Usage, u16), PostError>, usize), StepError> {
         let journaled = self.store.journaled_stream(self.job_id(), key).await?;
         let mut tape = Tape::new(journaled);
@@ -303,7 +304,8 @@ impl Context {
                     let secs = first.elapsed().as_secs_f64();
                     (secs > 0.0).then(|| tokens / secs)
                 });
-                self.scope.metrics().stream(model, ttft, pace);
+                let (_, label) = self.limiter.limits().labels(provider, model);
+                self.scope.metrics().stream(label, ttft, pace);
             }
         }
         Ok((sent, chunks))
@@ -475,8 +477,13 @@ impl Context {
         }
         let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
         let sent = if streaming {
-            let (sent, chunks) =
-                Box::pin(self.stream_chat(&key, request, &span.traceparent(), &model_name)).await?;
+            let (sent, chunks) = Box::pin(self.stream_chat(
+                &key,
+                request,
+                &span.traceparent(),
+                (&provider_name, &model_name),
+            ))
+            .await?;
             span.set(KeyValue::new(STREAM_CHUNKS, chunks as i64));
             sent
         } else {
@@ -499,7 +506,8 @@ impl Context {
             Err(_) => CallEnd::Other,
         };
         if end == CallEnd::Throttled {
-            metrics.throttled(&provider_name, &model_name);
+            let (provider, model) = self.limiter.limits().labels(&provider_name, &model_name);
+            metrics.throttled(provider, model);
             self.limiter.learn(&limit_key);
         }
         slot.armed = false;

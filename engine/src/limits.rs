@@ -93,7 +93,28 @@ impl Limits {
     pub fn concurrency(&self, provider: &str, model: &str) -> Option<u32> {
         self.spec(provider, model).concurrency
     }
+
+    /// The metric labels of `provider`'s `model`, from a bounded set: a
+    /// caller chooses the model name, and every distinct label is a series
+    /// kept for the life of the node. The provider is `openai`,
+    /// `anthropic` or `other`; the model is its own name when
+    /// `ONCEFLOW_LIMITS` names it (alone or as `provider/model`; `*` names
+    /// none) and it is at most [`MAX_LABEL`] bytes, else `other`.
+    pub fn labels<'a>(&self, provider: &str, model: &'a str) -> (&'static str, &'a str) {
+        let provider_label = match provider {
+            "openai" => "openai",
+            "anthropic" => "anthropic",
+            _ => "other",
+        };
+        let named = model.len() <= MAX_LABEL
+            && (self.by_key.contains_key(model)
+                || self.by_key.contains_key(&format!("{provider}/{model}")));
+        (provider_label, if named { model } else { "other" })
+    }
 }
+
+/// The longest model name used as a metric label.
+pub const MAX_LABEL: usize = 100;
 
 impl LimitSpec {
     /// Whether anything is configured.
@@ -415,6 +436,31 @@ impl Limiter {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_labels_come_from_a_bounded_set() {
+        let limits = Limits::parse(
+            r#"{"gpt-4o": {"concurrency": 2}, "anthropic/claude": {"rpm": 5}, "*": {"concurrency": 9}}"#,
+        )
+        .unwrap();
+        assert_eq!(limits.labels("openai", "gpt-4o"), ("openai", "gpt-4o"));
+        assert_eq!(
+            limits.labels("anthropic", "claude"),
+            ("anthropic", "claude")
+        );
+        assert_eq!(limits.labels("openai", "claude"), ("openai", "other"));
+        assert_eq!(
+            limits.labels("openai", "mine"),
+            ("openai", "other"),
+            "* names none"
+        );
+        assert_eq!(limits.labels("evil", "gpt-4o"), ("other", "gpt-4o"));
+        let long = "m".repeat(MAX_LABEL + 1);
+        let limits = Limits::parse(&format!(r#"{{"{long}": {{"concurrency": 1}}}}"#)).unwrap();
+        assert_eq!(limits.labels("openai", &long).1, "other");
+    }
+
     use super::*;
 
     fn step(w: Option<f64>, since: Option<f64>, end: CallEnd, cap: Option<u32>) -> NextWindow {

@@ -676,7 +676,9 @@ async fn serve_flushes_spans_and_metrics_on_sigterm() {
 
 /// A streamed answer shows on telemetry: its `generate` span counts the
 /// chunks it journaled (8, as the fake streamed), and time to first token
-/// and tokens per second are recorded once.
+/// and tokens per second are recorded once. The model label comes from a
+/// bounded set: a model `ONCEFLOW_LIMITS` names is its own label, any
+/// other (a caller's 300-byte name) is `other`, and never appears.
 #[actix_rt::test]
 async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     let env = TestEnv::new().await;
@@ -703,32 +705,57 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
         schedule: Default::default(),
     })
     .await;
+    let odd_model = format!("odd-{}", "x".repeat(300));
+    env.submit_job(onceflow_engine::intake::NewJob {
+        id: "otel-stream-odd".into(),
+        workflow: "completion".into(),
+        workflow_version: 1,
+        input: json!({
+            "model": odd_model,
+            "stream": true,
+            "messages": [{ "role": "user", "content": "hi" }]
+        }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
     let mut config = env.config();
     config.telemetry = telemetry.clone();
+    config.limits =
+        onceflow_engine::limits::Limits::parse(r#"{"test-model": {"concurrency": 100}}"#).unwrap();
     let engine = env.start(onceflow_workflows::registry(), config);
     assert!(
         wait_until(Duration::from_secs(30), || async {
             env.job("otel-stream").await.state == JobState::Acked
+                && env.job("otel-stream-odd").await.state == JobState::Acked
         })
         .await
     );
-    let count = |name: &str, unit: &str| {
+    let count = |name: &str, unit: &str, model: &str| {
         let series = format!(
             "{}_count{{{}}}",
             onceflow_observability::prometheus::metric_name(name, unit, false),
-            key(name, &[(GEN_AI_REQUEST_MODEL, "test-model")]).1
+            key(name, &[(GEN_AI_REQUEST_MODEL, model)]).1
         );
         parse_prometheus(&telemetry.prometheus())
             .get(&series)
             .copied()
     };
     assert_eq!(
-        count(METRIC_STREAM_TTFT, "s"),
+        count(METRIC_STREAM_TTFT, "s", "test-model"),
         Some(1.0),
         "{}",
         telemetry.prometheus()
     );
-    assert_eq!(count(METRIC_STREAM_TOKENS_PER_SECOND, ""), Some(1.0));
+    assert_eq!(
+        count(METRIC_STREAM_TOKENS_PER_SECOND, "", "test-model"),
+        Some(1.0)
+    );
+    assert_eq!(count(METRIC_STREAM_TTFT, "s", "other"), Some(1.0));
+    assert!(
+        !telemetry.prometheus().contains("xxxxxxxxxx"),
+        "a caller's model name became a label"
+    );
     engine.shutdown();
     let tel = telemetry.clone();
     tokio::task::spawn_blocking(move || tel.shutdown())
@@ -740,7 +767,7 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
         .into_iter()
         .filter(|s| s.name == SPAN_GENERATE)
         .collect();
-    assert_eq!(generate.len(), 1);
-    assert_eq!(generate[0].attr(STREAM_CHUNKS), "8");
-    assert_eq!(env.provider.chunks_streamed(), 8);
+    assert_eq!(generate.len(), 2);
+    assert!(generate.iter().all(|g| g.attr(STREAM_CHUNKS) == "8"));
+    assert_eq!(env.provider.chunks_streamed(), 16);
 }
