@@ -461,8 +461,6 @@ mod tests {
         assert_eq!(limits.labels("openai", &long).1, "other");
     }
 
-    use super::*;
-
     fn step(w: Option<f64>, since: Option<f64>, end: CallEnd, cap: Option<u32>) -> NextWindow {
         next_window(
             WindowState {

@@ -202,10 +202,13 @@ pub async fn post(
         request = request.header(name, value);
     }
     // The URL stays out of the error (it may carry a key in its query).
-    let response = request
-        .send()
-        .await
-        .map_err(|e| PostError::Failed(classify(&e.without_url())))?;
+    let response = request.send().await.map_err(|e| {
+        let e = e.without_url();
+        PostError::Failed(match guard {
+            Some(_) => for_tenant(&e),
+            None => classify(&e),
+        })
+    })?;
     if let Some(seam) = seam {
         seam.faults
             .hit(seam.job_id, seam.point)
@@ -417,6 +420,38 @@ pub fn redact(body: &str) -> String {
         }
     }
     out
+}
+
+/// A failed request to a caller- or model-chosen URL, as the caller may
+/// see it: a fixed class (`dns_failed`, `connect_failed`, `timeout`,
+/// `request_failed`), never the operating system's words ("Connection
+/// refused", "Name or service not known"), which would make onceflow a
+/// port and name scanner of its own network. The node's log keeps them.
+fn for_tenant(e: &reqwest::Error) -> Failure {
+    let detail = classify(e);
+    let mut chain = String::new();
+    let mut source: Option<&dyn std::error::Error> = Some(e);
+    while let Some(s) = source {
+        chain.push_str(&s.to_string().to_ascii_lowercase());
+        chain.push(' ');
+        source = s.source();
+    }
+    let class = if matches!(detail, Failure::Refused(_)) {
+        return detail;
+    } else if e.is_timeout() {
+        "timeout: no answer within the time allowed"
+    } else if chain.contains("dns error") || chain.contains("failed to lookup") {
+        "dns_failed: the host name did not resolve"
+    } else if e.is_connect() {
+        "connect_failed: the connection could not be made"
+    } else {
+        "request_failed: the request failed after it was sent"
+    };
+    tracing::warn!(error = ?detail, class, "an outgoing request failed");
+    match detail {
+        Failure::NotSent(_) => Failure::NotSent(class.to_owned()),
+        _ => Failure::Ambiguous(class.to_owned()),
+    }
 }
 
 fn classify(e: &reqwest::Error) -> Failure {

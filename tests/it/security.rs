@@ -1015,3 +1015,52 @@ fn a_token_on_the_command_line_is_warned_about() {
     let quiet = run(false);
     assert!(!quiet.contains("ONCEFLOW_TOKEN instead"), "{quiet}");
 }
+
+/// A failed send to a caller's URL is stored as a fixed class
+/// (`connect_failed`, `dns_failed`), never the operating system's words,
+/// which would let a tenant scan ports and names through `last_error`.
+#[actix_rt::test]
+async fn a_failed_send_stores_a_class_not_the_systems_words() {
+    let env = TestEnv::new().await;
+    let closed = crate::support::free_port();
+    let _engine = env.start(registry(), env.config());
+    for (id, url, class) in [
+        (
+            "class-connect",
+            format!("http://127.0.0.1:{closed}/hook"),
+            "connect_failed",
+        ),
+        (
+            "class-dns",
+            "http://no-such-host.invalid/hook".to_owned(),
+            "dns_failed",
+        ),
+    ] {
+        env.submit_job(onceflow_engine::intake::NewJob {
+            id: id.into(),
+            workflow: "completion".into(),
+            workflow_version: 1,
+            input: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            webhook_url: url,
+            schedule: Default::default(),
+        })
+        .await;
+        let job = env.wait_for(id, JobState::Dead, WAIT).await;
+        for error in [
+            job.last_error.clone().unwrap(),
+            job.delivery.clone().unwrap().last_error.unwrap(),
+        ] {
+            assert!(error.message.starts_with(class), "{id}: {error:?}");
+            for word in [
+                "os error",
+                "refused",
+                "not known",
+                "lookup",
+                "127.0.0.1",
+                "invalid",
+            ] {
+                assert!(!error.message.contains(word), "{id}: {error:?}");
+            }
+        }
+    }
+}
