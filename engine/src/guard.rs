@@ -3,8 +3,10 @@
 //!
 //! By default onceflow refuses loopback, private (RFC 1918, shared 100.64/10,
 //! IPv6 ULA), link-local and cloud-metadata (169.254/16, fe80::/10),
-//! unspecified (0.0.0.0/8, ::), multicast, broadcast and reserved
-//! addresses, in every spelling the URL parser accepts (`2130706433`,
+//! unspecified (0.0.0.0/8, ::), multicast, broadcast, reserved and
+//! documentation (RFC 5737, RFC 3849) addresses, and the node's own
+//! interface addresses (a service bound to 0.0.0.0 answers there), in
+//! every spelling the URL parser accepts (`2130706433`,
 //! `0x7f.0.0.1` and `[::ffff:127.0.0.1]` are all 127.0.0.1):
 //!
 //! * at intake, for literal addresses and loopback names ([`UrlGuard::check`]:
@@ -116,12 +118,58 @@ impl UrlGuard {
 
     /// Whether a resolved address may be connected to.
     pub fn permits(&self, ip: IpAddr) -> bool {
-        self.allow_private || forbidden(ip).is_none()
+        self.allow_private || refusal(ip).is_none()
     }
 }
 
+/// Why `ip` is refused: a kind of address [`forbidden`] names, or one of
+/// this node's own interfaces (a service bound to 0.0.0.0 answers on the
+/// node's public address too).
+fn refusal(ip: IpAddr) -> Option<&'static str> {
+    refusal_among(ip, &own_addresses())
+}
+
+fn refusal_among(ip: IpAddr, own: &[IpAddr]) -> Option<&'static str> {
+    forbidden(ip).or_else(|| own.contains(&ip).then_some("this node's own"))
+}
+
+/// The addresses of this node's interfaces, read again at most every 30 s.
+fn own_addresses() -> Arc<Vec<IpAddr>> {
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+    static CACHE: Mutex<Option<(Instant, Arc<Vec<IpAddr>>)>> = Mutex::new(None);
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    match &*cache {
+        Some((read, addrs)) if read.elapsed() < Duration::from_secs(30) => addrs.clone(),
+        _ => {
+            let addrs = Arc::new(interface_addresses());
+            *cache = Some((Instant::now(), addrs.clone()));
+            addrs
+        }
+    }
+}
+
+/// Every address of every interface of this node (empty if they cannot be
+/// read).
+pub fn interface_addresses() -> Vec<IpAddr> {
+    let Ok(found) = nix::ifaddrs::getifaddrs() else {
+        tracing::warn!(
+            "cannot read this node's interface addresses; the SSRF guard cannot refuse them"
+        );
+        return Vec::new();
+    };
+    found
+        .filter_map(|i| i.address)
+        .filter_map(|a| {
+            a.as_sockaddr_in()
+                .map(|v4| IpAddr::V4(v4.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+        })
+        .collect()
+}
+
 fn refuse_ip(ip: IpAddr) -> Result<(), Refused> {
-    match forbidden(ip) {
+    match refusal(ip) {
         None => Ok(()),
         Some(kind) => Err(Refused(format!(
             "{ip} is a {kind} address; onceflow does not send to loopback, private or link-local \
@@ -185,6 +233,11 @@ fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
         Some("reserved")
     } else if (a == 198 && (b == 18 || b == 19)) || (a == 192 && b == 0 && ip.octets()[2] == 0) {
         Some("reserved (benchmarking, IETF protocol assignments)")
+    } else if (a == 192 && b == 0 && ip.octets()[2] == 2)
+        || (a == 198 && b == 51 && ip.octets()[2] == 100)
+        || (a == 203 && b == 0 && ip.octets()[2] == 113)
+    {
+        Some("reserved (documentation, RFC 5737)")
     } else {
         None
     }
@@ -202,6 +255,8 @@ fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
         Some("unique-local (private)")
     } else if first & 0xffc0 == 0xfe80 || first & 0xffc0 == 0xfec0 {
         Some("link-local")
+    } else if first == 0x2001 && ip.segments()[1] == 0x0db8 {
+        Some("reserved (documentation, RFC 3849)")
     } else {
         None
     }
@@ -241,7 +296,7 @@ impl reqwest::dns::Resolve for GuardedResolver {
                 // internal network through error messages.
                 let mut kinds: Vec<&str> = found
                     .iter()
-                    .map(|a| forbidden(a.ip()).unwrap_or("public"))
+                    .map(|a| refusal(a.ip()).unwrap_or("public"))
                     .collect();
                 kinds.sort_unstable();
                 kinds.dedup();
@@ -259,6 +314,29 @@ impl reqwest::dns::Resolve for GuardedResolver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_nodes_own_addresses_and_documentation_ranges_are_refused() {
+        let public: IpAddr = "8.8.8.8".parse().unwrap();
+        assert_eq!(refusal_among(public, &[]), None);
+        assert_eq!(refusal_among(public, &[public]), Some("this node's own"));
+        let own = interface_addresses();
+        assert!(own.contains(&"127.0.0.1".parse().unwrap()), "{own:?}");
+        for ip in &own {
+            assert!(!UrlGuard::strict().permits(*ip), "{ip}");
+        }
+        for ip in [
+            "192.0.2.7",
+            "198.51.100.7",
+            "203.0.113.7",
+            "100.64.0.1",
+            "2001:db8::1",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            assert!(forbidden(ip).is_some(), "{ip}");
+        }
+        assert!(forbidden("203.0.114.7".parse().unwrap()).is_none());
+    }
 
     fn check(url: &str) -> Result<(), Refused> {
         UrlGuard::strict().check(&url::Url::parse(url).unwrap())
