@@ -8,7 +8,6 @@
 use std::sync::Arc;
 
 use actix::prelude::*;
-use chrono::Utc;
 use onceflow_observability::names::*;
 use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
@@ -126,6 +125,8 @@ pub(crate) struct JobRun {
     workflow: Arc<dyn DynWorkflow>,
     ctx: Context,
     shared: Arc<Shared>,
+    /// The job's earlier attempts that ended on a database error.
+    store_failures: u32,
     /// Set when this attempt claimed the completion event itself: the outbox
     /// row was born with send 1 in flight for us (url, body), and the lease
     /// runs for at least `lease` from the instant given (taken before the
@@ -179,6 +180,7 @@ impl JobRun {
                 .unwrap_or(Value::Null),
             fence: leased.fence,
             state: leased.state,
+            store_failures: u32::try_from(leased.store_failures).unwrap_or(0),
             workflow,
             ctx,
             shared,
@@ -528,8 +530,7 @@ impl JobRun {
     async fn settle(&mut self, error: StepError) -> Outcome {
         let policy = self.policy();
         let job_id = self.fence.job_id.clone();
-        let job_attempt = u32::try_from(self.fence.attempt).unwrap_or(1);
-        let result = match on_failure(&error, self.state, &policy, job_attempt) {
+        let result = match on_failure(&error, self.state, &policy, self.store_failures) {
             Verdict::Stop => {
                 return match &error {
                     StepError::Injected(Injected::Crash(point)) => {
@@ -575,14 +576,17 @@ impl JobRun {
         delay: std::time::Duration,
         error: &StepError,
     ) -> Result<Outcome, StepError> {
-        let run_at =
-            Utc::now() + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
         tracing::info!(job.id = %self.fence.job_id, state = %self.state, delay_ms = delay.as_millis() as u64, error = %error, "retrying later");
         Ok(
             match self
                 .shared
                 .store
-                .reschedule(&self.fence, run_at, &error.envelope())
+                .reschedule(
+                    &self.fence,
+                    delay,
+                    &error.envelope(),
+                    matches!(error, StepError::Store(_)),
+                )
                 .await?
             {
                 Checkpoint::Moved => Outcome::Rescheduled,

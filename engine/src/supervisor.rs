@@ -525,12 +525,9 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
             Err(crate::outbound::PostError::Failed(failure)) => {
                 let attempts = u32::try_from(event.attempts).unwrap_or(1).max(1);
                 let policy = config.webhook_retry;
-                let retry_at = (failure.is_retryable() && !policy.exhausted(attempts)).then(|| {
-                    let delay = policy.delay(attempts, failure.retry_after());
-                    chrono::Utc::now()
-                        + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX)
-                });
-                metrics.delivery(if retry_at.is_some() {
+                let retry_in = (failure.is_retryable() && !policy.exhausted(attempts))
+                    .then(|| policy.delay(attempts, failure.retry_after()));
+                metrics.delivery(if retry_in.is_some() {
                     onceflow_observability::names::OUTCOME_RETRIED
                 } else {
                     onceflow_observability::names::OUTCOME_DEAD
@@ -541,7 +538,7 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
                         &event.idempotency_key,
                         failure.status().map(i32::from),
                         Some(&failure.envelope()),
-                        retry_at,
+                        retry_in,
                     )
                     .await?;
             }

@@ -42,14 +42,17 @@ pub enum Verdict {
 }
 
 /// The verdict on a step that failed with `error` while the job was in
-/// `state`, under `policy`; `job_attempt` is the job's attempt number (the
-/// backoff of a failure that counts no sends of its own).
+/// `state`, under `policy`; `store_failures` counts the job's earlier
+/// attempts that ended on a database error (leases, redrives and takeovers
+/// do not count).
 pub fn on_failure(
     error: &StepError,
     state: JobState,
     policy: &RetryPolicy,
-    job_attempt: u32,
+    store_failures: u32,
 ) -> Verdict {
+    // This failure included.
+    let store_failures = store_failures.saturating_add(1);
     match error {
         StepError::LeaseLost | StepError::Draining | StepError::Injected(Injected::Crash(_)) => {
             Verdict::Stop
@@ -77,17 +80,19 @@ pub fn on_failure(
         // The statement was already retried in place for the store's whole
         // budget: the database is down or overloaded. The job is not the
         // problem, so it is never dead-lettered for it; it runs again
-        // later, backing off with its attempts.
-        StepError::Store(e) if e.is_retryable() && job_attempt < STORE_ATTEMPTS => Verdict::Retry {
-            attempt: job_attempt.max(1),
-            retry_after: None,
-        },
+        // later, backing off with its store failures.
+        StepError::Store(e) if e.is_retryable() && store_failures < STORE_ATTEMPTS => {
+            Verdict::Retry {
+                attempt: store_failures,
+                retry_after: None,
+            }
+        }
         // Still failing after this many attempts, each retrying in place for
         // the store's whole budget, while the database answers well enough
         // to lease the job: the statement itself is refused (bad data the
         // driver cannot name), not the database down.
         StepError::Store(e) if e.is_retryable() => Verdict::Dead {
-            reason: format!("a database statement kept failing over {job_attempt} attempts"),
+            reason: format!("a database statement kept failing over {store_failures} attempts"),
         },
         StepError::Permanent { reason, .. } => Verdict::Dead {
             reason: reason.clone(),
@@ -285,21 +290,22 @@ mod tests {
             }
         }
         // A transient store error past its in-place budget: retried, backing
-        // off with the job's attempts; dead only once it persisted over
-        // STORE_ATTEMPTS attempts (the statement, not the database, fails).
-        for job_attempt in [0, 1, STORE_ATTEMPTS - 1] {
+        // off with the job's store failures (not its leases); dead only once
+        // it persisted over STORE_ATTEMPTS attempts (the statement, not the
+        // database, fails).
+        for earlier in [0, 1, STORE_ATTEMPTS - 2] {
             let e = StepError::Store(StoreError::Batch("database gone".into()));
             assert_eq!(
-                on_failure(&e, state, &POLICY, job_attempt),
+                on_failure(&e, state, &POLICY, earlier),
                 Verdict::Retry {
-                    attempt: job_attempt.max(1),
+                    attempt: earlier + 1,
                     retry_after: None
                 }
             );
         }
         let e = StepError::Store(StoreError::Batch("refused again".into()));
         assert!(matches!(
-            on_failure(&e, state, &POLICY, STORE_ATTEMPTS),
+            on_failure(&e, state, &POLICY, STORE_ATTEMPTS - 1),
             Verdict::Dead { ref reason } if reason.contains("kept failing")
         ));
         let invalid = StepError::Store(StoreError::InvalidData("NUL".into()));

@@ -213,6 +213,45 @@ async fn a_store_error_past_the_in_place_budget_reschedules_and_never_kills() {
     assert_eq!(env.provider.requests_for(&gen_key("budget-1")), 1);
 }
 
+/// The store-failure budget counts store failures, not leases: a job
+/// taken over or redriven sixty times survives its first long outage.
+#[actix_rt::test]
+async fn a_job_with_many_earlier_attempts_survives_a_store_outage() {
+    let env = TestEnv::new().await;
+    let fault = DbFault::arm(
+        &env,
+        "jobs",
+        "OLD.state = 'claimed' AND NEW.state = 'acked'",
+        "40P01",
+        10,
+    )
+    .await;
+    let store = env
+        .store
+        .clone()
+        .with_retry_budget(Duration::from_millis(150));
+    env.submit("budget-old", "hello").await;
+    env.execute("UPDATE jobs SET attempts = 60 WHERE id = 'budget-old'")
+        .await;
+    let _engine = Engine::start(
+        store,
+        registry(DeliveryPolicy::AtLeastOnce),
+        env.faults.clone(),
+        long_lease(&env),
+    );
+    let job = env.wait_for("budget-old", JobState::Acked, WAIT).await;
+    assert_eq!(fault.fired(&env).await, 10);
+    assert!(job.dead_reason.is_none(), "{:?}", job.dead_reason);
+    let counted = env
+        .sql("SELECT store_failures AS n FROM jobs WHERE id = 'budget-old'")
+        .await;
+    assert!(
+        counted[0]["n"].as_i64().unwrap() >= 1,
+        "the outage was counted: {counted}"
+    );
+    assert_eq!(env.consumer.processed_for("budget-old"), 1);
+}
+
 /// Terminating every backend mid-run (connection loss, 57P01) sends no job to
 /// `dead` and repeats no model call.
 #[actix_rt::test]

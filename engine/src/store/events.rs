@@ -4,8 +4,7 @@
 //! stable key, and records the outcome; a failed send is retried with
 //! backoff until the webhook budget is spent.
 
-use chrono::{DateTime, Utc};
-use diesel::sql_types::{BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{BigInt, Integer, Jsonb, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::RunQueryDsl;
 use serde_json::Value;
@@ -87,8 +86,9 @@ impl Store {
         .await
     }
 
-    /// Records an event's outcome: delivered (`status` set), retried at
-    /// `retry_at`, or closed `dead` (`retry_at` none). A closed event's
+    /// Records an event's outcome: delivered (`status` set), retried
+    /// `retry_in` from now by the database's clock, or closed `dead`
+    /// (`retry_in` none). A closed event's
     /// `run_at` becomes `infinity`: the index of due events keeps closed ones
     /// until the purge, and the claim, which walks it in `run_at` order up to
     /// now, then never reaches them.
@@ -97,8 +97,9 @@ impl Store {
         key: &str,
         status: Option<i32>,
         error: Option<&ErrorEnvelope>,
-        retry_at: Option<DateTime<Utc>>,
+        retry_in: Option<std::time::Duration>,
     ) -> Result<(), StoreError> {
+        let retry_ms = retry_in.map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2));
         let error = error.map(|e| serde_json::to_value(e).expect("envelope serialises"));
         retrying!(self, "event_outcome", async || {
             let mut conn = self.db().conn().await?;
@@ -108,14 +109,15 @@ impl Store {
                      status = CASE WHEN $3 IS NULL THEN 'delivered'::outbox_status \
                                    WHEN $4 IS NULL THEN 'dead'::outbox_status ELSE status END, \
                      delivered_at = CASE WHEN $3 IS NULL THEN now() ELSE delivered_at END, \
-                     run_at = CASE WHEN $3 IS NOT NULL AND $4 IS NOT NULL THEN $4 \
+                     run_at = CASE WHEN $3 IS NOT NULL AND $4 IS NOT NULL \
+                                   THEN clock_timestamp() + $4 * interval '1 millisecond' \
                                    ELSE 'infinity'::timestamptz END \
                  WHERE idempotency_key = $1 AND status = 'claimed'",
             )
             .bind::<Text, _>(key)
             .bind::<Nullable<Integer>, _>(status)
             .bind::<Nullable<Jsonb>, _>(&error)
-            .bind::<Nullable<Timestamptz>, _>(retry_at)
+            .bind::<Nullable<BigInt>, _>(retry_ms)
             .execute(&mut conn)
             .await?;
             Ok(())

@@ -331,6 +331,7 @@ impl Store {
                     state: JobState::Received,
                     previous_owner: None,
                     trace: Some(trace),
+                    store_failures: 0,
                 });
             }
             return Ok(Intake::Created(JobView {

@@ -5,8 +5,7 @@
 //! is conditional on that epoch: zero rows changed is a typed outcome, never
 //! silently ignored.
 
-use chrono::{DateTime, Utc};
-use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
@@ -57,6 +56,9 @@ pub struct Leased {
     pub previous_owner: Option<String>,
     /// The job's trace (stored at intake).
     pub trace: Option<TraceParent>,
+    /// Earlier attempts that ended on a database error past its in-place
+    /// retries (not its leases: redrives and takeovers do not count).
+    pub store_failures: i32,
 }
 
 /// The outcome of a guarded transition.
@@ -96,6 +98,8 @@ struct LeasedRow {
     previous_owner: Option<String>,
     #[diesel(sql_type = Nullable<Text>)]
     trace_context: Option<String>,
+    #[diesel(sql_type = Integer)]
+    store_failures: i32,
 }
 
 /// The job-row locks a statement over many jobs takes first, in id order
@@ -183,7 +187,7 @@ impl Store {
                  attempts = j.attempts + 1, updated_at = now() \
              FROM picked WHERE j.id = picked.id \
              RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
-                 picked.lease_owner AS previous_owner, j.trace_context",
+                 picked.lease_owner AS previous_owner, j.trace_context, j.store_failures",
         )
         .bind::<Text, _>(node)
         .bind::<BigInt, _>(limit)
@@ -209,6 +213,7 @@ impl Store {
                     request: r.request,
                     previous_owner: r.previous_owner,
                     trace: r.trace_context.as_deref().and_then(TraceParent::parse),
+                    store_failures: r.store_failures,
                 })
             })
             .collect()
@@ -379,16 +384,21 @@ impl Store {
         Self::why_not(conn, fence).await
     }
 
-    /// Releases the lease and schedules the job to run again at `run_at`,
-    /// keeping its state (a retry after a transient failure).
+    /// Releases the lease and schedules the job to run again `delay` from
+    /// now by the database's clock (every node's `run_at <= now()` reads
+    /// the same clock), keeping its state (a retry after a transient
+    /// failure); `store_failure` counts a database error that ended the
+    /// attempt.
     pub async fn reschedule(
         &self,
         fence: &Fence,
-        run_at: DateTime<Utc>,
+        delay: std::time::Duration,
         error: &ErrorEnvelope,
+        store_failure: bool,
     ) -> Result<Checkpoint, StoreError> {
         retrying!(self, "reschedule", async || {
-            self.reschedule_once(fence, run_at, error).await
+            self.reschedule_once(fence, delay, error, store_failure)
+                .await
         })
         .await
     }
@@ -396,19 +406,23 @@ impl Store {
     async fn reschedule_once(
         &self,
         fence: &Fence,
-        run_at: DateTime<Utc>,
+        delay: std::time::Duration,
         error: &ErrorEnvelope,
+        store_failure: bool,
     ) -> Result<Checkpoint, StoreError> {
         let mut conn = self.db().conn().await?;
+        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX / 2);
         let moved = sql(
-            "UPDATE jobs SET run_at = $3, last_error = $4, lease_owner = NULL, lease_expires_at = NULL, \
-                 updated_at = now() \
+            "UPDATE jobs SET run_at = clock_timestamp() + $3 * interval '1 millisecond', last_error = $4, \
+                 lease_owner = NULL, lease_expires_at = NULL, updated_at = now(), \
+                 store_failures = store_failures + CASE WHEN $5 THEN 1 ELSE 0 END \
              WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
         )
         .bind::<Text, _>(&fence.job_id)
         .bind::<BigInt, _>(fence.epoch)
-        .bind::<Timestamptz, _>(run_at)
+        .bind::<BigInt, _>(delay_ms)
         .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+        .bind::<Bool, _>(store_failure)
         .execute(&mut conn)
         .await?;
         if moved == 1 {

@@ -184,7 +184,7 @@ impl Store {
             };
             sql(
                 "UPDATE jobs SET state = $2::job_state, dead_reason = NULL, finished_at = NULL, \
-                     run_at = now(), updated_at = now() \
+                     run_at = now(), updated_at = now(), store_failures = 0 \
                  WHERE id = $1 AND state = 'dead'",
             )
             .bind::<Text, _>(id)
