@@ -76,8 +76,21 @@ impl App {
     }
 
     /// Registers your workflow beside the built-ins. Panics when its `NAME`
-    /// is taken: two workflows sharing a durable name would run each other's jobs.
+    /// is taken, by a built-in (`completion`, `agent`) under any version
+    /// too: two workflows sharing a durable name would run each other's
+    /// jobs, and a higher version would silently replace the built-in for
+    /// every new job.
     pub fn workflow<W: onceflow_engine::Workflow>(mut self, workflow: W) -> Self {
+        use onceflow_engine::Workflow as _;
+        let built_in = [
+            onceflow_workflows::Completion::NAME,
+            onceflow_workflows::Agent::NAME,
+        ];
+        assert!(
+            !built_in.contains(&W::NAME),
+            "workflow name {:?} belongs to a built-in workflow; give yours a name of its own",
+            W::NAME
+        );
         self.workflows.register(workflow);
         self
     }

@@ -232,3 +232,35 @@ fn the_readme_walk_through_is_the_example_crates_code() {
     }
     assert_eq!(checked, 3, "the lib, main and test blocks");
 }
+
+/// A user workflow under a built-in's name is refused at registration,
+/// whatever its version: a higher version would silently replace the
+/// built-in `agent` for every new job.
+#[test]
+fn a_workflow_under_a_built_in_name_is_refused() {
+    struct MyAgent;
+    impl onceflow::Workflow for MyAgent {
+        const NAME: &'static str = "agent";
+        const VERSION: u32 = 7;
+        type Input = serde_json::Value;
+        type Output = serde_json::Value;
+        async fn run(
+            &self,
+            _: &mut onceflow::Context,
+            input: serde_json::Value,
+        ) -> Result<serde_json::Value, onceflow::StepError> {
+            Ok(input)
+        }
+    }
+    let refused = std::panic::catch_unwind(|| {
+        let _ = onceflow::App::new().workflow(MyAgent);
+    });
+    let message = *refused
+        .expect_err("a workflow named agent must be refused")
+        .downcast::<String>()
+        .unwrap();
+    assert!(
+        message.contains("\"agent\"") && message.contains("built-in"),
+        "{message}"
+    );
+}
