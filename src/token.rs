@@ -16,6 +16,9 @@ pub struct TokenArgs {
 #[derive(Debug, Subcommand)]
 pub enum TokenCommand {
     /// Create a token; it is printed once, alone on the last line (only its hash is kept).
+    /// A token that is not admin also gets its own webhook signing secret,
+    /// printed on the line before (`webhook-secret whsec_…`): its jobs'
+    /// webhooks are signed with it, so give it to that tenant's consumer.
     Create {
         /// A name to know it by (1–100 of A-Z a-z 0-9 _ . : -); never reused.
         #[arg(long)]
@@ -33,6 +36,11 @@ pub enum TokenCommand {
         /// The token's name.
         name: String,
     },
+    /// A token's own webhook signing secret.
+    Secret {
+        #[command(subcommand)]
+        command: SecretCommand,
+    },
     /// With no live token left, let a loopback server answer without a
     /// token again (development mode: anyone on this machine sees every
     /// job). Refused while a live token exists.
@@ -40,6 +48,21 @@ pub enum TokenCommand {
         /// Required: says you mean it.
         #[arg(long)]
         yes: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SecretCommand {
+    /// Print the signing secret(s) of token NAME (newest first).
+    Show {
+        /// The token's name.
+        name: String,
+    },
+    /// Give token NAME a new signing secret; the previous one keeps signing
+    /// beside it (two signatures per webhook) until the next rotation.
+    Rotate {
+        /// The token's name.
+        name: String,
     },
 }
 
@@ -51,6 +74,13 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
         match args.command {
             TokenCommand::Create { name, admin } => {
                 let token = store.create_token(&name, admin).await?;
+                if let Some(secret) = store.token_secret(&name).await? {
+                    eprintln!(
+                        "its jobs' webhooks are signed with this secret of its own (Standard \
+                         Webhooks); give it to the consumer that receives them:"
+                    );
+                    println!("webhook-secret {secret}");
+                }
                 eprintln!(
                     "created {} token {name:?}; it is shown once, below. Send it as \
                      `Authorization: Bearer <token>` (the CLI reads ONCEFLOW_TOKEN).",
@@ -81,6 +111,26 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                 } else {
                     anyhow::bail!("no live token named {name:?}");
                 }
+            }
+            TokenCommand::Secret {
+                command: SecretCommand::Show { name },
+            } => match store.token_secret(&name).await? {
+                Some(secret) => println!("{secret}"),
+                None => anyhow::bail!(
+                    "token {name:?} has no secret of its own (an admin token, or one made before \
+                     tokens had one: `onceflow token secret rotate {name}` gives it one); its jobs \
+                     are signed with ONCEFLOW_WEBHOOK_SECRET"
+                ),
+            },
+            TokenCommand::Secret {
+                command: SecretCommand::Rotate { name },
+            } => {
+                let secret = store.rotate_token_secret(&name).await?;
+                eprintln!(
+                    "token {name:?} signs with a new secret (and the previous one, until the next \
+                     rotation); nodes use it within 30 s:"
+                );
+                println!("{secret}");
             }
             TokenCommand::OpenDevelopmentMode { yes } => {
                 if !yes {

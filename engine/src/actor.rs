@@ -127,6 +127,8 @@ pub(crate) struct JobRun {
     shared: Arc<Shared>,
     /// The job's earlier attempts that ended on a database error.
     store_failures: u32,
+    /// The API token that submitted the job (its webhooks' signing secret).
+    owner_token: Option<i64>,
     /// Set when this attempt claimed the completion event itself: the outbox
     /// row was born with send 1 in flight for us (url, body), and the lease
     /// runs for at least `lease` from the instant given (taken before the
@@ -181,6 +183,7 @@ impl JobRun {
             fence: leased.fence,
             state: leased.state,
             store_failures: u32::try_from(leased.store_failures).unwrap_or(0),
+            owner_token: leased.owner_token,
             workflow,
             ctx,
             shared,
@@ -407,10 +410,11 @@ impl JobRun {
                 }
                 DeliveryStart::Send { attempt, url, body } => {
                     let mut span = step(Some(attempt));
+                    let secret = self.shared.signing_secret(self.owner_token).await?;
                     let sender = webhook::Sender {
                         client: &self.shared.client,
                         guard: &config.url_guard,
-                        secret: config.webhook_secret.as_ref(),
+                        secret: secret.as_deref(),
                         timeout: config.webhook_timeout,
                     };
                     let sent = webhook::send(

@@ -1,6 +1,7 @@
 //! Starting a node: the supervisor, the LISTEN/NOTIFY wake-up, and the shared
 //! parts every job actor uses.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -104,6 +105,10 @@ pub(crate) struct Shared {
     pub(crate) limiter: Arc<crate::limits::Limiter>,
     /// Whether intake may hand this node a new job (see [`crate::handoff`]).
     pub(crate) gate: crate::handoff::Gate,
+    /// The signing secrets of the tokens whose jobs this node delivered lately.
+    signing: std::sync::Mutex<HashMap<i64, (std::time::Instant, Option<Arc<WebhookSecret>>)>>,
+    /// The node's own secret (`ONCEFLOW_WEBHOOK_SECRET`).
+    node_secret: Option<Arc<WebhookSecret>>,
 }
 
 impl Shared {
@@ -144,6 +149,7 @@ impl Shared {
                 .build()
                 .expect("the HTTP client builds")
         };
+        let config_secret = config.webhook_secret.clone().map(Arc::new);
         Shared {
             provider: Arc::new(Provider::new(provider_client, config.provider.clone())),
             limiter: Arc::new(crate::limits::Limiter::new(config.limits.clone())),
@@ -155,7 +161,44 @@ impl Shared {
             counters: Arc::new(Counters::default()),
             draining: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             gate: Default::default(),
+            signing: Default::default(),
+            node_secret: config_secret,
         }
+    }
+
+    /// The secrets that sign webhooks of a job submitted by API token
+    /// `owner`: the token's own (read again at most every 30 s, so a
+    /// rotation takes effect within that), else the node's
+    /// `ONCEFLOW_WEBHOOK_SECRET` (development mode, admin tokens, tokens
+    /// made before tokens had their own).
+    pub(crate) async fn signing_secret(
+        &self,
+        owner: Option<i64>,
+    ) -> Result<Option<Arc<WebhookSecret>>, crate::error::StoreError> {
+        let Some(owner) = owner else {
+            return Ok(self.node_secret.clone());
+        };
+        let fresh = std::time::Duration::from_secs(30);
+        if let Some((read, secret)) = self.signing.lock().expect("lock").get(&owner) {
+            if read.elapsed() < fresh {
+                return Ok(secret.clone().or_else(|| self.node_secret.clone()));
+            }
+        }
+        let secret = match self.store.token_secret_of(owner).await? {
+            Some(text) => match text.parse::<WebhookSecret>() {
+                Ok(secret) => Some(Arc::new(secret)),
+                Err(e) => {
+                    tracing::error!(token = owner, error = %e, "a token's stored signing secret does not parse; signing with the node's");
+                    None
+                }
+            },
+            None => None,
+        };
+        self.signing
+            .lock()
+            .expect("lock")
+            .insert(owner, (std::time::Instant::now(), secret.clone()));
+        Ok(secret.or_else(|| self.node_secret.clone()))
     }
 
     pub(crate) fn is_draining(&self) -> bool {

@@ -493,10 +493,11 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
             tracing::debug!(key = %event.idempotency_key, "another node claimed this event meanwhile");
             continue;
         }
+        let secret = shared.signing_secret(event.owner_token).await?;
         let sender = crate::webhook::Sender {
             client: &shared.client,
             guard: &config.url_guard,
-            secret: config.webhook_secret.as_ref(),
+            secret: secret.as_deref(),
             timeout: config.webhook_timeout,
         };
         let traceparent = crate::trace::TraceParent::new_root().to_string();

@@ -96,6 +96,12 @@ impl WebhookSecret {
     }
 }
 
+/// A new signing secret: `whsec_` + base64 of 32 random bytes.
+pub fn new_secret() -> String {
+    let key: [u8; 32] = rand::random();
+    format!("whsec_{}", B64.encode(key))
+}
+
 /// The completion event's body.
 pub fn completed_body(job_id: &str, result: &Value) -> Value {
     // Built directly: `json!` would serialise `result` into a new value.

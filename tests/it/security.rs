@@ -1064,3 +1064,74 @@ async fn a_failed_send_stores_a_class_not_the_systems_words() {
         }
     }
 }
+
+/// Each token's jobs are signed with that token's own secret: token B
+/// submitting a job to A's consumer cannot get a webhook A's secret
+/// verifies. Admin tokens sign with the node's secret. A rotation keeps the
+/// previous secret beside the new one.
+#[actix_rt::test]
+async fn each_tokens_webhooks_are_signed_with_its_own_secret() {
+    use onceflow_engine::webhook::WebhookSecret;
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let node_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let mut config = env.config();
+    config.webhook_secret = Some(node_secret.parse().unwrap());
+    let _engine = env.start(registry(), config);
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: false },
+    );
+    let mut tokens = Vec::new();
+    for (name, admin) in [("tenant-a", false), ("tenant-b", false), ("operator", true)] {
+        let token = env.store.create_token(name, admin).await.unwrap();
+        let secret = env.store.token_secret(name).await.unwrap();
+        assert_eq!(secret.is_some(), !admin, "{name}");
+        tokens.push((name, token, secret));
+    }
+    for (name, token, _) in &tokens {
+        let id = format!("sig-{name}");
+        let (status, answer, _) = call(
+            Method::POST,
+            &format!("{base}/v1/jobs"),
+            Some(token),
+            Some(&job_body(&id, &env.consumer.url())),
+        )
+        .await;
+        assert_eq!(status, 201, "{answer}");
+    }
+    let verifies = |id: &str, secret: &str| {
+        let d = &env.consumer.deliveries_for(id)[0];
+        let key: WebhookSecret = secret.parse().unwrap();
+        let ts: i64 = d.timestamp.as_deref().unwrap().parse().unwrap();
+        d.signature.as_deref()
+            == Some(
+                key.sign(d.webhook_id.as_deref().unwrap(), ts, &d.raw)
+                    .as_str(),
+            )
+    };
+    for (name, _, _) in &tokens {
+        env.wait_for(&format!("sig-{name}"), JobState::Acked, WAIT)
+            .await;
+    }
+    let a = tokens[0].2.clone().unwrap();
+    let b = tokens[1].2.clone().unwrap();
+    assert!(verifies("sig-tenant-a", &a));
+    assert!(!verifies("sig-tenant-a", &b) && !verifies("sig-tenant-a", node_secret));
+    assert!(verifies("sig-tenant-b", &b));
+    assert!(
+        !verifies("sig-tenant-b", &a),
+        "A's secret must reject B's job sent to A's consumer"
+    );
+    assert!(!verifies("sig-tenant-b", node_secret));
+    assert!(verifies("sig-operator", node_secret));
+    // Rotation: the new secret first, the previous one kept beside it.
+    let new = env.store.rotate_token_secret("tenant-a").await.unwrap();
+    assert_eq!(
+        env.store.token_secret("tenant-a").await.unwrap(),
+        Some(format!("{new} {a}"))
+    );
+    assert!(env.store.rotate_token_secret("operator").await.is_err());
+}

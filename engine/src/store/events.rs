@@ -31,6 +31,9 @@ pub struct EventSend {
     /// Sends of this event so far, this one included.
     #[diesel(sql_type = Integer)]
     pub attempts: i32,
+    /// The API token that submitted the job (the event's signing secret).
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub owner_token: Option<i64>,
 }
 
 impl Store {
@@ -51,7 +54,8 @@ impl Store {
                  WHERE status = 'claimed' AND event <> 'job.completed' AND run_at <= now() \
                    AND (in_flight_until IS NULL OR in_flight_until < clock_timestamp()) \
                  ORDER BY run_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
-             RETURNING o.job_id, o.idempotency_key, o.url, o.body, o.attempts",
+             RETURNING o.job_id, o.idempotency_key, o.url, o.body, o.attempts, \
+                 (SELECT owner_token FROM jobs WHERE id = o.job_id) AS owner_token",
         )
         .bind::<BigInt, _>(limit)
         .bind::<BigInt, _>(in_flight_ms)

@@ -332,6 +332,7 @@ impl Store {
                     previous_owner: None,
                     trace: Some(trace),
                     store_failures: 0,
+                    owner_token: owner,
                 });
             }
             return Ok(Intake::Created(JobView {

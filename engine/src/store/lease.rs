@@ -59,6 +59,9 @@ pub struct Leased {
     /// Earlier attempts that ended on a database error past its in-place
     /// retries (not its leases: redrives and takeovers do not count).
     pub store_failures: i32,
+    /// The API token that submitted the job: its webhooks are signed with
+    /// that token's own secret.
+    pub owner_token: Option<i64>,
 }
 
 /// The outcome of a guarded transition.
@@ -100,6 +103,8 @@ struct LeasedRow {
     trace_context: Option<String>,
     #[diesel(sql_type = Integer)]
     store_failures: i32,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    owner_token: Option<i64>,
 }
 
 /// The job-row locks a statement over many jobs takes first, in id order
@@ -187,7 +192,7 @@ impl Store {
                  attempts = j.attempts + 1, updated_at = now() \
              FROM picked WHERE j.id = picked.id \
              RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
-                 picked.lease_owner AS previous_owner, j.trace_context, j.store_failures",
+                 picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token",
         )
         .bind::<Text, _>(node)
         .bind::<BigInt, _>(limit)
@@ -214,6 +219,7 @@ impl Store {
                     previous_owner: r.previous_owner,
                     trace: r.trace_context.as_deref().and_then(TraceParent::parse),
                     store_failures: r.store_failures,
+                    owner_token: r.owner_token,
                 })
             })
             .collect()

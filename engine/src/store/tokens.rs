@@ -63,7 +63,9 @@ pub fn token_hash(token: &str) -> String {
 }
 
 impl Store {
-    /// Creates a token; returns it (shown once: only its hash is kept).
+    /// Creates a token; returns it (shown once: only its hash is kept). A
+    /// token that is not admin gets a webhook signing secret of its own
+    /// ([`Self::token_secret`]): its jobs are signed with it.
     pub async fn create_token(&self, name: &str, admin: bool) -> Result<String, TokenError> {
         if name.is_empty()
             || name.len() > 100
@@ -75,14 +77,16 @@ impl Store {
         }
         let secret: [u8; 32] = rand::random();
         let token = format!("of_{}", hex::encode(secret));
+        let webhook_secret = (!admin).then(crate::webhook::new_secret);
         let mut conn = self.db().conn().await.map_err(TokenError::Store)?;
         let inserted = sql(
-            "INSERT INTO api_tokens (name, token_hash, admin) VALUES ($1, $2, $3) \
+            "INSERT INTO api_tokens (name, token_hash, admin, webhook_secret) VALUES ($1, $2, $3, $4) \
              ON CONFLICT (name) DO NOTHING",
         )
         .bind::<Text, _>(name)
         .bind::<Text, _>(token_hash(&token))
         .bind::<Bool, _>(admin)
+        .bind::<Nullable<Text>, _>(webhook_secret)
         .execute(&mut conn)
         .await
         .map_err(|e| TokenError::Store(e.into()))?;
@@ -111,6 +115,60 @@ impl Store {
                 .execute(&mut conn)
                 .await?;
         Ok(n == 1)
+    }
+
+    /// The webhook signing secret(s) of the token named `name`
+    /// (space-separated, newest first); `None` for an admin token or one
+    /// made before tokens had their own, whose jobs the node's
+    /// `ONCEFLOW_WEBHOOK_SECRET` signs.
+    pub async fn token_secret(&self, name: &str) -> Result<Option<String>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Nullable<Text>)]
+            webhook_secret: Option<String>,
+        }
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<Row> = sql("SELECT webhook_secret FROM api_tokens WHERE name = $1")
+            .bind::<Text, _>(name)
+            .load(&mut conn)
+            .await?;
+        Ok(rows.into_iter().next().and_then(|r| r.webhook_secret))
+    }
+
+    /// The webhook signing secret(s) of token `id` (see [`Self::token_secret`]).
+    pub async fn token_secret_of(&self, id: i64) -> Result<Option<String>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Nullable<Text>)]
+            webhook_secret: Option<String>,
+        }
+        let mut conn = self.db().auth_conn().await?;
+        let rows: Vec<Row> = sql("SELECT webhook_secret FROM api_tokens WHERE id = $1")
+            .bind::<BigInt, _>(id)
+            .load(&mut conn)
+            .await?;
+        Ok(rows.into_iter().next().and_then(|r| r.webhook_secret))
+    }
+
+    /// Gives the live, non-admin token `name` a new signing secret; the
+    /// newest previous one keeps signing beside it until the next
+    /// rotation, so consumers can switch over. Returns the new secret.
+    pub async fn rotate_token_secret(&self, name: &str) -> Result<String, StoreError> {
+        let new = crate::webhook::new_secret();
+        let mut conn = self.db().conn().await?;
+        let n = sql("UPDATE api_tokens SET webhook_secret = \
+                 $2 || coalesce(' ' || split_part(webhook_secret, ' ', 1), '') \
+             WHERE name = $1 AND NOT admin AND revoked_at IS NULL")
+        .bind::<Text, _>(name)
+        .bind::<Text, _>(&new)
+        .execute(&mut conn)
+        .await?;
+        if n == 0 {
+            return Err(StoreError::InvalidData(format!(
+                "no live, non-admin token named {name:?} (admin tokens sign with ONCEFLOW_WEBHOOK_SECRET)"
+            )));
+        }
+        Ok(new)
     }
 
     /// The name of token `id` (for history rows).
