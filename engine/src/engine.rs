@@ -90,6 +90,9 @@ pub fn default_node_id() -> String {
     format!("{host}:{}", std::process::id())
 }
 
+/// A token's signing secret as read at an instant (`None`: it has none).
+type ReadSecret = (std::time::Instant, Option<Arc<WebhookSecret>>);
+
 /// What every actor of a node shares.
 pub(crate) struct Shared {
     pub(crate) store: Store,
@@ -106,7 +109,7 @@ pub(crate) struct Shared {
     /// Whether intake may hand this node a new job (see [`crate::handoff`]).
     pub(crate) gate: crate::handoff::Gate,
     /// The signing secrets of the tokens whose jobs this node delivered lately.
-    signing: std::sync::Mutex<HashMap<i64, (std::time::Instant, Option<Arc<WebhookSecret>>)>>,
+    signing: std::sync::Mutex<HashMap<i64, ReadSecret>>,
     /// The node's own secret (`ONCEFLOW_WEBHOOK_SECRET`).
     node_secret: Option<Arc<WebhookSecret>>,
 }
