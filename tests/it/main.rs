@@ -11,6 +11,7 @@ mod dbfaults;
 mod durability;
 mod embedded;
 mod explorer;
+mod failover;
 mod fencing;
 mod handoff;
 mod intake;
