@@ -129,7 +129,8 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
     backup
         .arg("-D")
         .arg(&standby.data)
-        .args(["-R", "-X", "stream", "-d"])
+        // A fast checkpoint: the default spreads it over minutes.
+        .args(["-R", "-X", "stream", "-c", "fast", "-d"])
         .arg(format!(
             "host=127.0.0.1 port={} user=onceflow password={password}",
             primary.port()
@@ -147,6 +148,7 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
             "-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories= -c max_connections=200 -c fsync=off"
         ));
     run(start, "start the standby");
+    let began = std::time::Instant::now();
     let admin = primary.url("postgres");
     assert!(
         wait_until(Duration::from_secs(30), || async {
@@ -162,12 +164,13 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
     );
     // Synchronous: a commit returns once the standby has it (the role's
     // setting beats the throwaway server's `synchronous_commit=off`).
-    execute(
-        &admin,
-        "ALTER SYSTEM SET synchronous_standby_names = '*'; SELECT pg_reload_conf(); \
-         ALTER ROLE onceflow SET synchronous_commit = 'on'",
-    )
-    .await;
+    for sql in [
+        "ALTER SYSTEM SET synchronous_standby_names = '*'",
+        "SELECT pg_reload_conf()",
+        "ALTER ROLE onceflow SET synchronous_commit = 'on'",
+    ] {
+        execute(&admin, sql).await;
+    }
     assert!(
         wait_until(Duration::from_secs(10), || async {
             query_i64(
@@ -224,6 +227,10 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
         "some jobs finished before the failover"
     );
 
+    eprintln!(
+        "standby streaming and first jobs done after {:?}",
+        began.elapsed()
+    );
     // The primary dies mid-run; the standby is promoted.
     primary.crash().unwrap();
     let mut promote = as_server_user(&standby.pg_ctl);
@@ -234,6 +241,10 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
         acked(store.clone()).await == 40
     })
     .await;
+    eprintln!(
+        "every job acked {:?} after the standby started",
+        began.elapsed()
+    );
     assert!(
         all,
         "{} of 40 acked after the failover",
