@@ -642,6 +642,19 @@ async fn submit(
             )
         }
     };
+    if matches!(who, Who::Token(c) if !c.admin)
+        && job.schedule.priority.abs() > intake::MAX_TENANT_PRIORITY
+    {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            format!(
+                "priority: must be from -{m} to {m} for a token that is not admin",
+                m = intake::MAX_TENANT_PRIORITY
+            ),
+            Some("priority"),
+        );
+    }
     // The `submit` span continues the caller's trace when it sent one; its
     // context is stored with the job, so every attempt is its child.
     let caller = req

@@ -46,8 +46,12 @@ pub struct Schedule {
     pub delay_ms: Option<u64>,
 }
 
-/// Longest accepted `delay_ms`: 30 days.
+/// Longest accepted `delay_ms`, and how far ahead `run_at` may be: 30 days.
 pub const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
+
+/// The `priority` range open to a token that is not admin (an admin token
+/// may use any `i32`): one tenant cannot push its jobs ahead of everything.
+pub const MAX_TENANT_PRIORITY: i32 = 100;
 
 impl NewJob {
     /// The request as stored (everything but the id, which is the key). The
@@ -169,6 +173,7 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
         ),
         Some(_) => return Err(InvalidInput::new("run_at", "must be a string (RFC 3339)")),
     };
+
     let delay_ms = match obj.remove("delay_ms") {
         None => None,
         Some(v) => Some(v.as_u64().filter(|ms| *ms <= MAX_DELAY_MS).ok_or_else(|| {
@@ -182,6 +187,13 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
         return Err(InvalidInput::new(
             "delay_ms",
             "give run_at or delay_ms, not both",
+        ));
+    }
+    let latest = chrono::Utc::now() + chrono::Duration::milliseconds(MAX_DELAY_MS as i64);
+    if run_at.is_some_and(|at| at > latest) {
+        return Err(InvalidInput::new(
+            "run_at",
+            "must be at most 30 days ahead (as delay_ms)",
         ));
     }
     Ok(Schedule {

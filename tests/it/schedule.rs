@@ -46,6 +46,7 @@ async fn bad_schedules_are_refused_naming_the_field_and_the_schedule_is_part_of_
         (json!({"delay_ms": 2_592_000_001_u64}), "delay_ms"),
         (json!({"priority": "high"}), "priority"),
         (json!({"priority": 4_294_967_296_u64}), "priority"),
+        (json!({"run_at": "2030-01-01T00:00:00Z"}), "run_at"),
     ] {
         let (status, body) = post_job(&base, &job(&env, "sched-bad", extra.clone())).await;
         assert_eq!(status, 422, "{extra}: {body}");
@@ -64,7 +65,7 @@ async fn bad_schedules_are_refused_naming_the_field_and_the_schedule_is_part_of_
         json!({"delay_ms": 60_001, "priority": 3}),
         json!({"delay_ms": 60_000, "priority": 4}),
         json!({"delay_ms": 60_000}),
-        json!({"run_at": "2030-01-01T00:00:00Z", "priority": 3}),
+        json!({"run_at": (chrono::Utc::now() + chrono::Duration::days(1)).to_rfc3339(), "priority": 3}),
     ] {
         let (status, body) = post_job(&base, &job(&env, "sched-1", other.clone())).await;
         assert_eq!(status, 409, "{other}: {body}");

@@ -1135,3 +1135,32 @@ async fn each_tokens_webhooks_are_signed_with_its_own_secret() {
     );
     assert!(env.store.rotate_token_secret("operator").await.is_err());
 }
+
+/// A token that is not admin may not push its jobs ahead of everyone's:
+/// its `priority` is bounded (422 naming the field); an admin's is not.
+#[actix_rt::test]
+async fn a_tenants_priority_is_bounded() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: false },
+    );
+    let tenant = env.store.create_token("tenant", false).await.unwrap();
+    let admin = env.store.create_token("admin", true).await.unwrap();
+    let submit = |id: &str, token: &str, priority: i64| {
+        let mut body = job_body(id, &env.consumer.url());
+        body["priority"] = json!(priority);
+        let url = format!("{base}/v1/jobs");
+        let token = token.to_owned();
+        async move { call(Method::POST, &url, Some(&token), Some(&body)).await }
+    };
+    let (status, answer, _) = submit("prio-high", &tenant, 1_000_000).await;
+    assert_eq!(status, 422, "{answer}");
+    assert_eq!(answer["error"]["field"], "priority");
+    assert_eq!(submit("prio-ok", &tenant, 100).await.0, 201);
+    assert_eq!(submit("prio-low", &tenant, -101).await.0, 422);
+    assert_eq!(submit("prio-admin", &admin, 1_000_000).await.0, 201);
+}
