@@ -59,6 +59,18 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
                  request will need it"
             );
         }
+        let unkeyed = store
+            .tokens_without_secret()
+            .await
+            .context("reading the API tokens")?;
+        if !unkeyed.is_empty() {
+            tracing::warn!(
+                tokens = %unkeyed.join(", "),
+                "these tokens have no webhook signing secret of their own, so their jobs are \
+                 signed with ONCEFLOW_WEBHOOK_SECRET, which every tenant's consumer trusts; give \
+                 each one its own with `onceflow token secret rotate NAME`"
+            );
+        }
         registry.with_failure_events(args.failure_events);
         let config_guard = config.url_guard.clone();
         let config_secret = config.webhook_secret.clone();

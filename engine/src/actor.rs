@@ -351,6 +351,9 @@ impl JobRun {
         let at_most_once = self.workflow.delivery_policy() == DeliveryPolicy::AtMostOnce;
         let in_flight_ms = self.delivery_in_flight_ms();
         let metrics = self.ctx.scope.metrics().clone();
+        // Read before any send is marked begun: a failure here leaves no
+        // send marked that was never made.
+        let secret = self.shared.signing_secret(self.owner_token).await?;
         let step = |send: Option<i32>| {
             let mut attrs = vec![
                 KeyValue::new(TRANSITION, "claimed->delivered"),
@@ -410,7 +413,6 @@ impl JobRun {
                 }
                 DeliveryStart::Send { attempt, url, body } => {
                     let mut span = step(Some(attempt));
-                    let secret = self.shared.signing_secret(self.owner_token).await?;
                     let sender = webhook::Sender {
                         client: &self.shared.client,
                         guard: &config.url_guard,

@@ -485,6 +485,8 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
     let events = shared.store.claim_events(EVENT_BATCH, in_flight_ms).await?;
     let n = events.len();
     for event in events {
+        // Read before the send is marked begun (see the actor's delivery).
+        let secret = shared.signing_secret(event.owner_token).await?;
         if !shared
             .store
             .mark_event_sending(&event, in_flight_ms)
@@ -493,7 +495,6 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
             tracing::debug!(key = %event.idempotency_key, "another node claimed this event meanwhile");
             continue;
         }
-        let secret = shared.signing_secret(event.owner_token).await?;
         let sender = crate::webhook::Sender {
             client: &shared.client,
             guard: &config.url_guard,
@@ -586,11 +587,18 @@ pub struct Cancelled(pub String);
 
 impl Handler<Cancelled> for Supervisor {
     type Result = ();
-    fn handle(&mut self, Cancelled(id): Cancelled, _: &mut Self::Context) {
+    fn handle(&mut self, Cancelled(id): Cancelled, ctx: &mut Self::Context) {
+        // Any attempt of a cancelled job is fenced out (the cancel bumped
+        // the epoch, and a finished job is never leased again), so whatever
+        // epoch runs here stops.
+        let was_full = self.in_flight.len() >= self.shared.config.max_in_flight;
         if let Some((_, addr)) = self.in_flight.remove(&id) {
             tracing::info!(job.id = %id, "cancelled; stopping the attempt");
             addr.do_send(Abort);
             self.report_in_flight();
+            if was_full {
+                ctx.notify(Poll);
+            }
         }
     }
 }

@@ -494,7 +494,8 @@ async fn a_zombie_cannot_send_the_webhook() {
         env.run_attempt(&reg, first, env.config()).await,
         Outcome::Crashed
     );
-    tokio::time::sleep(Duration::from_millis(350)).await;
+    // The claim's commit extended the lease to a full lease (1 s).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let stale = env.lease("node-a", Duration::from_millis(1)).await;
     assert_eq!(stale.state, JobState::Claimed);
     tokio::time::sleep(Duration::from_millis(20)).await;

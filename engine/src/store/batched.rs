@@ -367,7 +367,8 @@ pub(crate) async fn commit_result_on(
         ", ",
         "         moved AS ( \
              UPDATE jobs j SET state = 'claimed', updated_at = now(), \
-                 lease_expires_at = CASE WHEN i.lease_ms IS NULL THEN j.lease_expires_at \
+                 lease_expires_at = CASE WHEN i.lease_ms IS NULL OR j.lease_owner IS NULL \
+                     THEN j.lease_expires_at \
                      ELSE greatest(j.lease_expires_at, clock_timestamp() + i.lease_ms * interval '1 millisecond') END \
              FROM input i \
              WHERE j.id = i.id AND j.state = i.from_state::job_state AND j.lease_epoch = i.epoch \
@@ -697,6 +698,7 @@ impl Store {
                                 body: Value::Null,
                                 in_flight_ms: None,
                                 lease_ms: Some(30_000),
+                                // (the probe's jobs are not leased: left as is)
                             })
                             .collect();
                         commit_result_on(conn, &requests).await?;

@@ -142,12 +142,32 @@ impl Store {
             #[diesel(sql_type = Nullable<Text>)]
             webhook_secret: Option<String>,
         }
-        let mut conn = self.db().auth_conn().await?;
-        let rows: Vec<Row> = sql("SELECT webhook_secret FROM api_tokens WHERE id = $1")
-            .bind::<BigInt, _>(id)
-            .load(&mut conn)
-            .await?;
-        Ok(rows.into_iter().next().and_then(|r| r.webhook_secret))
+        retrying!(self, "token_secret_of", async || {
+            let mut conn = self.db().conn().await?;
+            let rows: Vec<Row> = sql("SELECT webhook_secret FROM api_tokens WHERE id = $1")
+                .bind::<BigInt, _>(id)
+                .load(&mut conn)
+                .await?;
+            Ok(rows.into_iter().next().and_then(|r| r.webhook_secret))
+        })
+        .await
+    }
+
+    /// Live tokens that are not admin and have no signing secret of their
+    /// own (made before tokens had one): their jobs are signed with the
+    /// node's secret, which every tenant's consumer then trusts.
+    pub async fn tokens_without_secret(&self) -> Result<Vec<String>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Name {
+            #[diesel(sql_type = Text)]
+            name: String,
+        }
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<Name> = sql("SELECT name FROM api_tokens \
+             WHERE NOT admin AND revoked_at IS NULL AND webhook_secret IS NULL ORDER BY id")
+        .load(&mut conn)
+        .await?;
+        Ok(rows.into_iter().map(|r| r.name).collect())
     }
 
     /// Gives the live, non-admin token `name` a new signing secret; the
