@@ -827,9 +827,24 @@ async fn job_events(
     };
     let (tx, mut rx) = tokio::sync::mpsc::channel::<web::Bytes>(64);
     let (store, id) = (state.store.clone(), id.into_inner());
+    let token = who.owner();
     actix_web::rt::spawn(async move {
         let _slot = slot; // held until the stream ends
-        follow_events(store, id, after, tx).await
+                          // Transitions of a followed job are announced (NOTIFY) by the
+                          // database; without the row the stream still works, polling.
+        let followed = match store.follow(&id).await {
+            Ok(row) => Some(row),
+            Err(e) => {
+                tracing::warn!(error = %e, job.id = id, "cannot record a stream; it polls instead");
+                None
+            }
+        };
+        follow_events(store.clone(), id, after, token, followed.is_some(), tx).await;
+        if let Some(row) = followed {
+            if let Err(e) = store.unfollow(row).await {
+                tracing::warn!(error = %e, "cannot remove a closed stream's row; the purge will");
+            }
+        }
     });
     let body = futures_util::stream::poll_fn(move |cx| {
         rx.poll_recv(cx).map(|b| b.map(Ok::<_, actix_web::Error>))
@@ -842,17 +857,30 @@ async fn job_events(
 }
 
 /// Sends `job_id`'s events after `after` to `tx` as they are journaled,
-/// until the job's final state has been sent or the watcher leaves. Chunks
-/// written on this node arrive as committed and are sent without reading
-/// them back when they follow the last event sent; anything else (another
-/// node's chunks, state changes, a gap) is read from the journal.
+/// until the job's final state has been sent, the watcher leaves, or its
+/// token is revoked. Chunks written on this node arrive as committed and
+/// are sent without reading them back when they follow the last event
+/// sent; anything else (another node's chunks, state changes, a gap) is
+/// read from the journal when a `NOTIFY` says the job moved. An idle stream
+/// reads nothing: it sends a keep-alive comment every 15 s and reads again
+/// once a minute as a safety net (a `NOTIFY` lost while the node's `LISTEN`
+/// reconnected), checking its token then. Without the `followed` row
+/// (`Store::follow` failed) it reads every second.
 async fn follow_events(
     store: Store,
     job_id: String,
     mut after: i64,
+    token: Option<i64>,
+    followed: bool,
     tx: tokio::sync::mpsc::Sender<web::Bytes>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
+    const KEEP_ALIVE: Duration = Duration::from_secs(15);
+    let safety = if followed {
+        Duration::from_secs(60)
+    } else {
+        Duration::from_secs(1)
+    };
     let frame = |event: &crate::store::streams::JobEvent| {
         let data = serde_json::to_string(event).expect("an event serialises");
         web::Bytes::from(format!(
@@ -862,7 +890,6 @@ async fn follow_events(
     };
     // Subscribed before the first read, so a commit in between is not missed.
     let mut moved = store.watch_stream(&job_id);
-    let mut quiet = std::time::Instant::now();
     loop {
         let events = match store.job_events(&job_id, after, 500).await {
             Ok(events) => events,
@@ -897,19 +924,11 @@ async fn follow_events(
                     return;
                 }
             }
-            if quiet.elapsed() >= Duration::from_secs(15) {
-                quiet = std::time::Instant::now();
-                if tx
-                    .send(web::Bytes::from_static(b": keep-alive\n\n"))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-            }
         }
-        // Chunks come as they commit; state changes are read every 250 ms.
+        // Chunks come as they commit, other moves as announced.
+        let read_at = std::time::Instant::now();
         loop {
+            let wait = KEEP_ALIVE.min(safety.saturating_sub(read_at.elapsed()));
             tokio::select! {
                 published = moved.recv() => match published {
                     Ok(p) if p.prev == Some(after) && !p.events.is_empty() => {
@@ -928,7 +947,24 @@ async fn follow_events(
                         break;
                     }
                 },
-                _ = tokio::time::sleep(Duration::from_millis(250)) => break,
+                _ = tokio::time::sleep(wait) => {
+                    if read_at.elapsed() >= safety {
+                        // A revoked token's stream ends.
+                        if let Some(token) = token {
+                            if matches!(store.token_live(token).await, Ok(false)) {
+                                return;
+                            }
+                        }
+                        break;
+                    }
+                    if tx
+                        .send(web::Bytes::from_static(b": keep-alive\n\n"))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
                 _ = tx.closed() => return,
             }
         }

@@ -548,3 +548,62 @@ async fn stream_with_anthropic_is_refused_for_the_agent_too() {
         .await;
     assert_eq!(stored.as_array().unwrap().len(), 0);
 }
+
+/// An idle stream reads nothing from the database (it used to read four
+/// times a second), and a transition made anywhere reaches it through the
+/// database's `NOTIFY` (here a cancel, made through another store handle as
+/// another node would): the watcher gets the final state and the stream
+/// ends, its row gone.
+#[actix_rt::test]
+async fn an_idle_stream_reads_nothing_and_a_transition_wakes_it() {
+    let env = TestEnv::new().await;
+    let _node = env.start(registry(), env.config()); // its LISTEN hears the NOTIFY
+    let base = serve_api(env.store.clone(), registry(), None);
+    let mut job = streamed_job("idle-1", &env.consumer.url());
+    job["delay_ms"] = json!(3_600_000); // waits, idle, for the whole test
+    assert_eq!(post_job(&base, &job).await.0, 201);
+    let b = base.clone();
+    let watcher = actix_rt::spawn(async move { watch(&b, "idle-1", None, until_finished).await });
+    let followed = || async {
+        env.sql("SELECT count(*) AS n FROM stream_watchers WHERE job_id = 'idle-1'")
+            .await[0]["n"]
+            .as_i64()
+            .unwrap()
+    };
+    assert!(
+        onceflow_engine::testkit::wait_until(Duration::from_secs(10), || async {
+            followed().await == 1
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await; // its first read done
+    let reads = env.store.event_reads();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        env.store.event_reads() - reads,
+        0,
+        "an idle stream read the journal"
+    );
+    let other_node =
+        onceflow_engine::Store::new(onceflow_engine::Db::connect(&env.db_url, 1).await.unwrap());
+    other_node
+        .cancel("idle-1", "test", "done waiting")
+        .await
+        .unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(10), watcher)
+        .await
+        .expect("the cancel reached the watcher without polling")
+        .unwrap();
+    let last = seen.last().expect("events");
+    assert_eq!(
+        (last.kind.as_str(), &last.data["text"]),
+        ("state", &json!("cancelled")),
+        "{seen:?}"
+    );
+    assert!(
+        onceflow_engine::testkit::wait_until(Duration::from_secs(10), || async {
+            followed().await == 0
+        })
+        .await
+    );
+}

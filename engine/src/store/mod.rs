@@ -76,6 +76,8 @@ pub struct Store {
     retried: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// This node's watchers of streamed jobs.
     watchers: std::sync::Arc<streams::Watchers>,
+    /// Reads of a job's events for its watchers (since this store was made).
+    event_reads: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// How long a statement that failed transiently is retried in place by default.
@@ -91,6 +93,7 @@ impl Store {
             retry_budget: DEFAULT_RETRY_BUDGET,
             retried: Default::default(),
             watchers: Default::default(),
+            event_reads: Default::default(),
         }
     }
 
@@ -100,6 +103,12 @@ impl Store {
     pub fn with_retry_budget(mut self, budget: Duration) -> Self {
         self.retry_budget = budget;
         self
+    }
+
+    /// How many times watchers read a job's events from the database (an
+    /// idle stream reads nothing).
+    pub fn event_reads(&self) -> u64 {
+        std::sync::atomic::AtomicU64::load(&self.event_reads, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How many times a statement was run again in place after a transient

@@ -323,6 +323,8 @@ impl Store {
         after: i64,
         limit: i64,
     ) -> Result<Vec<JobEvent>, StoreError> {
+        self.event_reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = BigInt)]
@@ -372,6 +374,34 @@ impl Store {
     /// another node announces one. Subscribe before reading the journal.
     pub fn watch_stream(&self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {
         self.watchers.subscribe(job_id)
+    }
+
+    /// Records that a stream follows `job_id`: every transition of the job
+    /// then `NOTIFY`s [`STREAM_CHANNEL`] (a trigger on `job_history`), so
+    /// its watchers on any node read the journal only when it moved.
+    /// Returns the row to remove with [`Self::unfollow`].
+    pub async fn follow(&self, job_id: &str) -> Result<i64, StoreError> {
+        #[derive(QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = BigInt)]
+            id: i64,
+        }
+        let mut conn = self.db().conn().await?;
+        let row: Id = sql("INSERT INTO stream_watchers (job_id) VALUES ($1) RETURNING id")
+            .bind::<Text, _>(job_id)
+            .get_result(&mut conn)
+            .await?;
+        Ok(row.id)
+    }
+
+    /// The stream `id` ended.
+    pub async fn unfollow(&self, id: i64) -> Result<(), StoreError> {
+        let mut conn = self.db().conn().await?;
+        sql("DELETE FROM stream_watchers WHERE id = $1")
+            .bind::<BigInt, _>(id)
+            .execute(&mut conn)
+            .await?;
+        Ok(())
     }
 
     /// A node announced on [`STREAM_CHANNEL`] that a job's events reach an

@@ -227,6 +227,23 @@ impl Store {
         }))
     }
 
+    /// Whether token `id` is live (not revoked).
+    pub async fn token_live(&self, id: i64) -> Result<bool, StoreError> {
+        #[derive(QueryableByName)]
+        struct Live {
+            #[diesel(sql_type = Bool)]
+            live: bool,
+        }
+        let mut conn = self.db().auth_conn().await?;
+        let row: Live = sql(
+            "SELECT EXISTS (SELECT 1 FROM api_tokens WHERE id = $1 AND revoked_at IS NULL) AS live",
+        )
+        .bind::<BigInt, _>(id)
+        .get_result(&mut conn)
+        .await?;
+        Ok(row.live)
+    }
+
     /// Whether the API requires a token: a live token exists, or a revoked
     /// one the operator has not released ([`Self::open_development_mode`]).
     /// Revoking the last token never reopens the API by itself.
