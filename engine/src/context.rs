@@ -477,13 +477,35 @@ impl Context {
         }
         let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
         let sent = if streaming {
-            let (sent, chunks) = Box::pin(self.stream_chat(
+            // A stream may outlast the request timeout that sized the call's
+            // in-flight mark and its provider slot: both are renewed while
+            // it flows, so no concurrent attempt sends and no other call
+            // takes the slot meanwhile.
+            let renew = async {
+                let every = Duration::from_millis((in_flight_ms / 3).max(100) as u64);
+                loop {
+                    tokio::time::sleep(every).await;
+                    let slot = limited.then_some((limit_key.as_str(), holder.as_str()));
+                    if let Err(e) = self
+                        .store
+                        .renew_call(&key, self.fence.epoch, slot, in_flight_ms)
+                        .await
+                    {
+                        tracing::warn!(error = %e, key, "could not renew a streaming call's marks");
+                    }
+                }
+            };
+            let traceparent = span.traceparent();
+            let stream = Box::pin(self.stream_chat(
                 &key,
                 request,
-                &span.traceparent(),
+                &traceparent,
                 (&provider_name, &model_name),
-            ))
-            .await?;
+            ));
+            let (sent, chunks) = tokio::select! {
+                streamed = stream => streamed?,
+                () = renew => unreachable!("the renewal loop never ends"),
+            };
             span.set(KeyValue::new(STREAM_CHUNKS, chunks as i64));
             sent
         } else {

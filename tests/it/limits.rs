@@ -302,3 +302,47 @@ async fn a_higher_priority_call_takes_the_next_free_slot() {
     assert_eq!(order[1], "job:high:generate", "priority first: {order:?}");
     assert_eq!(env.provider.peak_concurrency(), 1);
 }
+
+/// A streamed answer that outlasts the request timeout (which sized its
+/// slot and its in-flight mark: timeout + 5 s) keeps its slot while it
+/// flows: under a concurrency of 1 the second stream starts only after the
+/// first ended, never beside it.
+#[actix_rt::test]
+async fn a_long_stream_keeps_its_slot_past_the_timeout() {
+    let env = TestEnv::new().await;
+    // Ten chunks a second apart: 10 s, past the 2 s timeout + 5 s.
+    env.provider.set_stream_shape(10, Duration::from_secs(1));
+    let mut config = node(&env, "node-a", r#"{"test-model": {"concurrency": 1}}"#);
+    config.provider.timeout = Duration::from_secs(2);
+    let _node = env.start(registry(), config);
+    for id in ["long-1", "long-2"] {
+        env.submit_job(onceflow_engine::intake::NewJob {
+            id: id.into(),
+            workflow: "completion".into(),
+            workflow_version: 1,
+            input: serde_json::json!({
+                "model": "test-model",
+                "stream": true,
+                "messages": [{ "role": "user", "content": "tell me" }]
+            }),
+            webhook_url: env.consumer.url(),
+            schedule: Default::default(),
+        })
+        .await;
+    }
+    let done = wait_until(Duration::from_secs(60), || async { acked(&env).await == 2 }).await;
+    assert!(done, "{} of 2 acked", acked(&env).await);
+    assert_eq!(
+        env.provider.peak_concurrency(),
+        1,
+        "the second stream ran beside the first"
+    );
+    assert_each_delivered_once(&env, "long", 0);
+    for id in ["long-1", "long-2"] {
+        assert_eq!(
+            env.provider.requests_for(&format!("job:{id}:generate")),
+            1,
+            "{id}"
+        );
+    }
+}

@@ -400,6 +400,32 @@ impl Store {
         Ok(())
     }
 
+    /// Keeps model call `call_key` of `epoch` marked in flight, and its
+    /// provider slot `(limit_key, holder)` held, for `ms` more from now: a
+    /// streamed answer that outlasts the request timeout.
+    pub async fn renew_call(
+        &self,
+        call_key: &str,
+        epoch: i64,
+        slot: Option<(&str, &str)>,
+        ms: i64,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.db().conn().await?;
+        sql("WITH mark AS ( \
+                 UPDATE model_calls SET in_flight_until = clock_timestamp() + $3 * interval '1 millisecond' \
+                 WHERE idempotency_key = $1 AND in_flight_epoch = $2 AND status <> 'completed' RETURNING 1) \
+             UPDATE provider_slots SET expires_at = clock_timestamp() + $3 * interval '1 millisecond' \
+             WHERE limit_key = $4 AND holder = $5 AND (SELECT count(*) FROM mark) >= 0")
+        .bind::<Text, _>(call_key)
+        .bind::<BigInt, _>(epoch)
+        .bind::<BigInt, _>(ms)
+        .bind::<Nullable<Text>, _>(slot.map(|s| s.0))
+        .bind::<Nullable<Text>, _>(slot.map(|s| s.1))
+        .execute(&mut conn)
+        .await?;
+        Ok(())
+    }
+
     /// The keys whose window is being learned (a 429 was seen).
     pub async fn learned_limit_keys(&self) -> Result<Vec<String>, StoreError> {
         let mut conn = self.db().conn().await?;
