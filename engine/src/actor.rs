@@ -13,18 +13,17 @@ use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 use serde_json::Value;
 
+use crate::attempt_spans::Scope;
 use crate::context::Context;
-use crate::engine::Shared;
 use crate::error::StepError;
 use crate::faults::{FailPoint, Injected};
 use crate::keys;
 use crate::lifecycle::{next_step, JobState, Step};
-use crate::observe::Scope;
+use crate::node::Shared;
 use crate::outbound::PostError;
 use crate::retry::RetryPolicy;
 use crate::store::journal::{Claim, DeliveryStart, FailedSend, KillWith};
 use crate::store::{Checkpoint, Fence, Leased};
-use crate::supervisor::Supervisor;
 use crate::verdict::{on_failure, on_send_failure, SendFailure, Verdict};
 use crate::webhook;
 use crate::workflow::{DeliveryPolicy, DynWorkflow};
@@ -73,11 +72,11 @@ pub struct Finished {
 /// One job attempt.
 pub struct JobActor {
     run: Option<JobRun>,
-    supervisor: Addr<Supervisor>,
+    supervisor: Recipient<Finished>,
 }
 
 impl JobActor {
-    pub(crate) fn new(run: JobRun, supervisor: Addr<Supervisor>) -> Self {
+    pub(crate) fn new(run: JobRun, supervisor: Recipient<Finished>) -> Self {
         JobActor {
             run: Some(run),
             supervisor,
@@ -162,24 +161,13 @@ impl JobRun {
             tool_response_limit: shared.config.tool_response_limit,
             replay: crate::context::Replay::for_attempt(leased.fence.attempt),
             limiter: shared.limiter.clone(),
-            priority: leased
-                .request
-                .get("priority")
-                .and_then(Value::as_i64)
-                .map_or(0, |p| p as i32),
+            priority: leased.request.priority,
             scope,
         };
-        let mut request = leased.request;
+        let request = leased.request;
         JobRun {
-            webhook_url: request
-                .get("webhook_url")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned(),
-            input: request
-                .as_object_mut()
-                .and_then(|r| r.remove("input"))
-                .unwrap_or(Value::Null),
+            webhook_url: request.webhook_url,
+            input: request.input,
             fence: leased.fence,
             state: leased.state,
             store_failures: u32::try_from(leased.store_failures).unwrap_or(0),

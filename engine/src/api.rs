@@ -26,7 +26,7 @@ use serde_json::json;
 
 use crate::intake::{self, IntakeError};
 use crate::store::{Intake, Store};
-use crate::trace::TraceParent;
+use crate::traceparent::TraceParent;
 use crate::workflow::Registry;
 
 /// Default largest accepted request body (1 MiB).
@@ -664,7 +664,7 @@ async fn submit(
         .and_then(TraceParent::parse);
     let parent = caller
         .as_ref()
-        .map(crate::observe::remote_context)
+        .map(crate::attempt_spans::remote_context)
         .unwrap_or_default();
     let tracer = state.telemetry.tracer();
     let mut span = tracer
@@ -675,7 +675,7 @@ async fn submit(
             KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
         ])
         .start_with_context(tracer, &parent);
-    let trace = crate::observe::trace_parent(span.span_context())
+    let trace = crate::attempt_spans::trace_parent(span.span_context())
         .or(caller)
         .unwrap_or_else(TraceParent::new_root);
     let submitted = |outcome: &'static str| {
@@ -697,9 +697,14 @@ async fn submit(
     let submitting = {
         let (store, job, owner) = (state.store.clone(), job.clone(), who.owner());
         actix_web::rt::spawn(async move {
-            store
-                .submit_handed(&job, trace, owner, notify, reservation)
-                .await
+            let hand_to = reservation.as_ref().map(|r| r.hand_to());
+            let (intake, leased) = store
+                .submit_handed(&job, trace, owner, notify, hand_to)
+                .await?;
+            if let (Some(reservation), Some(leased)) = (reservation, leased) {
+                reservation.adopt(leased);
+            }
+            Ok(intake)
         })
     };
     let result = submitting.await.unwrap_or_else(|e| {

@@ -10,15 +10,16 @@ use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 use serde_json::Value;
 
+use crate::attempt_spans::Scope;
 use crate::error::{ErrorEnvelope, StepError};
 use crate::faults::Faults;
-use crate::intake::canonical_hash;
 use crate::keys;
-use crate::observe::Scope;
 use crate::outbound::PostError;
 use crate::provider::{Provider, Usage};
+use crate::quota::CallEnd;
+use crate::request::canonical_hash;
 use crate::store::journal::{FailedSend, ModelCallStart};
-use crate::store::limits::{Admission, Ask, CallEnd};
+use crate::store::slots::{Admission, Ask};
 use crate::store::streams::StreamRow;
 use crate::store::{Checkpoint, Fence, Store};
 
@@ -45,7 +46,7 @@ pub struct Context {
     /// Whether this rerun still follows the job's journal.
     pub(crate) replay: Replay,
     /// Provider limits shared by every node.
-    pub(crate) limiter: Arc<crate::limits::Limiter>,
+    pub(crate) limiter: Arc<crate::limiter::Limiter>,
     /// The job's priority: it orders the calls waiting for a provider limit.
     pub(crate) priority: i32,
 }
@@ -444,7 +445,7 @@ impl Context {
         // The slot's holder is this attempt's call: a takeover's is another.
         let holder = format!("{key}#{}", self.fence.epoch);
         let estimate = if spec.tpm.is_some() {
-            crate::limits::estimate_tokens(request)
+            crate::quota::estimate_tokens(request)
         } else {
             0.0
         };

@@ -207,7 +207,7 @@ pub enum StepError {
     },
     /// The stored input no longer matches the workflow's input type.
     #[error("invalid input: {0}")]
-    InvalidInput(crate::workflow::InvalidInput),
+    InvalidInput(InvalidInput),
     /// The workflow's output could not be serialised.
     #[error("cannot serialise the output: {0}")]
     Serialize(String),
@@ -217,7 +217,7 @@ pub enum StepError {
 }
 
 impl StepError {
-    pub(crate) fn invalid_input(e: crate::workflow::InvalidInput) -> Self {
+    pub(crate) fn invalid_input(e: InvalidInput) -> Self {
         StepError::InvalidInput(e)
     }
 
@@ -280,6 +280,26 @@ impl StepError {
                 message: other.to_string(),
                 retryable: other.is_retryable(),
             },
+        }
+    }
+}
+
+/// A workflow's input failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct InvalidInput {
+    /// The offending field, as a dotted path from the request root (`input.messages`).
+    pub field: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl InvalidInput {
+    /// `field` (a dotted path, e.g. `input.messages`) failed because of `message`.
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        InvalidInput {
+            field: field.into(),
+            message: message.into(),
         }
     }
 }

@@ -13,42 +13,15 @@
 //! no budget, draining, a workflow version it lacks, a schedule for later)
 //! is inserted unleased and woken by `NOTIFY` as before.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use actix::Addr;
 
-use crate::engine::Shared;
+use crate::node::Shared;
+use crate::store::jobs::HandTo;
 use crate::store::Leased;
 use crate::supervisor::{Adopt, Supervisor};
-
-/// What intake and the supervisor share to decide a hand-off.
-#[derive(Debug)]
-pub(crate) struct Gate {
-    /// Hand-offs reserved and not yet adopted by the supervisor.
-    pub(crate) reserved: AtomicUsize,
-    /// Actors the supervisor runs.
-    pub(crate) running: AtomicUsize,
-    /// Hand-offs allowed: the room the last acquire left over (it found
-    /// nothing more runnable, so a new job jumps no queue). An acquire in
-    /// progress leaves this much room to hand-offs; zero after one that
-    /// filled what it asked for (older work may be waiting), and before
-    /// the first.
-    pub(crate) budget: AtomicUsize,
-    /// The supervisor stops or drains: no hand-off.
-    pub(crate) closed: AtomicBool,
-}
-
-impl Default for Gate {
-    fn default() -> Self {
-        Gate {
-            reserved: AtomicUsize::new(0),
-            running: AtomicUsize::new(0),
-            budget: AtomicUsize::new(0),
-            closed: AtomicBool::new(false),
-        }
-    }
-}
 
 /// This node's engine, as intake sees it: where a new job may be handed.
 #[derive(Clone)]
@@ -139,6 +112,14 @@ impl Reservation {
     /// The lease's length, in milliseconds.
     pub fn lease_ms(&self) -> i64 {
         self.handoff.lease_ms()
+    }
+
+    /// Where the store is to lease the new job in intake's commit.
+    pub fn hand_to(&self) -> HandTo {
+        HandTo {
+            node: self.node().to_owned(),
+            lease_ms: self.lease_ms(),
+        }
     }
 
     /// Hands the job, leased in intake's commit, to the supervisor, which

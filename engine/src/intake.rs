@@ -5,9 +5,9 @@
 //! id is decided by the store's `INSERT … ON CONFLICT`.
 
 use serde_json::{Map, Value};
-use sha2::{Digest, Sha256};
 
 use crate::guard::UrlGuard;
+pub use crate::request::{canonical_hash, NewJob, Schedule};
 use crate::workflow::{InvalidInput, Registry};
 
 /// Longest accepted job id.
@@ -16,71 +16,12 @@ pub const MAX_ID_LEN: usize = 200;
 /// Longest accepted `webhook_url`.
 pub const MAX_URL_LEN: usize = 2048;
 
-/// A validated submission.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NewJob {
-    /// The job id: the client's business id, and the job's primary key.
-    pub id: String,
-    /// The name of the workflow to run.
-    pub workflow: String,
-    /// The version of the workflow the job starts on (the highest this node
-    /// registers). Not part of the request: resubmitting a job after a deploy
-    /// is still the same request.
-    pub workflow_version: i32,
-    /// The workflow's input, as submitted (validated by the workflow).
-    pub input: Value,
-    /// Where the outcome is delivered by webhook (checked by the SSRF guard).
-    pub webhook_url: String,
-    /// When and in what order it runs.
-    pub schedule: Schedule,
-}
-
-/// When a job may start, and which goes first when jobs wait.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Schedule {
-    /// Higher first among jobs that are due (default 0).
-    pub priority: i32,
-    /// Not before this time (`run_at`, RFC 3339).
-    pub run_at: Option<chrono::DateTime<chrono::Utc>>,
-    /// Not before this long after intake (`delay_ms`).
-    pub delay_ms: Option<u64>,
-}
-
 /// Longest accepted `delay_ms`, and how far ahead `run_at` may be: 30 days.
 pub const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
 
 /// The `priority` range open to a token that is not admin (an admin token
 /// may use any `i32`): one tenant cannot push its jobs ahead of everything.
 pub const MAX_TENANT_PRIORITY: i32 = 100;
-
-impl NewJob {
-    /// The request as stored (everything but the id, which is the key). The
-    /// schedule's fields appear only when given, so a request without them
-    /// hashes as it always did.
-    pub fn request(&self) -> Value {
-        let mut request = serde_json::Map::new();
-        request.insert("workflow".into(), self.workflow.clone().into());
-        request.insert("input".into(), self.input.clone());
-        request.insert("webhook_url".into(), self.webhook_url.clone().into());
-        let s = &self.schedule;
-        if s.priority != 0 {
-            request.insert("priority".into(), s.priority.into());
-        }
-        if let Some(at) = s.run_at {
-            request.insert("run_at".into(), at.to_rfc3339().into());
-        }
-        if let Some(ms) = s.delay_ms {
-            request.insert("delay_ms".into(), ms.into());
-        }
-        Value::Object(request)
-    }
-
-    /// SHA-256 of the canonical request: equal exactly when two submissions
-    /// are the same request, whatever their key order or whitespace.
-    pub fn request_hash(&self) -> String {
-        canonical_hash(&self.request())
-    }
-}
 
 /// Why a body was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -370,44 +311,6 @@ fn validate_webhook_url(raw: &str, guard: &UrlGuard) -> Result<(), InvalidInput>
     guard
         .check(&parsed)
         .map_err(|r| InvalidInput::new("webhook_url", r.0))
-}
-
-/// SHA-256 (hex) of `value` serialised canonically: object keys sorted,
-/// no insignificant whitespace.
-pub fn canonical_hash(value: &Value) -> String {
-    let mut out = Vec::with_capacity(256);
-    write_canonical(value, &mut out);
-    hex::encode(Sha256::digest(&out))
-}
-
-fn write_canonical(value: &Value, out: &mut Vec<u8>) {
-    match value {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            out.push(b'{');
-            for (i, k) in keys.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                serde_json::to_writer(&mut *out, k).expect("writing to memory");
-                out.push(b':');
-                write_canonical(&map[k], out);
-            }
-            out.push(b'}');
-        }
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical(item, out);
-            }
-            out.push(b']');
-        }
-        scalar => serde_json::to_writer(&mut *out, scalar).expect("writing to memory"),
-    }
 }
 
 #[cfg(test)]

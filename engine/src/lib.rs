@@ -20,8 +20,8 @@
 //!   what a failure means for the job, decided with no I/O.
 //! * [`store`] — all SQL; [`db`] the pool and migrations; [`pg`] the embedded
 //!   PostgreSQL.
-//! * [`trace`] — W3C trace context: one trace per job across its attempts;
-//!   [`observe`] — the OpenTelemetry spans and metrics of each attempt.
+//! * [`traceparent`] — W3C trace context: one trace per job across its attempts;
+//!   [`attempt_spans`] — the OpenTelemetry spans and metrics of each attempt.
 //! * [`faults`] — named failpoints at every boundary, for tests and the demo;
 //!   `testkit` (feature) — throwaway PostgreSQL, fake provider and consumer,
 //!   the test harness and the crash-point explorer.
@@ -33,9 +33,9 @@
 
 pub mod actor;
 pub mod api;
+pub mod attempt_spans;
 pub mod context;
 pub mod db;
-pub mod engine;
 pub mod error;
 pub mod faults;
 pub mod guard;
@@ -43,26 +43,30 @@ pub mod handoff;
 pub mod intake;
 pub mod keys;
 pub mod lifecycle;
-pub mod limits;
-pub mod observe;
+pub mod limiter;
+pub mod node;
 pub mod outbound;
 pub mod pg;
 pub mod provider;
+pub mod quota;
+pub mod request;
 pub mod retry;
+pub mod runtime;
 pub mod store;
 pub mod supervisor;
-pub mod trace;
+pub mod traceparent;
 pub mod verdict;
 pub mod webhook;
 pub mod workflow;
 
 pub use context::{Context, StepInvocation, ToolInvocation};
 pub use db::Db;
-pub use engine::{Engine, EngineConfig};
 pub use error::{ErrorEnvelope, StepError, StoreError};
 pub use faults::{Action, FailPoint, Faults};
 pub use guard::UrlGuard;
 pub use lifecycle::JobState;
+pub use node::EngineConfig;
+pub use runtime::Engine;
 pub use store::Store;
 pub use workflow::{DeliveryPolicy, InvalidInput, Registry, Workflow};
 

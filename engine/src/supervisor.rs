@@ -13,7 +13,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 
 use crate::actor::{Abort, Finished, JobActor, JobRun, Outcome};
-use crate::engine::Shared;
+use crate::node::Shared;
 
 /// Look for work now (a job was submitted, an attempt ended, or the timer fired).
 #[derive(Message)]
@@ -66,21 +66,6 @@ pub struct Shutdown;
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Drain;
-
-/// Counts of what the supervisor has done, for tests and `/metrics`.
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Attempts started on this node.
-    pub started: std::sync::atomic::AtomicU64,
-    /// Of them, jobs resumed from another owner's expired lease.
-    pub takeovers: std::sync::atomic::AtomicU64,
-    /// Attempts that ended because another attempt took the lease.
-    pub lease_lost: std::sync::atomic::AtomicU64,
-    /// Lease-renewal statements sent (one per heartbeat, whatever the number of jobs).
-    pub renewals: std::sync::atomic::AtomicU64,
-    /// Leases renewed by them.
-    pub renewed_leases: std::sync::atomic::AtomicU64,
-}
 
 /// The per-node supervisor.
 pub struct Supervisor {
@@ -285,7 +270,7 @@ impl Supervisor {
             old.do_send(Abort);
         }
         let run = JobRun::new(leased, workflow, self.shared.clone());
-        let addr = JobActor::new(run, ctx.address()).start();
+        let addr = JobActor::new(run, ctx.address().recipient()).start();
         self.in_flight.insert(job_id, (epoch, addr));
         self.report_in_flight();
     }
@@ -501,7 +486,7 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
             secret: secret.as_deref(),
             timeout: config.webhook_timeout,
         };
-        let traceparent = crate::trace::TraceParent::new_root().to_string();
+        let traceparent = crate::traceparent::TraceParent::new_root().to_string();
         let sent = crate::webhook::send(
             sender,
             &event.url,

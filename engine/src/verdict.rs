@@ -13,7 +13,19 @@ use crate::error::StepError;
 use crate::faults::Injected;
 use crate::lifecycle::JobState;
 use crate::retry::RetryPolicy;
-use crate::workflow::DeliveryPolicy;
+
+/// What happens to a completion webhook whose request may have been sent but
+/// whose outcome was never recorded (a crash mid-request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryPolicy {
+    /// Send again with the same `Idempotency-Key`/`webhook-id`; the consumer
+    /// drops the repeat. The default.
+    AtLeastOnce,
+    /// Never send twice: the outbox row becomes `unknown` and the job is
+    /// dead-lettered for a human.
+    AtMostOnce,
+}
 
 /// Attempts after which a transient-looking store error that never clears
 /// ends the job: with the in-place budget of 30 s each, about 25 minutes of

@@ -20,38 +20,8 @@ use serde_json::Value;
 use crate::context::Context;
 use crate::error::StepError;
 
-/// What happens to a completion webhook whose request may have been sent but
-/// whose outcome was never recorded (a crash mid-request).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DeliveryPolicy {
-    /// Send again with the same `Idempotency-Key`/`webhook-id`; the consumer
-    /// drops the repeat. The default.
-    AtLeastOnce,
-    /// Never send twice: the outbox row becomes `unknown` and the job is
-    /// dead-lettered for a human.
-    AtMostOnce,
-}
-
-/// A workflow's input failed validation.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct InvalidInput {
-    /// The offending field, as a dotted path from the request root (`input.messages`).
-    pub field: String,
-    /// What is wrong with it.
-    pub message: String,
-}
-
-impl InvalidInput {
-    /// `field` (a dotted path, e.g. `input.messages`) failed because of `message`.
-    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        InvalidInput {
-            field: field.into(),
-            message: message.into(),
-        }
-    }
-}
+pub use crate::error::InvalidInput;
+pub use crate::verdict::DeliveryPolicy;
 
 /// A user-defined workflow.
 pub trait Workflow: Send + Sync + 'static {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceflow_engine::actor::Outcome;
-use onceflow_engine::limits::Limits;
+use onceflow_engine::quota::Limits;
 use onceflow_engine::testkit::{wait_until, Behaviour, TestEnv};
 use onceflow_engine::{Context, Db, EngineConfig, Registry, StepError, Store, Workflow};
 use onceflow_workflows::Completion;

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use onceflow_engine::limits::Limits;
+use onceflow_engine::quota::Limits;
 use onceflow_engine::testkit::{wait_until, TestEnv};
 use onceflow_engine::{EngineConfig, Registry};
 use onceflow_workflows::Completion;

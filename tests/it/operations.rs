@@ -599,7 +599,7 @@ async fn submit_notifying(env: &TestEnv, id: &str, notify: bool) {
         .store
         .submit_owned(
             &job,
-            onceflow_engine::trace::TraceParent::new_root(),
+            onceflow_engine::traceparent::TraceParent::new_root(),
             None,
             notify,
         )

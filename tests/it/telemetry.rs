@@ -14,7 +14,7 @@ use onceflow_engine::faults::{Action, FailPoint};
 use onceflow_engine::testkit::{
     database, wait_until, Behaviour, FakeConsumer, FakeProvider, TestEnv,
 };
-use onceflow_engine::trace::TraceParent;
+use onceflow_engine::traceparent::TraceParent;
 use onceflow_engine::JobState;
 use onceflow_observability::names::*;
 use onceflow_observability::{Telemetry, TelemetryConfig};
@@ -722,7 +722,7 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     let mut config = env.config();
     config.telemetry = telemetry.clone();
     config.limits =
-        onceflow_engine::limits::Limits::parse(r#"{"test-model": {"concurrency": 100}}"#).unwrap();
+        onceflow_engine::quota::Limits::parse(r#"{"test-model": {"concurrency": 100}}"#).unwrap();
     let engine = env.start(onceflow_workflows::registry(), config);
     assert!(
         wait_until(Duration::from_secs(30), || async {

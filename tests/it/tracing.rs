@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use onceflow_engine::faults::{Action, FailPoint};
 use onceflow_engine::testkit::{Behaviour, TestEnv};
-use onceflow_engine::trace::TraceParent;
+use onceflow_engine::traceparent::TraceParent;
 use onceflow_engine::JobState;
 use serde_json::json;
 

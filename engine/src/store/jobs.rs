@@ -7,18 +7,23 @@ use diesel_async::RunQueryDsl;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::rows::parse_state;
+pub use super::rows::{INTAKE_WORKER, NEW_JOB_CHANNEL};
 use super::sql::sql;
-use super::Store;
+use super::{Leased, Store};
 use crate::error::{ErrorEnvelope, StoreError};
-use crate::intake::NewJob;
 use crate::lifecycle::JobState;
-use crate::trace::TraceParent;
+use crate::request::{JobRequest, NewJob};
+use crate::traceparent::TraceParent;
 
-/// The channel new jobs are announced on (payload: the job id).
-pub const NEW_JOB_CHANNEL: &str = "onceflow_new_job";
-
-/// The worker name recorded on the intake history row.
-pub const INTAKE_WORKER: &str = "intake";
+/// The node a new job is leased to in intake's own commit (a hand-off).
+#[derive(Debug, Clone)]
+pub struct HandTo {
+    /// The node that reserved room for the job.
+    pub node: String,
+    /// The lease's length, in milliseconds.
+    pub lease_ms: i64,
+}
 
 /// The outcome of a submission.
 #[derive(Debug)]
@@ -263,45 +268,38 @@ impl Store {
         owner: Option<i64>,
         notify_failures: bool,
     ) -> Result<Intake, StoreError> {
-        self.submit_handed(job, trace, owner, notify_failures, None)
-            .await
+        let (intake, _) = self
+            .submit_handed(job, trace, owner, notify_failures, None)
+            .await?;
+        Ok(intake)
     }
 
     /// [`submit_owned`](Self::submit_owned), handing a new job that is due
     /// now to the node that reserved room for it: the job is inserted
-    /// leased to that node, in the same commit, and its actor started (see
-    /// [`crate::handoff`]). A job that exists already, or is scheduled for
-    /// later, is not handed off, and the reservation is given back.
+    /// leased to `hand_to` in the same commit, and what was leased is
+    /// returned for the caller to adopt (see [`crate::handoff`]). A job that
+    /// exists already, or is scheduled for later, is not leased.
     pub async fn submit_handed(
         &self,
         job: &NewJob,
         trace: TraceParent,
         owner: Option<i64>,
         notify_failures: bool,
-        reservation: Option<crate::handoff::Reservation>,
-    ) -> Result<Intake, StoreError> {
+        hand_to: Option<HandTo>,
+    ) -> Result<(Intake, Option<Leased>), StoreError> {
         let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
-        let reservation = reservation.filter(|_| !later);
+        let hand_to = hand_to.filter(|_| !later);
         let request = job.request();
-        let hash = crate::intake::canonical_hash(&request);
-        // A hand-off needs the request once more, for the actor; otherwise
-        // it moves into the row.
-        let (row_request, kept) = if reservation.is_some() {
-            (request.clone(), Some(request))
-        } else {
-            (request, None)
-        };
-        // The job row, its first history row and the wake-up: one statement
-        // and one commit, shared with the other submissions of the moment
-        // (group commit); `None` when the id exists.
+        let stored = request.to_value();
+        let hash = crate::request::canonical_hash(&stored);
         let inserted = self
             .batches
             .intake
-            .call(super::batched::NewRow {
+            .call(super::group_writes::NewRow {
                 id: job.id.clone(),
                 workflow: job.workflow.clone(),
                 workflow_version: job.workflow_version,
-                request: row_request,
+                request: stored,
                 request_hash: hash.clone(),
                 trace: trace.to_string(),
                 owner,
@@ -309,33 +307,28 @@ impl Store {
                 priority: job.schedule.priority,
                 run_at: job.schedule.run_at,
                 delay_ms: job.schedule.delay_ms.map(|ms| ms as i64),
-                lease: reservation
-                    .as_ref()
-                    .map(|r| (r.node().to_owned(), r.lease_ms())),
+                lease: hand_to.as_ref().map(|h| (h.node.clone(), h.lease_ms)),
             })
             .await?;
         if let Some(row) = inserted {
-            if let Some(reservation) = reservation.filter(|_| row.leased) {
-                let worker = reservation.node().to_owned();
-                reservation.adopt(super::Leased {
-                    fence: super::Fence {
-                        job_id: job.id.clone(),
-                        incarnation: row.incarnation,
-                        epoch: row.lease_epoch,
-                        attempt: row.attempts,
-                        worker,
-                    },
-                    workflow: job.workflow.clone(),
-                    workflow_version: job.workflow_version,
-                    request: kept.unwrap_or_else(|| job.request()),
-                    state: JobState::Received,
-                    previous_owner: None,
-                    trace: Some(trace),
-                    store_failures: 0,
-                    owner_token: owner,
-                });
-            }
-            return Ok(Intake::Created(JobView {
+            let leased = hand_to.filter(|_| row.leased).map(|hand_to| Leased {
+                fence: super::Fence {
+                    job_id: job.id.clone(),
+                    incarnation: row.incarnation,
+                    epoch: row.lease_epoch,
+                    attempt: row.attempts,
+                    worker: hand_to.node,
+                },
+                workflow: job.workflow.clone(),
+                workflow_version: job.workflow_version,
+                request,
+                state: JobState::Received,
+                previous_owner: None,
+                trace: Some(trace),
+                store_failures: 0,
+                owner_token: owner,
+            });
+            let created = Intake::Created(JobView {
                 id: job.id.clone(),
                 workflow: job.workflow.clone(),
                 workflow_version: job.workflow_version,
@@ -364,18 +357,20 @@ impl Store {
                 owner_token: owner,
                 model_calls: Vec::new(),
                 tool_calls: Vec::new(),
-            }));
+            });
+            return Ok((created, leased));
         }
         let mut conn = self.db.conn().await?;
         let (view, stored_hash) = self
             .load_view(&mut conn, &job.id)
             .await?
             .ok_or(StoreError::Query(diesel::result::Error::NotFound))?;
-        Ok(if stored_hash == hash {
+        let intake = if stored_hash == hash {
             Intake::Existing(view)
         } else {
             Intake::Conflict(view)
-        })
+        };
+        Ok((intake, None))
     }
 
     /// The job with its history and delivery, or `None`.
@@ -446,7 +441,7 @@ impl Store {
         .bind::<Text, _>(id)
         .load(conn)
         .await?;
-        let request = row.request;
+        let request = JobRequest::from_stored(row.request);
         let view = JobView {
             model_calls,
             tool_calls,
@@ -458,12 +453,8 @@ impl Store {
             run_at: row.run_at,
             attempts: row.attempts,
             incarnation: row.incarnation,
-            input: request.get("input").cloned().unwrap_or(Value::Null),
-            webhook_url: request
-                .get("webhook_url")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned(),
+            input: request.input,
+            webhook_url: request.webhook_url,
             result: row.result,
             history,
             delivery,
@@ -481,12 +472,6 @@ impl Store {
         };
         Ok(Some((view, row.request_hash)))
     }
-}
-
-pub(crate) fn parse_state(s: &str) -> Result<JobState, StoreError> {
-    s.parse().map_err(|e: crate::lifecycle::UnknownState| {
-        StoreError::Query(diesel::result::Error::DeserializationError(e.into()))
-    })
 }
 
 pub(crate) fn not_found_is_none<T>(

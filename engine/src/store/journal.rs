@@ -5,7 +5,7 @@
 //! trip and one commit): the lease fence, the data, the state move and its
 //! history rows are a single data-modifying statement that locks the job row
 //! first, as every journal write does. `delivered`, `acked` and model answers
-//! go through the group commit of `batch`: one such statement for all the
+//! go through the group commit of `group_commit`: one such statement for all the
 //! jobs waiting at that moment. The `BeforeCommit` failpoints of these
 //! writes are hit just before the statement: a crash or failure there leaves
 //! nothing written, exactly as a crash before the commit would.
@@ -16,7 +16,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
-use super::lease::IdRow;
+use super::rows::IdRow;
 use super::sql::sql;
 use super::{Checkpoint, Fence, Store};
 use crate::error::{ErrorEnvelope, StoreError};
@@ -152,8 +152,8 @@ async fn guard(conn: &mut AsyncPgConnection, fence: &Fence) -> Result<(), TxErro
     }
 }
 
-impl From<super::batched::CallRow> for ModelCallRow {
-    fn from(r: super::batched::CallRow) -> Self {
+impl From<super::group_writes::CallRow> for ModelCallRow {
+    fn from(r: super::group_writes::CallRow) -> Self {
         ModelCallRow {
             request_hash: r.request_hash,
             status: r.status,
@@ -337,7 +337,7 @@ impl Store {
         let found = self
             .batches
             .begin_call
-            .call(super::batched::BeginCall {
+            .call(super::group_writes::BeginCall {
                 fence: fence.clone(),
                 key: key.to_owned(),
                 request_hash: request_hash.to_owned(),
@@ -455,7 +455,7 @@ impl Store {
         retrying!(self, "complete_model_call", async || {
             self.batches
                 .model_answer
-                .call(super::batched::ModelAnswer {
+                .call(super::group_writes::ModelAnswer {
                     fence: fence.clone(),
                     key: key.to_owned(),
                     response: response.clone(),
@@ -552,7 +552,7 @@ impl Store {
         // The guarded move (the job row locked first), the result, the
         // outbox row and the history rows: one statement, group-committed
         // with other jobs'.
-        let request = super::batched::CommitResult {
+        let request = super::group_writes::CommitResult {
             fence: fence.clone(),
             from: from.as_str(),
             passed: passed.join(","),
@@ -711,7 +711,7 @@ impl Store {
         retrying!(self, "mark_delivered", async || {
             self.batches
                 .delivered
-                .call(super::batched::Delivered {
+                .call(super::group_writes::Delivered {
                     fence: fence.clone(),
                     key: key.to_owned(),
                     status,
@@ -772,7 +772,7 @@ impl Store {
         retrying!(self, "ack", async || {
             self.batches
                 .ack
-                .call(super::batched::Ack {
+                .call(super::group_writes::Ack {
                     fence: fence.clone(),
                 })
                 .await

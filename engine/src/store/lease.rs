@@ -10,12 +10,14 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
-use super::jobs::parse_state;
+pub use super::rows::Checkpoint;
+use super::rows::{lock_in_order, parse_state, IdRow};
 use super::sql::sql;
 use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::lifecycle::JobState;
-use crate::trace::TraceParent;
+use crate::request::JobRequest;
+use crate::traceparent::TraceParent;
 
 /// The identity of one attempt: every write it makes is guarded by it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,8 +50,8 @@ pub struct Leased {
     pub workflow: String,
     /// The version of the workflow the job started on: it runs on no other.
     pub workflow_version: i32,
-    /// The stored request: `input` and `webhook_url`.
-    pub request: Value,
+    /// The stored request.
+    pub request: JobRequest,
     /// The state the job is resumed from (its last checkpoint).
     pub state: JobState,
     /// The node that held the (expired) lease before us, if any: a takeover.
@@ -62,21 +64,6 @@ pub struct Leased {
     /// The API token that submitted the job: its webhooks are signed with
     /// that token's own secret.
     pub owner_token: Option<i64>,
-}
-
-/// The outcome of a guarded transition.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Checkpoint {
-    /// The row moved and the history row is written.
-    Moved,
-    /// Another attempt owns the job now (the epoch moved on): stop, write nothing.
-    LeaseLost,
-    /// The job is not in the expected state any more (a concurrent attempt
-    /// with the same lease got there first): continue from `JobState`.
-    AlreadyAt(JobState),
-    /// A failpoint aborted the transaction before it committed (test seam):
-    /// nothing was written; the attempt stops as if it crashed.
-    Faulted,
 }
 
 #[derive(QueryableByName)]
@@ -107,30 +94,6 @@ struct LeasedRow {
     owner_token: Option<i64>,
 }
 
-/// The job-row locks a statement over many jobs takes first, in id order
-/// (`$ids` is the array of job ids), as a `locked` CTE. PostgreSQL reads a CTE
-/// lazily, so a `locked` read only through `EXISTS` would lock its first row
-/// alone; every user reads it whole with `(SELECT count(*) FROM locked)`, a
-/// one-time filter evaluated before the statement touches any row. Its
-/// `lease_epoch` is the row's latest committed version (a locking read
-/// re-reads a row updated meanwhile), unlike a plain join on `jobs`, which
-/// sees the statement's snapshot: a fence that is not an `UPDATE`'s own
-/// `WHERE` must compare against `locked.lease_epoch`. The array is read
-/// through a sub-select, as every batch array is (see [`batched`]), so the
-/// statement's cached generic plan is used at every batch size.
-///
-/// [`batched`]: super::batched
-macro_rules! lock_in_order {
-    ($ids:literal) => {
-        concat!(
-            "locked AS MATERIALIZED (SELECT id, lease_epoch FROM jobs WHERE id = ANY((SELECT ",
-            $ids,
-            "::text[])::text[]) ORDER BY id FOR NO KEY UPDATE) "
-        )
-    };
-}
-pub(crate) use lock_in_order;
-
 /// What one heartbeat did: how many leases it extended, and which it found
 /// lost (see [`Store::renew`]). A job its own attempt finished or released
 /// meanwhile is in neither.
@@ -140,12 +103,6 @@ pub struct Renewal {
     pub renewed: usize,
     /// Jobs whose epoch moved on (a takeover, a cancel) or whose row is gone.
     pub lost: Vec<String>,
-}
-
-#[derive(QueryableByName)]
-pub(crate) struct IdRow {
-    #[diesel(sql_type = Text)]
-    pub(crate) id: String,
 }
 
 #[derive(QueryableByName)]
@@ -215,7 +172,7 @@ impl Store {
                     },
                     workflow: r.workflow,
                     workflow_version: r.workflow_version,
-                    request: r.request,
+                    request: JobRequest::from_stored(r.request),
                     previous_owner: r.previous_owner,
                     trace: r.trace_context.as_deref().and_then(TraceParent::parse),
                     store_failures: r.store_failures,

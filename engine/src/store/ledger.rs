@@ -236,7 +236,7 @@ impl Store {
         let error = serde_json::to_value(error).expect("envelope serialises");
         retrying!(self, "fail_tool_call", async || {
             let mut conn = self.db().conn().await?;
-            let held: Vec<super::lease::IdRow> = sql(
+            let held: Vec<super::rows::IdRow> = sql(
                 "WITH fence AS MATERIALIZED ( \
                      SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $6 FOR NO KEY UPDATE), \
                  failed AS ( \

@@ -12,8 +12,11 @@
 //! * [`sql`](mod@sql): hand-written statements whose prepared form is cached.
 //! * [`tokens`]: API tokens, stored hashed.
 //! * [`streams`]: the journal of streamed answers, and a job's events for watchers.
-//! * `batch`, `batched`: group commit — `delivered`, `acked` and model answers
-//!   from many actors written by one statement and one commit.
+//! * [`slots`]: provider slots and windows (the rows behind [`crate::quota`]).
+//! * `rows`: what the modules share (the checkpoint outcome, the lock order).
+//! * `group_commit`: group commit — one statement and one commit for the
+//!   writes of many actors; `group_writes`: the writes it carries
+//!   (`delivered`, `acked`, model answers, intake).
 
 /// Runs a statement until it succeeds, fails permanently, or the store's
 /// retry budget is spent, backing off (10 ms doubling to 1 s, with jitter)
@@ -40,15 +43,16 @@ macro_rules! retrying {
     };
 }
 
-mod batch;
-pub(crate) mod batched;
 pub mod events;
+mod group_commit;
+pub(crate) mod group_writes;
 pub mod jobs;
 pub mod journal;
 pub mod lease;
 pub mod ledger;
-pub mod limits;
 pub mod operate;
+mod rows;
+pub mod slots;
 pub mod sql;
 pub mod streams;
 pub mod tokens;
@@ -62,7 +66,7 @@ use sql::sql;
 use crate::db::Db;
 use crate::error::StoreError;
 
-pub use batched::BatchKind;
+pub use group_writes::BatchKind;
 pub use jobs::{DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter};
 pub use lease::{Checkpoint, Fence, Leased, Renewal};
 
@@ -70,7 +74,7 @@ pub use lease::{Checkpoint, Fence, Leased, Renewal};
 #[derive(Debug, Clone)]
 pub struct Store {
     db: Db,
-    batches: std::sync::Arc<batched::Batches>,
+    batches: std::sync::Arc<group_writes::Batches>,
     retry_budget: Duration,
     /// Statements run again in place after a transient failure.
     retried: std::sync::Arc<std::sync::atomic::AtomicU64>,
@@ -86,7 +90,7 @@ pub const DEFAULT_RETRY_BUDGET: Duration = Duration::from_secs(30);
 impl Store {
     /// A store on `db`; starts its batching tasks on the database runtime.
     pub fn new(db: Db) -> Self {
-        let batches = batched::Batches::start(&db);
+        let batches = group_writes::Batches::start(&db);
         Store {
             db,
             batches,

@@ -6,7 +6,7 @@ use diesel::sql_types::{BigInt, Bool, Jsonb, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, RunQueryDsl};
 
-use super::jobs::{parse_state, NEW_JOB_CHANNEL};
+use super::rows::{parse_state, NEW_JOB_CHANNEL};
 use super::sql::sql;
 use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
@@ -246,7 +246,7 @@ impl Store {
         limit: i64,
     ) -> Result<Vec<String>, StoreError> {
         let mut conn = self.db().conn().await?;
-        let rows: Vec<super::lease::IdRow> = sql(
+        let rows: Vec<super::rows::IdRow> = sql(
             "SELECT id FROM jobs WHERE state = 'dead' \
                AND ($1::text IS NULL OR workflow = $1) AND ($2::bigint IS NULL OR owner_token = $2) \
              ORDER BY finished_at LIMIT $3",

@@ -11,8 +11,8 @@ use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
-use super::batch::ForJob;
-use super::lease::lock_in_order;
+use super::group_commit::ForJob;
+use super::rows::lock_in_order;
 use super::sql::sql;
 use super::{Checkpoint, Fence, Store};
 use crate::error::StoreError;

@@ -11,12 +11,13 @@ use std::sync::Arc;
 
 use crate::actor::{JobRun, Outcome};
 use crate::db::Db;
-use crate::engine::Shared;
-use crate::engine::{Engine, EngineConfig};
 use crate::faults::Faults;
 use crate::intake::NewJob;
 use crate::lifecycle::JobState;
+use crate::node::EngineConfig;
+use crate::node::Shared;
 use crate::retry::RetryPolicy;
+use crate::runtime::Engine;
 use crate::store::Leased;
 use crate::store::{Intake, JobView, Store};
 use crate::workflow::Registry;

@@ -1,6 +1,6 @@
 //! Provider limits shared through PostgreSQL: concurrency slots held per
 //! model call, and the learned window of concurrent calls (AIMD). See
-//! [`crate::limits`].
+//! [`crate::quota`].
 
 use diesel::sql_types::{BigInt, Double, Integer, Nullable, Text};
 use diesel::QueryableByName;
@@ -9,6 +9,7 @@ use diesel_async::{AsyncConnection, RunQueryDsl};
 use super::sql::sql;
 use super::Store;
 use crate::error::StoreError;
+use crate::quota::CallEnd;
 
 /// The channel a released slot is announced on.
 pub const LIMITS_CHANNEL: &str = "onceflow_limits";
@@ -23,17 +24,6 @@ struct Count {
 struct Key {
     #[diesel(sql_type = Text)]
     limit_key: String,
-}
-
-/// How a call that held a slot ended, for the learned window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallEnd {
-    /// Answered: the window may grow ([`crate::limits::next_window`]).
-    Answered,
-    /// 429 (or Anthropic's 529): the window halves, at most once per guard interval.
-    Throttled,
-    /// Anything else: the window stays.
-    Other,
 }
 
 /// A model call asking its key's limit for admission.
@@ -55,8 +45,8 @@ pub struct Ask<'a> {
     /// How long the slot is held if the node dies with it.
     pub lease_ms: i64,
     /// The configured limits of the key.
-    pub spec: crate::limits::LimitSpec,
-    /// The call's estimated tokens ([`crate::limits::estimate_tokens`]).
+    pub spec: crate::quota::LimitSpec,
+    /// The call's estimated tokens ([`crate::quota::estimate_tokens`]).
     pub tokens: f64,
     /// The job's priority: a waiter of higher priority goes first.
     pub priority: i32,
@@ -96,7 +86,7 @@ impl Store {
     /// `min(concurrency, learned window)` live slots held, counting the
     /// waiters queued ahead of it (higher priority, then longer waiting),
     /// and, with `rpm`/`tpm`, no waiter ahead and the buckets holding its
-    /// cost ([`crate::limits::Bucket`]). An admitted call holds a slot row
+    /// cost ([`crate::quota::Bucket`]). An admitted call holds a slot row
     /// for `lease_ms` and its cost is taken from the buckets; a refused one
     /// is queued (or keeps its place) in `provider_waiters`. The key's row
     /// is locked first, so two admissions never both see the last room.
@@ -167,7 +157,7 @@ impl Store {
             .await?;
             let now = |stored, per_minute: Option<u32>| {
                 per_minute.map(|m| {
-                    let b = crate::limits::Bucket {
+                    let b = crate::quota::Bucket {
                         per_minute: f64::from(m),
                     };
                     (b, b.level(stored, row.since_refill))
@@ -307,7 +297,7 @@ impl Store {
     }
 
     /// Releases `holder`'s slot of `key` (if it held one), moves the
-    /// learned window by how the call ended ([`crate::limits::next_window`],
+    /// learned window by how the call ended ([`crate::quota::next_window`],
     /// with the database's clock, the key's row locked), and wakes every
     /// node's waiters.
     ///
@@ -352,8 +342,8 @@ impl Store {
             .bind::<Text, _>(holder)
             .get_result(conn)
             .await?;
-            let next = crate::limits::next_window(
-                crate::limits::WindowState {
+            let next = crate::quota::next_window(
+                crate::quota::WindowState {
                     window: state.window,
                     since_decrease: state.since_decrease,
                     // This call and the others in flight filled the window.

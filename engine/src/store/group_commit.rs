@@ -11,12 +11,8 @@
 //! kind may run at once, but a small one (under [`SMALL_BATCH`]) waits for
 //! the running one to end and takes in what arrives meanwhile, until it
 //! holds that many: each statement costs PostgreSQL a fixed ~0.33 ms (the
-//! `delivered` batch, measured), a large share of its CPU at moderate load
-//! (measured in its first form, without the cap: statements per job 17–30 %
-//! fewer, jobs/s and p99 within the machine's noise, p50 at half the maximum
-//! about 5 ms higher in two pairs of three; in this form 0.33–0.36
-//! statements per job at the maximum against 0.39–0.44; README, Benchmark,
-//! item 12). A request so waits for at most
+//! `delivered` batch, measured), a large share of its CPU at moderate load;
+//! docs/benchmarks.md has the method and the figures. A request so waits for at most
 //! two batches ahead of it: one for a slot when both are busy, then, if its
 //! batch is small, the one still running beside — a batch's time, the
 //! price of the fewer statements at the maximum.

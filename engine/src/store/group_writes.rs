@@ -24,8 +24,8 @@ use diesel_async::pooled_connection::bb8::Pool;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
-use super::batch::{Batcher, ForJob, Keyed};
-use super::lease::{lock_in_order, IdRow};
+use super::group_commit::{Batcher, ForJob, Keyed};
+use super::rows::{lock_in_order, IdRow, INTAKE_WORKER, NEW_JOB_CHANNEL};
 use super::sql::sql;
 use super::streams::stream_on;
 use super::{Checkpoint, Fence, Store};
@@ -535,8 +535,8 @@ pub(crate) async fn intake_on(
     .bind::<Array<Text>, _>(&traces)
     .bind::<Array<Nullable<BigInt>>, _>(&owners)
     .bind::<Array<Bool>, _>(&notify)
-    .bind::<Text, _>(super::jobs::INTAKE_WORKER)
-    .bind::<Text, _>(super::jobs::NEW_JOB_CHANNEL)
+    .bind::<Text, _>(INTAKE_WORKER)
+    .bind::<Text, _>(NEW_JOB_CHANNEL)
     .bind::<Array<Integer>, _>(&priorities)
     .bind::<Array<Nullable<Timestamptz>>, _>(&run_ats)
     .bind::<Array<Nullable<BigInt>>, _>(&delays)

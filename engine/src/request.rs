@@ -1,0 +1,231 @@
+//! The typed job request: what intake builds from a `POST /v1/jobs` body,
+//! what the store keeps in `jobs.request` (and hashes to tell an identical
+//! resubmission from a conflict), and what the actor reads back to run the
+//! job. One type on every hop; no field is picked out of JSON by name.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// A validated submission.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewJob {
+    /// The job id: the client's business id, and the job's primary key.
+    pub id: String,
+    /// The name of the workflow to run.
+    pub workflow: String,
+    /// The version of the workflow the job starts on (the highest this node
+    /// registers). Not part of the request: resubmitting a job after a deploy
+    /// is still the same request.
+    pub workflow_version: i32,
+    /// The workflow's input, as submitted (validated by the workflow).
+    pub input: Value,
+    /// Where the outcome is delivered by webhook (checked by the SSRF guard).
+    pub webhook_url: String,
+    /// When and in what order it runs.
+    pub schedule: Schedule,
+}
+
+/// When a job may start, and which goes first when jobs wait.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Schedule {
+    /// Higher first among jobs that are due (default 0).
+    pub priority: i32,
+    /// Not before this time (`run_at`, RFC 3339).
+    pub run_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Not before this long after intake (`delay_ms`).
+    pub delay_ms: Option<u64>,
+}
+
+/// The request as stored in `jobs.request` (everything but the id, which is
+/// the key). The schedule's fields appear only when given, so a request
+/// without them hashes as it always did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct JobRequest {
+    /// The name of the workflow to run.
+    pub workflow: String,
+    /// The workflow's input.
+    pub input: Value,
+    /// Where the outcome is delivered.
+    pub webhook_url: String,
+    /// Higher first among due jobs; stored only when not 0.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub priority: i32,
+    /// Not before this time; stored (and hashed) as `to_rfc3339()` writes it.
+    #[serde(skip_serializing_if = "Option::is_none", with = "rfc3339")]
+    pub run_at: Option<DateTime<Utc>>,
+    /// Not before this long after intake.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delay_ms: Option<u64>,
+}
+
+fn is_zero(p: &i32) -> bool {
+    *p == 0
+}
+
+/// `run_at` as the store has always written it (`+00:00`, not `Z`): the
+/// request hash of a job stored before this type existed stays the same.
+mod rfc3339 {
+    use chrono::{DateTime, Utc};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(at: &Option<DateTime<Utc>>, s: S) -> Result<S::Ok, S::Error> {
+        match at {
+            Some(at) => s.serialize_str(&at.to_rfc3339()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<DateTime<Utc>>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|s| {
+                DateTime::parse_from_rfc3339(&s)
+                    .map(|t| t.with_timezone(&Utc))
+                    .map_err(serde::de::Error::custom)
+            })
+            .transpose()
+    }
+}
+
+impl JobRequest {
+    /// The request of a stored row. A row whose request no longer reads as
+    /// one (hand-edited, say) yields an empty request: its workflow then
+    /// refuses the `null` input, and the job dies with that reason.
+    pub fn from_stored(value: Value) -> JobRequest {
+        serde_json::from_value(value).unwrap_or_default()
+    }
+
+    /// The request as the JSON stored in `jobs.request`.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self).expect("a request serialises")
+    }
+
+    /// SHA-256 of the canonical request: equal exactly when two submissions
+    /// are the same request, whatever their key order or whitespace.
+    pub fn hash(&self) -> String {
+        canonical_hash(&self.to_value())
+    }
+}
+
+impl NewJob {
+    /// The request as stored (everything but the id, which is the key).
+    pub fn request(&self) -> JobRequest {
+        JobRequest {
+            workflow: self.workflow.clone(),
+            input: self.input.clone(),
+            webhook_url: self.webhook_url.clone(),
+            priority: self.schedule.priority,
+            run_at: self.schedule.run_at,
+            delay_ms: self.schedule.delay_ms,
+        }
+    }
+
+    /// SHA-256 of the canonical request (see [`JobRequest::hash`]).
+    pub fn request_hash(&self) -> String {
+        self.request().hash()
+    }
+}
+
+/// SHA-256 (hex) of `value` serialised canonically: object keys sorted,
+/// no insignificant whitespace.
+pub fn canonical_hash(value: &Value) -> String {
+    let mut out = Vec::with_capacity(256);
+    write_canonical(value, &mut out);
+    hex::encode(Sha256::digest(&out))
+}
+
+fn write_canonical(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push(b'{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                serde_json::to_writer(&mut *out, k).expect("writing to memory");
+                out.push(b':');
+                write_canonical(&map[k], out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(b']');
+        }
+        scalar => serde_json::to_writer(&mut *out, scalar).expect("writing to memory"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn old_request(job: &NewJob) -> Value {
+        // The request as the store wrote it before this type: the hash of a
+        // stored job must not change under it.
+        let mut r = serde_json::Map::new();
+        r.insert("workflow".into(), job.workflow.clone().into());
+        r.insert("input".into(), job.input.clone());
+        r.insert("webhook_url".into(), job.webhook_url.clone().into());
+        if job.schedule.priority != 0 {
+            r.insert("priority".into(), job.schedule.priority.into());
+        }
+        if let Some(at) = job.schedule.run_at {
+            r.insert("run_at".into(), at.to_rfc3339().into());
+        }
+        if let Some(ms) = job.schedule.delay_ms {
+            r.insert("delay_ms".into(), ms.into());
+        }
+        Value::Object(r)
+    }
+
+    #[test]
+    fn the_typed_request_stores_and_hashes_as_the_untyped_one_did() {
+        let at = DateTime::parse_from_rfc3339("2026-12-01T10:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        for schedule in [
+            Schedule::default(),
+            Schedule {
+                priority: -3,
+                run_at: Some(at),
+                delay_ms: None,
+            },
+            Schedule {
+                priority: 0,
+                run_at: None,
+                delay_ms: Some(1500),
+            },
+        ] {
+            let job = NewJob {
+                id: "j".into(),
+                workflow: "completion".into(),
+                workflow_version: 1,
+                input: json!({"prompt": "hi", "n": [1, 2]}),
+                webhook_url: "https://example.com/h".into(),
+                schedule,
+            };
+            let stored = job.request().to_value();
+            assert_eq!(stored, old_request(&job));
+            assert_eq!(job.request_hash(), canonical_hash(&old_request(&job)));
+            assert_eq!(JobRequest::from_stored(stored), job.request());
+        }
+    }
+
+    #[test]
+    fn a_stored_request_that_no_longer_reads_is_empty() {
+        let r = JobRequest::from_stored(json!({"input": {"a": 1}, "webhook_url": 7}));
+        assert_eq!(r, JobRequest::default());
+    }
+}

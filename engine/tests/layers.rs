@@ -1,0 +1,242 @@
+//! The layering rule of `docs/design/architecture.md`, checked against the
+//! code: every `crate::…` path in `engine/src` names a module on a lower line
+//! of the picture, and the files of `store/` form no circle.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The picture's lines, bottom first: each module's rank.
+fn ranks(doc: &str) -> BTreeMap<String, usize> {
+    let block = doc
+        .split("```layers\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("docs/design/architecture.md has a ```layers block");
+    let lines: Vec<&str> = block.lines().filter(|l| !l.trim().is_empty()).collect();
+    let mut ranks = BTreeMap::new();
+    for (rank, line) in lines.iter().rev().enumerate() {
+        // Module names come first; two spaces or more start the description.
+        let names = line.split("  ").next().unwrap_or_default();
+        for name in names.split_whitespace() {
+            assert!(
+                ranks.insert(name.to_owned(), rank).is_none(),
+                "{name} is placed twice in the picture"
+            );
+        }
+    }
+    ranks
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("readable source tree") {
+        let path = entry.expect("a directory entry").path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The code of a file with its comments left out (doc links may point
+/// anywhere; only code imports).
+fn code_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.split("//").next().unwrap_or_default()))
+}
+
+fn ident_at(s: &str) -> &str {
+    let end = s
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(s.len());
+    &s[..end]
+}
+
+/// The first path segment after each `prefix` in `line`, including each
+/// member of a grouped `prefix{a::X, b}`.
+fn targets(line: &str, prefix: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (at, _) in line.match_indices(prefix) {
+        let rest = &line[at + prefix.len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let mut depth = 0usize;
+            let mut start = true;
+            for (i, c) in group.char_indices() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => break,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => start = true,
+                    c if start && !c.is_whitespace() => {
+                        out.push(ident_at(&group[i..]).to_owned());
+                        start = false;
+                    }
+                    _ => {}
+                }
+            }
+        } else {
+            out.push(ident_at(rest).to_owned());
+        }
+    }
+    out
+}
+
+struct Import {
+    file: String,
+    line: usize,
+    from: String,
+    to: String,
+}
+
+fn imports(src: &Path, prefix: &str, unit: impl Fn(&Path) -> String) -> Vec<Import> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    files.sort();
+    let mut out = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("a readable source file");
+        let from = unit(&file);
+        for (line, code) in code_lines(&text) {
+            for to in targets(code, prefix) {
+                if !to.is_empty() && to != from {
+                    out.push(Import {
+                        file: file.strip_prefix(src).unwrap().display().to_string(),
+                        line,
+                        from: from.clone(),
+                        to,
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+fn src() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+#[test]
+fn no_module_imports_a_module_above_it() {
+    let doc_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/design/architecture.md");
+    let ranks = ranks(&std::fs::read_to_string(doc_path).expect("the architecture document"));
+    let src = src();
+    let top = |file: &Path| {
+        let rel = file.strip_prefix(&src).unwrap();
+        let first = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy();
+        first.trim_end_matches(".rs").to_owned()
+    };
+    let mut modules = BTreeSet::new();
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    for f in &files {
+        let m = top(f);
+        if m != "lib" {
+            modules.insert(m);
+        }
+    }
+    let unplaced: Vec<&String> = modules.iter().filter(|m| !ranks.contains_key(*m)).collect();
+    assert!(
+        unplaced.is_empty(),
+        "modules the picture in docs/design/architecture.md does not place: {unplaced:?}"
+    );
+    let mut wrong = Vec::new();
+    for i in imports(&src, "crate::", top) {
+        if i.from == "lib" || !modules.contains(&i.to) {
+            continue;
+        }
+        if ranks[&i.to] >= ranks[&i.from] {
+            wrong.push(format!(
+                "{}:{}: {} imports {}, which is not below it",
+                i.file, i.line, i.from, i.to
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "imports against the layers:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_files_of_the_store_form_no_circle() {
+    let store = src().join("store");
+    let name = |file: &Path| file.file_stem().unwrap().to_string_lossy().into_owned();
+    let mut files = Vec::new();
+    rust_files(&store, &mut files);
+    let siblings: BTreeSet<String> = files
+        .iter()
+        .map(|f| name(f))
+        .filter(|n| n != "mod")
+        .collect();
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for i in imports(&store, "super::", name) {
+        // A file may use what `mod.rs` declares; among siblings, no circle.
+        if i.from != "mod" && siblings.contains(&i.to) {
+            edges.entry(i.from).or_default().insert(i.to);
+        }
+    }
+    assert!(
+        !edges.is_empty(),
+        "the scan found no import between store files at all"
+    );
+    // Depth-first search for a back edge.
+    fn visit(
+        n: &str,
+        edges: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == n) {
+            let mut circle = path[at..].to_vec();
+            circle.push(n.to_owned());
+            return Some(circle);
+        }
+        if !done.insert(n.to_owned()) {
+            return None;
+        }
+        path.push(n.to_owned());
+        for next in edges.get(n).into_iter().flatten() {
+            if let Some(c) = visit(next, edges, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        None
+    }
+    let mut done = BTreeSet::new();
+    for n in &siblings {
+        let circle = visit(n, &edges, &mut Vec::new(), &mut done);
+        assert!(
+            circle.is_none(),
+            "store files import in a circle: {:?}",
+            circle.unwrap()
+        );
+    }
+}
+
+#[test]
+fn the_scan_reads_grouped_and_nested_paths() {
+    assert_eq!(
+        targets("use crate::{a::X, b, c::{d, e}};", "crate::"),
+        ["a", "b", "c"]
+    );
+    assert_eq!(
+        targets("let x = crate::store::Store::new();", "crate::"),
+        ["store"]
+    );
+    assert_eq!(
+        targets("use super::rows::{lock_in_order, IdRow};", "super::"),
+        ["rows"]
+    );
+    let doc = "```layers\ntop  the top\nmid other\nbottom\n```\n";
+    let r = ranks(doc);
+    assert!(r["top"] > r["mid"] && r["mid"] == r["other"] && r["other"] > r["bottom"]);
+}
