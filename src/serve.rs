@@ -92,7 +92,7 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
             hosts: api::Hosts::for_listen(args.listen, &args.allowed_hosts),
             auth: api::Auth::Tokens { loopback },
             limits: {
-                let mut limits = api::Limits::backlog(args.max_backlog, args.max_backlog_per_token);
+                let mut limits = api::Bounds::backlog(args.max_backlog, args.max_backlog_per_token);
                 limits.max_streams = args.max_streams;
                 limits.max_streams_per_token = args.max_streams_per_token;
                 limits

@@ -193,7 +193,7 @@ async fn the_typed_client_submits_reads_and_maps_errors() {
         url_guard: onceflow_engine::UrlGuard::allow_private(),
         hosts: onceflow_engine::api::Hosts::Any,
         auth: onceflow_engine::api::Auth::Off,
-        limits: onceflow_engine::api::Limits::backlog(0, 0),
+        limits: onceflow_engine::api::Bounds::backlog(0, 0),
         draining: Default::default(),
         trace_url: None,
         handoff: None,

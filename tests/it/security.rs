@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use onceflow_engine::api::{ApiState, Auth, Hosts, Limits, DEFAULT_BODY_LIMIT};
+use onceflow_engine::api::{ApiState, Auth, Bounds, Hosts, DEFAULT_BODY_LIMIT};
 use onceflow_engine::intake::NewJob;
 use onceflow_engine::testkit::{wait_until, Behaviour, FakeConsumer, TestEnv};
 use onceflow_engine::{JobState, Registry, UrlGuard};
@@ -30,10 +30,10 @@ fn api(env: &TestEnv, guard: UrlGuard, hosts: Hosts) -> String {
 }
 
 fn api_with(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth) -> String {
-    api_limited(env, guard, hosts, auth, Limits::default())
+    api_limited(env, guard, hosts, auth, Bounds::default())
 }
 
-fn api_limited(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth, limits: Limits) -> String {
+fn api_limited(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth, limits: Bounds) -> String {
     serve_api_state(ApiState {
         store: env.store.clone(),
         registry: registry(),
@@ -492,7 +492,7 @@ async fn call(
 async fn event_streams_are_bounded_per_token_and_per_node() {
     use reqwest::Method;
     let env = TestEnv::new().await;
-    let mut limits = Limits::default();
+    let mut limits = Bounds::default();
     limits.max_streams = 3;
     limits.max_streams_per_token = 2;
     let base = api_limited(
@@ -800,7 +800,7 @@ async fn a_full_backlog_is_refused_with_retry_after() {
         UrlGuard::allow_private(),
         Hosts::Any,
         Auth::Tokens { loopback: true },
-        Limits::backlog(3, 2),
+        Bounds::backlog(3, 2),
     );
     let alice = env.store.create_token("alice", false).await.unwrap();
     let bob = env.store.create_token("bob", false).await.unwrap();
@@ -859,7 +859,7 @@ async fn a_full_backlog_is_refused_with_retry_after() {
 #[actix_rt::test]
 async fn a_dribbled_body_times_out() {
     let env = TestEnv::new().await;
-    let mut limits = Limits::default();
+    let mut limits = Bounds::default();
     limits.body_timeout = Duration::from_millis(500);
     let base = api_limited(
         &env,

@@ -1,0 +1,135 @@
+//! Resource bounds of intake and of event streams: the backlog a node
+//! accepts (per token too) and the streams it serves at once.
+
+use super::*;
+
+/// Per token (`None`: no token): when the backlog was read, in total and its own.
+pub(super) type BacklogSeen =
+    std::collections::HashMap<Option<i64>, (std::time::Instant, u64, u64)>;
+
+/// Resource bounds of intake.
+#[derive(Debug, Clone)]
+pub struct Bounds {
+    /// A request body must arrive within this long (a client dribbling it,
+    /// slowloris-style, gets `408`).
+    pub body_timeout: std::time::Duration,
+    /// Unfinished jobs in the database above which new jobs are refused
+    /// with `429` and `Retry-After`.
+    pub max_backlog: u64,
+    /// The same bound per API token.
+    pub max_backlog_per_token: u64,
+    /// The last counts read, with when (refreshed at most once a second).
+    seen: Arc<std::sync::Mutex<BacklogSeen>>,
+    /// Event streams (`GET /v1/jobs/{id}/events`) open at once on this
+    /// node; one more is `429`. Each reads the journal about every 250 ms
+    /// until its job ends, on the pool the engine writes through.
+    pub max_streams: usize,
+    /// The same bound per API token.
+    pub max_streams_per_token: usize,
+    /// The event streams open now: in all, and per token.
+    streams: Arc<std::sync::Mutex<OpenStreams>>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct OpenStreams {
+    total: usize,
+    per_token: std::collections::HashMap<i64, usize>,
+}
+
+/// An open event stream's place under [`Bounds::max_streams`], given back
+/// when the stream ends.
+pub(super) struct StreamSlot {
+    streams: Arc<std::sync::Mutex<OpenStreams>>,
+    token: Option<i64>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut open = self.streams.lock().expect("streams lock");
+        open.total -= 1;
+        if let Some(token) = self.token {
+            if let Some(n) = open.per_token.get_mut(&token) {
+                *n -= 1;
+                if *n == 0 {
+                    open.per_token.remove(&token);
+                }
+            }
+        }
+    }
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Bounds {
+            body_timeout: std::time::Duration::from_secs(30),
+            max_backlog: 100_000,
+            max_backlog_per_token: 10_000,
+            seen: Default::default(),
+            max_streams: 1_000,
+            max_streams_per_token: 100,
+            streams: Default::default(),
+        }
+    }
+}
+
+impl Bounds {
+    /// These bounds, with the default body timeout.
+    pub fn backlog(max_backlog: u64, max_backlog_per_token: u64) -> Self {
+        Bounds {
+            max_backlog,
+            max_backlog_per_token,
+            ..Bounds::default()
+        }
+    }
+
+    /// A place for one more event stream of `token`, or why not.
+    pub(super) fn open_stream(&self, token: Option<i64>) -> Result<StreamSlot, String> {
+        let mut open = self.streams.lock().expect("streams lock");
+        if open.total >= self.max_streams {
+            return Err(format!(
+                "{} event streams are open on this node; the limit is {}",
+                open.total, self.max_streams
+            ));
+        }
+        if let Some(token) = token {
+            let mine = open.per_token.entry(token).or_insert(0);
+            if *mine >= self.max_streams_per_token {
+                return Err(format!(
+                    "this token has {mine} event streams open; the limit is {}",
+                    self.max_streams_per_token
+                ));
+            }
+            *mine += 1;
+        }
+        open.total += 1;
+        Ok(StreamSlot {
+            streams: self.streams.clone(),
+            token,
+        })
+    }
+
+    /// The backlog (in total, and of `owner`), at most a second old: one
+    /// indexed count per second per token, not one per request.
+    pub(super) async fn counts(
+        &self,
+        store: &Store,
+        owner: Option<i64>,
+    ) -> Result<(u64, u64), crate::error::StoreError> {
+        let fresh = self
+            .seen
+            .lock()
+            .expect("limits lock")
+            .get(&owner)
+            .filter(|(at, _, _)| at.elapsed() < std::time::Duration::from_secs(1))
+            .map(|(_, total, mine)| (*total, *mine));
+        if let Some(counts) = fresh {
+            return Ok(counts);
+        }
+        let (total, mine) = store.backlog(owner).await?;
+        self.seen
+            .lock()
+            .expect("limits lock")
+            .insert(owner, (std::time::Instant::now(), total, mine));
+        Ok((total, mine))
+    }
+}

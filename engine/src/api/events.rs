@@ -1,0 +1,201 @@
+//! `GET /v1/jobs/{id}/events`: a job's events as Server-Sent Events, resumable
+//! with `Last-Event-ID`.
+
+use super::*;
+
+/// `GET /v1/jobs/{id}/events`: the job's events as server-sent events —
+/// the chunks of its streamed answers (`chunk`), a restarted stream's
+/// `reset`, and its state changes (`state`) — each with the `id` of one
+/// increasing sequence per job. Only journaled (durable) events are sent,
+/// so what a watcher saw is always a prefix of the journal. `Last-Event-ID`
+/// resumes after that event; the stream ends after the job's final state.
+pub(super) async fn job_events(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let after = match req.headers().get("last-event-id") {
+        None => 0,
+        Some(v) => match v.to_str().ok().and_then(|v| v.trim().parse::<i64>().ok()) {
+            Some(n) if n >= 0 => n,
+            _ => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_header",
+                    "Last-Event-ID must be the id of an event this stream sent (a non-negative integer)",
+                    Some("Last-Event-ID"),
+                )
+            }
+        },
+    };
+    if let Err(refused) = own_job(&state, who, &id).await {
+        return refused;
+    }
+    let slot = match state.limits.open_stream(who.owner()) {
+        Ok(slot) => slot,
+        Err(message) => {
+            let mut r = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_streams",
+                message,
+                None,
+            );
+            r.headers_mut().insert(
+                actix_web::http::header::RETRY_AFTER,
+                actix_web::http::header::HeaderValue::from_static("5"),
+            );
+            return r;
+        }
+    };
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<web::Bytes>(64);
+    let (store, id) = (state.store.clone(), id.into_inner());
+    let token = who.owner();
+    actix_web::rt::spawn(async move {
+        let _slot = slot; // held until the stream ends
+                          // Transitions of a followed job are announced (NOTIFY) by the
+                          // database; without the row the stream still works, polling.
+        let followed = match store.follow(&id).await {
+            Ok(row) => Some(row),
+            Err(e) => {
+                tracing::warn!(error = %e, job.id = id, "cannot record a stream; it polls instead");
+                None
+            }
+        };
+        follow_events(store.clone(), id, after, token, followed.is_some(), tx).await;
+        if let Some(row) = followed {
+            if let Err(e) = store.unfollow(row).await {
+                tracing::warn!(error = %e, "cannot remove a closed stream's row; the purge will");
+            }
+        }
+    });
+    let body = futures_util::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx).map(|b| b.map(Ok::<_, actix_web::Error>))
+    });
+    HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header(("cache-control", "no-cache"))
+        .insert_header(("x-accel-buffering", "no"))
+        .streaming(body)
+}
+
+/// Sends `job_id`'s events after `after` to `tx` as they are journaled,
+/// until the job's final state has been sent, the watcher leaves, or its
+/// token is revoked. Chunks written on this node arrive as committed and
+/// are sent without reading them back when they follow the last event
+/// sent; anything else (another node's chunks, state changes, a gap) is
+/// read from the journal when a `NOTIFY` says the job moved. An idle stream
+/// reads nothing: it sends a keep-alive comment every 15 s and reads again
+/// once a minute as a safety net (a `NOTIFY` lost while the node's `LISTEN`
+/// reconnected), checking its token then. Without the `followed` row
+/// (`Store::follow` failed) it reads every second.
+pub(super) async fn follow_events(
+    store: Store,
+    job_id: String,
+    mut after: i64,
+    token: Option<i64>,
+    followed: bool,
+    tx: tokio::sync::mpsc::Sender<web::Bytes>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    const KEEP_ALIVE: Duration = Duration::from_secs(15);
+    let safety = if followed {
+        Duration::from_secs(60)
+    } else {
+        Duration::from_secs(1)
+    };
+    let frame = |event: &crate::store::streams::JobEvent| {
+        let data = serde_json::to_string(event).expect("an event serialises");
+        web::Bytes::from(format!(
+            "id: {}\nevent: {}\ndata: {data}\n\n",
+            event.id, event.kind
+        ))
+    };
+    // Subscribed before the first read, so a commit in between is not missed.
+    let mut moved = store.watch_stream(&job_id);
+    loop {
+        let events = match store.job_events(&job_id, after, 500).await {
+            Ok(events) => events,
+            Err(e) => {
+                tracing::warn!(error = %e, job.id = job_id, "reading a job's events");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let mut finished = false;
+        for event in &events {
+            after = event.id;
+            finished = event.kind == "state"
+                && event
+                    .text
+                    .parse::<crate::JobState>()
+                    .is_ok_and(|s| s.is_terminal());
+            if tx.send(frame(event)).await.is_err() {
+                return; // the watcher left
+            }
+        }
+        if finished {
+            return;
+        }
+        if events.len() == 500 {
+            continue; // more to read
+        }
+        if events.is_empty() {
+            // Resumed past the end of a finished job: nothing more will come.
+            if let Ok(Some(view)) = store.job(&job_id).await {
+                if view.state.is_terminal() {
+                    return;
+                }
+            }
+        }
+        // Chunks come as they commit, other moves as announced.
+        let read_at = std::time::Instant::now();
+        loop {
+            let wait = KEEP_ALIVE.min(safety.saturating_sub(read_at.elapsed()));
+            tokio::select! {
+                published = moved.recv() => match published {
+                    Ok(p) if p.prev == Some(after) && !p.events.is_empty() => {
+                        for event in &p.events {
+                            after = event.id;
+                            if tx.send(frame(event)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    // Announced, and seen already (this node's own write).
+                    Ok(p) if p.upto.is_some_and(|upto| upto <= after) => {}
+                    Ok(_) | Err(RecvError::Lagged(_)) => break,
+                    Err(RecvError::Closed) => {
+                        moved = store.watch_stream(&job_id);
+                        break;
+                    }
+                },
+                _ = tokio::time::sleep(wait) => {
+                    if read_at.elapsed() >= safety {
+                        // A revoked token's stream ends.
+                        if let Some(token) = token {
+                            if matches!(store.token_live(token).await, Ok(false)) {
+                                return;
+                            }
+                        }
+                        break;
+                    }
+                    if tx
+                        .send(web::Bytes::from_static(b": keep-alive\n\n"))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                _ = tx.closed() => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,370 @@
+//! `POST /v1/jobs`, `GET /v1/jobs/{id}` and the paged `GET /v1/jobs`.
+
+use super::*;
+
+pub(super) async fn submit(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    mut payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    // A form or text/plain POST is what a web page can send cross-site
+    // without a preflight: JSON only.
+    let json = req
+        .headers()
+        .get(actix_web::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
+        let mut r = error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "this node is shutting down and takes no new jobs; retry (another node, or this one restarted)",
+            None,
+        );
+        r.headers_mut().insert(
+            actix_web::http::header::RETRY_AFTER,
+            actix_web::http::header::HeaderValue::from_static("2"),
+        );
+        return r;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    if !json {
+        return error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "the body must be JSON, sent with Content-Type: application/json",
+            None,
+        );
+    }
+    // Refuse before reading the body when the backlog is full.
+    match state.limits.counts(&state.store, who.owner()).await {
+        Ok((total, mine)) => {
+            let over = if total >= state.limits.max_backlog {
+                Some(format!(
+                    "{total} unfinished jobs; the limit is {}",
+                    state.limits.max_backlog
+                ))
+            } else if who.owner().is_some() && mine >= state.limits.max_backlog_per_token {
+                Some(format!(
+                    "this token has {mine} unfinished jobs; the limit is {}",
+                    state.limits.max_backlog_per_token
+                ))
+            } else {
+                None
+            };
+            if let Some(message) = over {
+                let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
+                r.headers_mut().insert(
+                    actix_web::http::header::RETRY_AFTER,
+                    actix_web::http::header::HeaderValue::from_static("5"),
+                );
+                return r;
+            }
+        }
+        Err(e) => return unavailable(e),
+    }
+    let limit = state.body_limit;
+    let too_large = || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the request body exceeds {limit} bytes"),
+            None,
+        )
+    };
+    let declared = req
+        .headers()
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return too_large();
+    }
+    let mut body = web::BytesMut::new();
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let Ok(chunk) = chunk else {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    "could not read the request body",
+                    None,
+                ));
+            };
+            if body.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(())
+    };
+    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
+        Ok(Ok(())) => {}
+        Ok(Err(refused)) => return refused,
+        Err(_) => return body_timed_out(&state.limits),
+    }
+    let job = match intake::parse(&body, &state.registry, &state.url_guard) {
+        Ok(job) => job,
+        Err(IntakeError::Malformed(m)) => {
+            return error(StatusCode::BAD_REQUEST, "malformed_json", m, None)
+        }
+        Err(IntakeError::Invalid(e)) => {
+            return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                e.to_string(),
+                Some(&e.field),
+            )
+        }
+    };
+    if matches!(who, Who::Token(c) if !c.admin)
+        && job.schedule.priority.abs() > intake::MAX_TENANT_PRIORITY
+    {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            format!(
+                "priority: must be from -{m} to {m} for a token that is not admin",
+                m = intake::MAX_TENANT_PRIORITY
+            ),
+            Some("priority"),
+        );
+    }
+    // The `submit` span continues the caller's trace when it sent one; its
+    // context is stored with the job, so every attempt is its child.
+    let caller = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
+    let parent = caller
+        .as_ref()
+        .map(crate::attempt_spans::remote_context)
+        .unwrap_or_default();
+    let tracer = state.telemetry.tracer();
+    let mut span = tracer
+        .span_builder(SPAN_SUBMIT)
+        .with_kind(SpanKind::Server)
+        .with_attributes([
+            KeyValue::new(JOB_ID, job.id.clone()),
+            KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
+        ])
+        .start_with_context(tracer, &parent);
+    let trace = crate::attempt_spans::trace_parent(span.span_context())
+        .or(caller)
+        .unwrap_or_else(TraceParent::new_root);
+    let submitted = |outcome: &'static str| {
+        state.telemetry.metrics().jobs_submitted.add(
+            1,
+            &[
+                KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
+                KeyValue::new(SUBMIT_OUTCOME, outcome),
+            ],
+        );
+    };
+    let notify = state.registry.failure_events(&job.workflow);
+    let reservation = state
+        .handoff
+        .as_ref()
+        .and_then(|h| h.reserve(&job.workflow, job.workflow_version));
+    // On a task of its own: a caller that goes away while the batch commits
+    // must not strand a handed-off job (committed leased, never adopted).
+    let submitting = {
+        let (store, job, owner) = (state.store.clone(), job.clone(), who.owner());
+        actix_web::rt::spawn(async move {
+            let hand_to = reservation.as_ref().map(|r| r.hand_to());
+            let (intake, leased) = store
+                .submit_handed(&job, trace, owner, notify, hand_to)
+                .await?;
+            if let (Some(reservation), Some(leased)) = (reservation, leased) {
+                reservation.adopt(leased);
+            }
+            Ok(intake)
+        })
+    };
+    let result = submitting.await.unwrap_or_else(|e| {
+        Err(crate::error::StoreError::Batch(format!(
+            "the submission's task failed: {e}"
+        )))
+    });
+    let outcome = match &result {
+        Ok(Intake::Created(_)) => "created",
+        Ok(Intake::Existing(_)) => "existing",
+        Ok(Intake::Conflict(_)) => "conflict",
+        Err(_) => "unavailable",
+    };
+    span.set_attribute(KeyValue::new(SUBMIT_OUTCOME, outcome));
+    if result.is_err() {
+        span.set_status(Status::error(outcome));
+    }
+    span.end();
+    match result {
+        Ok(Intake::Created(view)) => {
+            submitted("created");
+            HttpResponse::Created().json(view)
+        }
+        // Another token's job: the id is taken, and nothing more is said.
+        Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {
+            error(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!("job id {:?} is not available", job.id),
+                Some("id"),
+            )
+        }
+        Ok(Intake::Existing(view)) => {
+            submitted("existing");
+            HttpResponse::Ok().json(view)
+        }
+        Ok(Intake::Conflict(_)) => error(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!(
+                "job {:?} already exists with a different request; the stored job is unchanged",
+                job.id
+            ),
+            Some("id"),
+        ),
+        Err(e) => unavailable(e),
+    }
+}
+
+pub(super) async fn get_job(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    match state.store.job(&id).await {
+        // Another token's job is as absent as a job that never was.
+        Ok(Some(view)) if who.sees(view.owner_token) => HttpResponse::Ok().json(view),
+        Ok(_) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no job {:?}", id.as_str()),
+            None,
+        ),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// The query of `GET /v1/jobs`.
+#[derive(Debug, serde::Deserialize)]
+pub(super) struct ListQuery {
+    state: Option<String>,
+    workflow: Option<String>,
+    since: Option<String>,
+    limit: Option<String>,
+    cursor: Option<String>,
+}
+
+/// Largest page of `GET /v1/jobs`.
+pub const MAX_PAGE: i64 = 500;
+
+/// A keyset cursor: the last row of a page, as `created_at` (µs) and id,
+/// URL-safe base64. Opaque to clients.
+pub(super) fn encode_cursor(at: chrono::DateTime<chrono::Utc>, id: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .encode(format!("{}|{id}", at.timestamp_micros()))
+}
+
+pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Utc>, String)> {
+    use base64::Engine as _;
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(cursor)
+        .ok()?;
+    let text = String::from_utf8(raw).ok()?;
+    let (micros, id) = text.split_once('|')?;
+    let at = chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?;
+    crate::intake::validate_id(id).ok()?;
+    Some((at, id.to_owned()))
+}
+
+/// `GET /v1/jobs?state=&workflow=&since=&limit=&cursor=`: newest first,
+/// keyset-paginated; a token sees its own jobs, an admin token all.
+pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let query = match web::Query::<ListQuery>::from_query(req.query_string()) {
+        Ok(q) => q.into_inner(),
+        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_query", e.to_string(), None),
+    };
+    let invalid = |field: &str, message: String| {
+        error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            message,
+            Some(field),
+        )
+    };
+    let job_state = match query
+        .state
+        .as_deref()
+        .map(str::parse::<crate::lifecycle::JobState>)
+    {
+        None => None,
+        Some(Ok(s)) => Some(s),
+        Some(Err(_)) => {
+            let names: Vec<&str> = crate::lifecycle::JobState::ALL
+                .iter()
+                .map(|s| s.as_str())
+                .collect();
+            return invalid("state", format!("must be one of {}", names.join(", ")));
+        }
+    };
+    let since = match query
+        .since
+        .as_deref()
+        .map(chrono::DateTime::parse_from_rfc3339)
+    {
+        None => None,
+        Some(Ok(t)) => Some(t.with_timezone(&chrono::Utc)),
+        Some(Err(e)) => return invalid("since", format!("must be an RFC 3339 time: {e}")),
+    };
+    let limit = match query.limit.as_deref().map(str::parse::<i64>) {
+        None => 50,
+        Some(Ok(n)) if (1..=MAX_PAGE).contains(&n) => n,
+        Some(_) => return invalid("limit", format!("must be a number from 1 to {MAX_PAGE}")),
+    };
+    let before = match query.cursor.as_deref().map(decode_cursor) {
+        None => None,
+        Some(Some(c)) => Some(c),
+        Some(None) => return invalid("cursor", "is not a cursor this server gave out".into()),
+    };
+    let filter = crate::store::ListFilter {
+        state: job_state,
+        workflow: query.workflow,
+        since,
+        owner: who.scope(),
+        before,
+        limit,
+    };
+    match state.store.list_jobs(&filter).await {
+        Ok((jobs, more)) => {
+            let next_cursor = more
+                .then(|| jobs.last().map(|j| encode_cursor(j.created_at, &j.id)))
+                .flatten();
+            HttpResponse::Ok().json(json!({ "jobs": jobs, "next_cursor": next_cursor }))
+        }
+        Err(e) => unavailable(e),
+    }
+}

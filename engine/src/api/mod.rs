@@ -1,0 +1,178 @@
+//! The HTTP API (actix-web): intake, the job view, health, and `/metrics`
+//! (Prometheus text from the node's OpenTelemetry instruments).
+//!
+//! Requests are authenticated with API tokens ([`Auth`]): a token sees its
+//! own jobs (another's is `404`), an admin token all of them. `POST` bodies
+//! must be JSON (`415`), the `Host` must be one this server answers
+//! (`421`, against DNS rebinding), and a `POST` a browser sent from another
+//! site's page is refused (`403`). Event streams are bounded per node and
+//! per token (`429`).
+//!
+//! Errors are `{"error":{"code","message"[,"field"]}}`. No bad request changes
+//! stored state: the body is read under a size limit, parsed, validated, and
+//! only then offered to the store, whose primary key decides races.
+//!
+//! This file holds the shared state, the routes and the error shape; the
+//! handlers live by concern: `auth` (tokens, `Host`, cross-site),
+//! `bounds` (backlog and stream bounds), `jobs` (submit, view, list),
+//! `events` (SSE), `operate` (cancel, redrive), `console` and `metrics`.
+//! They share this module's imports (`use super::*`).
+
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use onceflow_observability::names::*;
+use onceflow_observability::Telemetry;
+use opentelemetry::trace::{Span as _, SpanKind, Status, Tracer as _};
+use opentelemetry::KeyValue;
+use serde_json::json;
+
+use crate::intake::{self, IntakeError};
+use crate::store::{Intake, Store};
+use crate::traceparent::TraceParent;
+use crate::workflow::Registry;
+
+mod auth;
+mod bounds;
+mod console;
+mod events;
+mod jobs;
+mod metrics;
+mod operate;
+
+use auth::*;
+pub use auth::{Auth, Hosts};
+pub use bounds::Bounds;
+use console::*;
+use events::*;
+pub use jobs::MAX_PAGE;
+use jobs::*;
+use metrics::*;
+use operate::*;
+
+/// Default largest accepted request body (1 MiB).
+pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
+
+/// What the handlers share.
+#[derive(Debug, Clone)]
+pub struct ApiState {
+    /// The job store (all SQL).
+    pub store: Store,
+    /// The registered workflows: a submitted job names one, and its input is validated by it.
+    pub registry: Registry,
+    /// Largest accepted request body, in bytes (default [`DEFAULT_BODY_LIMIT`]).
+    pub body_limit: usize,
+    /// The node's telemetry (share the engine's, so `/metrics` shows both).
+    pub telemetry: Arc<Telemetry>,
+    /// Where a `webhook_url` may point (checked at intake for literal
+    /// addresses; names are checked again when the webhook is sent).
+    pub url_guard: crate::guard::UrlGuard,
+    /// The `Host` headers the API answers (DNS-rebinding defence).
+    pub hosts: Hosts,
+    /// Who may call it.
+    pub auth: Auth,
+    /// Resource bounds of intake.
+    pub limits: Bounds,
+    /// Set while the node drains: intake and `/healthz` answer `503`.
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
+    /// The web console's link to a job's trace: a URL with `{trace_id}`
+    /// (e.g. Jaeger's or Tempo's), or `None` for plain text.
+    pub trace_url: Option<String>,
+    /// This node's engine, when it runs one: a new job it has room for is
+    /// handed to it in intake's commit (see [`crate::handoff`]).
+    pub handoff: Option<crate::handoff::Handoff>,
+}
+
+/// Mounts the API on an actix-web app.
+pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
+    move |cfg| {
+        cfg.app_data(web::Data::new(state)).service(
+            web::scope("")
+                .wrap(actix_web::middleware::from_fn(hygiene))
+                .route("/v1/jobs", web::post().to(submit))
+                .route("/v1/jobs", web::get().to(list_jobs))
+                .route("/v1/stats", web::get().to(stats))
+                .route("/v1/jobs/redrive", web::post().to(redrive_bulk))
+                .route("/v1/jobs/{id}", web::get().to(get_job))
+                .route("/v1/jobs/{id}/events", web::get().to(job_events))
+                .route("/v1/jobs/{id}/cancel", web::post().to(cancel))
+                .route("/v1/jobs/{id}/redrive", web::post().to(redrive))
+                .route("/", web::get().to(console_page))
+                .route("/console.js", web::get().to(console_js))
+                .route("/console.css", web::get().to(console_css))
+                .route("/healthz", web::get().to(healthz))
+                .route("/metrics", web::get().to(metrics))
+                .default_service(web::to(not_found)),
+        );
+    }
+}
+
+/// Every answer says `X-Content-Type-Options: nosniff`; a path or query
+/// holding a NUL character (`%00`, which PostgreSQL cannot store or
+/// compare) is refused with `422` before any handler runs.
+async fn hygiene(
+    req: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody + 'static>,
+) -> Result<actix_web::dev::ServiceResponse<actix_web::body::BoxBody>, actix_web::Error> {
+    let uri = req.uri();
+    let nul = |part: Option<&str>| part.is_some_and(|p| p.contains("%00"));
+    let refused = if nul(Some(uri.path())) {
+        Some("path")
+    } else if nul(uri.query()) {
+        Some("query")
+    } else {
+        None
+    };
+    let mut res = match refused {
+        Some(field) => {
+            let answer = error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                format!("the {field} contains a NUL character (%00)"),
+                Some(field),
+            );
+            req.into_response(answer)
+        }
+        None => next.call(req).await?.map_into_boxed_body(),
+    };
+    res.headers_mut().insert(
+        actix_web::http::header::X_CONTENT_TYPE_OPTIONS,
+        actix_web::http::header::HeaderValue::from_static("nosniff"),
+    );
+    Ok(res)
+}
+
+fn error(
+    status: StatusCode,
+    code: &str,
+    message: impl Into<String>,
+    field: Option<&str>,
+) -> HttpResponse {
+    let mut body = json!({ "error": { "code": code, "message": message.into() } });
+    if let Some(field) = field {
+        body["error"]["field"] = json!(field);
+    }
+    HttpResponse::build(status).json(body)
+}
+
+fn unavailable(e: impl std::fmt::Display) -> HttpResponse {
+    tracing::error!(error = %e, "database error");
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable",
+        "the database is unavailable; retry the request",
+        None,
+    )
+}
+
+async fn not_found(req: HttpRequest) -> HttpResponse {
+    error(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("no route for {} {}", req.method(), req.path()),
+        None,
+    )
+}

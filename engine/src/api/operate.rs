@@ -1,0 +1,319 @@
+//! An operator's actions: cancel, redrive, bulk redrive.
+
+use super::*;
+
+/// The body of an operator's action: why.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ActionBody {
+    reason: Option<String>,
+    /// Bulk redrive: only this workflow's dead jobs.
+    workflow: Option<String>,
+    /// Bulk redrive: at most this many (default and most 1,000).
+    limit: Option<i64>,
+}
+
+/// Reads an action's optional JSON body (at most 16 KiB, within the
+/// intake's body timeout, so a dribbled body cannot hold a connection).
+pub(super) async fn action_body(
+    state: &ApiState,
+    req: &HttpRequest,
+    mut payload: web::Payload,
+) -> Result<ActionBody, HttpResponse> {
+    let mut body = web::BytesMut::new();
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let chunk = chunk.map_err(|_| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    "could not read the request body",
+                    None,
+                )
+            })?;
+            if body.len() + chunk.len() > 16 * 1024 {
+                return Err(error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "too_large",
+                    "an action's body is at most 16 KiB",
+                    None,
+                ));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(())
+    };
+    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
+        Ok(read) => read?,
+        Err(_) => return Err(body_timed_out(&state.limits)),
+    }
+    if body.is_empty() {
+        return Ok(ActionBody::default());
+    }
+    let json = req
+        .headers()
+        .get(actix_web::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return Err(error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "the body must be JSON, sent with Content-Type: application/json",
+            None,
+        ));
+    }
+    let parsed: ActionBody = serde_json::from_slice(&body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+            e.to_string(),
+            None,
+        )
+    })?;
+    for (field, text) in [("reason", &parsed.reason), ("workflow", &parsed.workflow)] {
+        if text.as_deref().is_some_and(|t| t.contains('\0')) {
+            return Err(error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                format!("{field} contains a NUL character"),
+                Some(field),
+            ));
+        }
+    }
+    Ok(parsed)
+}
+
+/// How a caller is named in history rows.
+pub(super) async fn caller_name(state: &ApiState, who: Who) -> String {
+    match who {
+        Who::Anyone => "api".to_owned(),
+        Who::Token(c) => match state.store.token_name(c.token).await {
+            Ok(Some(name)) => format!("token:{name}"),
+            _ => format!("token#{}", c.token),
+        },
+    }
+}
+
+/// The job `id` if `who` may act on it, else the answer to give.
+pub(super) async fn own_job(
+    state: &ApiState,
+    who: Who,
+    id: &str,
+) -> Result<crate::store::JobView, HttpResponse> {
+    match state.store.job(id).await {
+        Ok(Some(view)) if who.sees(view.owner_token) => Ok(view),
+        Ok(_) => Err(error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no job {id:?}"),
+            None,
+        )),
+        Err(e) => Err(unavailable(e)),
+    }
+}
+
+/// `POST /v1/jobs/{id}/cancel` `{"reason"}`: `202` and the job once it is
+/// `cancelled` (also when it already was); `409` when it finished first.
+pub(super) async fn cancel(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+    payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let body = match action_body(&state, &req, payload).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    if let Err(refused) = own_job(&state, who, &id).await {
+        return refused;
+    }
+    let by = caller_name(&state, who).await;
+    let reason = body.reason.unwrap_or_else(|| "no reason given".into());
+    use crate::store::operate::Cancelled;
+    let cancelled = state.store.cancel(&id, &by, &reason).await;
+    if let Ok(Cancelled::Now) = cancelled {
+        state
+            .telemetry
+            .metrics()
+            .transition(crate::lifecycle::JobState::Cancelled.as_str());
+    }
+    match cancelled {
+        Ok(Cancelled::Now | Cancelled::Already) => match state.store.job(&id).await {
+            Ok(Some(view)) => HttpResponse::Accepted().json(view),
+            Ok(None) => error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no job {:?}", id.as_str()),
+                None,
+            ),
+            Err(e) => unavailable(e),
+        },
+        Ok(Cancelled::Finished(s)) => error(
+            StatusCode::CONFLICT,
+            "finished",
+            format!(
+                "job {:?} already finished as {s}; only a live job can be cancelled",
+                id.as_str()
+            ),
+            None,
+        ),
+        Ok(Cancelled::Missing) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no job {:?}", id.as_str()),
+            None,
+        ),
+        Err(e) => unavailable(e),
+    }
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub(super) struct RedriveQuery {
+    confirm_unknown: Option<bool>,
+}
+
+/// `POST /v1/jobs/{id}/redrive` `{"reason"}`: `202` and the job resumed at
+/// its last live state, with the same keys; `409` when it is not dead, or
+/// when its webhook's outcome is unknown and `?confirm_unknown=true` is absent.
+pub(super) async fn redrive(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+    payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let confirm = match web::Query::<RedriveQuery>::from_query(req.query_string()) {
+        Ok(q) => q.confirm_unknown.unwrap_or(false),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_query",
+                e.to_string(),
+                Some("confirm_unknown"),
+            )
+        }
+    };
+    let body = match action_body(&state, &req, payload).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    if let Err(refused) = own_job(&state, who, &id).await {
+        return refused;
+    }
+    let by = caller_name(&state, who).await;
+    let reason = body.reason.unwrap_or_else(|| "no reason given".into());
+    use crate::store::operate::Redriven;
+    match state.store.redrive(&id, &by, &reason, confirm).await {
+        Ok(Redriven::Resumed(_)) => match state.store.job(&id).await {
+            Ok(Some(view)) => HttpResponse::Accepted().json(view),
+            Ok(None) => error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no job {:?}", id.as_str()),
+                None,
+            ),
+            Err(e) => unavailable(e),
+        },
+        Ok(Redriven::NotDead(s)) => error(
+            StatusCode::CONFLICT,
+            "not_dead",
+            format!(
+                "job {:?} is {s}; only a dead job can be redriven",
+                id.as_str()
+            ),
+            None,
+        ),
+        Ok(Redriven::UnknownDelivery) => error(
+            StatusCode::CONFLICT,
+            "delivery_unknown",
+            "its webhook may have reached the consumer (at-most-once, outcome unknown); \
+             redrive with ?confirm_unknown=true to send it again under the same webhook-id",
+            None,
+        ),
+        Ok(Redriven::Missing) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no job {:?}", id.as_str()),
+            None,
+        ),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// `POST /v1/jobs/redrive` `{"reason", "workflow"?, "limit"?}`: redrives the
+/// caller's dead jobs (an admin token: everyone's), oldest death first,
+/// skipping those whose delivery is unknown unless `?confirm_unknown=true`;
+/// answers `{"redriven": n, "skipped_unknown": m}`.
+pub(super) async fn redrive_bulk(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let confirm = match web::Query::<RedriveQuery>::from_query(req.query_string()) {
+        Ok(q) => q.confirm_unknown.unwrap_or(false),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_query",
+                e.to_string(),
+                Some("confirm_unknown"),
+            )
+        }
+    };
+    let body = match action_body(&state, &req, payload).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let limit = body.limit.unwrap_or(1000);
+    if !(1..=1000).contains(&limit) {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            "must be from 1 to 1000",
+            Some("limit"),
+        );
+    }
+    let by = caller_name(&state, who).await;
+    let reason = body.reason.unwrap_or_else(|| "bulk redrive".into());
+    let ids = match state
+        .store
+        .dead_ids(body.workflow.as_deref(), who.scope(), limit)
+        .await
+    {
+        Ok(ids) => ids,
+        Err(e) => return unavailable(e),
+    };
+    let (mut redriven, mut skipped) = (0u64, 0u64);
+    for id in ids {
+        use crate::store::operate::Redriven;
+        match state.store.redrive(&id, &by, &reason, confirm).await {
+            Ok(Redriven::Resumed(_)) => redriven += 1,
+            Ok(Redriven::UnknownDelivery) => skipped += 1,
+            Ok(Redriven::NotDead(_) | Redriven::Missing) => {}
+            Err(e) => return unavailable(e),
+        }
+    }
+    HttpResponse::Accepted().json(json!({ "redriven": redriven, "skipped_unknown": skipped }))
+}
