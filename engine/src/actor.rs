@@ -24,7 +24,7 @@ use crate::outbound::PostError;
 use crate::retry::RetryPolicy;
 use crate::store::journal::{Claim, DeliveryStart, FailedSend, KillWith};
 use crate::store::{Checkpoint, Fence, Leased};
-use crate::verdict::{on_failure, on_send_failure, SendFailure, Verdict};
+use crate::verdict::{on_failure, on_send_failure, OutboxStatus, SendFailure, Verdict};
 use crate::webhook;
 use crate::workflow::{DeliveryPolicy, DynWorkflow};
 
@@ -485,7 +485,7 @@ impl JobRun {
                     // row that looks unsent under a dead-end job.
                     let kill = closes.as_ref().map(|(outbox_status, reason)| KillWith {
                         reason,
-                        outbox_status,
+                        outbox_status: *outbox_status,
                     });
                     let c = store
                         .fail_delivery(
@@ -594,7 +594,8 @@ impl JobRun {
     async fn kill(&self, reason: &str, error: &StepError) -> Result<Outcome, StepError> {
         tracing::warn!(job.id = %self.fence.job_id, state = %self.state, reason, error = %error, "job is dead");
         let key = keys::completed(&self.fence.key());
-        let outbox = (self.state == JobState::Claimed).then_some((key.as_str(), "dead"));
+        let outbox =
+            (self.state == JobState::Claimed).then_some((key.as_str(), OutboxStatus::Dead));
         Ok(
             match self
                 .shared

@@ -22,6 +22,7 @@ use crate::store::journal::{FailedSend, ModelCallStart};
 use crate::store::slots::{Admission, Ask};
 use crate::store::streams::StreamRow;
 use crate::store::{Checkpoint, Fence, Store};
+use crate::verdict::{on_call_failure, on_tool_error};
 
 /// Everything a step needs; built by the job actor for one attempt.
 #[derive(Debug, Clone)]
@@ -522,11 +523,8 @@ impl Context {
         };
         let end = match &sent {
             Ok(_) => CallEnd::Answered,
-            // 529: Anthropic's "overloaded".
-            Err(PostError::Failed(f)) if matches!(f.status(), Some(429 | 529)) => {
-                CallEnd::Throttled
-            }
-            Err(_) => CallEnd::Other,
+            Err(PostError::Failed(f)) => on_call_failure(f).call_end(),
+            Err(PostError::Injected(_)) => CallEnd::Other,
         };
         if end == CallEnd::Throttled {
             let (provider, model) = self.limiter.limits().labels(&provider_name, &model_name);
@@ -643,7 +641,8 @@ impl Context {
                     span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
                 }
                 span.set(KeyValue::new(ERROR_CODE, error.code.clone()));
-                let outcome = if failure.is_retryable() {
+                let verdict = on_call_failure(&failure);
+                let outcome = if verdict.retries() {
                     OUTCOME_RETRIED
                 } else {
                     OUTCOME_FAILED
@@ -662,11 +661,11 @@ impl Context {
                 if !held {
                     return Err(StepError::LeaseLost);
                 }
-                Err(if failure.is_retryable() {
+                Err(if verdict.retries() {
                     StepError::Retry {
                         error,
                         attempt: attempt.max(1) as u32,
-                        retry_after: failure.retry_after(),
+                        retry_after: verdict.retry_after(),
                     }
                 } else {
                     StepError::Permanent {
@@ -765,17 +764,19 @@ impl ToolInvocation {
         match crate::outbound::post(&self.client, request, None).await {
             Ok((_, bytes)) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
             Err(PostError::Injected(i)) => Err(i.into()),
-            Err(PostError::Failed(f)) if f.is_retryable() => Err(StepError::Retry {
-                error: f.envelope(),
-                attempt: 1,
-                retry_after: f.retry_after(),
-            }),
-            Err(PostError::Failed(f)) => Err(StepError::Permanent {
-                // The URL stays out: the job's owner reads the reason, and
-                // the operator's tool URL may carry a key in its query.
-                reason: "the tool's request was refused".to_owned(),
-                error: f.envelope(),
-            }),
+            Err(PostError::Failed(f)) => match on_call_failure(&f) {
+                verdict if verdict.retries() => Err(StepError::Retry {
+                    error: f.envelope(),
+                    attempt: 1,
+                    retry_after: verdict.retry_after(),
+                }),
+                _ => Err(StepError::Permanent {
+                    // The URL stays out: the job's owner reads the reason, and
+                    // the operator's tool URL may carry a key in its query.
+                    reason: "the tool's request was refused".to_owned(),
+                    error: f.envelope(),
+                }),
+            },
         }
     }
 }
@@ -887,7 +888,7 @@ impl Context {
         let result = match execute(invocation).await {
             Ok(result) => result,
             Err(error) => {
-                let permanent = !error.is_retryable();
+                let permanent = !on_tool_error(&error).retries();
                 let outcome = if permanent {
                     OUTCOME_FAILED
                 } else {

@@ -65,7 +65,7 @@ impl Db {
             .thread_name("onceflow-db")
             .enable_all()
             .build()
-            .map_err(|e| StoreError::Migrate(format!("cannot start the database runtime: {e}")))?;
+            .map_err(|e| StoreError::Migrate(Box::new(e)))?;
         let handle = runtime.handle().clone();
         // Every connection is opened on the database runtime (see above).
         let manager = || {
@@ -148,7 +148,7 @@ impl Db {
         handle
             .spawn(async move { AsyncPgConnection::establish(&url).await })
             .await
-            .map_err(|e| StoreError::Migrate(e.to_string()))?
+            .map_err(|e| StoreError::Migrate(Box::new(e)))?
             .map_err(StoreError::from)
     }
 
@@ -183,7 +183,7 @@ impl Db {
         self.runtime_handle()
             .spawn_blocking(move || run_migrations_blocking(&url))
             .await
-            .map_err(|e| StoreError::Migrate(e.to_string()))?
+            .map_err(|e| StoreError::Migrate(Box::new(e)))?
     }
 }
 
@@ -197,7 +197,7 @@ fn run_migrations_blocking(url: &str) -> Result<Vec<String>, StoreError> {
     let applied = conn
         .run_pending_migrations(MIGRATIONS)
         .map(|versions| versions.iter().map(|v| v.to_string()).collect())
-        .map_err(|e| StoreError::Migrate(e.to_string()));
+        .map_err(StoreError::Migrate);
     let _ = conn.batch_execute("SELECT pg_advisory_unlock(7310585)");
     applied
 }

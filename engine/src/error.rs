@@ -93,16 +93,42 @@ pub enum StoreError {
     /// No pooled connection could be had (timed out or broken).
     #[error("database pool: {0}")]
     Pool(#[from] bb8::RunError<diesel_async::pooled_connection::PoolError>),
-    /// Running the schema migrations failed.
+    /// Running the schema migrations (or setting up the database for
+    /// them) failed.
     #[error("migrations failed: {0}")]
-    Migrate(String),
-    /// The batching task could not answer (shutting down).
+    Migrate(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The group commit could not answer a write (see [`BatchError`]).
     #[error("batched write: {0}")]
-    Batch(String),
+    Batch(#[from] BatchError),
     /// Data PostgreSQL would reject (a NUL character, a negative count),
     /// caught before it was written: permanent for that job alone.
     #[error("invalid data: {0}")]
     InvalidData(String),
+}
+
+/// Why the group commit could not answer a write.
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    /// The statement returned another number of outcomes than it was sent rows.
+    #[error("a batch of {sent} returned {got} outcomes")]
+    Miscounted {
+        /// Rows sent.
+        sent: usize,
+        /// Outcomes returned.
+        got: usize,
+    },
+    /// The batching task has stopped (the store is shutting down).
+    #[error("the batching task is gone")]
+    Gone,
+    /// The batching task dropped the request without an answer.
+    #[error("the batching task dropped the request")]
+    Dropped,
+    /// The task that carried the write failed.
+    #[error("the write's task failed")]
+    Task(#[source] tokio::task::JoinError),
+    /// A probe's transaction, rolled back on purpose.
+    #[error("the probe rolled back")]
+    ProbeRolledBack,
 }
 
 impl StoreError {
@@ -312,7 +338,7 @@ mod tests {
     fn a_database_failure_is_named_not_quoted_to_the_jobs_owner() {
         let secret = "duplicate key value violates unique constraint \"outbox_pkey\"";
         for e in [
-            StoreError::Batch(secret.into()),
+            StoreError::Migrate(secret.into()),
             StoreError::InvalidData(secret.into()),
         ] {
             let retryable = e.is_retryable();
@@ -323,6 +349,47 @@ mod tests {
             assert!(!envelope.message.contains("outbox_pkey"), "{envelope:?}");
             // The log line keeps it.
             assert!(step.to_string().contains("outbox_pkey"));
+        }
+    }
+
+    /// One row per SQLSTATE class PostgreSQL reports, as diesel names it
+    /// (the kinds diesel does not name arrive as `Unknown`).
+    #[test]
+    fn store_errors_retry_by_sqlstate_class() {
+        use diesel::result::{DatabaseErrorKind as K, Error as E};
+        let db = |kind| StoreError::Query(E::DatabaseError(kind, Box::new(String::from("x"))));
+        for (sqlstate, kind, retryable) in [
+            ("08xxx connection exception", K::ClosedConnection, true),
+            ("08xxx, sending", K::UnableToSendCommand, true),
+            ("40001 serialization_failure", K::SerializationFailure, true),
+            ("40P01 deadlock_detected (Unknown)", K::Unknown, true),
+            (
+                "25006 read_only_sql_transaction (a demoted primary)",
+                K::ReadOnlyTransaction,
+                true,
+            ),
+            ("57P01 admin_shutdown (Unknown)", K::Unknown, true),
+            ("53xxx insufficient_resources (Unknown)", K::Unknown, true),
+            ("23505 unique_violation", K::UniqueViolation, false),
+            ("23503 foreign_key_violation", K::ForeignKeyViolation, false),
+            ("23502 not_null_violation", K::NotNullViolation, false),
+            ("23514 check_violation", K::CheckViolation, false),
+            ("23001 restrict_violation", K::RestrictViolation, false),
+            ("23P01 exclusion_violation", K::ExclusionViolation, false),
+        ] {
+            assert_eq!(db(kind).is_retryable(), retryable, "{sqlstate}");
+        }
+        // Not from PostgreSQL: the pool and the group commit retry, a
+        // statement diesel could not build or read does not.
+        assert!(StoreError::Batch(BatchError::Gone).is_retryable());
+        assert!(StoreError::Query(E::BrokenTransactionManager).is_retryable());
+        for e in [
+            StoreError::Query(E::NotFound),
+            StoreError::Query(E::RollbackTransaction),
+            StoreError::Migrate("x".into()),
+            StoreError::InvalidData("x".into()),
+        ] {
+            assert!(!e.is_retryable(), "{e:?}");
         }
     }
 }

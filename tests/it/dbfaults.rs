@@ -923,7 +923,7 @@ async fn a_failed_send_and_its_kill_commit_or_roll_back_together() {
     };
     let kill = onceflow_engine::store::journal::KillWith {
         reason: "delivery outcome unknown (at-most-once)",
-        outbox_status: "unknown",
+        outbox_status: onceflow_engine::verdict::OutboxStatus::Unknown,
     };
     let refused = env
         .store

@@ -186,14 +186,12 @@ pub(super) async fn submit(
             if let (Some(reservation), Some(leased)) = (reservation, leased) {
                 reservation.adopt(leased);
             }
-            Ok(intake)
+            Ok::<_, crate::error::StoreError>(intake)
         })
     };
-    let result = submitting.await.unwrap_or_else(|e| {
-        Err(crate::error::StoreError::Batch(format!(
-            "the submission's task failed: {e}"
-        )))
-    });
+    let result = submitting
+        .await
+        .unwrap_or_else(|e| Err(crate::error::BatchError::Task(e).into()));
     let outcome = match &result {
         Ok(Intake::Created(_)) => "created",
         Ok(Intake::Existing(_)) => "existing",

@@ -34,7 +34,7 @@ use diesel_async::pooled_connection::bb8::Pool;
 use diesel_async::AsyncPgConnection;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::error::StoreError;
+use crate::error::{BatchError, StoreError};
 
 /// Most requests in one statement.
 pub(crate) const MAX_BATCH: usize = 256;
@@ -186,9 +186,10 @@ where
                             outcomes.into_iter().map(Ok).collect()
                         }
                         Ok(outcomes) => {
-                            let message =
-                                format!("a batch of {n} returned {} outcomes", outcomes.len());
-                            (0..n).map(|_| Err(StoreError::Batch(message.clone()))).collect()
+                            let got = outcomes.len();
+                            (0..n)
+                                .map(|_| Err(BatchError::Miscounted { sent: n, got }.into()))
+                                .collect()
                         }
                         // One bad row must not fail its batchmates: run each
                         // request alone, so only its own error reaches it.
@@ -201,10 +202,11 @@ where
                             for request in requests {
                                 each.push(match run(pool.clone(), Arc::new(vec![request])).await {
                                     Ok(mut one) if one.len() == 1 => Ok(one.remove(0)),
-                                    Ok(one) => Err(StoreError::Batch(format!(
-                                        "a batch of 1 returned {} outcomes",
-                                        one.len()
-                                    ))),
+                                    Ok(one) => Err(BatchError::Miscounted {
+                                        sent: 1,
+                                        got: one.len(),
+                                    }
+                                    .into()),
                                     Err(e) => Err(e),
                                 });
                             }
@@ -248,9 +250,7 @@ where
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.tx
             .send((request, reply))
-            .map_err(|_| StoreError::Batch("the batching task is gone".into()))?;
-        outcome
-            .await
-            .map_err(|_| StoreError::Batch("the batching task dropped the request".into()))?
+            .map_err(|_| BatchError::Gone)?;
+        outcome.await.map_err(|_| BatchError::Dropped)?
     }
 }

@@ -30,7 +30,7 @@ use super::sql::sql;
 use super::streams::stream_on;
 use super::{Checkpoint, Fence, Store};
 use crate::db::Db;
-use crate::error::StoreError;
+use crate::error::{BatchError, StoreError};
 
 /// `delivered → acked` for one job.
 #[derive(Clone)]
@@ -723,11 +723,11 @@ impl Store {
                     }
                 }
                 tokio::time::sleep(hold).await;
-                Err(StoreError::Batch("probe rolled back".into()))
+                Err(StoreError::Batch(BatchError::ProbeRolledBack))
             })
             .await;
         match result {
-            Err(StoreError::Batch(m)) if m == "probe rolled back" => Ok(()),
+            Err(StoreError::Batch(BatchError::ProbeRolledBack)) => Ok(()),
             other => other,
         }
     }

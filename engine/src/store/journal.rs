@@ -22,6 +22,7 @@ use super::{Checkpoint, Fence, Store};
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::faults::{FailPoint, Faults};
 use crate::lifecycle::JobState;
+use crate::verdict::{decide_send, OutboxStatus, SendDecision, SendMode, SendRow};
 
 /// Where a model call stands when an attempt is about to make it.
 #[derive(Debug, Clone, PartialEq)]
@@ -212,79 +213,6 @@ struct OutputRow {
     output: Value,
 }
 
-/// A send in flight that this attempt must wait for: one made under the same
-/// lease epoch (a concurrent attempt sharing the lease) that has not expired.
-/// A send from an earlier epoch belongs to an attempt whose lease was taken
-/// over; the taker resends under the same key.
-fn in_flight(
-    until: Option<DateTime<Utc>>,
-    epoch: Option<i64>,
-    now: DateTime<Utc>,
-    fence_epoch: i64,
-) -> Option<DateTime<Utc>> {
-    until.filter(|u| *u > now && epoch == Some(fence_epoch))
-}
-
-/// How a journal treats a send whose outcome was never recorded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SendMode {
-    /// Send it again under the same key (the receiver drops the repeat).
-    AtLeastOnce,
-    /// Never send it again: its outcome is unknown and needs a human.
-    AtMostOnce,
-}
-
-/// A journal row of a send (model call, tool call, outbox row) as an
-/// attempt finds it, after its identity (key, request hash, tool-call id)
-/// matched.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SendRow {
-    /// The outcome is recorded (completed, delivered).
-    pub done: bool,
-    /// Set when a send started and cleared when its failure was recorded.
-    pub in_flight_until: Option<DateTime<Utc>>,
-    /// The lease epoch of the attempt that started that send.
-    pub in_flight_epoch: Option<i64>,
-    /// The database's clock when the row was read.
-    pub now: DateTime<Utc>,
-}
-
-/// What an attempt does with a send, decided from its journal row alone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SendDecision {
-    /// The outcome is journaled: return it, send nothing.
-    Done,
-    /// An attempt sharing this lease has it in flight until then: wait.
-    Wait {
-        /// When the in-flight mark lapses.
-        until: DateTime<Utc>,
-    },
-    /// Send (again) under the same key.
-    Send,
-    /// At-most-once and an earlier send's outcome was never recorded: it may
-    /// have arrived, so it is never sent again.
-    Unknown,
-}
-
-/// The one decision the model-call, tool-call and outbox journals share.
-pub fn decide_send(row: &SendRow, fence_epoch: i64, mode: SendMode) -> SendDecision {
-    if row.done {
-        return SendDecision::Done;
-    }
-    if let Some(until) = in_flight(
-        row.in_flight_until,
-        row.in_flight_epoch,
-        row.now,
-        fence_epoch,
-    ) {
-        return SendDecision::Wait { until };
-    }
-    match (mode, row.in_flight_until) {
-        (SendMode::AtMostOnce, Some(_)) => SendDecision::Unknown,
-        (SendMode::AtMostOnce, None) | (SendMode::AtLeastOnce, _) => SendDecision::Send,
-    }
-}
-
 /// Whether `v` holds a NUL character anywhere (PostgreSQL's `jsonb` and
 /// `text` reject it).
 pub(crate) fn contains_nul(v: &Value) -> bool {
@@ -302,7 +230,7 @@ pub struct KillWith<'a> {
     /// The job's `dead_reason`.
     pub reason: &'a str,
     /// The outbox row's final status (`dead` or `unknown`).
-    pub outbox_status: &'a str,
+    pub outbox_status: OutboxStatus,
 }
 
 impl Store {
@@ -748,7 +676,7 @@ impl Store {
                     .bind::<Text, _>(key)
                     .bind::<Jsonb, _>(&error)
                     .bind::<Nullable<Integer>, _>(failed.status)
-                    .bind::<Nullable<Text>, _>(kill.map(|k| k.outbox_status))
+                    .bind::<Nullable<Text>, _>(kill.map(|k| k.outbox_status.as_sql()))
                     .execute(conn)
                     .await?;
                     if let Some(kill) = kill {
@@ -786,7 +714,7 @@ impl Store {
         fence: &Fence,
         reason: &str,
         error: &ErrorEnvelope,
-        outbox: Option<(&str, &str)>,
+        outbox: Option<(&str, OutboxStatus)>,
     ) -> Result<Checkpoint, StoreError> {
         retrying!(self, "kill", async || {
             let mut conn = self.db().conn().await?;
@@ -801,7 +729,7 @@ impl Store {
                                  WHERE idempotency_key = $1 AND status IN ('claimed', 'unknown')",
                             )
                             .bind::<Text, _>(key)
-                            .bind::<Text, _>(status)
+                            .bind::<Text, _>(status.as_sql())
                             .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
                             .execute(conn)
                             .await?;
@@ -822,58 +750,6 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn row(done: bool, until_ms: Option<i64>, epoch: Option<i64>) -> SendRow {
-        let now = Utc::now();
-        SendRow {
-            done,
-            in_flight_until: until_ms.map(|ms| now + chrono::Duration::milliseconds(ms)),
-            in_flight_epoch: epoch,
-            now,
-        }
-    }
-
-    /// The whole matrix: recorded × in-flight mark (none, live, expired) ×
-    /// epoch (ours, older) × mode.
-    #[test]
-    fn decide_send_covers_every_case() {
-        use SendDecision::*;
-        use SendMode::*;
-        let ours = 7;
-        for mode in [AtLeastOnce, AtMostOnce] {
-            // Recorded: never sent again, whatever the marks say.
-            for (until, epoch) in [
-                (None, None),
-                (Some(5_000), Some(ours)),
-                (Some(-5_000), Some(3)),
-            ] {
-                assert_eq!(decide_send(&row(true, until, epoch), ours, mode), Done);
-            }
-            // A live mark of our own epoch: a sibling attempt is sending; wait.
-            assert!(matches!(
-                decide_send(&row(false, Some(5_000), Some(ours)), ours, mode),
-                Wait { .. }
-            ));
-            // Never sent (or its failure recorded): send.
-            assert_eq!(decide_send(&row(false, None, None), ours, mode), Send);
-        }
-        // A send whose outcome was never recorded: a live mark of an older
-        // epoch (a takeover) or an expired one of any epoch.
-        for (until, epoch) in [
-            (Some(5_000), Some(3)),
-            (Some(-5_000), Some(ours)),
-            (Some(-5_000), Some(3)),
-        ] {
-            assert_eq!(
-                decide_send(&row(false, until, epoch), ours, AtLeastOnce),
-                Send
-            );
-            assert_eq!(
-                decide_send(&row(false, until, epoch), ours, AtMostOnce),
-                Unknown
-            );
-        }
-    }
 
     #[test]
     fn nul_characters_are_found_anywhere() {

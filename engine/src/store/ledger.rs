@@ -8,10 +8,10 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
-use super::journal::{decide_send, SendDecision, SendMode, SendRow};
 use super::sql::sql;
 use super::{Fence, Store};
 use crate::error::{ErrorEnvelope, StoreError};
+use crate::verdict::{decide_send, SendDecision, SendMode, SendRow};
 
 /// One tool call's place in the conversation: its ledger identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
