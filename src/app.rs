@@ -2,7 +2,7 @@
 
 use onceflow_engine::Registry;
 
-use crate::{bench, client, config, demo, serve, token};
+use crate::{client, config, serve, token};
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -18,8 +18,6 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// See the guarantee hold: jobs with injected faults against a loopback provider and consumer.
-    Demo(demo::DemoArgs),
     /// Run the HTTP API and a worker node (starts an embedded PostgreSQL when DATABASE_URL is unset).
     Serve(Box<config::ServeArgs>),
     /// Apply pending database migrations and exit.
@@ -38,16 +36,11 @@ enum Command {
     Redrive(client::RedriveArgs),
     /// Manage API tokens (create, list, revoke).
     Token(token::TokenArgs),
-    /// Benchmark: jobs end to end through the HTTP API against a loopback provider and consumer.
-    Bench(bench::BenchArgs),
-    /// The loopback provider `bench --hold` runs as a child process.
-    #[command(hide = true)]
-    FakeProvider(bench::FakeProviderArgs),
 }
 
 /// A onceflow node with your workflows and tools: the same command line as
 /// the `onceflow` binary (`serve`, `migrate`, `submit`, `status`, `jobs`,
-/// `cancel`, `redrive`, `token`, `demo`, `bench`; the same flags and
+/// `cancel`, `redrive`, `token`, `watch`; the same flags and
 /// environment; the embedded PostgreSQL by default), with the built-in
 /// `completion` and `agent` plus what you register.
 ///
@@ -124,7 +117,6 @@ impl App {
 
     fn run_command(self, command: Command) -> anyhow::Result<()> {
         match command {
-            Command::Demo(args) => demo::run(args),
             Command::Serve(args) => {
                 let registry = self.registry(args.tool_post_url.as_deref());
                 serve::run(*args, registry)
@@ -137,8 +129,6 @@ impl App {
             Command::Jobs(args) => client::jobs(args),
             Command::Cancel(args) => client::cancel(args),
             Command::Redrive(args) => client::redrive(args),
-            Command::Bench(args) => bench::run(args),
-            Command::FakeProvider(args) => bench::fake_provider(args),
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Flags and environment variables (each flag has its env name; see the README).
+//! Flags and environment variables (each flag has its env name; see
+//! docs/guide/operations.md, "Configuration").
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -14,6 +15,7 @@ use onceflow_engine::{db, Db};
 pub struct Secret(String);
 
 impl Secret {
+    /// The value itself, for where it must go (a connection, a header).
     pub fn expose(&self) -> &str {
         &self.0
     }
@@ -49,6 +51,7 @@ pub struct DbArgs {
 /// `onceflow serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
+    /// Where the database is.
     #[command(flatten)]
     pub db: DbArgs,
     /// HTTP API address.
@@ -158,6 +161,7 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// The engine's configuration these flags describe.
     pub fn engine_config(&self) -> anyhow::Result<onceflow_engine::EngineConfig> {
         let mut config = onceflow_engine::EngineConfig {
             lease: Duration::from_millis(self.lease_ms.max(100)),
@@ -236,7 +240,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 
 /// The database to use: `DATABASE_URL`, or the embedded server (started or adopted).
 pub struct Database {
+    /// The URL the engine connects with.
     pub url: String,
+    /// The embedded server, when onceflow started or adopted it.
     pub embedded: Option<EmbeddedPg>,
 }
 

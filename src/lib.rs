@@ -39,7 +39,7 @@
 //! The tour:
 //!
 //! * [`App`] — the `onceflow` command line (`serve`, `migrate`, `submit`,
-//!   `status`, `jobs`, `cancel`, `redrive`, `token`, `demo`, `bench`) with
+//!   `status`, `watch`, `jobs`, `cancel`, `redrive`, `token`) with
 //!   your workflows and tools registered beside the built-in `completion` and
 //!   `agent`. The `onceflow` binary is `App::new().run()`.
 //! * [`Workflow`], [`Context`], [`StepError`], [`DeliveryPolicy`],
@@ -51,16 +51,20 @@
 //! * [`Client`] — the typed client of the HTTP API: submit jobs of a
 //!   workflow type with its typed input, read, list, cancel and redrive them;
 //!   every API error is a [`ClientError`].
+//! * [`config`] — the flags and environment of the command line, and the
+//!   database they name (the embedded PostgreSQL by default).
 //! * [`engine`], [`workflows`], [`observability`] — the crates underneath.
+//!
+//! The demo and the benchmarks, with the loopback fakes they drive, are the
+//! `onceflow-bench` package beside this one: this library and the
+//! `onceflow` binary do not compile the test kit.
 
 #![warn(missing_docs)]
 
 mod api_client;
 mod app;
-mod bench;
 mod client;
-mod config;
-mod demo;
+pub mod config;
 mod serve;
 mod token;
 

@@ -32,7 +32,7 @@ pub trait Workflow: Send + Sync + 'static {
     /// started on and only a node that has that version runs it, so a body
     /// that changes what it journals (another step, another order, another
     /// request) ships as a new version registered *beside* the old one until
-    /// the old one's jobs are finished. See "Changing a workflow" in the README.
+    /// the old one's jobs are finished. See "Changing a workflow" in docs/guide/workflows.md.
     const VERSION: u32 = 1;
     /// The job's `input`, as submitted.
     type Input: DeserializeOwned + Send + 'static;

@@ -35,7 +35,13 @@ use tracing_subscriber::{EnvFilter, Layer};
 
 /// Installs the global log subscriber. Safe to call more than once (later calls do nothing).
 pub fn init_logging() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init_logging_at("info");
+}
+
+/// [`init_logging`] with another default level than `info` when `RUST_LOG`
+/// is unset (the demo keeps its table free of the engine's INFO lines).
+pub fn init_logging_at(default: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let json = std::env::var("ONCEFLOW_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
     let layer = if json {
         tracing_subscriber::fmt::layer()

@@ -209,28 +209,54 @@ async fn the_typed_client_submits_reads_and_maps_errors() {
     }
 }
 
-/// The README's "Your own workflow" shows the example crate's code: every
-/// block marked `<!-- verbatim: PATH -->` is in that file, character for
-/// character, so the walk-through cannot drift from the code CI builds.
+/// Every Rust block in the README and in `docs/` is code CI builds: it is
+/// marked `<!-- verbatim: PATH -->` and found, character for character, in
+/// that file (the example crate's library, binary, client and explorer
+/// test), so no snippet can drift from code that compiles.
 #[test]
-fn the_readme_walk_through_is_the_example_crates_code() {
+fn every_rust_block_in_the_docs_is_code_ci_builds() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let mut checked = 0;
-    for (i, _) in readme.match_indices("<!-- verbatim: ") {
-        let rest = &readme[i + "<!-- verbatim: ".len()..];
-        let path = &rest[..rest.find(" -->").unwrap()];
-        let fence = rest.find("```rust\n").unwrap() + "```rust\n".len();
-        let block = &rest[fence..fence + rest[fence..].find("```").unwrap()];
-        let file =
-            std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
-        assert!(
-            file.contains(block),
-            "README's block for {path} is not in the file:\n{block}"
-        );
-        checked += 1;
+    let mut pages = vec![root.join("README.md")];
+    let mut dirs = vec![root.join("docs")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                pages.push(path);
+            }
+        }
     }
-    assert_eq!(checked, 3, "the lib, main and test blocks");
+    let mut checked = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        let name = page.strip_prefix(root).unwrap().display().to_string();
+        for (at, _) in text.match_indices("```rust") {
+            let before = text[..at].trim_end();
+            let marker = before
+                .rsplit('\n')
+                .next()
+                .and_then(|l| l.strip_prefix("<!-- verbatim: "))
+                .and_then(|l| l.strip_suffix(" -->"))
+                .unwrap_or_else(|| {
+                    panic!("{name}: a Rust block without a <!-- verbatim: PATH --> line above it")
+                });
+            let rest = &text[at..];
+            let start = rest.find('\n').unwrap() + 1;
+            let block = &rest[start..start + rest[start..].find("```").unwrap()];
+            let file = std::fs::read_to_string(root.join(marker))
+                .unwrap_or_else(|e| panic!("{name}: {marker}: {e}"));
+            assert!(
+                file.contains(block),
+                "{name}: the block marked {marker} is not in that file:\n{block}"
+            );
+            checked.push(format!("{name} <- {marker}"));
+        }
+    }
+    // The walk-through (lib, main, explorer test), the client, and the
+    // explorer in the testing guide.
+    assert!(checked.len() >= 5, "{checked:#?}");
 }
 
 /// A user workflow under a built-in's name is refused at registration,

@@ -8,12 +8,12 @@ use serde_json::{json, Value};
 /// Greets someone by name, with one model call.
 pub struct Greet;
 
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize)]
 pub struct Who {
     pub name: String,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 pub struct Greeting {
     pub greeting: String,
 }

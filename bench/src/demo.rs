@@ -19,7 +19,7 @@ use onceflow_engine::testkit::{Behaviour, FakeConsumer, FakeProvider};
 use onceflow_engine::{db, Db, Engine, EngineConfig, Faults, JobState, Store};
 use serde_json::json;
 
-use crate::config::DbArgs;
+use onceflow::config::DbArgs;
 
 #[derive(Debug, Args)]
 pub struct DemoArgs {
@@ -79,7 +79,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     result
 }
 
-async fn demo(args: &DemoArgs, database: &crate::config::Database) -> anyhow::Result<()> {
+async fn demo(args: &DemoArgs, database: &onceflow::config::Database) -> anyhow::Result<()> {
     let run_id = format!("{:x}", chrono::Utc::now().timestamp_millis() % 0xfffff);
     let (url, admin) = match &database.embedded {
         Some(pg) => {

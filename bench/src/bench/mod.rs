@@ -34,7 +34,7 @@ use onceflow_engine::testkit::{FakeConsumer, FakeProvider};
 use onceflow_engine::{db, Db, Engine, EngineConfig, Faults, Store};
 use serde_json::json;
 
-use crate::config::DbArgs;
+use onceflow::config::DbArgs;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -217,7 +217,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 
 async fn bench(
     args: &BenchArgs,
-    database: &crate::config::Database,
+    database: &onceflow::config::Database,
     telemetry: &std::sync::Arc<onceflow_observability::Telemetry>,
 ) -> anyhow::Result<()> {
     // A database of its own on the embedded server; the given one otherwise.
@@ -724,7 +724,7 @@ async fn print_row_work(db: &Db, jobs: usize) -> anyhow::Result<()> {
 
 /// Drops the bench's own database on the embedded server.
 async fn drop_bench_database(
-    database: &crate::config::Database,
+    database: &onceflow::config::Database,
     db: Db,
     store: Store,
     url: &str,

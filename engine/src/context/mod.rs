@@ -1,0 +1,164 @@
+//! The durable context a workflow body runs through. Every side effect is
+//! journaled under a key derived from the job and the step, and on a rerun
+//! returns its journaled result instead of being done again.
+//!
+//! This file holds the [`Context`] and the journal check every effect
+//! starts with; each kind of effect has a file of its own: `generate` (a
+//! model call), `tool` (a tool call, once per position), `step` (a general
+//! step) and `tape` (the journal of a streamed answer).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::attempt_spans::Scope;
+use crate::error::StepError;
+use crate::faults::Faults;
+use crate::provider::Provider;
+use crate::store::{Fence, Store};
+
+mod generate;
+mod step;
+mod tape;
+mod tool;
+
+pub use step::StepInvocation;
+pub use tool::ToolInvocation;
+
+/// Everything a step needs; built by the job actor for one attempt.
+#[derive(Debug, Clone)]
+pub struct Context {
+    pub(crate) fence: Fence,
+    pub(crate) store: Store,
+    pub(crate) provider: Arc<Provider>,
+    pub(crate) faults: Faults,
+    /// How often a step waiting on a concurrent attempt looks again.
+    pub(crate) wait_poll: Duration,
+    pub(crate) client: reqwest::Client,
+    /// Set when the node drains: no new side effect starts.
+    pub(crate) draining: Arc<std::sync::atomic::AtomicBool>,
+    /// Timeout of a tool's own requests.
+    pub(crate) tool_timeout: Duration,
+    /// The SSRF guard for the URLs tools and steps post to.
+    pub(crate) guard: crate::guard::UrlGuard,
+    /// Largest tool or step answer read.
+    pub(crate) tool_response_limit: usize,
+    /// This attempt's `job` span and the node's instruments.
+    pub(crate) scope: Scope,
+    /// Whether this rerun still follows the job's journal.
+    pub(crate) replay: Replay,
+    /// Provider limits shared by every node.
+    pub(crate) limiter: Arc<crate::limiter::Limiter>,
+    /// The job's priority: it orders the calls waiting for a provider limit.
+    pub(crate) priority: i32,
+}
+
+/// What a rerun of a body has asked of the job's journal so far (see
+/// [`Context::follow_journal`]).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Replay {
+    /// Whether to check: not on a first attempt (nothing is journaled yet),
+    /// nor once the rerun has asked for every journaled key.
+    armed: bool,
+    /// The job's journaled keys, oldest first; read on first use.
+    journal: Option<Vec<String>>,
+    /// The keys this attempt asked for.
+    asked: std::collections::HashSet<String>,
+}
+
+impl Replay {
+    pub(crate) fn for_attempt(attempt: i32) -> Self {
+        Replay {
+            armed: attempt > 1,
+            ..Replay::default()
+        }
+    }
+}
+
+/// How a model call was served, for callers that count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Served {
+    /// This attempt sent the request.
+    Performed,
+    /// The journal already held the response.
+    Replayed,
+}
+
+impl Context {
+    /// `Err(Draining)` when the node drains: a side effect must not start.
+    fn not_draining(&self) -> Result<(), StepError> {
+        if self.draining.load(std::sync::atomic::Ordering::Acquire) {
+            Err(StepError::Draining)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Refuses a side effect whose `key` the journal lacks while a key the
+    /// journal holds was never asked for by this rerun: the body no longer
+    /// matches the job's journal (a changed body deployed under the same
+    /// [`Workflow::VERSION`](crate::Workflow::VERSION)). Going on would call
+    /// the model again for work already paid for, so the job fails,
+    /// non-retryably, naming the step and the keys, and nothing is sent.
+    ///
+    /// A `ctx.step` is journaled only when its work succeeds (a body may go
+    /// on past a failed one), so a step key the journal lacks is `optional`:
+    /// it neither fails the check nor ends it.
+    async fn follow_journal(
+        &mut self,
+        step: &str,
+        key: &str,
+        optional: bool,
+    ) -> Result<(), StepError> {
+        if !self.replay.armed {
+            return Ok(());
+        }
+        let journal = match self.replay.journal.take() {
+            Some(journal) => journal,
+            None => self.store.journal_keys(&self.fence).await?,
+        };
+        self.replay.asked.insert(key.to_owned());
+        let replayed = journal.iter().any(|k| k == key);
+        let skipped: Vec<&str> = journal
+            .iter()
+            .filter(|k| !self.replay.asked.contains(*k))
+            .map(String::as_str)
+            .collect();
+        let outcome = if replayed || optional {
+            Ok(())
+        } else if skipped.is_empty() {
+            // Past the journal's end: everything from here on is new.
+            self.replay.armed = false;
+            Ok(())
+        } else {
+            let skipped = skipped.join(", ");
+            Err(StepError::permanent(
+                "journal_mismatch",
+                format!(
+                    "the workflow's code no longer matches this job's journal: step {step:?} \
+                     asks for {key}, which the journal lacks, while journaled {skipped} was never asked for"
+                ),
+                format!(
+                    "step {step:?} asks for {key}, not in the journal, before journaled {skipped}; \
+                     nothing was sent. Ship a changed body as a new Workflow::VERSION beside the old one, then redrive"
+                ),
+            ))
+        };
+        self.replay.journal = Some(journal);
+        outcome
+    }
+
+    /// The job's id (its business id).
+    pub fn job_id(&self) -> &str {
+        &self.fence.job_id
+    }
+
+    /// This attempt's number (1 on the first run).
+    pub fn attempt(&self) -> i32 {
+        self.fence.attempt
+    }
+
+    /// The HTTP client steps and tools should use.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.client
+    }
+}

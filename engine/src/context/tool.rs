@@ -1,0 +1,249 @@
+//! `ctx.tool`: a tool call executed at most once per position (turn and
+//! index), recorded in the tool ledger; `post_json` is a tool's HTTP helper.
+
+use std::time::Duration;
+
+use onceflow_observability::names::*;
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
+use serde_json::Value;
+
+use super::Context;
+use crate::error::StepError;
+use crate::keys;
+use crate::outbound::PostError;
+use crate::request::canonical_hash;
+use crate::verdict::{on_call_failure, on_tool_error};
+
+/// What a tool's execution gets: who asked, and the key to pass on.
+#[derive(Debug, Clone)]
+pub struct ToolInvocation {
+    /// The job whose model asked for the tool call.
+    pub job_id: String,
+    /// The provider's id of this call (recorded, not trusted to be unique).
+    pub tool_call_id: String,
+    /// `job:{id}:tool:{turn}:{index}`: send it with the tool's own outbound
+    /// request so the receiver can drop a repeat.
+    pub idempotency_key: String,
+    /// The guarded client (no redirects; names resolved through the guard).
+    pub client: reqwest::Client,
+    /// How long the tool's outbound request may take (the node's webhook timeout).
+    pub timeout: Duration,
+    /// The job's W3C trace context, to send along (`traceparent`).
+    pub traceparent: String,
+    /// The SSRF guard: the model chooses a tool's arguments, so whatever URL
+    /// a tool posts to is checked like a caller's `webhook_url`.
+    pub guard: crate::guard::UrlGuard,
+    /// Largest answer [`post_json`](Self::post_json) reads; more is
+    /// `response_too_large`.
+    pub response_limit: usize,
+}
+
+impl ToolInvocation {
+    /// POSTs `body` as JSON to `url` with this call's `Idempotency-Key`;
+    /// returns the response body as text. 408, 429, 5xx and network errors
+    /// are retryable, other statuses permanent.
+    pub async fn post_json(&self, url: &str, body: &Value) -> Result<String, StepError> {
+        let request = crate::outbound::Post {
+            url,
+            headers: vec![
+                ("idempotency-key", self.idempotency_key.clone()),
+                ("tool-call-id", self.tool_call_id.clone()),
+                ("traceparent", self.traceparent.clone()),
+            ],
+            body: serde_json::to_vec(body).expect("a JSON value serialises"),
+            timeout: self.timeout,
+            read: crate::outbound::Read::Body {
+                limit: self.response_limit,
+            },
+            guard: Some(&self.guard),
+        };
+        match crate::outbound::post(&self.client, request, None).await {
+            Ok((_, bytes)) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
+            Err(PostError::Injected(i)) => Err(i.into()),
+            Err(PostError::Failed(f)) => match on_call_failure(&f) {
+                verdict if verdict.retries() => Err(StepError::Retry {
+                    error: f.envelope(),
+                    attempt: 1,
+                    retry_after: verdict.retry_after(),
+                }),
+                _ => Err(StepError::Permanent {
+                    // The URL stays out: the job's owner reads the reason, and
+                    // the operator's tool URL may carry a key in its query.
+                    reason: "the tool's request was refused".to_owned(),
+                    error: f.envelope(),
+                }),
+            },
+        }
+    }
+}
+
+impl Context {
+    /// Executes a tool call at most once per position (`turn`, `index`) in
+    /// the conversation: recorded before `execute` runs, its result stored
+    /// after; a replay returns the stored result byte for byte. The same
+    /// position with another tool-call id or other arguments is a permanent
+    /// error and nothing is executed.
+    pub async fn tool<F, Fut>(
+        &mut self,
+        turn: i32,
+        index: i32,
+        tool_call_id: &str,
+        tool_name: &str,
+        arguments: &Value,
+        execute: F,
+    ) -> Result<String, StepError>
+    where
+        F: FnOnce(ToolInvocation) -> Fut,
+        Fut: std::future::Future<Output = Result<String, StepError>>,
+    {
+        use crate::store::ledger::{Position, ToolCallSpec, ToolCallStart};
+        let position = Position { turn, index };
+        let hash = canonical_hash(arguments);
+        let spec = ToolCallSpec {
+            position,
+            tool_call_id,
+            tool_name,
+            arguments,
+            arguments_hash: &hash,
+        };
+        if crate::store::journal::contains_nul(arguments) {
+            return Err(StepError::permanent(
+                "invalid_tool_call",
+                format!(
+                    "tool call {tool_call_id} at turn {turn}, index {index} cannot be journaled"
+                ),
+                "its arguments contain a NUL character (\\u0000); nothing was executed",
+            ));
+        }
+        let in_flight_ms = (self.tool_timeout + Duration::from_secs(5)).as_millis() as i64;
+        let key = keys::tool(&self.fence.key(), turn, index);
+        self.follow_journal(&format!("tool:{turn}:{index}"), &key, false)
+            .await?;
+        let metrics = self.scope.metrics().clone();
+        let mut span = self.scope.step(
+            SPAN_TOOL,
+            SpanKind::Client,
+            vec![
+                KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
+                KeyValue::new(GEN_AI_TOOL_NAME, tool_name.to_owned()),
+                KeyValue::new(GEN_AI_TOOL_CALL_ID, tool_call_id.to_owned()),
+            ],
+        );
+        let attempt = loop {
+            self.not_draining()?;
+            match self
+                .store
+                .begin_tool_call(&self.fence, &spec, in_flight_ms)
+                .await?
+            {
+                ToolCallStart::Completed(result) => {
+                    metrics.tool(OUTCOME_REPLAYED);
+                    span.end(OUTCOME_REPLAYED);
+                    return Ok(result);
+                }
+                ToolCallStart::Execute { attempt } => break attempt,
+                ToolCallStart::InFlight { .. } => tokio::time::sleep(self.wait_poll).await,
+                ToolCallStart::LeaseLost => {
+                    span.end(OUTCOME_SUPPRESSED);
+                    return Err(StepError::LeaseLost);
+                }
+                ToolCallStart::Conflict {
+                    stored_id,
+                    stored_hash,
+                } => {
+                    metrics.tool(OUTCOME_FAILED);
+                    span.set(KeyValue::new(ERROR_CODE, "tool_call_conflict"));
+                    return Err(StepError::permanent(
+                        "tool_call_conflict",
+                        format!(
+                            "tool call {tool_call_id} at turn {turn}, index {index} does not match the ledger"
+                        ),
+                        format!(
+                            "the ledger holds call {stored_id} with arguments hash {stored_hash}; this call has \
+                             arguments hash {hash}; nothing was executed"
+                        ),
+                    ));
+                }
+            }
+        };
+        let invocation = ToolInvocation {
+            job_id: self.fence.job_id.clone(),
+            tool_call_id: tool_call_id.to_owned(),
+            idempotency_key: key,
+            client: self.client.clone(),
+            timeout: self.tool_timeout,
+            traceparent: span.traceparent(),
+            guard: self.guard.clone(),
+            response_limit: self.tool_response_limit,
+        };
+        let result = match execute(invocation).await {
+            Ok(result) => result,
+            Err(error) => {
+                let permanent = !on_tool_error(&error).retries();
+                let outcome = if permanent {
+                    OUTCOME_FAILED
+                } else {
+                    OUTCOME_RETRIED
+                };
+                metrics.tool(outcome);
+                span.set(KeyValue::new(ERROR_CODE, error.envelope().code));
+                span.end(outcome);
+                if !self
+                    .store
+                    .fail_tool_call(&self.fence, position, &error.envelope(), permanent)
+                    .await?
+                {
+                    return Err(StepError::LeaseLost);
+                }
+                return Err(match error {
+                    StepError::Retry {
+                        error, retry_after, ..
+                    } => StepError::Retry {
+                        error,
+                        attempt: attempt.max(1) as u32,
+                        retry_after,
+                    },
+                    other => other,
+                });
+            }
+        };
+        if result.contains('\0') {
+            // The ledger stores the result as text, which refuses NUL: the
+            // call failed for good, recorded as such (fenced).
+            let error = crate::error::ErrorEnvelope {
+                code: "invalid_tool_result".into(),
+                message: format!("the result of tool call {tool_call_id} contains a NUL character"),
+                retryable: false,
+            };
+            metrics.tool(OUTCOME_FAILED);
+            span.set(KeyValue::new(ERROR_CODE, "invalid_tool_result"));
+            span.end(OUTCOME_FAILED);
+            if !self
+                .store
+                .fail_tool_call(&self.fence, position, &error, true)
+                .await?
+            {
+                return Err(StepError::LeaseLost);
+            }
+            return Err(StepError::Permanent {
+                reason: format!("invalid tool result ({tool_name})"),
+                error,
+            });
+        }
+        self.faults
+            .hit(self.job_id(), crate::faults::FailPoint::ToolAfterEffect)
+            .await?;
+        if !self
+            .store
+            .complete_tool_call(&self.fence, position, &result)
+            .await?
+        {
+            span.end(OUTCOME_SUPPRESSED);
+            return Err(StepError::LeaseLost);
+        }
+        metrics.tool(OUTCOME_PERFORMED);
+        span.end(OUTCOME_PERFORMED);
+        Ok(result)
+    }
+}
