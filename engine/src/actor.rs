@@ -528,7 +528,7 @@ impl JobRun {
             Verdict::Stop => {
                 return match &error {
                     StepError::Injected(Injected::Crash(point)) => {
-                        tracing::warn!(job.id = %job_id, %point, "attempt crashed (injected)");
+                        tracing::info!(job.id = %job_id, %point, "attempt crashed (injected)");
                         Outcome::Crashed
                     }
                     StepError::Draining => Outcome::Drained,

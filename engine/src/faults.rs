@@ -223,20 +223,20 @@ impl Faults {
         match action {
             None => Ok(()),
             Some(Action::Fail) => {
-                tracing::warn!(job.id = job, %point, "failpoint: fail");
+                tracing::info!(job.id = job, %point, "failpoint: fail");
                 Err(Injected::Fail(point))
             }
             Some(Action::Crash) => {
-                tracing::warn!(job.id = job, %point, "failpoint: crash");
+                tracing::info!(job.id = job, %point, "failpoint: crash");
                 Err(Injected::Crash(point))
             }
             Some(Action::Stall(d)) => {
-                tracing::warn!(job.id = job, %point, stall_ms = d.as_millis() as u64, "failpoint: stall");
+                tracing::info!(job.id = job, %point, stall_ms = d.as_millis() as u64, "failpoint: stall");
                 tokio::time::sleep(d).await;
                 Ok(())
             }
             Some(Action::Freeze(d)) => {
-                tracing::warn!(job.id = job, %point, freeze_ms = d.as_millis() as u64, "failpoint: freeze");
+                tracing::info!(job.id = job, %point, freeze_ms = d.as_millis() as u64, "failpoint: freeze");
                 self.0
                     .frozen
                     .lock()
