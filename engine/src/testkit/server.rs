@@ -61,7 +61,7 @@ fn note_this_thread() {
 
 /// The thread ids of every fake server started in this process so far (the
 /// System's thread and its workers; not their accept threads, whose share
-/// is small). A worker notes itself when it starts, just after [`spawn`]
+/// is small). A worker notes itself when it starts, just after `spawn`
 /// returns. Empty where `/proc` is not mounted.
 pub fn threads() -> Vec<u32> {
     THREADS.lock().expect("threads lock").clone()
