@@ -329,6 +329,30 @@ impl Client {
         Ok(Self::answer(response).await?.1)
     }
 
+    /// Sends job `id` the signal `name` (its `ctx.wait_for_signal`, or an
+    /// approval), recorded once under `signal_id`: `true` when recorded
+    /// now, `false` when the identical signal was recorded before. The same
+    /// id with another payload is `ClientError::Conflict` (`signal_conflict`),
+    /// as is a finished job (`job_finished`).
+    pub async fn signal(
+        &self,
+        id: &str,
+        name: &str,
+        signal_id: &str,
+        payload: &Value,
+    ) -> Result<bool, ClientError> {
+        let response = self
+            .request(
+                reqwest::Method::POST,
+                &format!("/v1/jobs/{id}/signals/{name}"),
+            )
+            .json(&json!({ "id": signal_id, "payload": payload }))
+            .send()
+            .await?;
+        let (status, _): (u16, Value) = Self::answer(response).await?;
+        Ok(status == 202)
+    }
+
     /// Redrives a dead job (an unknown delivery only with `confirm_unknown`).
     pub async fn redrive(
         &self,

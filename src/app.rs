@@ -34,13 +34,15 @@ enum Command {
     Cancel(client::CancelArgs),
     /// Resume a dead job (or every dead job) from its last checkpoint, with the same keys.
     Redrive(client::RedriveArgs),
+    /// Send a job a signal (what its wait asks for, or an approval).
+    Signal(client::SignalArgs),
     /// Manage API tokens (create, list, revoke).
     Token(token::TokenArgs),
 }
 
 /// A onceflow node with your workflows and tools: the same command line as
 /// the `onceflow` binary (`serve`, `migrate`, `submit`, `status`, `jobs`,
-/// `cancel`, `redrive`, `token`, `watch`; the same flags and
+/// `cancel`, `redrive`, `signal`, `token`, `watch`; the same flags and
 /// environment; the embedded PostgreSQL by default), with the built-in
 /// `completion` and `agent` plus what you register.
 ///
@@ -129,6 +131,7 @@ impl App {
             Command::Jobs(args) => client::jobs(args),
             Command::Cancel(args) => client::cancel(args),
             Command::Redrive(args) => client::redrive(args),
+            Command::Signal(args) => client::signal(args),
         }
     }
 }

@@ -325,6 +325,52 @@ pub struct CancelArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct SignalArgs {
+    /// The job id.
+    pub job: String,
+    /// The signal's name (what the job's wait asks for, e.g. `approval:call_1`).
+    pub name: String,
+    /// The signal's id: sending the same id again is the same signal.
+    #[arg(long)]
+    pub id: String,
+    /// The payload, as JSON.
+    #[arg(long, default_value = "null")]
+    pub payload: String,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// `onceflow signal JOB NAME --id ID --payload JSON`.
+pub fn signal(args: SignalArgs) -> anyhow::Result<()> {
+    let payload: Value = serde_json::from_str(&args.payload)
+        .map_err(|e| anyhow::anyhow!("--payload is not JSON: {e}"))?;
+    let client = api(&args.server, args.token.as_deref());
+    runtime()?.block_on(async {
+        let recorded = client
+            .signal(&args.job, &args.name, &args.id, &payload)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        if recorded {
+            println!(
+                "signal {} of {:?} recorded for job {}",
+                args.id, args.name, args.job
+            );
+        } else {
+            println!(
+                "signal {} of {:?} was already recorded for job {}",
+                args.id, args.name, args.job
+            );
+        }
+        Ok(())
+    })
+}
+
+#[derive(Debug, Args)]
 pub struct RedriveArgs {
     /// The dead job to resume (or --all-dead).
     #[arg(required_unless_present = "all_dead", conflicts_with = "all_dead")]

@@ -1,4 +1,4 @@
-//! `onceflow demo`: see the guarantee hold, on the embedded PostgreSQL, with a
+//! `onceflow-bench demo`: see the guarantee hold, on the embedded PostgreSQL, with a
 //! loopback model provider and webhook consumer started in-process.
 //!
 //! It submits a batch of completion jobs in groups, each with one kind of
@@ -124,7 +124,7 @@ async fn demo(args: &DemoArgs, database: &onceflow::config::Database) -> anyhow:
 
     let total = GROUPS.len() * args.jobs;
     println!(
-        "onceflow demo: {total} completion jobs in {} groups, one fault per group",
+        "onceflow-bench demo: {total} completion jobs in {} groups, one fault per group",
         GROUPS.len()
     );
     let mut ids = Vec::new();

@@ -46,6 +46,9 @@ pub enum Outcome {
     /// The node is draining: the attempt stopped at a step boundary, with
     /// everything it did recorded; the engine releases the lease.
     Drained,
+    /// The body reached a wait that is not over: the job was released until
+    /// it is due, in the wait's own commit.
+    Waiting,
 }
 
 // ---- messages ---------------------------------------------------------------
@@ -162,6 +165,7 @@ impl JobRun {
             replay: crate::context::Replay::for_attempt(leased.fence.attempt),
             limiter: shared.limiter.clone(),
             priority: leased.request.priority,
+            signal_waits: Default::default(),
             scope,
         };
         let request = leased.request;
@@ -198,6 +202,7 @@ impl JobRun {
             Outcome::Crashed => ("crashed", true),
             Outcome::Abandoned(_) => ("abandoned", true),
             Outcome::Drained => ("drained", false),
+            Outcome::Waiting => ("waiting", false),
         };
         self.ctx.scope.end_job(name, error);
         outcome
@@ -532,6 +537,10 @@ impl JobRun {
                         Outcome::Crashed
                     }
                     StepError::Draining => Outcome::Drained,
+                    StepError::Waiting { kind, name, until } => {
+                        tracing::debug!(job.id = %job_id, kind, name, %until, "waiting");
+                        Outcome::Waiting
+                    }
                     _ => Outcome::LeaseLost,
                 };
             }

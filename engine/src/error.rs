@@ -95,8 +95,9 @@ pub enum StoreError {
     Pool(#[from] bb8::RunError<diesel_async::pooled_connection::PoolError>),
     /// Running the schema migrations (or setting up the database for
     /// them) failed.
+    /// It keeps the error itself (downcastable), and logs print its text.
     #[error("migrations failed: {0}")]
-    Migrate(#[source] Box<dyn std::error::Error + Send + Sync>),
+    Migrate(Box<dyn std::error::Error + Send + Sync>),
     /// The group commit could not answer a write (see [`BatchError`]).
     #[error("batched write: {0}")]
     Batch(#[from] BatchError),
@@ -123,9 +124,9 @@ pub enum BatchError {
     /// The batching task dropped the request without an answer.
     #[error("the batching task dropped the request")]
     Dropped,
-    /// The task that carried the write failed.
-    #[error("the write's task failed")]
-    Task(#[source] tokio::task::JoinError),
+    /// The task that carried the write failed (its panic, if it panicked).
+    #[error("the write's task failed: {0}")]
+    Task(tokio::task::JoinError),
     /// A probe's transaction, rolled back on purpose.
     #[error("the probe rolled back")]
     ProbeRolledBack,
@@ -240,6 +241,19 @@ pub enum StepError {
     /// The database failed; retried as [`StoreError::is_retryable`] decides.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The body reached a wait that is not over (a timer not due, a signal
+    /// not sent): the wait is journaled and the job released until it is
+    /// due, in one commit. Not a failure: pass it on with `?`, and the job
+    /// resumes at the wait when its time comes or its signal arrives.
+    #[error("waiting for {kind} {name:?} until {until}")]
+    Waiting {
+        /// `sleep`, `signal` or `approval`.
+        kind: &'static str,
+        /// The timer's or the signal's name.
+        name: String,
+        /// When the job runs again at the latest.
+        until: chrono::DateTime<chrono::Utc>,
+    },
 }
 
 impl StepError {
@@ -270,7 +284,8 @@ impl StepError {
             | StepError::Draining
             | StepError::Permanent { .. }
             | StepError::InvalidInput(_)
-            | StepError::Serialize(_) => false,
+            | StepError::Serialize(_)
+            | StepError::Waiting { .. } => false,
         }
     }
 
@@ -298,6 +313,7 @@ impl StepError {
                     StepError::Injected(_) => "injected",
                     StepError::InvalidInput(_) => "invalid_input",
                     StepError::Serialize(_) => "serialize",
+                    StepError::Waiting { .. } => "waiting",
                     StepError::Store(_) | StepError::Retry { .. } | StepError::Permanent { .. } => {
                         unreachable!("matched above")
                     }
@@ -340,6 +356,11 @@ mod tests {
         for e in [
             StoreError::Migrate(secret.into()),
             StoreError::InvalidData(secret.into()),
+            // Retryable: PostgreSQL's own words travel in the error.
+            StoreError::Query(diesel::result::Error::DatabaseError(
+                diesel::result::DatabaseErrorKind::Unknown,
+                Box::new(secret.to_owned()),
+            )),
         ] {
             let retryable = e.is_retryable();
             let step = StepError::Store(e);

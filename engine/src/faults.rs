@@ -1,6 +1,6 @@
 //! Fault injection: named failpoints at every boundary of every workflow.
 //!
-//! A test (or `onceflow demo`) arms a point for a job, or for any job, to
+//! A test (or the demo, `onceflow-bench demo`) arms a point for a job, or for any job, to
 //! fail once, crash the attempt, stall it, or freeze it (and its node's
 //! lease renewal) so another node takes over. The engine calls
 //! [`Faults::hit`] at each boundary; with nothing armed that is one atomic

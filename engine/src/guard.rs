@@ -18,7 +18,7 @@
 //! That client follows no redirects, so a 3xx cannot bounce a request
 //! inward. `ONCEFLOW_ALLOW_PRIVATE_URLS=true` turns the guard off for local
 //! development and tests; [`UrlGuard::allowing`] opens one exact
-//! `host:port` (the loopback fakes of `onceflow demo` and `bench`). The
+//! `host:port` (the loopback fakes of the `onceflow-bench` demo and benchmarks). The
 //! provider URL is the operator's own and is not guarded.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

@@ -146,7 +146,7 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
 
 /// Parses JSON, refusing an object with the same key twice (which parsers
 /// resolve differently: one would see another request than the other).
-fn parse_json(body: &[u8]) -> Result<Value, IntakeError> {
+pub fn parse_json(body: &[u8]) -> Result<Value, IntakeError> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let value = <Strict as serde::Deserialize>::deserialize(&mut de)
         .map_err(|e| IntakeError::Malformed(e.to_string()))?;

@@ -70,6 +70,20 @@ pub fn step(job: &JobKey, name: &str) -> String {
     format!("{}:step:{name}", job.0)
 }
 
+/// The key of timer `name` (`job:{id}:sleep:{name}`).
+pub fn sleep(job: &JobKey, name: &str) -> String {
+    format!("{}:sleep:{name}", job.0)
+}
+
+/// The key of the `nth` wait (1-based) for signal `name` in a run of the
+/// body: `job:{id}:signal:{name}` for the first, `…:{name}#{n}` after it.
+pub fn signal(job: &JobKey, name: &str, nth: u32) -> String {
+    match nth {
+        0 | 1 => format!("{}:signal:{name}", job.0),
+        n => format!("{}:signal:{name}#{n}", job.0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,6 +96,9 @@ mod tests {
         assert_eq!(completed(&first), completed(&JobKey::new("a-1", 1)));
         assert_eq!(tool(&first, 2, 0), "job:a-1:tool:2:0");
         assert_eq!(step(&first, "s"), "job:a-1:step:s");
+        assert_eq!(sleep(&first, "s"), "job:a-1:sleep:s");
+        assert_eq!(signal(&first, "go", 1), "job:a-1:signal:go");
+        assert_eq!(signal(&first, "go", 2), "job:a-1:signal:go#2");
         let second = JobKey::new("a-1", 2);
         assert_eq!(completed(&second), "job:a-1#2:completed");
         assert_eq!(turn(&second, 3), "job:a-1#2:turn:3");

@@ -1,7 +1,8 @@
 //! The typed job request: what intake builds from a `POST /v1/jobs` body,
 //! what the store keeps in `jobs.request` (and hashes to tell an identical
 //! resubmission from a conflict), and what the actor reads back to run the
-//! job. One type on every hop; no field is picked out of JSON by name.
+//! job. One type on every hop in Rust; the SQL that sends failure events
+//! reads `request->>'webhook_url'`, so the field names are durable.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -45,20 +46,33 @@ pub struct Schedule {
 #[serde(default)]
 pub struct JobRequest {
     /// The name of the workflow to run.
+    #[serde(deserialize_with = "lenient")]
     pub workflow: String,
     /// The workflow's input.
     pub input: Value,
     /// Where the outcome is delivered.
+    #[serde(deserialize_with = "lenient")]
     pub webhook_url: String,
     /// Higher first among due jobs; stored only when not 0.
-    #[serde(skip_serializing_if = "is_zero")]
+    #[serde(skip_serializing_if = "is_zero", deserialize_with = "lenient")]
     pub priority: i32,
     /// Not before this time; stored (and hashed) as `to_rfc3339()` writes it.
     #[serde(skip_serializing_if = "Option::is_none", with = "rfc3339")]
     pub run_at: Option<DateTime<Utc>>,
     /// Not before this long after intake.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "lenient")]
     pub delay_ms: Option<u64>,
+}
+
+/// A stored field read as its type, or its default when a hand-edited row
+/// holds something else there: one damaged field does not cost the others.
+fn lenient<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::de::DeserializeOwned + Default,
+{
+    let value = Value::deserialize(d)?;
+    Ok(serde_json::from_value(value).unwrap_or_default())
 }
 
 fn is_zero(p: &i32) -> bool {
@@ -90,9 +104,10 @@ mod rfc3339 {
 }
 
 impl JobRequest {
-    /// The request of a stored row. A row whose request no longer reads as
-    /// one (hand-edited, say) yields an empty request: its workflow then
-    /// refuses the `null` input, and the job dies with that reason.
+    /// The request of a stored row. A field that no longer reads as its type
+    /// (a hand-edited row, say) reads as empty, and the others as stored; a
+    /// request that is not an object at all reads as empty, and its
+    /// workflow then refuses the `null` input: the job dies with that reason.
     pub fn from_stored(value: Value) -> JobRequest {
         serde_json::from_value(value).unwrap_or_default()
     }
@@ -224,8 +239,16 @@ mod tests {
     }
 
     #[test]
-    fn a_stored_request_that_no_longer_reads_is_empty() {
-        let r = JobRequest::from_stored(json!({"input": {"a": 1}, "webhook_url": 7}));
-        assert_eq!(r, JobRequest::default());
+    fn a_damaged_stored_field_costs_only_itself() {
+        let r = JobRequest::from_stored(json!({
+            "workflow": "completion", "input": {"a": 1}, "webhook_url": 7, "priority": "high"
+        }));
+        assert_eq!(r.workflow, "completion");
+        assert_eq!(r.input, json!({"a": 1}));
+        assert_eq!((r.webhook_url.as_str(), r.priority), ("", 0));
+        assert_eq!(
+            JobRequest::from_stored(json!("not an object")),
+            JobRequest::default()
+        );
     }
 }

@@ -76,9 +76,11 @@ pub fn on_failure(
     // This failure included.
     let store_failures = store_failures.saturating_add(1);
     match error {
-        StepError::LeaseLost | StepError::Draining | StepError::Injected(Injected::Crash(_)) => {
-            Verdict::Stop
-        }
+        // A wait released the job in its own commit: nothing more to write.
+        StepError::LeaseLost
+        | StepError::Draining
+        | StepError::Injected(Injected::Crash(_))
+        | StepError::Waiting { .. } => Verdict::Stop,
         StepError::Retry {
             attempt,
             retry_after,
@@ -654,6 +656,14 @@ mod tests {
                 CallVerdict::Permanent,
             ),
             (StepError::LeaseLost, CallVerdict::Permanent),
+            (
+                StepError::Waiting {
+                    kind: "sleep",
+                    name: "x".into(),
+                    until: chrono::Utc::now(),
+                },
+                CallVerdict::Permanent,
+            ),
             (StepError::Draining, CallVerdict::Permanent),
             (StepError::permanent("x", "x", "x"), CallVerdict::Permanent),
             (

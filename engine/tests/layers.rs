@@ -39,11 +39,12 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 /// The code of a file with its comments left out (doc links may point
-/// anywhere; only code imports).
-fn code_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+/// anywhere; only code imports), lines kept in place.
+fn code(text: &str) -> String {
     text.lines()
-        .enumerate()
-        .map(|(i, l)| (i + 1, l.split("//").next().unwrap_or_default()))
+        .map(|l| l.split("//").next().unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 fn ident_at(s: &str) -> &str {
@@ -53,12 +54,14 @@ fn ident_at(s: &str) -> &str {
     &s[..end]
 }
 
-/// The first path segment after each `prefix` in `line`, including each
-/// member of a grouped `prefix{a::X, b}`.
-fn targets(line: &str, prefix: &str) -> Vec<String> {
+/// The first path segment after each `prefix` in `text`, with its line,
+/// including each member of a grouped `prefix{a::X, b}` (over any number
+/// of lines, as rustfmt wraps a long group).
+fn targets(text: &str, prefix: &str) -> Vec<(usize, String)> {
+    let line_of = |at: usize| text[..at].matches('\n').count() + 1;
     let mut out = Vec::new();
-    for (at, _) in line.match_indices(prefix) {
-        let rest = &line[at + prefix.len()..];
+    for (at, _) in text.match_indices(prefix) {
+        let rest = &text[at + prefix.len()..];
         if let Some(group) = rest.strip_prefix('{') {
             let mut depth = 0usize;
             let mut start = true;
@@ -69,14 +72,37 @@ fn targets(line: &str, prefix: &str) -> Vec<String> {
                     '}' => depth -= 1,
                     ',' if depth == 0 => start = true,
                     c if start && !c.is_whitespace() => {
-                        out.push(ident_at(&group[i..]).to_owned());
+                        let at = at + prefix.len() + 1 + i;
+                        out.push((line_of(at), ident_at(&group[i..]).to_owned()));
                         start = false;
                     }
                     _ => {}
                 }
             }
         } else {
-            out.push(ident_at(rest).to_owned());
+            out.push((line_of(at), ident_at(rest).to_owned()));
+        }
+    }
+    out
+}
+
+/// What `pub use module::{A, B};` lines of `file` re-export: name -> module.
+fn reexports(file: &Path) -> BTreeMap<String, String> {
+    let text = code(&std::fs::read_to_string(file).expect("a readable source file"));
+    let mut out = BTreeMap::new();
+    for statement in text.split(';') {
+        let statement = statement.trim();
+        let Some(path) = statement.strip_prefix("pub use ") else {
+            continue;
+        };
+        let Some((module, names)) = path.split_once("::") else {
+            continue;
+        };
+        for name in names.trim_matches(|c| c == '{' || c == '}').split(',') {
+            let name = name.rsplit("::").next().unwrap_or_default().trim();
+            if !name.is_empty() {
+                out.insert(name.to_owned(), module.trim().to_owned());
+            }
         }
     }
     out
@@ -89,24 +115,31 @@ struct Import {
     to: String,
 }
 
-fn imports(src: &Path, prefix: &str, unit: impl Fn(&Path) -> String) -> Vec<Import> {
+/// Every import of `prefix…` in the files under `src`, each named by the
+/// unit it comes from and the unit it names (a re-exported item counts as
+/// its module: `crate::Store` is `store`).
+fn imports(
+    src: &Path,
+    prefix: &str,
+    unit: impl Fn(&Path) -> String,
+    reexported: &BTreeMap<String, String>,
+) -> Vec<Import> {
     let mut files = Vec::new();
     rust_files(src, &mut files);
     files.sort();
     let mut out = Vec::new();
     for file in files {
-        let text = std::fs::read_to_string(&file).expect("a readable source file");
+        let text = code(&std::fs::read_to_string(&file).expect("a readable source file"));
         let from = unit(&file);
-        for (line, code) in code_lines(&text) {
-            for to in targets(code, prefix) {
-                if !to.is_empty() && to != from {
-                    out.push(Import {
-                        file: file.strip_prefix(src).unwrap().display().to_string(),
-                        line,
-                        from: from.clone(),
-                        to,
-                    });
-                }
+        for (line, to) in targets(&text, prefix) {
+            let to = reexported.get(&to).cloned().unwrap_or(to);
+            if !to.is_empty() && to != from {
+                out.push(Import {
+                    file: file.strip_prefix(src).unwrap().display().to_string(),
+                    line,
+                    from: from.clone(),
+                    to,
+                });
             }
         }
     }
@@ -147,7 +180,12 @@ fn no_module_imports_a_module_above_it() {
         "modules the picture in docs/design/architecture.md does not place: {unplaced:?}"
     );
     let mut wrong = Vec::new();
-    for i in imports(&src, "crate::", top) {
+    let reexported = reexports(&src.join("lib.rs"));
+    assert!(
+        reexported.contains_key("Store"),
+        "the scan reads lib.rs's re-exports"
+    );
+    for i in imports(&src, "crate::", top, &reexported) {
         if i.from == "lib" || !modules.contains(&i.to) {
             continue;
         }
@@ -177,7 +215,12 @@ fn the_files_of_the_store_form_no_circle() {
         .filter(|n| n != "mod")
         .collect();
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for i in imports(&store, "super::", name) {
+    let reexported = reexports(&store.join("mod.rs"));
+    assert!(
+        reexported.contains_key("Fence"),
+        "the scan reads mod.rs's re-exports"
+    );
+    for i in imports(&store, "super::", name, &reexported) {
         // A file may use what `mod.rs` declares; among siblings, no circle.
         if i.from != "mod" && siblings.contains(&i.to) {
             edges.entry(i.from).or_default().insert(i.to);
@@ -224,17 +267,30 @@ fn the_files_of_the_store_form_no_circle() {
 
 #[test]
 fn the_scan_reads_grouped_and_nested_paths() {
+    let names = |text: &str, prefix: &str| -> Vec<String> {
+        targets(text, prefix).into_iter().map(|(_, n)| n).collect()
+    };
     assert_eq!(
-        targets("use crate::{a::X, b, c::{d, e}};", "crate::"),
+        names("use crate::{a::X, b, c::{d, e}};", "crate::"),
         ["a", "b", "c"]
     );
     assert_eq!(
-        targets("let x = crate::store::Store::new();", "crate::"),
+        names("let x = crate::store::Store::new();", "crate::"),
         ["store"]
     );
     assert_eq!(
-        targets("use super::rows::{lock_in_order, IdRow};", "super::"),
+        names("use super::rows::{lock_in_order, IdRow};", "super::"),
         ["rows"]
+    );
+    // A group rustfmt wrapped over lines, and the line of each member.
+    let wrapped = "use crate::{\n    a::X,\n    b::{Y, Z},\n};";
+    assert_eq!(
+        targets(wrapped, "crate::"),
+        [(2, "a".to_owned()), (3, "b".to_owned())]
+    );
+    assert_eq!(
+        code("let u = 1; // crate::hidden\nuse crate::shown;"),
+        "let u = 1; \nuse crate::shown;"
     );
     let doc = "```layers\ntop  the top\nmid other\nbottom\n```\n";
     let r = ranks(doc);

@@ -75,7 +75,7 @@ async fn a_users_own_crate_builds_and_serves_its_workflow() {
         std::fs::read_to_string(dir.path().join("greet.log")).unwrap_or_default()
     );
     assert_eq!(env.provider.requests_for("job:greet-1:greet"), 1);
-    // The README's walk-through: the same binary's `submit --input` and `status`.
+    // The guide's walk-through (docs/guide/workflows.md): the same binary's `submit --input` and `status`.
     let submit = Command::new(&binary)
         .args(["submit", "--id", "greet-cli", "--workflow", "greet"])
         .args(["--input", r#"{"name": "Bo"}"#, "--webhook-url"])

@@ -26,3 +26,4 @@ mod support;
 mod telemetry;
 mod tracing;
 mod versions;
+mod waits;

@@ -1,7 +1,7 @@
 //! Durable streaming: a job with `"stream": true` journals its answer's
 //! chunks as they arrive, and `GET /v1/jobs/{id}/events` shows watchers only
 //! what is journaled. These tests record the decision for a stream that
-//! fails halfway (README "Streaming", LIFECYCLE.md): the next attempt asks
+//! fails halfway (docs/guide/streaming.md, LIFECYCLE.md): the next attempt asks
 //! again under the same key; a provider that replays the answer is checked
 //! against what was shown and the stream continues after it (no repeat, no
 //! reset); one that answers differently gets exactly one `reset` and the

@@ -1,7 +1,7 @@
-//! `onceflow bench --limit-curve N`: the learned window against a provider
+//! `onceflow-bench bench --limit-curve N`: the learned window against a provider
 //! that refuses a call arriving while `N` are in flight, with no limit
 //! configured, on two engine nodes sharing the database. It prints, every
-//! quarter second, the shared window ([`onceflow_engine::limits`]), the
+//! quarter second, the shared window ([`onceflow_engine::quota`]), the
 //! slots held, the requests and the 429s of the interval, then the share of
 //! requests refused after the first two seconds (the slow start).
 

@@ -1,4 +1,4 @@
-//! `onceflow bench`: N jobs end to end through the real HTTP API, against a
+//! `onceflow-bench bench`: N jobs end to end through the real HTTP API, against a
 //! provider and a webhook consumer on loopback, on a durable PostgreSQL.
 //!
 //! Phase 1 submits as fast as `--concurrency` clients can (the maximum
@@ -430,7 +430,7 @@ async fn bench(
 
     println!();
     println!(
-        "onceflow bench — model latency {} ms, durable PostgreSQL",
+        "onceflow-bench bench — model latency {} ms, durable PostgreSQL",
         args.model_latency_ms
     );
     if args.warmup > 0 {
@@ -1249,7 +1249,7 @@ async fn hold(
 
     println!();
     println!(
-        "onceflow bench --hold: {} jobs, provider latency {} ms",
+        "onceflow-bench bench --hold: {} jobs, provider latency {} ms",
         args.jobs, args.model_latency_ms
     );
     println!(

@@ -168,7 +168,7 @@ pub(super) async fn run(
     drop(nodes);
 
     println!();
-    println!("onceflow bench --nodes {max_nodes} — one database, commit limit {limit:.0} commits/s (pgbench)");
+    println!("onceflow-bench bench --nodes {max_nodes} — one database, commit limit {limit:.0} commits/s (pgbench)");
     print!("{:<38}", "");
     for r in &runs {
         print!(" {:>12}", format!("{} node(s)", r.nodes));

@@ -1,4 +1,4 @@
-//! `onceflow bench --streams N`: N streamed completions at once, each
+//! `onceflow-bench bench --streams N`: N streamed completions at once, each
 //! followed by a watcher on `GET /v1/jobs/{id}/events`, against a loopback
 //! provider that streams a chunk every `--stream-interval-ms`. For every
 //! chunk it measures the delay from the moment the provider wrote it to the
@@ -199,7 +199,7 @@ pub(super) async fn run(
     let chunks = all.len();
     println!();
     println!(
-        "onceflow bench --streams {streams}: {chunks} chunks watched in {:.1} s ({:.0} chunks/s through the journal){}",
+        "onceflow-bench bench --streams {streams}: {chunks} chunks watched in {:.1} s ({:.0} chunks/s through the journal){}",
         elapsed.as_secs_f64(),
         chunks as f64 / elapsed.as_secs_f64(),
         if missing > 0 { format!(", {missing} unmatched") } else { String::new() }

@@ -170,9 +170,12 @@ pub(super) async fn submit(
         );
     };
     let notify = state.registry.failure_events(&job.workflow);
+    // A job scheduled for later goes through the queue: no room is held.
+    let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
     let reservation = state
         .handoff
         .as_ref()
+        .filter(|_| !later)
         .and_then(|h| h.reserve(&job.workflow, job.workflow_version));
     // On a task of its own: a caller that goes away while the batch commits
     // must not strand a handed-off job (committed leased, never adopted).
@@ -267,6 +270,7 @@ pub(super) struct ListQuery {
     since: Option<String>,
     limit: Option<String>,
     cursor: Option<String>,
+    waiting: Option<String>,
 }
 
 /// Largest page of `GET /v1/jobs`.
@@ -292,7 +296,7 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
     Some((at, id.to_owned()))
 }
 
-/// `GET /v1/jobs?state=&workflow=&since=&limit=&cursor=`: newest first,
+/// `GET /v1/jobs?state=&workflow=&waiting=&since=&limit=&cursor=`: newest first,
 /// keyset-paginated; a token sees its own jobs, an admin token all.
 pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if let Some(refused) = misdirected(&state, &req) {
@@ -348,6 +352,12 @@ pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> H
         Some(Some(c)) => Some(c),
         Some(None) => return invalid("cursor", "is not a cursor this server gave out".into()),
     };
+    let waiting = match query.waiting.as_deref() {
+        None => None,
+        Some("true") => Some(true),
+        Some("false") => Some(false),
+        Some(_) => return invalid("waiting", "must be true or false".into()),
+    };
     let filter = crate::store::ListFilter {
         state: job_state,
         workflow: query.workflow,
@@ -355,6 +365,7 @@ pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> H
         owner: who.scope(),
         before,
         limit,
+        waiting,
     };
     match state.store.list_jobs(&filter).await {
         Ok((jobs, more)) => {

@@ -15,7 +15,8 @@
 //! This file holds the shared state, the routes and the error shape; the
 //! handlers live by concern: `auth` (tokens, `Host`, cross-site),
 //! `bounds` (backlog and stream bounds), `jobs` (submit, view, list),
-//! `events` (SSE), `operate` (cancel, redrive), `console` and `metrics`.
+//! `events` (SSE), `operate` (cancel, redrive), `signals`, `console` and
+//! `metrics`.
 //! They share this module's imports (`use super::*`).
 
 use actix_web::http::StatusCode;
@@ -42,6 +43,7 @@ mod events;
 mod jobs;
 mod metrics;
 mod operate;
+mod signals;
 
 use auth::*;
 pub use auth::{Auth, Hosts};
@@ -52,6 +54,8 @@ pub use jobs::MAX_PAGE;
 use jobs::*;
 use metrics::*;
 use operate::*;
+pub use signals::MAX_SIGNAL_PAYLOAD;
+use signals::*;
 
 /// Default largest accepted request body (1 MiB).
 pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
@@ -100,6 +104,7 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
                 .route("/v1/jobs/{id}/events", web::get().to(job_events))
                 .route("/v1/jobs/{id}/cancel", web::post().to(cancel))
                 .route("/v1/jobs/{id}/redrive", web::post().to(redrive))
+                .route("/v1/jobs/{id}/signals/{name}", web::post().to(signal))
                 .route("/", web::get().to(console_page))
                 .route("/console.js", web::get().to(console_js))
                 .route("/console.css", web::get().to(console_css))

@@ -5,7 +5,8 @@
 //! This file holds the [`Context`] and the journal check every effect
 //! starts with; each kind of effect has a file of its own: `generate` (a
 //! model call), `tool` (a tool call, once per position), `step` (a general
-//! step) and `tape` (the journal of a streamed answer).
+//! step), `wait` (timers and signals) and `tape` (the journal of a
+//! streamed answer).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,9 +21,11 @@ mod generate;
 mod step;
 mod tape;
 mod tool;
+mod wait;
 
 pub use step::StepInvocation;
 pub use tool::ToolInvocation;
+pub use wait::{valid_wait_name, MAX_WAIT_NAME};
 
 /// Everything a step needs; built by the job actor for one attempt.
 #[derive(Debug, Clone)]
@@ -50,6 +53,8 @@ pub struct Context {
     pub(crate) limiter: Arc<crate::limiter::Limiter>,
     /// The job's priority: it orders the calls waiting for a provider limit.
     pub(crate) priority: i32,
+    /// Waits for each signal name reached so far in this run of the body.
+    pub(crate) signal_waits: std::collections::HashMap<String, u32>,
 }
 
 /// What a rerun of a body has asked of the job's journal so far (see

@@ -85,6 +85,12 @@ pub struct JobView {
     pub model_calls: Vec<ModelCallView>,
     /// The tool ledger: position, tool, call id, status, executions.
     pub tool_calls: Vec<ToolCallView>,
+    /// What the job waits for: `{"kind": "sleep"|"signal"|"approval",
+    /// "name", "until"}`, or `null` (it holds no lease meanwhile).
+    pub waiting: Option<Value>,
+    /// The signals sent to the job, oldest first, each with the wait that
+    /// took it (`taken_by`) or `null` while it is kept.
+    pub signals: Vec<super::waits::SignalView>,
 }
 
 /// One model call as the job view shows it.
@@ -204,6 +210,8 @@ struct JobRow {
     result: Option<Value>,
     #[diesel(sql_type = Nullable<Text>)]
     trace_context: Option<String>,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    waiting: Option<Value>,
 }
 
 #[derive(QueryableByName)]
@@ -237,7 +245,8 @@ struct OutboxRow {
 }
 
 const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.workflow_version, j.priority, j.run_at, j.request, j.request_hash, j.state::text AS state, \
-     j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context \
+     j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context, \
+     CASE WHEN j.finished_at IS NULL THEN j.waiting END AS waiting \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 
 impl Store {
@@ -357,6 +366,8 @@ impl Store {
                 owner_token: owner,
                 model_calls: Vec::new(),
                 tool_calls: Vec::new(),
+                waiting: None,
+                signals: Vec::new(),
             });
             return Ok((created, leased));
         }
@@ -441,10 +452,19 @@ impl Store {
         .bind::<Text, _>(id)
         .load(conn)
         .await?;
+        let signals: Vec<super::waits::SignalView> = sql(
+            "SELECT name, signal_id AS id, payload, received_at, taken_by FROM signals \
+             WHERE job_id = $1 ORDER BY seq",
+        )
+        .bind::<Text, _>(id)
+        .load(conn)
+        .await?;
         let request = JobRequest::from_stored(row.request);
         let view = JobView {
             model_calls,
             tool_calls,
+            signals,
+            waiting: row.waiting,
             state: parse_state(&row.state)?,
             id: row.id,
             workflow: row.workflow,
@@ -516,6 +536,9 @@ pub struct JobSummary {
     /// Why the job is dead, if it is.
     #[diesel(sql_type = Nullable<Text>)]
     pub dead_reason: Option<String>,
+    /// What the job waits for, or `null`.
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    pub waiting: Option<Value>,
 }
 
 /// Which jobs to list.
@@ -531,6 +554,8 @@ pub struct ListFilter {
     pub owner: Option<i64>,
     /// Strictly older than this (created_at, id): the keyset cursor.
     pub before: Option<(DateTime<Utc>, String)>,
+    /// Only jobs that wait (`Some(true)`), or only those that do not.
+    pub waiting: Option<bool>,
     /// The most jobs returned in one page.
     pub limit: i64,
 }
@@ -551,13 +576,14 @@ impl Store {
         };
         let mut rows: Vec<JobSummary> = sql(
             "SELECT id, workflow, workflow_version, state::text AS state, attempts, incarnation, created_at, \
-                 updated_at, finished_at, dead_reason \
+                 updated_at, finished_at, dead_reason, CASE WHEN finished_at IS NULL THEN waiting END AS waiting \
              FROM jobs \
              WHERE ($1::text IS NULL OR state::text = $1) \
                AND ($2::text IS NULL OR workflow = $2) \
                AND ($3::timestamptz IS NULL OR created_at >= $3) \
                AND ($4::bigint IS NULL OR owner_token = $4) \
                AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6::text)) \
+               AND ($8::boolean IS NULL OR (waiting IS NOT NULL AND finished_at IS NULL) = $8) \
              ORDER BY created_at DESC, id DESC \
              LIMIT $7",
         )
@@ -568,6 +594,7 @@ impl Store {
         .bind::<Nullable<Timestamptz>, _>(before_at)
         .bind::<Nullable<Text>, _>(before_id)
         .bind::<BigInt, _>(filter.limit + 1)
+        .bind::<Nullable<diesel::sql_types::Bool>, _>(filter.waiting)
         .load(&mut conn)
         .await?;
         let more = rows.len() as i64 > filter.limit;

@@ -260,7 +260,7 @@ impl Store {
     }
 
     /// Every key journaled for `fence`'s job (model calls, tool calls,
-    /// steps), in the order they were first journaled: what a replay of the
+    /// steps, waits), in the order they were first journaled: what a replay of the
     /// body must ask for again, in this order, before it asks anything new.
     pub async fn journal_keys(&self, fence: &Fence) -> Result<Vec<String>, StoreError> {
         #[derive(QueryableByName)]
@@ -276,7 +276,8 @@ impl Store {
                      SELECT idempotency_key AS key, created_at, id AS seq FROM model_calls WHERE job_id = $1 \
                      UNION ALL SELECT $2 || ':tool:' || turn || ':' || call_index, created_at, id \
                          FROM tool_calls WHERE job_id = $1 \
-                     UNION ALL SELECT step_key, created_at, 0 FROM steps WHERE job_id = $1) k \
+                     UNION ALL SELECT step_key, created_at, 0 FROM steps WHERE job_id = $1 \
+                     UNION ALL SELECT wait_key, created_at, 0 FROM waits WHERE job_id = $1) k \
                  ORDER BY created_at, seq",
             )
             .bind::<Text, _>(&fence.job_id)

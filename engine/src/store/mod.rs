@@ -12,6 +12,7 @@
 //! * [`sql`](mod@sql): hand-written statements whose prepared form is cached.
 //! * [`tokens`]: API tokens, stored hashed.
 //! * [`streams`]: the journal of streamed answers, and a job's events for watchers.
+//! * [`waits`]: durable waits (timers, signals) and the signals sent to jobs.
 //! * [`slots`]: provider slots and windows (the rows behind [`crate::quota`]).
 //! * `rows`: what the modules share (the checkpoint outcome, the lock order).
 //! * `group_commit`: group commit — one statement and one commit for the
@@ -56,6 +57,7 @@ pub mod slots;
 pub mod sql;
 pub mod streams;
 pub mod tokens;
+pub mod waits;
 
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,162 @@
+//! `POST /v1/jobs/{id}/signals/{name}` `{"id", "payload"}`: a signal for a
+//! job's `ctx.wait_for_signal` (or an approval), recorded once under its id.
+
+use super::*;
+use crate::context::valid_wait_name;
+use crate::store::waits::SignalOutcome;
+
+/// Largest signal payload, serialised.
+pub const MAX_SIGNAL_PAYLOAD: usize = 64 * 1024;
+
+/// Reads a signal's JSON body (within the intake's body timeout; at most
+/// the payload's bound plus room for the id).
+async fn signal_body(
+    state: &ApiState,
+    req: &HttpRequest,
+    mut payload: web::Payload,
+) -> Result<serde_json::Map<String, serde_json::Value>, HttpResponse> {
+    let json = req
+        .headers()
+        .get(actix_web::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return Err(error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "the body must be JSON, sent with Content-Type: application/json",
+            None,
+        ));
+    }
+    let limit = MAX_SIGNAL_PAYLOAD + 4 * 1024;
+    let mut body = web::BytesMut::new();
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let chunk = chunk.map_err(|_| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    "could not read the request body",
+                    None,
+                )
+            })?;
+            if body.len() + chunk.len() > limit {
+                return Err(error(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid",
+                    format!("payload: at most {MAX_SIGNAL_PAYLOAD} bytes"),
+                    Some("payload"),
+                ));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(())
+    };
+    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
+        Ok(read) => read?,
+        Err(_) => return Err(body_timed_out(&state.limits)),
+    }
+    match crate::intake::parse_json(&body) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => Err(error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            "body: must be a JSON object {\"id\", \"payload\"}",
+            Some("body"),
+        )),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+            e.to_string(),
+            None,
+        )),
+    }
+}
+
+/// `202` the signal, recorded now · `200` the same id and payload again ·
+/// `409 signal_conflict` the same id with another payload · `409
+/// job_finished` · `404` an unknown job or another token's · `422` a bad
+/// name, id or payload (or a payload over 64 KiB).
+pub(super) async fn signal(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    path: web::Path<(String, String)>,
+    payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let (id, name) = path.into_inner();
+    let invalid = |field: &str, message: String| {
+        error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            message,
+            Some(field),
+        )
+    };
+    if !valid_wait_name(&name) {
+        return invalid(
+            "name",
+            "must be 1-200 characters of A-Z a-z 0-9 _ . : -".into(),
+        );
+    }
+    let mut body = match signal_body(&state, &req, payload).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let signal_id = match body.remove("id") {
+        Some(serde_json::Value::String(s)) if valid_wait_name(&s) => s,
+        Some(_) => {
+            return invalid(
+                "id",
+                "must be 1-200 characters of A-Z a-z 0-9 _ . : -".into(),
+            )
+        }
+        None => return invalid("id", "is required".into()),
+    };
+    let Some(signal_payload) = body.remove("payload") else {
+        return invalid("payload", "is required (any JSON value)".into());
+    };
+    if let Some(extra) = body.keys().next() {
+        return invalid(extra, "unknown field".into());
+    }
+    let size = serde_json::to_vec(&signal_payload).map_or(usize::MAX, |b| b.len());
+    if size > MAX_SIGNAL_PAYLOAD {
+        return invalid("payload", format!("at most {MAX_SIGNAL_PAYLOAD} bytes"));
+    }
+    if crate::store::journal::contains_nul(&signal_payload) {
+        return invalid("payload", "contains a NUL character".into());
+    }
+    if let Err(refused) = own_job(&state, who, &id).await {
+        return refused;
+    }
+    match state.store.signal(&id, &name, &signal_id, &signal_payload).await {
+        Ok(SignalOutcome::Created(view)) => HttpResponse::Accepted().json(view),
+        Ok(SignalOutcome::Existing(view)) => HttpResponse::Ok().json(view),
+        Ok(SignalOutcome::Conflict) => error(
+            StatusCode::CONFLICT,
+            "signal_conflict",
+            format!("signal {signal_id:?} of {name:?} was recorded with another payload; the stored one is unchanged"),
+            Some("payload"),
+        ),
+        Ok(SignalOutcome::Finished) => error(
+            StatusCode::CONFLICT,
+            "job_finished",
+            format!("job {id:?} has finished; nothing waits for a signal any more"),
+            None,
+        ),
+        Ok(SignalOutcome::NotFound) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no job {id:?}"),
+            None,
+        ),
+        Err(e) => unavailable(e),
+    }
+}

@@ -1,0 +1,138 @@
+//! `ctx.sleep`, `ctx.sleep_until` and `ctx.wait_for_signal`: durable waits.
+//! A wait not yet over ends the attempt (`StepError::Waiting`, which the
+//! body passes on with `?`) with the job released until it is due; the
+//! body replays to the wait when the job runs again, and a wait that is
+//! over returns its journaled outcome (see [`crate::store::waits`]).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::Context;
+use crate::error::StepError;
+use crate::keys;
+use crate::store::waits::{Until, WaitAsk, WaitKind, WaitStep};
+
+/// Longest name of a timer or a signal.
+pub const MAX_WAIT_NAME: usize = 200;
+
+/// Whether `name` may name a timer or a signal: 1–200 characters of
+/// `A-Z a-z 0-9 _ . : -` (it becomes part of a key and of a URL path).
+pub fn valid_wait_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_WAIT_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
+}
+
+impl Context {
+    /// Waits `duration` (from when the body first reaches this timer, by
+    /// the database's clock), journaled under `job:{id}:sleep:{name}`. The
+    /// job holds no actor, lease or connection meanwhile; a replay after
+    /// the timer fired returns at once. Pass the error on with `?`: a timer
+    /// not yet due ends the attempt with [`StepError::Waiting`].
+    pub async fn sleep(&mut self, name: &str, duration: Duration) -> Result<(), StepError> {
+        self.wait(
+            WaitKind::Sleep,
+            name,
+            keys::sleep(&self.fence.key(), name),
+            Until::After(duration),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// [`sleep`](Self::sleep) until `at`.
+    pub async fn sleep_until(&mut self, name: &str, at: DateTime<Utc>) -> Result<(), StepError> {
+        self.wait(
+            WaitKind::Sleep,
+            name,
+            keys::sleep(&self.fence.key(), name),
+            Until::At(at),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Waits for a signal named `name` (`POST /v1/jobs/{id}/signals/{name}`)
+    /// for at most `timeout`; returns its payload, or `None` on timeout. A
+    /// signal sent before the wait is kept and taken here; several of one
+    /// name are taken oldest first, one per wait (the `n`-th wait of a name
+    /// in a run is journaled under `job:{id}:signal:{name}#{n}`, the first
+    /// under `job:{id}:signal:{name}`). Pass the error on with `?`.
+    pub async fn wait_for_signal<T: DeserializeOwned>(
+        &mut self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<Option<T>, StepError> {
+        self.signal_wait(WaitKind::Signal, name, timeout).await
+    }
+
+    /// A wait for signal `name` of `kind` (a signal, or an approval).
+    pub(crate) async fn signal_wait<T: DeserializeOwned>(
+        &mut self,
+        kind: WaitKind,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<Option<T>, StepError> {
+        let nth = {
+            let n = self.signal_waits.entry(name.to_owned()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let key = keys::signal(&self.fence.key(), name, nth);
+        let outcome = self.wait(kind, name, key, Until::After(timeout)).await?;
+        match outcome.get("signal") {
+            Some(signal) => {
+                let payload = signal.get("payload").cloned().unwrap_or(Value::Null);
+                serde_json::from_value(payload).map(Some).map_err(|e| {
+                    StepError::permanent(
+                        "invalid_signal",
+                        format!("the payload of signal {name:?} does not fit the workflow's type"),
+                        e.to_string(),
+                    )
+                })
+            }
+            None => Ok(None),
+        }
+    }
+
+    async fn wait(
+        &mut self,
+        kind: WaitKind,
+        name: &str,
+        key: String,
+        until: Until,
+    ) -> Result<Value, StepError> {
+        if !valid_wait_name(name) {
+            return Err(StepError::permanent(
+                "invalid_wait_name",
+                format!(
+                    "a {} name must be 1-{MAX_WAIT_NAME} characters of A-Z a-z 0-9 _ . : -",
+                    kind.as_str()
+                ),
+                format!("the body asked for {name:?}"),
+            ));
+        }
+        self.follow_journal(name, &key, false).await?;
+        self.not_draining()?;
+        let ask = WaitAsk {
+            key: &key,
+            kind,
+            name,
+            until,
+        };
+        match Box::pin(self.store.wait(&self.fence, &ask)).await? {
+            WaitStep::Done(outcome) => Ok(outcome),
+            WaitStep::Waiting { until } => Err(StepError::Waiting {
+                kind: kind.as_str(),
+                name: name.to_owned(),
+                until,
+            }),
+            WaitStep::LeaseLost => Err(StepError::LeaseLost),
+        }
+    }
+}

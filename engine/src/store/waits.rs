@@ -1,0 +1,343 @@
+//! Durable waits and signals.
+//!
+//! A wait (`ctx.sleep`, `ctx.wait_for_signal`) is journaled under its key
+//! with its due time the first time the body reaches it. While it is not
+//! over, the attempt releases the job in the same commit: the row says what
+//! it waits for (`waiting`) and when it may run again (`run_at`, the due
+//! time), and no lease, actor or connection is held meanwhile. The
+//! supervisor's acquire picks the job up when it is due like any scheduled
+//! job; a signal of the awaited name makes it due at once and wakes the
+//! nodes (`NOTIFY`). The body then replays to the wait, which takes the
+//! oldest untaken signal of its name, or times out, and records its
+//! outcome: a replay after that returns the outcome without waiting again.
+//!
+//! A signal is recorded once under its id; it is kept (untaken) when no
+//! wait asks for it yet, and shown in the job's view.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Bool, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, RunQueryDsl};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::rows::NEW_JOB_CHANNEL;
+use super::sql::sql;
+use super::{Fence, Store};
+use crate::error::StoreError;
+
+/// What a job waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitKind {
+    /// A timer (`ctx.sleep`, `ctx.sleep_until`).
+    Sleep,
+    /// A signal of a name, with a timeout (`ctx.wait_for_signal`).
+    Signal,
+    /// A person's decision on a tool call: a signal named `approval:{tool_call_id}`.
+    Approval,
+}
+
+impl WaitKind {
+    /// The name stored and shown (`"waiting": {"kind": …}`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitKind::Sleep => "sleep",
+            WaitKind::Signal => "signal",
+            WaitKind::Approval => "approval",
+        }
+    }
+}
+
+/// When a wait is over at the latest.
+#[derive(Debug, Clone, Copy)]
+pub enum Until {
+    /// This long after the wait was first reached (by the database's clock).
+    After(std::time::Duration),
+    /// At this time.
+    At(DateTime<Utc>),
+}
+
+/// One wait as the body asks for it.
+#[derive(Debug, Clone, Copy)]
+pub struct WaitAsk<'a> {
+    /// Its journal key (`job:{id}:sleep:{name}`, `job:{id}:signal:{name}`).
+    pub key: &'a str,
+    /// What it waits for.
+    pub kind: WaitKind,
+    /// The timer's or the signal's name.
+    pub name: &'a str,
+    /// When it is over at the latest (used the first time only).
+    pub until: Until,
+}
+
+/// Where a wait stands.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WaitStep {
+    /// The wait is over: `{"slept": true}`, `{"signal": {"id", "payload"}}`
+    /// or `{"timeout": true}`, as journaled.
+    Done(Value),
+    /// Not over: the job is released until then (or a signal), in the same commit.
+    Waiting {
+        /// When it runs again at the latest.
+        until: DateTime<Utc>,
+    },
+    /// The attempt no longer holds the job: nothing was written.
+    LeaseLost,
+}
+
+/// A signal as `GET /v1/jobs/{id}` shows it.
+#[derive(Debug, Clone, Serialize, PartialEq, QueryableByName)]
+pub struct SignalView {
+    /// The signal's name (what a wait asks for).
+    #[diesel(sql_type = Text)]
+    pub name: String,
+    /// The sender's id for it: the same id twice is one signal.
+    #[diesel(sql_type = Text)]
+    pub id: String,
+    /// What it carries.
+    #[diesel(sql_type = Jsonb)]
+    pub payload: Value,
+    /// When it was recorded.
+    #[diesel(sql_type = Timestamptz)]
+    pub received_at: DateTime<Utc>,
+    /// The wait that took it (its key), or `None` while it is kept.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub taken_by: Option<String>,
+}
+
+/// What recording a signal did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SignalOutcome {
+    /// Recorded now (`202`).
+    Created(SignalView),
+    /// The same id with the same payload was recorded before (`200`).
+    Existing(SignalView),
+    /// The same id with another payload (`409 signal_conflict`).
+    Conflict,
+    /// The job has finished: nothing was recorded (`409 job_finished`).
+    Finished,
+    /// No such job (`404`).
+    NotFound,
+}
+
+#[derive(QueryableByName)]
+struct WaitRow {
+    #[diesel(sql_type = Timestamptz)]
+    until: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    outcome: Option<Value>,
+    #[diesel(sql_type = Bool)]
+    due: bool,
+}
+
+#[derive(QueryableByName)]
+struct Taken {
+    #[diesel(sql_type = Text)]
+    signal_id: String,
+    #[diesel(sql_type = Jsonb)]
+    payload: Value,
+}
+
+#[derive(QueryableByName)]
+struct JobRow {
+    #[diesel(sql_type = Bool)]
+    finished: bool,
+}
+
+impl Store {
+    /// Reaches the wait `ask` under the attempt's fence: journals it the
+    /// first time, returns its outcome when it is over (taking the oldest
+    /// untaken signal of its name, or timing out), or releases the job
+    /// until it is due (see the module's documentation).
+    pub async fn wait(&self, fence: &Fence, ask: &WaitAsk<'_>) -> Result<WaitStep, StoreError> {
+        retrying!(self, "wait", async || {
+            let mut conn = self.db().conn().await?;
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                if !Store::hold_fence(conn, fence).await? {
+                    return Ok(WaitStep::LeaseLost);
+                }
+                let (after_ms, at) = match ask.until {
+                    Until::After(d) => (Some(i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2)), None),
+                    Until::At(at) => (None, Some(at)),
+                };
+                let row: WaitRow = sql(
+                    "INSERT INTO waits (job_id, wait_key, kind, name, until) \
+                     VALUES ($1, $2, $3, $4, coalesce($6, clock_timestamp() + $5 * interval '1 millisecond')) \
+                     ON CONFLICT (job_id, wait_key) DO UPDATE SET kind = waits.kind \
+                     RETURNING until, outcome, clock_timestamp() >= until AS due",
+                )
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<Text, _>(ask.key)
+                .bind::<Text, _>(ask.kind.as_str())
+                .bind::<Text, _>(ask.name)
+                .bind::<Nullable<BigInt>, _>(after_ms)
+                .bind::<Nullable<Timestamptz>, _>(at)
+                .get_result(conn)
+                .await?;
+                if let Some(outcome) = row.outcome {
+                    return Ok(WaitStep::Done(outcome));
+                }
+                let outcome = match ask.kind {
+                    WaitKind::Sleep => row.due.then(|| json!({ "slept": true })),
+                    WaitKind::Signal | WaitKind::Approval => {
+                        let taken: Vec<Taken> = sql(
+                            "UPDATE signals SET taken_by = $2 \
+                             WHERE (job_id, name, signal_id) = ( \
+                                 SELECT job_id, name, signal_id FROM signals \
+                                 WHERE job_id = $1 AND name = $3 AND taken_by IS NULL \
+                                 ORDER BY seq LIMIT 1 FOR UPDATE) \
+                             RETURNING signal_id, payload",
+                        )
+                        .bind::<Text, _>(&fence.job_id)
+                        .bind::<Text, _>(ask.key)
+                        .bind::<Text, _>(ask.name)
+                        .load(conn)
+                        .await?;
+                        match taken.into_iter().next() {
+                            Some(t) => Some(json!({ "signal": { "id": t.signal_id, "payload": t.payload } })),
+                            None => row.due.then(|| json!({ "timeout": true })),
+                        }
+                    }
+                };
+                match outcome {
+                    Some(outcome) => {
+                        sql(
+                            "WITH done AS (UPDATE waits SET outcome = $3, done_at = now() \
+                                 WHERE job_id = $1 AND wait_key = $2) \
+                             UPDATE jobs SET waiting = NULL WHERE id = $1 AND waiting IS NOT NULL",
+                        )
+                        .bind::<Text, _>(&fence.job_id)
+                        .bind::<Text, _>(ask.key)
+                        .bind::<Jsonb, _>(&outcome)
+                        .execute(conn)
+                        .await?;
+                        Ok(WaitStep::Done(outcome))
+                    }
+                    None => {
+                        let waiting = json!({
+                            "kind": ask.kind.as_str(),
+                            "name": ask.name,
+                            "until": row.until,
+                        });
+                        sql(
+                            "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, \
+                                 lease_expires_at = NULL, updated_at = now() \
+                             WHERE id = $1 AND lease_epoch = $2",
+                        )
+                        .bind::<Text, _>(&fence.job_id)
+                        .bind::<BigInt, _>(fence.epoch)
+                        .bind::<Jsonb, _>(&waiting)
+                        .bind::<Timestamptz, _>(row.until)
+                        .execute(conn)
+                        .await?;
+                        Ok(WaitStep::Waiting { until: row.until })
+                    }
+                }
+            })
+            .await
+        })
+        .await
+    }
+
+    /// Records signal `signal_id` of `name` for job `job_id` (once: the
+    /// same id again is the same signal), and makes a job waiting for that
+    /// name due at once, waking the nodes. The job's row is locked first,
+    /// as a wait locks it, so a signal and a wait that reach the job at the
+    /// same moment are ordered: either the wait takes the signal, or the
+    /// signal finds the job waiting and wakes it.
+    pub async fn signal(
+        &self,
+        job_id: &str,
+        name: &str,
+        signal_id: &str,
+        payload: &Value,
+    ) -> Result<SignalOutcome, StoreError> {
+        let hash = crate::request::canonical_hash(payload);
+        retrying!(self, "signal", async || {
+            let mut conn = self.db().conn().await?;
+            let hash = hash.as_str();
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                let job: Vec<JobRow> = sql(
+                    "SELECT finished_at IS NOT NULL AS finished FROM jobs WHERE id = $1 FOR NO KEY UPDATE",
+                )
+                .bind::<Text, _>(job_id)
+                .load(conn)
+                .await?;
+                let Some(job) = job.into_iter().next() else {
+                    return Ok(SignalOutcome::NotFound);
+                };
+                #[derive(QueryableByName)]
+                struct Stored {
+                    #[diesel(sql_type = Text)]
+                    payload_hash: String,
+                }
+                let stored: Vec<Stored> = sql(
+                    "SELECT payload_hash FROM signals WHERE job_id = $1 AND name = $2 AND signal_id = $3",
+                )
+                .bind::<Text, _>(job_id)
+                .bind::<Text, _>(name)
+                .bind::<Text, _>(signal_id)
+                .load(conn)
+                .await?;
+                if let Some(stored) = stored.into_iter().next() {
+                    if stored.payload_hash != hash {
+                        return Ok(SignalOutcome::Conflict);
+                    }
+                    let view: SignalView = sql(concat!(
+                        "SELECT name, signal_id AS id, payload, received_at, taken_by FROM signals ",
+                        "WHERE job_id = $1 AND name = $2 AND signal_id = $3"
+                    ))
+                    .bind::<Text, _>(job_id)
+                    .bind::<Text, _>(name)
+                    .bind::<Text, _>(signal_id)
+                    .get_result(conn)
+                    .await?;
+                    return Ok(SignalOutcome::Existing(view));
+                }
+                if job.finished {
+                    return Ok(SignalOutcome::Finished);
+                }
+                let view: SignalView = sql(
+                    "INSERT INTO signals (job_id, name, signal_id, payload, payload_hash) \
+                     VALUES ($1, $2, $3, $4, $5) \
+                     RETURNING name, signal_id AS id, payload, received_at, taken_by",
+                )
+                .bind::<Text, _>(job_id)
+                .bind::<Text, _>(name)
+                .bind::<Text, _>(signal_id)
+                .bind::<Jsonb, _>(payload)
+                .bind::<Text, _>(hash)
+                .get_result(conn)
+                .await?;
+                // A job waiting for this name (and released) is due now.
+                sql(
+                    "WITH woken AS (UPDATE jobs SET run_at = now(), updated_at = now() \
+                         WHERE id = $1 AND finished_at IS NULL AND lease_owner IS NULL \
+                           AND waiting->>'kind' IN ('signal', 'approval') AND waiting->>'name' = $2 \
+                         RETURNING id) \
+                     SELECT pg_notify($3, id) FROM woken",
+                )
+                .bind::<Text, _>(job_id)
+                .bind::<Text, _>(name)
+                .bind::<Text, _>(NEW_JOB_CHANNEL)
+                .execute(conn)
+                .await?;
+                Ok(SignalOutcome::Created(view))
+            })
+            .await
+        })
+        .await
+    }
+
+    /// The signals of job `job_id`, oldest first.
+    pub async fn signals_of(&self, job_id: &str) -> Result<Vec<SignalView>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        Ok(sql(
+            "SELECT name, signal_id AS id, payload, received_at, taken_by FROM signals \
+             WHERE job_id = $1 ORDER BY seq",
+        )
+        .bind::<Text, _>(job_id)
+        .load(&mut conn)
+        .await?)
+    }
+}
