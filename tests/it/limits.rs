@@ -58,7 +58,9 @@ async fn assert_each_delivered_once(env: &TestEnv, prefix: &str, n: usize) {
 async fn a_configured_concurrency_holds_across_two_nodes() {
     let env = TestEnv::new().await;
     env.provider.set_max_concurrent(4);
-    env.provider.set_latency(Duration::from_millis(30));
+    // Long enough that four calls overlap even on a loaded machine (at 30 ms
+    // a CI run whose cores were busy peaked at 3).
+    env.provider.set_latency(Duration::from_millis(100));
     let limits = r#"{"test-model": {"concurrency": 4}}"#;
     let _a = env.start(registry(), node(&env, "node-a", limits));
     let _b = env.start(registry(), node(&env, "node-b", limits));

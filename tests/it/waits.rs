@@ -284,3 +284,168 @@ async fn a_node_stopped_during_a_wait_changes_nothing() {
     );
     assert_eq!(env.consumer.processed_for("w-4"), 1);
 }
+
+// ---- human approval of the agent's tool calls ----------------------------
+
+fn agent_registry(tool_url: &str) -> Registry {
+    let mut r = Registry::new();
+    r.register(
+        onceflow_workflows::Agent::new().with_tool(onceflow_workflows::HttpPost::new(tool_url)),
+    );
+    r
+}
+
+async fn submit_agent(env: &TestEnv, id: &str, approval: Value) {
+    env.submit_job(NewJob {
+        id: id.to_owned(),
+        workflow: "agent".to_owned(),
+        workflow_version: 1,
+        input: json!({
+            "model": "m",
+            "messages": [{ "role": "user", "content": "refund order 7" }],
+            "approval": approval,
+            "approval_timeout_s": 2,
+        }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+}
+
+/// The tool messages the model was shown, over all its requests.
+fn tool_messages(env: &TestEnv) -> Vec<String> {
+    env.provider
+        .requests()
+        .iter()
+        .flat_map(|r| r.body["messages"].as_array().cloned().unwrap_or_default())
+        .filter(|m| m["role"] == "tool")
+        .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+#[actix_rt::test]
+async fn an_approved_tool_call_runs_once_after_its_approval() {
+    let env = TestEnv::new().await;
+    let tools = onceflow_engine::testkit::FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "refund": 7 }))]);
+    let engine = env.start(agent_registry(&tools.url()), env.config());
+    let base = serve_api(env.store.clone(), agent_registry(&tools.url()), None);
+    submit_agent(&env, "ap-1", json!(["http_post"])).await;
+
+    let waiting = wait_for_wait(&env, "ap-1", "approval").await;
+    assert_eq!(waiting["name"], "approval:call_1");
+    assert_eq!(waiting["tool"]["name"], "http_post");
+    assert_eq!(waiting["tool"]["arguments"], json!({ "refund": 7 }));
+    assert_eq!(engine.in_flight().await, 0);
+    assert_eq!(
+        tools.requests_with_key("job:ap-1:tool:0:0"),
+        0,
+        "nothing ran before the approval"
+    );
+    // The job.waiting event, once.
+    let event_key = "job:ap-1:waiting:approval:call_1";
+    assert!(
+        wait_until(WAIT, || async {
+            env.consumer.requests_with_key(event_key) >= 1
+        })
+        .await,
+        "no job.waiting event"
+    );
+
+    let (status, body) = signal(
+        &base,
+        "ap-1",
+        "approval:call_1",
+        json!({ "id": "d-1", "payload": { "ok": 1 } }),
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["field"].as_str()),
+        (422, Some("payload"))
+    );
+    let decision = json!({ "id": "d-1", "payload": { "approved": true, "note": "fine" } });
+    let (status, _) = signal(&base, "ap-1", "approval:call_1", decision).await;
+    assert_eq!(status, 202);
+    let job = env.wait_for("ap-1", JobState::Acked, WAIT).await;
+    assert_eq!(job.result.unwrap()["tool_calls"], 1);
+    assert_eq!(
+        tools.requests_with_key("job:ap-1:tool:0:0"),
+        1,
+        "the approved tool ran once"
+    );
+    assert_eq!(
+        env.consumer.requests_with_key(event_key),
+        1,
+        "one job.waiting per wait"
+    );
+    assert_eq!(
+        env.consumer.processed_for("ap-1"),
+        2,
+        "job.waiting, then job.completed"
+    );
+}
+
+#[actix_rt::test]
+async fn a_refused_or_unanswered_tool_call_never_runs() {
+    let env = TestEnv::new().await;
+    let tools = onceflow_engine::testkit::FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "refund": 7 }))]);
+    let _engine = env.start(agent_registry(&tools.url()), env.config());
+    submit_agent(&env, "ap-2", json!("all")).await;
+    wait_for_wait(&env, "ap-2", "approval").await;
+    let refusal = json!({ "approved": false, "note": "not this customer" });
+    env.store
+        .signal("ap-2", "approval:call_1", "d-1", &refusal)
+        .await
+        .unwrap();
+    let job = env.wait_for("ap-2", JobState::Acked, WAIT).await;
+    assert_eq!(job.result.unwrap()["tool_calls"], 0);
+
+    // No answer within approval_timeout_s (2 s): refused too.
+    submit_agent(&env, "ap-3", json!("all")).await;
+    let job = env.wait_for("ap-3", JobState::Acked, WAIT).await;
+    assert_eq!(job.result.unwrap()["tool_calls"], 0);
+
+    assert_eq!(tools.requests_with_key("job:ap-2:tool:0:0"), 0);
+    assert_eq!(tools.requests_with_key("job:ap-3:tool:0:0"), 0);
+    let told = tool_messages(&env);
+    assert!(
+        told.iter()
+            .any(|m| m.contains("refused") && m.contains("not this customer")),
+        "{told:?}"
+    );
+    assert!(
+        told.iter().any(|m| m.contains("not approved within 2 s")),
+        "{told:?}"
+    );
+}
+
+#[actix_rt::test]
+async fn a_cancel_of_a_waiting_job_is_at_once() {
+    let env = TestEnv::new().await;
+    let tools = onceflow_engine::testkit::FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "refund": 7 }))]);
+    let _engine = env.start(agent_registry(&tools.url()), env.config());
+    submit_agent(&env, "ap-4", json!("all")).await;
+    wait_for_wait(&env, "ap-4", "approval").await;
+    env.store
+        .cancel("ap-4", "test", "changed my mind")
+        .await
+        .unwrap();
+    let job = env.job("ap-4").await;
+    assert_eq!(job.state, JobState::Cancelled, "no lease to wait for");
+    assert_eq!(job.waiting, None, "a finished job waits for nothing");
+    // An approval after the cancel is refused, and nothing runs.
+    let approval = json!({ "approved": true });
+    let outcome = env
+        .store
+        .signal("ap-4", "approval:call_1", "d-1", &approval)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        onceflow_engine::store::waits::SignalOutcome::Finished
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(tools.requests_with_key("job:ap-4:tool:0:0"), 0);
+}

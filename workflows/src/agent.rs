@@ -8,10 +8,18 @@
 //! With `"stream": true` every turn is streamed and journaled as it arrives
 //! (the final answer is the text watchers see grow); a turn's tool calls are
 //! assembled from its stream before any of them runs.
+//!
+//! With `"approval": ["<tool>", …]` (or `"all"`), a call of such a tool
+//! first waits for a person's decision (`ctx.wait_for_approval`, the signal
+//! `approval:{tool_call_id}`), holding nothing meanwhile: approved, it runs
+//! once through the ledger; refused, or unanswered within
+//! `"approval_timeout_s"` (default one day), it never runs and the model is
+//! told so in the tool's message, and the agent goes on.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use onceflow_engine::context::Decision;
 use onceflow_engine::{Context, InvalidInput, StepError, Workflow};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -81,7 +89,48 @@ pub struct AgentInput {
     /// assembled from the stream and run once each, as without it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stream: bool,
+    /// Tools whose calls wait for a person's approval first: `"all"`, or a
+    /// list of tool names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<Approval>,
+    /// How long an approval is waited for, in seconds (default one day, at
+    /// most [`MAX_APPROVAL_TIMEOUT_S`]); unanswered, the call is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_timeout_s: Option<u64>,
 }
+
+/// Which tool calls wait for a person's approval.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Approval {
+    /// `"all"`: every tool call.
+    Every(EveryTool),
+    /// The calls of these tools.
+    Tools(Vec<String>),
+}
+
+/// The word `"all"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EveryTool {
+    /// Every tool.
+    All,
+}
+
+impl Approval {
+    fn covers(&self, tool: &str) -> bool {
+        match self {
+            Approval::Every(EveryTool::All) => true,
+            Approval::Tools(names) => names.iter().any(|n| n == tool),
+        }
+    }
+}
+
+/// How long an approval is waited for when the input does not say: a day.
+pub const DEFAULT_APPROVAL_TIMEOUT_S: u64 = 24 * 3600;
+
+/// Longest approval wait accepted: 30 days.
+pub const MAX_APPROVAL_TIMEOUT_S: u64 = 30 * 24 * 3600;
 
 /// The result of an agent job.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -118,6 +167,14 @@ impl Workflow for Agent {
                 "is supported for provider openai only",
             ));
         }
+        if let Some(t) = input.approval_timeout_s {
+            if !(1..=MAX_APPROVAL_TIMEOUT_S).contains(&t) {
+                return Err(InvalidInput::new(
+                    "input.approval_timeout_s",
+                    format!("must be between 1 and {MAX_APPROVAL_TIMEOUT_S}"),
+                ));
+            }
+        }
         if let Some(turns) = input.max_turns {
             if !(1..=MAX_TURNS).contains(&turns) {
                 return Err(InvalidInput::new(
@@ -132,7 +189,7 @@ impl Workflow for Agent {
     async fn run(&self, ctx: &mut Context, input: AgentInput) -> Result<AgentOutput, StepError> {
         let max_turns = input.max_turns.unwrap_or(DEFAULT_MAX_TURNS);
         let definitions: Vec<Value> = self.tools.values().map(|t| t.definition()).collect();
-        let mut messages = input.messages;
+        let mut messages = input.messages.clone();
         let mut executed = 0;
         for turn in 0..max_turns {
             let mut request = json!({ "model": input.model, "messages": messages });
@@ -169,6 +226,11 @@ impl Workflow for Agent {
                         e.to_string(),
                     )
                 })?;
+                if let Some(refused) = approve(ctx, &input, id, name, &arguments).await? {
+                    messages
+                        .push(json!({ "role": "tool", "tool_call_id": id, "content": refused }));
+                    continue;
+                }
                 let tool = self.tools.get(name).cloned().ok_or_else(|| {
                     StepError::permanent(
                         "unknown_tool",
@@ -199,4 +261,40 @@ impl Workflow for Agent {
             "the model kept calling tools; raise input.max_turns or fix the prompt",
         ))
     }
+}
+
+/// When `name`'s calls need approval, waits for it; returns `None` when the
+/// call may run, or the tool message that tells the model it was refused.
+async fn approve(
+    ctx: &mut Context,
+    input: &AgentInput,
+    id: &str,
+    name: &str,
+    arguments: &Value,
+) -> Result<Option<String>, StepError> {
+    if !input.approval.as_ref().is_some_and(|a| a.covers(name)) {
+        return Ok(None);
+    }
+    let timeout_s = input
+        .approval_timeout_s
+        .unwrap_or(DEFAULT_APPROVAL_TIMEOUT_S);
+    let decision = ctx
+        .wait_for_approval(
+            id,
+            name,
+            arguments,
+            std::time::Duration::from_secs(timeout_s),
+        )
+        .await?;
+    Ok(match decision {
+        Some(Decision { approved: true, .. }) => None,
+        Some(Decision { note, .. }) => Some(format!(
+            "The call of {name} was refused by a person and did not run.{}",
+            note.map(|n| format!(" Their note: {n}"))
+                .unwrap_or_default()
+        )),
+        None => Some(format!(
+            "The call of {name} was not approved within {timeout_s} s and did not run."
+        )),
+    })
 }

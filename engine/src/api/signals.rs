@@ -133,6 +133,14 @@ pub(super) async fn signal(
     if crate::store::journal::contains_nul(&signal_payload) {
         return invalid("payload", "contains a NUL character".into());
     }
+    if name.starts_with("approval:")
+        && serde_json::from_value::<crate::context::Decision>(signal_payload.clone()).is_err()
+    {
+        return invalid(
+            "payload",
+            "an approval is {\"approved\": true|false, \"note\"?: \"…\"}".into(),
+        );
+    }
     if let Err(refused) = own_job(&state, who, &id).await {
         return refused;
     }

@@ -25,7 +25,7 @@ mod wait;
 
 pub use step::StepInvocation;
 pub use tool::ToolInvocation;
-pub use wait::{valid_wait_name, MAX_WAIT_NAME};
+pub use wait::{valid_wait_name, Decision, MAX_WAIT_NAME};
 
 /// Everything a step needs; built by the job actor for one attempt.
 #[derive(Debug, Clone)]

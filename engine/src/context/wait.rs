@@ -15,6 +15,17 @@ use crate::error::StepError;
 use crate::keys;
 use crate::store::waits::{Until, WaitAsk, WaitKind, WaitStep};
 
+/// A person's decision on a tool call: the payload of an `approval:…` signal.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Decision {
+    /// Whether the tool may run.
+    pub approved: bool,
+    /// Why, for the model and the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
 /// Longest name of a timer or a signal.
 pub const MAX_WAIT_NAME: usize = 200;
 
@@ -40,6 +51,7 @@ impl Context {
             name,
             keys::sleep(&self.fence.key(), name),
             Until::After(duration),
+            None,
         )
         .await
         .map(|_| ())
@@ -52,6 +64,7 @@ impl Context {
             name,
             keys::sleep(&self.fence.key(), name),
             Until::At(at),
+            None,
         )
         .await
         .map(|_| ())
@@ -68,15 +81,39 @@ impl Context {
         name: &str,
         timeout: Duration,
     ) -> Result<Option<T>, StepError> {
-        self.signal_wait(WaitKind::Signal, name, timeout).await
+        self.signal_wait(WaitKind::Signal, name, timeout, None)
+            .await
+    }
+
+    /// Asks a person to approve tool call `tool_call_id` (`tool_name` with
+    /// `arguments`) before it runs: waits for the signal
+    /// `approval:{tool_call_id}` with payload `{"approved": bool, "note"?}`
+    /// for at most `timeout`, and returns the decision, or `None` on
+    /// timeout. The job's `waiting` shows the tool call; when the job starts
+    /// waiting it sends a `job.waiting` event to its `webhook_url`, once,
+    /// under `job:{id}:waiting:approval:{tool_call_id}`.
+    pub async fn wait_for_approval(
+        &mut self,
+        tool_call_id: &str,
+        tool_name: &str,
+        arguments: &Value,
+        timeout: Duration,
+    ) -> Result<Option<Decision>, StepError> {
+        let name = format!("approval:{tool_call_id}");
+        let detail = serde_json::json!({
+            "tool": { "tool_call_id": tool_call_id, "name": tool_name, "arguments": arguments }
+        });
+        self.signal_wait(WaitKind::Approval, &name, timeout, Some(&detail))
+            .await
     }
 
     /// A wait for signal `name` of `kind` (a signal, or an approval).
-    pub(crate) async fn signal_wait<T: DeserializeOwned>(
+    async fn signal_wait<T: DeserializeOwned>(
         &mut self,
         kind: WaitKind,
         name: &str,
         timeout: Duration,
+        detail: Option<&Value>,
     ) -> Result<Option<T>, StepError> {
         let nth = {
             let n = self.signal_waits.entry(name.to_owned()).or_insert(0);
@@ -84,7 +121,9 @@ impl Context {
             *n
         };
         let key = keys::signal(&self.fence.key(), name, nth);
-        let outcome = self.wait(kind, name, key, Until::After(timeout)).await?;
+        let outcome = self
+            .wait(kind, name, key, Until::After(timeout), detail)
+            .await?;
         match outcome.get("signal") {
             Some(signal) => {
                 let payload = signal.get("payload").cloned().unwrap_or(Value::Null);
@@ -106,6 +145,7 @@ impl Context {
         name: &str,
         key: String,
         until: Until,
+        detail: Option<&Value>,
     ) -> Result<Value, StepError> {
         if !valid_wait_name(name) {
             return Err(StepError::permanent(
@@ -119,11 +159,15 @@ impl Context {
         }
         self.follow_journal(name, &key, false).await?;
         self.not_draining()?;
+        let event_key = (kind == WaitKind::Approval)
+            .then(|| format!("{}:waiting:{name}", self.fence.key().as_str()));
         let ask = WaitAsk {
             key: &key,
             kind,
             name,
             until,
+            detail,
+            event_key: event_key.as_deref(),
         };
         match Box::pin(self.store.wait(&self.fence, &ask)).await? {
             WaitStep::Done(outcome) => Ok(outcome),

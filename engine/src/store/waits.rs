@@ -68,6 +68,11 @@ pub struct WaitAsk<'a> {
     pub name: &'a str,
     /// When it is over at the latest (used the first time only).
     pub until: Until,
+    /// More to show in `waiting` (an approval's tool call).
+    pub detail: Option<&'a Value>,
+    /// An event to send once when the job starts waiting (an approval's
+    /// `job.waiting`): its key (`job:{id}:waiting:{name}`).
+    pub event_key: Option<&'a str>,
 }
 
 /// Where a wait stands.
@@ -214,11 +219,32 @@ impl Store {
                         Ok(WaitStep::Done(outcome))
                     }
                     None => {
-                        let waiting = json!({
+                        let mut waiting = json!({
                             "kind": ask.kind.as_str(),
                             "name": ask.name,
                             "until": row.until,
                         });
+                        if let Some(Value::Object(detail)) = ask.detail {
+                            for (k, v) in detail {
+                                waiting[k] = v.clone();
+                            }
+                        }
+                        if let Some(key) = ask.event_key {
+                            // Once per wait: the key is the event's identity.
+                            sql(
+                                "INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
+                                 SELECT id, 'job.waiting:' || $3, $2, request->>'webhook_url', \
+                                     jsonb_build_object('type', 'job.waiting', 'job_id', id, 'waiting', $4::jsonb) \
+                                 FROM jobs WHERE id = $1 \
+                                 ON CONFLICT DO NOTHING",
+                            )
+                            .bind::<Text, _>(&fence.job_id)
+                            .bind::<Text, _>(key)
+                            .bind::<Text, _>(ask.name)
+                            .bind::<Jsonb, _>(&waiting)
+                            .execute(conn)
+                            .await?;
+                        }
                         sql(
                             "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, \
                                  lease_expires_at = NULL, updated_at = now() \
