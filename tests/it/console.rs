@@ -268,3 +268,106 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
     browser.screenshot(&shots.join("console.png")).await;
     browser.quit().await;
 }
+
+/// A tool call waiting for a person's approval shows on its job's page
+/// with the tool and its arguments; the Approve button sends the approval,
+/// and the tool runs once.
+#[actix_rt::test]
+async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
+    let env = TestEnv::new().await;
+    let tools = onceflow_engine::testkit::FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_9", json!({ "refund": 9 }))]);
+    let dir = tempfile::tempdir().unwrap();
+    let serve = ServeProcess::start(
+        &[
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OPENAI_BASE_URL", env.provider.base_url()),
+            ("ONCEFLOW_TOOL_POST_URL", tools.url()),
+            ("ONCEFLOW_POLL_MS", "200".to_owned()),
+        ],
+        &dir.path().join("serve.log"),
+    )
+    .await;
+    let token = env.store.create_token("console", true).await.unwrap();
+    let r = client()
+        .post(format!("{}/v1/jobs", serve.base))
+        .bearer_auth(&token)
+        .json(&json!({
+            "id": "ui-approve", "workflow": "agent", "webhook_url": env.consumer.url(),
+            "input": { "model": "m", "messages": [{ "role": "user", "content": "refund 9" }],
+                       "approval": ["http_post"] },
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let waiting = wait_until(Duration::from_secs(20), || async {
+        env.store
+            .job("ui-approve")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.waiting.is_some())
+    })
+    .await;
+    assert!(waiting, "the job waits for its approval");
+
+    let browser = Browser::start().await;
+    browser.go(&format!("{}/", serve.base)).await;
+    assert!(
+        browser
+            .wait_text("#login-title", |t| t == "API token")
+            .await
+    );
+    browser.type_into("#token", &token).await;
+    browser.click("#login-form button").await;
+    browser
+        .go(&format!("{}/#/jobs/ui-approve", serve.base))
+        .await;
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"waiting\"]", |t| t
+                .starts_with("approval approval:call_9"))
+            .await,
+        "the page says what the job waits for"
+    );
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"tool\"]", |t| t == "http_post")
+            .await
+    );
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"arguments\"]", |t| t
+                .contains("\"refund\":9"))
+            .await
+    );
+    assert_eq!(
+        tools.requests_with_key("job:ui-approve:tool:0:0"),
+        0,
+        "nothing ran yet"
+    );
+    browser.type_into("#reason", "checked the order").await;
+    browser.click("#approve").await;
+    let acked = wait_until(Duration::from_secs(20), || async {
+        env.store
+            .job("ui-approve")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.state == onceflow_engine::JobState::Acked)
+    })
+    .await;
+    assert!(acked, "the Approve button let the job finish");
+    assert_eq!(
+        tools.requests_with_key("job:ui-approve:tool:0:0"),
+        1,
+        "the tool ran once"
+    );
+    let job = env.store.job("ui-approve").await.unwrap().unwrap();
+    assert_eq!(
+        job.signals[0].payload,
+        json!({ "approved": true, "note": "checked the order" })
+    );
+    browser.quit().await;
+}

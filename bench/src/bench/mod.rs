@@ -20,6 +20,7 @@ mod costs;
 mod curve;
 mod nodes;
 mod streams;
+mod waits;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -82,6 +83,13 @@ pub struct BenchArgs {
     /// limit configured, on two engine nodes (`--jobs` jobs).
     #[arg(long, value_name = "CONCURRENCY")]
     pub limit_curve: Option<usize>,
+    /// What waiting costs: N jobs sleeping at once (RSS, idle statements),
+    /// then `--timers` timers due in the same second.
+    #[arg(long, value_name = "N")]
+    pub waiting: Option<usize>,
+    /// With `--waiting`: timers due in the same second.
+    #[arg(long, default_value_t = 10_000)]
+    pub timers: usize,
     /// Streaming mode: this many streamed completions at once, each watched
     /// over `GET /v1/jobs/{id}/events`; prints the delay each chunk takes
     /// from the provider to a watcher (journaled first).
@@ -254,6 +262,9 @@ async fn bench(
     }
     if let Some(n) = args.streams {
         return streams::run(args, db, &run_id, n).await;
+    }
+    if let Some(n) = args.waiting {
+        return waits::run(args, db, &run_id, n, args.timers).await;
     }
     if let Some(limit) = args.limit_curve {
         return curve::run(args, db, &run_id, limit).await;

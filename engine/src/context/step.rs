@@ -26,6 +26,32 @@ pub struct StepInvocation {
     pub response_limit: usize,
 }
 
+impl StepInvocation {
+    /// POSTs `body` as JSON to `url` with the step's `Idempotency-Key`,
+    /// through the guarded client; returns the answer's body as text. As
+    /// [`ToolInvocation::post_json`](super::ToolInvocation::post_json):
+    /// 408, 429, 5xx and network errors are retryable, other statuses
+    /// permanent.
+    pub async fn post_json(
+        &self,
+        url: &str,
+        body: &serde_json::Value,
+    ) -> Result<String, StepError> {
+        super::ToolInvocation {
+            job_id: self.job_id.clone(),
+            tool_call_id: String::new(),
+            idempotency_key: self.idempotency_key.clone(),
+            client: self.client.clone(),
+            timeout: std::time::Duration::from_secs(10),
+            traceparent: self.traceparent.clone(),
+            guard: self.guard.clone(),
+            response_limit: self.response_limit,
+        }
+        .post_json(url, body)
+        .await
+    }
+}
+
 impl Context {
     /// Runs `work` once per job under step `name` and journals its output; a
     /// rerun returns the journaled output. A crash after `work` and before

@@ -12,6 +12,7 @@ use serde_json::Value;
 
 use super::Context;
 use crate::error::StepError;
+use crate::faults::FailPoint;
 use crate::keys;
 use crate::store::waits::{Until, WaitAsk, WaitKind, WaitStep};
 
@@ -169,7 +170,19 @@ impl Context {
             detail,
             event_key: event_key.as_deref(),
         };
-        match Box::pin(self.store.wait(&self.fence, &ask)).await? {
+        // Boundaries for the crash-point explorer: before the wait is
+        // journaled (nothing of it is durable), and after (the job is
+        // released, or the wait's outcome recorded).
+        self.faults
+            .hit(self.job_id(), FailPoint::BeforeCommit("wait"))
+            .await?;
+        let step = Box::pin(self.store.wait(&self.fence, &ask)).await?;
+        if step != WaitStep::LeaseLost {
+            self.faults
+                .hit(self.job_id(), FailPoint::AfterCommit("wait"))
+                .await?;
+        }
+        match step {
             WaitStep::Done(outcome) => Ok(outcome),
             WaitStep::Waiting { until } => Err(StepError::Waiting {
                 kind: kind.as_str(),

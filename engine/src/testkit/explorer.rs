@@ -200,6 +200,8 @@ pub struct Explorer<'a, F> {
     workflow: String,
     input: Value,
     recorders: Vec<FakeConsumer>,
+    /// Signals sent to each job right after it is submitted.
+    signals: Vec<(String, String, Value)>,
     prefix: String,
 }
 
@@ -212,8 +214,19 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             workflow: workflow.to_owned(),
             input,
             recorders: Vec::new(),
+            signals: Vec::new(),
             prefix: format!("x{}", rand::random::<u16>()),
         }
+    }
+
+    /// Sends every job it submits the signal `name` (id `signal_id`, this
+    /// payload) right after submitting it (the job is scheduled a second
+    /// later, so the signal is there before its wait): the job's wait takes
+    /// it, however the job's attempts crash or freeze around the wait.
+    pub fn signal(mut self, name: &str, signal_id: &str, payload: Value) -> Self {
+        self.signals
+            .push((name.to_owned(), signal_id.to_owned(), payload));
+        self
     }
 
     /// Counts the side effects this recorder sees (tools, steps).
@@ -375,9 +388,22 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 workflow_version: version,
                 input: self.input.clone(),
                 webhook_url: self.env.consumer.url(),
-                schedule: Default::default(),
+                // With signals to send, the job starts a second later, so
+                // its wait finds them recorded: one attempt, as the clean
+                // run needs.
+                schedule: crate::intake::Schedule {
+                    delay_ms: (!self.signals.is_empty()).then_some(1_000),
+                    ..Default::default()
+                },
             })
             .await;
+        for (name, signal_id, payload) in &self.signals {
+            self.env
+                .store
+                .signal(id, name, signal_id, payload)
+                .await
+                .expect("send the explorer's signal");
+        }
     }
 
     /// Waits until the job is finished (or `wait` passes), then counts.

@@ -65,3 +65,6 @@ impl Tool for OrderStatus {
         })
     }
 }
+
+pub mod refund;
+pub use refund::Refund;

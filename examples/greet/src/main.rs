@@ -11,6 +11,7 @@
 fn main() -> anyhow::Result<()> {
     onceflow::App::new()
         .workflow(greet::Greet)
+        .workflow(greet::Refund)
         .tool(greet::OrderStatus)
         .run()
 }

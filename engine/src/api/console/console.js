@@ -78,7 +78,8 @@ async function loadCounts() {
 async function loadList(cursor) {
   const state = $("state-filter").value;
   const params = new URLSearchParams({ limit: "50" });
-  if (state) params.set("state", state);
+  if (state === "waiting") params.set("waiting", "true");
+  else if (state) params.set("state", state);
   if (cursor) params.set("cursor", cursor);
   const page = await api("/v1/jobs?" + params);
   const needle = $("search").value.trim();
@@ -99,7 +100,7 @@ async function loadList(cursor) {
     stateCell(tr, j.state);
     cell(tr, j.attempts);
     cell(tr, when(j.created_at));
-    cell(tr, j.dead_reason || "", "wrap");
+    cell(tr, j.dead_reason || (j.waiting ? "waiting for " + j.waiting.kind + " " + j.waiting.name : ""), "wrap");
     rows.appendChild(tr);
   }
   nextCursor = page.next_cursor;
@@ -133,6 +134,12 @@ async function loadJob(id) {
   fact(facts, "attempts", job.attempts);
   fact(facts, "incarnation", job.incarnation);
   fact(facts, "dead reason", job.dead_reason);
+  const waiting = job.waiting;
+  fact(facts, "waiting", waiting ? `${waiting.kind} ${waiting.name} until ${when(waiting.until)}` : null);
+  if (waiting && waiting.tool) {
+    fact(facts, "tool", waiting.tool.name);
+    fact(facts, "arguments", JSON.stringify(waiting.tool.arguments));
+  }
   fact(facts, "last error", job.last_error ? job.last_error.code + ": " + job.last_error.message : null);
   const template = document.querySelector('meta[name="onceflow-trace-url"]').content;
   const traceHref = job.trace_id && template && template.includes("{trace_id}")
@@ -191,6 +198,30 @@ async function loadJob(id) {
   $("cancel").hidden = !LIVE.has(job.state);
   $("redrive").dataset.id = job.id;
   $("cancel").dataset.id = job.id;
+  const approval = waiting && waiting.kind === "approval" && LIVE.has(job.state);
+  for (const b of ["approve", "reject"]) {
+    $(b).hidden = !approval;
+    $(b).dataset.id = job.id;
+    $(b).dataset.name = approval ? waiting.name : "";
+  }
+}
+
+// A person's decision on a waiting tool call: the signal its wait asks for.
+async function decide(approved) {
+  const button = $(approved ? "approve" : "reject");
+  const { id, name } = button.dataset;
+  const note = $("reason").value.trim();
+  const payload = note ? { approved, note } : { approved };
+  try {
+    await api("/v1/jobs/" + encodeURIComponent(id) + "/signals/" + encodeURIComponent(name), {
+      method: "POST",
+      body: JSON.stringify({ id: "console-" + Date.now(), payload }),
+    });
+    say((approved ? "Approved " : "Rejected ") + name + ".");
+    await loadJob(id);
+  } catch (e) {
+    if (e.message !== "unauthorized") say("the decision failed: " + e.message);
+  }
 }
 
 async function act(kind) {
@@ -270,6 +301,8 @@ document.addEventListener("DOMContentLoaded", () => {
   $("first-page").addEventListener("click", () => { cursors = []; loadList(null).catch((e) => say(e.message)); });
   $("redrive").addEventListener("click", () => act("redrive"));
   $("cancel").addEventListener("click", () => act("cancel"));
+  $("approve").addEventListener("click", () => decide(true));
+  $("reject").addEventListener("click", () => decide(false));
   window.addEventListener("hashchange", route);
   route();
 });

@@ -1,0 +1,254 @@
+//! `onceflow-bench bench --waiting N`: what waiting costs. N jobs of a
+//! workflow that sleeps an hour are submitted and run to their wait; then
+//! it prints the engine process's resident memory before and with them
+//! waiting, the statements the node issues in ten idle seconds
+//! (`pg_stat_statements`), and how fast `--timers` jobs whose timers fall
+//! due in the same second resume (from the due time to the last wait's
+//! recorded outcome, by the database's clock).
+
+use std::time::{Duration, Instant};
+
+use diesel::sql_types::{BigInt, Double};
+use diesel_async::RunQueryDsl;
+use onceflow_engine::intake::NewJob;
+use onceflow_engine::testkit::FakeConsumer;
+use onceflow_engine::{
+    Context, Db, Engine, EngineConfig, Faults, Registry, StepError, Store, Workflow,
+};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::BenchArgs;
+
+#[derive(Deserialize)]
+struct SleepInput {
+    /// Sleep this long …
+    #[serde(default)]
+    sleep_s: Option<u64>,
+    /// … or until then.
+    #[serde(default)]
+    until: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Sleeps, then ends: the cheapest job that waits.
+struct Sleeper;
+
+impl Workflow for Sleeper {
+    const NAME: &'static str = "bench.sleeper";
+    type Input = SleepInput;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, input: SleepInput) -> Result<Value, StepError> {
+        match input.until {
+            Some(at) => ctx.sleep_until("nap", at).await?,
+            None => {
+                ctx.sleep("nap", Duration::from_secs(input.sleep_s.unwrap_or(3600)))
+                    .await?
+            }
+        }
+        Ok(json!({ "woke": true }))
+    }
+}
+
+/// This process's resident memory now (VmRSS), in MiB.
+fn rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn count(db: &Db, query: &'static str) -> anyhow::Result<i64> {
+    let mut conn = db.conn().await?;
+    let c: Count = diesel::sql_query(query).get_result(&mut conn).await?;
+    Ok(c.n)
+}
+
+/// Statements this database's sessions ran, the bench's own excluded.
+async fn statements(db: &Db) -> anyhow::Result<i64> {
+    count(
+        db,
+        "/* bench */ SELECT coalesce(sum(s.calls), 0)::bigint AS n FROM pg_stat_statements s \
+         JOIN pg_database d ON d.oid = s.dbid \
+         WHERE d.datname = current_database() AND s.query NOT LIKE '%/* bench */%' \
+           AND s.query NOT LIKE '%pg_stat_statements%'",
+    )
+    .await
+}
+
+async fn submit(
+    store: &Store,
+    prefix: &str,
+    n: usize,
+    input: Value,
+    url: &str,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut next = 0;
+    while next < n {
+        let batch: Vec<_> = (next..(next + 500).min(n))
+            .map(|i| {
+                let store = store.clone();
+                let job = NewJob {
+                    id: format!("{prefix}-{i}"),
+                    workflow: Sleeper::NAME.to_owned(),
+                    workflow_version: 1,
+                    input: input.clone(),
+                    webhook_url: url.to_owned(),
+                    schedule: Default::default(),
+                };
+                async move { store.submit(&job).await }
+            })
+            .collect();
+        for r in futures_util::future::join_all(batch).await {
+            r?;
+        }
+        next = (next + 500).min(n);
+        if next % 10_000 == 0 || next == n {
+            eprintln!(
+                "  {next}/{n} submitted ({:.0} s)",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn until_waiting(db: &Db, n: i64, what: &str) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    loop {
+        let waiting = count(
+            db,
+            "/* bench */ SELECT count(*) AS n FROM jobs WHERE waiting IS NOT NULL AND finished_at IS NULL",
+        )
+        .await?;
+        if waiting >= n {
+            return Ok(started.elapsed());
+        }
+        if started.elapsed() > Duration::from_secs(1800) {
+            anyhow::bail!("only {waiting} of {n} {what} jobs reached their wait in 30 min");
+        }
+        eprintln!(
+            "  {waiting}/{n} waiting ({:.0} s)",
+            started.elapsed().as_secs_f64()
+        );
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+}
+
+/// Runs the waiting benchmark with `n` sleeping jobs and `timers` timers
+/// due in the same second.
+pub(super) async fn run(
+    args: &BenchArgs,
+    db: Db,
+    run_id: &str,
+    n: usize,
+    timers: usize,
+) -> anyhow::Result<()> {
+    let consumer = FakeConsumer::start();
+    let store = Store::new(db.clone());
+    let mut registry = Registry::new();
+    registry.register(Sleeper);
+    let config = EngineConfig {
+        node_id: "bench-waits".to_owned(),
+        max_in_flight: args.max_in_flight,
+        url_guard: onceflow_engine::UrlGuard::strict().allowing_url(&consumer.url()),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(store.clone(), registry, Faults::new(), config);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle_rss = rss_mib();
+    println!("onceflow-bench bench --waiting {n} --timers {timers} (durable PostgreSQL, one node)");
+    println!("engine process RSS, idle: {idle_rss:.1} MiB");
+
+    eprintln!("submitting {n} jobs that sleep an hour…");
+    submit(
+        &store,
+        &format!("w{run_id}"),
+        n,
+        json!({ "sleep_s": 3600 }),
+        &consumer.url(),
+    )
+    .await?;
+    let took = until_waiting(&db, n as i64, "sleeping").await?;
+    println!(
+        "{n} jobs waiting, {:.0} s after the last submission",
+        took.as_secs_f64()
+    );
+    println!("actors in flight: {}", engine.in_flight().await);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let waiting_rss = rss_mib();
+    println!(
+        "engine process RSS with {n} waiting: {waiting_rss:.1} MiB ({:+.1} MiB over idle)",
+        waiting_rss - idle_rss
+    );
+
+    let before = statements(&db).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    match (before, statements(&db).await) {
+        (Ok(a), Ok(b)) => println!(
+            "statements in 10 idle seconds (nothing due): {} ({:.1}/s)",
+            b - a,
+            (b - a) as f64 / 10.0
+        ),
+        _ => println!("statements: pg_stat_statements is not loaded"),
+    }
+
+    if timers > 0 {
+        // Due together, far enough ahead that every job reaches its wait first.
+        let lead = Duration::from_secs(30 + (timers / 500) as u64);
+        let due = chrono::Utc::now() + chrono::Duration::from_std(lead)?;
+        eprintln!("submitting {timers} jobs whose timers fall due at {due}…");
+        submit(
+            &store,
+            &format!("t{run_id}"),
+            timers,
+            json!({ "until": due }),
+            &consumer.url(),
+        )
+        .await?;
+        until_waiting(&db, (n + timers) as i64, "timer").await?;
+        let pattern = format!("t{run_id}-%");
+        let woke = loop {
+            let mut conn = db.conn().await?;
+            #[derive(diesel::QueryableByName)]
+            struct Woke {
+                #[diesel(sql_type = BigInt)]
+                n: i64,
+                #[diesel(sql_type = Double)]
+                last_s: f64,
+            }
+            let w: Woke = diesel::sql_query(
+                "/* bench */ SELECT count(*) AS n, \
+                     coalesce(extract(epoch FROM max(done_at) - $2::timestamptz), 0)::float8 AS last_s \
+                 FROM waits WHERE job_id LIKE $1 AND done_at IS NOT NULL",
+            )
+            .bind::<diesel::sql_types::Text, _>(&pattern)
+            .bind::<diesel::sql_types::Timestamptz, _>(due)
+            .get_result(&mut conn)
+            .await?;
+            if w.n as usize >= timers {
+                break w;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        println!(
+            "{timers} timers due in the same second: the last resumed {:.2} s after the due time ({:.0} jobs/s)",
+            woke.last_s,
+            timers as f64 / woke.last_s.max(0.001)
+        );
+    }
+    engine.shutdown_gracefully().await?;
+    Ok(())
+}
