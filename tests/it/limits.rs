@@ -249,7 +249,10 @@ async fn a_configured_tpm_holds_and_learns_each_calls_real_cost() {
 #[actix_rt::test]
 async fn a_higher_priority_call_takes_the_next_free_slot() {
     let env = TestEnv::new().await;
-    env.provider.set_latency(Duration::from_millis(400));
+    // Long enough that all four queue behind the blocker even on a loaded
+    // machine (at 400 ms a CI run with a build beside it saw the blocker
+    // finish before the fourth call queued).
+    env.provider.set_latency(Duration::from_millis(1500));
     let limits = r#"{"test-model": {"concurrency": 1}}"#;
     let _a = env.start(registry(), node(&env, "node-a", limits));
     let _b = env.start(registry(), node(&env, "node-b", limits));
@@ -263,7 +266,7 @@ async fn a_higher_priority_call_takes_the_next_free_slot() {
             .await
         }
     };
-    // The blocker holds the one slot for 400 ms.
+    // The blocker holds the one slot for 1.5 s.
     env.submit("blocker", "hi").await;
     assert!(
         wait_until(Duration::from_secs(10), || async {
