@@ -115,7 +115,10 @@ impl Actor for Supervisor {
         // goes again at once while a backlog lasts: their statements read
         // only live and dead jobs, never the retained finished ones.
         ctx.run_interval(config.poll_interval * 10, |_, ctx| ctx.notify(Gauge));
-        ctx.run_interval(config.poll_interval, |_, ctx| ctx.notify(SendEvents));
+        // Events are looked for every fifth poll, and at once after an
+        // attempt of this node that may have queued one (a death, an
+        // approval's wait): an idle node issues about one statement a second.
+        ctx.run_interval(config.poll_interval * 5, |_, ctx| ctx.notify(SendEvents));
         // On start, recover whatever this node's previous incarnation held.
         ctx.notify(Poll);
     }
@@ -296,6 +299,9 @@ impl Handler<Finished> for Supervisor {
                 .counters
                 .lease_lost
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if matches!(msg.outcome, Outcome::Dead | Outcome::Waiting) {
+            ctx.notify(SendEvents);
         }
         tracing::debug!(job.id = %msg.job_id, outcome = ?msg.outcome, "attempt ended");
         if was_full {

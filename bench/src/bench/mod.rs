@@ -264,7 +264,10 @@ async fn bench(
         return streams::run(args, db, &run_id, n).await;
     }
     if let Some(n) = args.waiting {
-        return waits::run(args, db, &run_id, n, args.timers).await;
+        let result = waits::run(args, db.clone(), &run_id, n, args.timers).await;
+        let store = Store::new(db.clone());
+        drop_bench_database(database, db, store, &url).await?;
+        return result;
     }
     if let Some(limit) = args.limit_curve {
         return curve::run(args, db, &run_id, limit).await;

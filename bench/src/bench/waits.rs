@@ -87,6 +87,28 @@ async fn statements(db: &Db) -> anyhow::Result<i64> {
     .await
 }
 
+/// This database's statements since the last reset, most called first.
+async fn idle_statements(db: &Db) -> anyhow::Result<Vec<(i64, String)>> {
+    #[derive(diesel::QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        calls: i64,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        query: String,
+    }
+    let mut conn = db.conn().await?;
+    let rows: Vec<Row> = diesel::sql_query(
+        "/* bench */ SELECT s.calls, s.query FROM pg_stat_statements s \
+         JOIN pg_database d ON d.oid = s.dbid \
+         WHERE d.datname = current_database() AND s.query NOT LIKE '%/* bench */%' \
+           AND s.query NOT LIKE '%pg_stat_statements%' \
+         ORDER BY s.calls DESC LIMIT 8",
+    )
+    .load(&mut conn)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.calls, r.query)).collect())
+}
+
 async fn submit(
     store: &Store,
     prefix: &str,
@@ -156,6 +178,9 @@ pub(super) async fn run(
     n: usize,
     timers: usize,
 ) -> anyhow::Result<()> {
+    if !super::costs::reset_statements(&db).await {
+        eprintln!("pg_stat_statements is not loaded: no statement counts");
+    }
     let consumer = FakeConsumer::start();
     let store = Store::new(db.clone());
     let mut registry = Registry::new();
@@ -194,14 +219,24 @@ pub(super) async fn run(
         waiting_rss - idle_rss
     );
 
+    super::costs::reset_statements(&db).await;
     let before = statements(&db).await;
     tokio::time::sleep(Duration::from_secs(10)).await;
     match (before, statements(&db).await) {
-        (Ok(a), Ok(b)) => println!(
-            "statements in 10 idle seconds (nothing due): {} ({:.1}/s)",
-            b - a,
-            (b - a) as f64 / 10.0
-        ),
+        (Ok(a), Ok(b)) => {
+            println!(
+                "statements in 10 idle seconds (nothing due): {} ({:.1}/s), by statement:",
+                b - a,
+                (b - a) as f64 / 10.0
+            );
+            for (calls, query) in idle_statements(&db).await.unwrap_or_default() {
+                let query: String = query.split_whitespace().collect::<Vec<_>>().join(" ");
+                println!(
+                    "  {calls:>4}  {}",
+                    query.chars().take(110).collect::<String>()
+                );
+            }
+        }
         _ => println!("statements: pg_stat_statements is not loaded"),
     }
 
@@ -227,10 +262,17 @@ pub(super) async fn run(
                 #[diesel(sql_type = BigInt)]
                 n: i64,
                 #[diesel(sql_type = Double)]
+                first_s: f64,
+                #[diesel(sql_type = Double)]
+                p50_s: f64,
+                #[diesel(sql_type = Double)]
                 last_s: f64,
             }
             let w: Woke = diesel::sql_query(
                 "/* bench */ SELECT count(*) AS n, \
+                     coalesce(extract(epoch FROM min(done_at) - $2::timestamptz), 0)::float8 AS first_s, \
+                     coalesce(percentile_cont(0.5) WITHIN GROUP \
+                         (ORDER BY extract(epoch FROM done_at - $2::timestamptz)), 0)::float8 AS p50_s, \
                      coalesce(extract(epoch FROM max(done_at) - $2::timestamptz), 0)::float8 AS last_s \
                  FROM waits WHERE job_id LIKE $1 AND done_at IS NOT NULL",
             )
@@ -244,7 +286,9 @@ pub(super) async fn run(
             tokio::time::sleep(Duration::from_millis(500)).await;
         };
         println!(
-            "{timers} timers due in the same second: the last resumed {:.2} s after the due time ({:.0} jobs/s)",
+            "{timers} timers due in the same second: resumed after the due time: first {:.2} s, p50 {:.2} s, last {:.2} s ({:.0} jobs/s)",
+            woke.first_s,
+            woke.p50_s,
             woke.last_s,
             timers as f64 / woke.last_s.max(0.001)
         );
