@@ -63,7 +63,7 @@ fn tool_key(id: &str, turn: i32, index: i32) -> String {
 }
 
 /// The tool message contents the provider was shown, per request.
-fn tool_messages(env: &TestEnv) -> Vec<String> {
+pub(crate) fn tool_messages(env: &TestEnv) -> Vec<String> {
     env.provider
         .requests()
         .iter()

@@ -312,17 +312,6 @@ async fn submit_agent(env: &TestEnv, id: &str, approval: Value) {
     .await;
 }
 
-/// The tool messages the model was shown, over all its requests.
-fn tool_messages(env: &TestEnv) -> Vec<String> {
-    env.provider
-        .requests()
-        .iter()
-        .flat_map(|r| r.body["messages"].as_array().cloned().unwrap_or_default())
-        .filter(|m| m["role"] == "tool")
-        .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
-        .collect()
-}
-
 #[actix_rt::test]
 async fn an_approved_tool_call_runs_once_after_its_approval() {
     let env = TestEnv::new().await;
@@ -408,7 +397,7 @@ async fn a_refused_or_unanswered_tool_call_never_runs() {
 
     assert_eq!(tools.requests_with_key("job:ap-2:tool:0:0"), 0);
     assert_eq!(tools.requests_with_key("job:ap-3:tool:0:0"), 0);
-    let told = tool_messages(&env);
+    let told = crate::agent::tool_messages(&env);
     assert!(
         told.iter()
             .any(|m| m.contains("refused") && m.contains("not this customer")),

@@ -90,6 +90,59 @@ pub struct ApiState {
     pub handoff: Option<crate::handoff::Handoff>,
 }
 
+/// Whether the request says its body is JSON (`Content-Type: application/json`).
+fn is_json(req: &HttpRequest) -> bool {
+    req.headers()
+        .get(actix_web::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// The `415` for a body that is not JSON.
+fn not_json() -> HttpResponse {
+    error(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_media_type",
+        "the body must be JSON, sent with Content-Type: application/json",
+        None,
+    )
+}
+
+/// Reads a body of at most `limit` bytes within the intake's body timeout
+/// (a dribbled body cannot hold a connection); `too_large` is the answer
+/// past the limit.
+async fn read_body(
+    state: &ApiState,
+    mut payload: web::Payload,
+    limit: usize,
+    too_large: impl Fn() -> HttpResponse,
+) -> Result<web::BytesMut, HttpResponse> {
+    let mut body = web::BytesMut::new();
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let chunk = chunk.map_err(|_| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    "could not read the request body",
+                    None,
+                )
+            })?;
+            if body.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(())
+    };
+    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
+        Ok(read) => read?,
+        Err(_) => return Err(body_timed_out(&state.limits)),
+    }
+    Ok(body)
+}
+
 /// Mounts the API on an actix-web app.
 pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {

@@ -18,51 +18,22 @@ pub(super) struct ActionBody {
 pub(super) async fn action_body(
     state: &ApiState,
     req: &HttpRequest,
-    mut payload: web::Payload,
+    payload: web::Payload,
 ) -> Result<ActionBody, HttpResponse> {
-    let mut body = web::BytesMut::new();
-    let read = async {
-        while let Some(chunk) = payload.next().await {
-            let chunk = chunk.map_err(|_| {
-                error(
-                    StatusCode::BAD_REQUEST,
-                    "bad_body",
-                    "could not read the request body",
-                    None,
-                )
-            })?;
-            if body.len() + chunk.len() > 16 * 1024 {
-                return Err(error(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "too_large",
-                    "an action's body is at most 16 KiB",
-                    None,
-                ));
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(())
-    };
-    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
-        Ok(read) => read?,
-        Err(_) => return Err(body_timed_out(&state.limits)),
-    }
+    let body = read_body(state, payload, 16 * 1024, || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            "an action's body is at most 16 KiB",
+            None,
+        )
+    })
+    .await?;
     if body.is_empty() {
         return Ok(ActionBody::default());
     }
-    let json = req
-        .headers()
-        .get(actix_web::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
-    if !json {
-        return Err(error(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "the body must be JSON, sent with Content-Type: application/json",
-            None,
-        ));
+    if !is_json(req) {
+        return Err(not_json());
     }
     let parsed: ActionBody = serde_json::from_slice(&body).map_err(|e| {
         error(

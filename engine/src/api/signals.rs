@@ -13,50 +13,20 @@ pub const MAX_SIGNAL_PAYLOAD: usize = 64 * 1024;
 async fn signal_body(
     state: &ApiState,
     req: &HttpRequest,
-    mut payload: web::Payload,
+    payload: web::Payload,
 ) -> Result<serde_json::Map<String, serde_json::Value>, HttpResponse> {
-    let json = req
-        .headers()
-        .get(actix_web::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
-    if !json {
-        return Err(error(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "the body must be JSON, sent with Content-Type: application/json",
-            None,
-        ));
+    if !is_json(req) {
+        return Err(not_json());
     }
-    let limit = MAX_SIGNAL_PAYLOAD + 4 * 1024;
-    let mut body = web::BytesMut::new();
-    let read = async {
-        while let Some(chunk) = payload.next().await {
-            let chunk = chunk.map_err(|_| {
-                error(
-                    StatusCode::BAD_REQUEST,
-                    "bad_body",
-                    "could not read the request body",
-                    None,
-                )
-            })?;
-            if body.len() + chunk.len() > limit {
-                return Err(error(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "invalid",
-                    format!("payload: at most {MAX_SIGNAL_PAYLOAD} bytes"),
-                    Some("payload"),
-                ));
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(())
-    };
-    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
-        Ok(read) => read?,
-        Err(_) => return Err(body_timed_out(&state.limits)),
-    }
+    let body = read_body(state, payload, MAX_SIGNAL_PAYLOAD + 4 * 1024, || {
+        error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            format!("payload: at most {MAX_SIGNAL_PAYLOAD} bytes"),
+            Some("payload"),
+        )
+    })
+    .await?;
     match crate::intake::parse_json(&body) {
         Ok(serde_json::Value::Object(map)) => Ok(map),
         Ok(_) => Err(error(
