@@ -108,19 +108,23 @@ impl Actor for Supervisor {
         let config = &self.shared.config;
         ctx.run_interval(config.poll_interval, |_, ctx| ctx.notify(Poll));
         ctx.run_interval(config.lease / 3, |_, ctx| ctx.notify(Heartbeat));
-        // Purging is one indexed DELETE of at most PURGE_BATCH rows: cheap
-        // enough to run every ten polls.
-        ctx.run_interval(config.poll_interval * 10, |_, ctx| ctx.notify(Purge));
-        // The gauges on the same cadence but apart from the purge, which
-        // goes again at once while a backlog lasts: their statements read
-        // only live and dead jobs, never the retained finished ones.
-        ctx.run_interval(config.poll_interval * 10, |_, ctx| ctx.notify(Gauge));
-        // Events are looked for every fifth poll, and at once after an
-        // attempt of this node that may have queued one (a death, an
-        // approval's wait): an idle node issues about one statement a second.
-        ctx.run_interval(config.poll_interval * 5, |_, ctx| ctx.notify(SendEvents));
-        // On start, recover whatever this node's previous incarnation held.
+        // Housekeeping is kept off the idle path: an idle node issues its
+        // acquire poll (the timer poll) each interval and little else.
+        // Purging is one indexed DELETE of at most PURGE_BATCH rows, and
+        // goes again at once while a backlog lasts; retention is counted in
+        // hours, so once a minute (at the default interval) is plenty.
+        ctx.run_interval(config.poll_interval * 60, |_, ctx| ctx.notify(Purge));
+        // The gauges every half minute: their statements read only live
+        // and dead jobs, never the retained finished ones.
+        ctx.run_interval(config.poll_interval * 30, |_, ctx| ctx.notify(Gauge));
+        // Events are sent at once after an attempt of this node that may
+        // have queued one (a death, an approval's wait); this sweep finds
+        // those another node queued and could not send.
+        ctx.run_interval(config.poll_interval * 60, |_, ctx| ctx.notify(SendEvents));
+        // On start, recover whatever this node's previous incarnation held,
+        // and fill the gauges.
         ctx.notify(Poll);
+        ctx.notify(Gauge);
     }
 }
 
@@ -591,6 +595,8 @@ impl Handler<Cancelled> for Supervisor {
                 ctx.notify(Poll);
             }
         }
+        // The cancel may have queued a job.cancelled event.
+        ctx.notify(SendEvents);
     }
 }
 

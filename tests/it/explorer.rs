@@ -97,6 +97,61 @@ async fn the_agent_survives_a_crash_or_a_takeover_at_every_boundary() {
     assert_exploration(&report, AGENT_BOUNDARIES);
 }
 
+/// The agent asking a person before its tool call runs, with the approval
+/// arriving while no node runs: a crash after the wait was journaled leaves
+/// the job waiting, the approval makes it due with nobody listening, and the
+/// resumed node runs the approved tool once.
+#[actix_rt::test]
+async fn an_approval_arriving_during_a_crash_runs_the_tool_once() {
+    let env = TestEnv::new().await;
+    let tools = FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "ticket": "X" }))]);
+    let url = tools.url();
+    let mut input = prompt();
+    input["approval"] = json!("all");
+    let report = Explorer::new(
+        &env,
+        move || {
+            let mut r = Registry::new();
+            r.register(Agent::new().with_tool(HttpPost::new(url.clone())));
+            r
+        },
+        "agent",
+        input,
+    )
+    .signal("approval:call_1", "d-1", json!({ "approved": true }))
+    .signals_arrive_during_crashes()
+    .recording(tools)
+    .run()
+    .await;
+    println!("{report}");
+    let after_wait = onceflow_engine::FailPoint::AfterCommit("wait");
+    assert!(
+        report.rows.iter().any(|r| r.boundary == after_wait),
+        "{report}"
+    );
+    assert!(report.rows.iter().all(|r| r.fired), "{report}");
+    report.assert_ok();
+    // In the rows crashed just after the wait was journaled, the approval
+    // came after the wait (while no node ran); in the clean run's shape, before.
+    let crashed_waiting: Vec<_> = report
+        .rows
+        .iter()
+        .filter(|r| r.boundary == after_wait && r.mode != Mode::Freeze)
+        .collect();
+    assert_eq!(crashed_waiting.len(), 2, "{report}");
+    for row in crashed_waiting {
+        let order = env
+            .sql(&format!(
+                "SELECT (SELECT received_at FROM signals WHERE job_id = '{id}') \
+                     > (SELECT created_at FROM waits WHERE job_id = '{id}') AS after",
+                id = row.job_id
+            ))
+            .await;
+        assert_eq!(order[0]["after"], true, "{}: {report}", row.job_id);
+    }
+}
+
 /// The agent with `"stream": true`: its tool call is assembled from a
 /// stream, and a crash or takeover mid-way through the streamed final
 /// answer resumes it without a repeat or a reset (the explorer compares

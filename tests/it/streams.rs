@@ -314,15 +314,23 @@ async fn last_event_id_resumes_exactly_and_a_late_watcher_gets_everything() {
         "a late watcher gets the same events from the journal"
     );
     assert_eq!(late.last().unwrap().data["text"], "acked");
-    // Past the end of a finished job: the stream ends at once, empty.
-    let past = watch(
-        &base,
-        "s-resume",
-        Some(late.last().unwrap().id),
-        until_finished,
-    )
-    .await;
-    assert!(past.is_empty(), "{past:?}");
+    // Past the end of a finished job: 204, which tells an EventSource to
+    // stop reconnecting.
+    let past = reqwest::Client::new()
+        .get(format!("{base}/v1/jobs/s-resume/events"))
+        .header("last-event-id", late.last().unwrap().id.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(past.status(), 204);
+    assert!(past.bytes().await.unwrap().is_empty());
+    // One event before the end: that event, then the stream ends.
+    let before_end = late[late.len() - 2].id;
+    let tail = watch(&base, "s-resume", Some(before_end), until_finished).await;
+    assert_eq!(
+        tail.iter().map(|s| s.id).collect::<Vec<_>>(),
+        vec![late.last().unwrap().id]
+    );
     assert_eq!(env.provider.stream_requests(), 1);
     assert_eq!(env.consumer.deliveries_for("s-resume").len(), 1);
 }

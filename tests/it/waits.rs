@@ -438,3 +438,198 @@ async fn a_cancel_of_a_waiting_job_is_at_once() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(tools.requests_with_key("job:ap-4:tool:0:0"), 0);
 }
+
+// ---- the real binary: an approval through kill -9 --------------------------
+
+/// `onceflow_actors_in_flight` as the node's `/metrics` reports it.
+async fn actors_in_flight(base: &str, token: &str) -> i64 {
+    let text = client()
+        .get(format!("{base}/metrics"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| {
+            let rest = l.strip_prefix("onceflow_actors_in_flight")?;
+            // `onceflow_actors_in_flight 0` or with labels `{…} 0`.
+            rest.rsplit(' ').next()?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no onceflow_actors_in_flight in /metrics:\n{text}"))
+}
+
+/// The real `onceflow serve`, killed with SIGKILL while an agent's tool call
+/// waits for its approval and again right after the approval: the waiting
+/// job holds no actor on either node (`/metrics`), its `job.waiting` event
+/// is sent once, and the approved tool runs once.
+#[actix_rt::test]
+async fn an_approval_survives_kill_9_of_the_real_binary() {
+    use crate::support::ServeProcess;
+    let env = TestEnv::new().await;
+    let tools = onceflow_engine::testkit::FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_5", json!({ "refund": 5 }))]);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = [
+        ("DATABASE_URL", env.db_url.clone()),
+        ("OPENAI_BASE_URL", env.provider.base_url()),
+        ("ONCEFLOW_TOOL_POST_URL", tools.url()),
+        ("ONCEFLOW_POLL_MS", "100".to_owned()),
+        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+    ];
+    let mut serve = ServeProcess::start(&vars, &log).await;
+    let token = env.store.create_token("waits", true).await.unwrap();
+    let r = client()
+        .post(format!("{}/v1/jobs", serve.base))
+        .bearer_auth(&token)
+        .json(&json!({
+            "id": "kill-ap", "workflow": "agent", "webhook_url": env.consumer.url(),
+            "input": { "model": "m", "messages": [{ "role": "user", "content": "refund 5" }],
+                       "approval": ["http_post"] },
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let waiting = wait_for_wait(&env, "kill-ap", "approval").await;
+    assert_eq!(waiting["name"], "approval:call_5");
+    // Its job.waiting event delivered (and recorded so) before the kill.
+    let event_key = "job:kill-ap:waiting:approval:call_5";
+    assert!(
+        wait_until(WAIT, || async {
+            env.sql(&format!(
+                "SELECT 1 FROM outbox WHERE idempotency_key = '{event_key}' AND status = 'delivered'"
+            ))
+            .await
+            .as_array()
+            .is_some_and(|rows| rows.len() == 1)
+        })
+        .await,
+        "the job.waiting event was not delivered: {}",
+        env.sql("SELECT idempotency_key, status FROM outbox").await
+    );
+    assert_eq!(actors_in_flight(&serve.base, &token).await, 0);
+
+    serve.sigkill();
+    serve.restart_on_same_port(&vars, &log).await;
+    // The new node leaves the waiting job alone: no actor, no lease.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(actors_in_flight(&serve.base, &token).await, 0);
+    let job = env.job("kill-ap").await;
+    assert!(job.waiting.is_some(), "still waiting after the restart");
+    assert_eq!(tools.requests_with_key("job:kill-ap:tool:0:0"), 0);
+
+    let r = client()
+        .post(format!(
+            "{}/v1/jobs/kill-ap/signals/approval:call_5",
+            serve.base
+        ))
+        .bearer_auth(&token)
+        .json(&json!({ "id": "d-1", "payload": { "approved": true } }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    // Killed again as the approved job resumes.
+    assert!(
+        wait_until(WAIT, || async {
+            env.job("kill-ap").await.waiting.is_none()
+        })
+        .await,
+        "the approval did not wake the job"
+    );
+    serve.sigkill();
+    serve.restart_on_same_port(&vars, &log).await;
+    let job = env.wait_for("kill-ap", JobState::Acked, WAIT).await;
+    assert_eq!(job.result.unwrap()["tool_calls"], 1);
+    assert_eq!(
+        tools.processed_with_key("job:kill-ap:tool:0:0"),
+        1,
+        "the approved tool's effect happened once"
+    );
+    assert!(
+        tools.requests_with_key("job:kill-ap:tool:0:0") <= 2,
+        "at most one resend of the tool's request under its key"
+    );
+    assert_eq!(
+        env.consumer.requests_with_key(event_key),
+        1,
+        "one job.waiting, through two kills"
+    );
+    assert_eq!(env.consumer.processed_for("kill-ap"), 2);
+    assert_eq!(
+        env.provider.work_done("job:kill-ap:turn:0"),
+        1,
+        "the first model turn was paid once"
+    );
+    assert_eq!(actors_in_flight(&serve.base, &token).await, 0);
+}
+
+// ---- bad input loses nothing ----------------------------------------------
+
+/// Waits for a number.
+struct Counter;
+
+impl Workflow for Counter {
+    const NAME: &'static str = "test.counter";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let n: Option<u32> = ctx.wait_for_signal("n", Duration::from_secs(60)).await?;
+        Ok(json!({ "n": n }))
+    }
+}
+
+/// A signal whose payload does not fit the wait's type fails the job with
+/// `invalid_signal` (permanent: no retry loop), and a signal of a name the
+/// job never waits for is kept and shown in its detail.
+#[actix_rt::test]
+async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() {
+    let env = TestEnv::new().await;
+    let mut registry = Registry::new();
+    registry.register(Counter);
+    let _engine = env.start(registry, env.config());
+    for id in ["ct-1", "ct-2"] {
+        env.submit_job(NewJob {
+            id: id.to_owned(),
+            workflow: Counter::NAME.to_owned(),
+            workflow_version: 1,
+            input: json!({}),
+            webhook_url: env.consumer.url(),
+            schedule: Default::default(),
+        })
+        .await;
+        wait_for_wait(&env, id, "signal").await;
+    }
+    env.store
+        .signal("ct-1", "stray", "s-0", &json!({ "kept": true }))
+        .await
+        .unwrap();
+    env.store
+        .signal("ct-1", "n", "s-1", &json!(7))
+        .await
+        .unwrap();
+    let job = env.wait_for("ct-1", JobState::Acked, WAIT).await;
+    assert_eq!(job.result.unwrap()["n"], 7);
+    let kept: Vec<_> = job
+        .signals
+        .iter()
+        .map(|s| (s.name.as_str(), s.taken_by.clone()))
+        .collect();
+    assert_eq!(
+        kept,
+        vec![("stray", None), ("n", Some("job:ct-1:signal:n".to_owned()))]
+    );
+
+    env.store
+        .signal("ct-2", "n", "s-1", &json!("seven"))
+        .await
+        .unwrap();
+    let job = env.wait_for("ct-2", JobState::Dead, WAIT).await;
+    assert_eq!(job.last_error.unwrap().code, "invalid_signal");
+    assert_eq!(job.attempts, 2, "a permanent failure: no retries");
+}

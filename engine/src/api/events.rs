@@ -8,7 +8,8 @@ use super::*;
 /// `reset`, and its state changes (`state`) — each with the `id` of one
 /// increasing sequence per job. Only journaled (durable) events are sent,
 /// so what a watcher saw is always a prefix of the journal. `Last-Event-ID`
-/// resumes after that event; the stream ends after the job's final state.
+/// resumes after that event; the stream ends after the job's final state,
+/// and a resume past a finished job's last event is `204 No Content`.
 pub(super) async fn job_events(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -37,6 +38,11 @@ pub(super) async fn job_events(
     };
     if let Err(refused) = own_job(&state, who, &id).await {
         return refused;
+    }
+    if finished_before(&state.store, &id, after).await {
+        // Nothing more will come: 204 tells an EventSource to stop
+        // reconnecting (a 200 that ends at once makes it come back).
+        return HttpResponse::NoContent().finish();
     }
     let slot = match state.limits.open_stream(who.owner()) {
         Ok(slot) => slot,
@@ -83,6 +89,21 @@ pub(super) async fn job_events(
         .insert_header(("cache-control", "no-cache"))
         .insert_header(("x-accel-buffering", "no"))
         .streaming(body)
+}
+
+/// Whether job `id` has finished and journaled no event after `after`
+/// (a resume past a finished job's last event). A read error is `false`:
+/// the stream then finds out itself.
+async fn finished_before(store: &Store, id: &str, after: i64) -> bool {
+    if after == 0 {
+        return false; // a first connection gets the whole journal
+    }
+    match store.job_events(id, after, 1).await {
+        Ok(events) if events.is_empty() => {
+            matches!(store.job(id).await, Ok(Some(view)) if view.state.is_terminal())
+        }
+        _ => false,
+    }
 }
 
 /// Sends `job_id`'s events after `after` to `tx` as they are journaled,

@@ -65,7 +65,7 @@ pub(crate) struct Replay {
     /// nor once the rerun has asked for every journaled key.
     armed: bool,
     /// The job's journaled keys, oldest first; read on first use.
-    journal: Option<Vec<String>>,
+    journal: Option<Vec<crate::store::Journaled>>,
     /// The keys this attempt asked for.
     asked: std::collections::HashSet<String>,
 }
@@ -122,11 +122,11 @@ impl Context {
             None => self.store.journal_keys(&self.fence).await?,
         };
         self.replay.asked.insert(key.to_owned());
-        let replayed = journal.iter().any(|k| k == key);
+        let replayed = journal.iter().any(|k| k.key == key);
         let skipped: Vec<&str> = journal
             .iter()
-            .filter(|k| !self.replay.asked.contains(*k))
-            .map(String::as_str)
+            .filter(|k| !self.replay.asked.contains(&k.key))
+            .map(|k| k.key.as_str())
             .collect();
         let outcome = if replayed || optional {
             Ok(())
@@ -150,6 +150,17 @@ impl Context {
         };
         self.replay.journal = Some(journal);
         outcome
+    }
+
+    /// The outcome of wait `key` when the journal read by this rerun holds
+    /// it over: a replay returns it without asking the store again.
+    fn journaled_outcome(&self, key: &str) -> Option<serde_json::Value> {
+        self.replay
+            .journal
+            .as_ref()?
+            .iter()
+            .find(|k| k.key == key)
+            .and_then(|k| k.outcome.clone())
     }
 
     /// The job's id (its business id).

@@ -159,6 +159,11 @@ impl Context {
             ));
         }
         self.follow_journal(name, &key, false).await?;
+        if let Some(outcome) = self.journaled_outcome(&key) {
+            // Over before this attempt began (a due timer is recorded as the
+            // job is picked up): nothing to write.
+            return Ok(outcome);
+        }
         self.not_draining()?;
         let event_key = (kind == WaitKind::Approval)
             .then(|| format!("{}:waiting:{name}", self.fence.key().as_str()));

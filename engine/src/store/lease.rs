@@ -125,6 +125,11 @@ impl Store {
     /// and never one in `running` (this node's attempts still alive: a lease
     /// that lapsed while its heartbeat failed is not taken over by the node
     /// that holds it, so one job has at most one actor per node).
+    ///
+    /// A job picked up because its timer (`ctx.sleep`) is due has the
+    /// timer's outcome recorded in the same statement, under the new lease:
+    /// a due timer's outcome is fixed (`{"slept": true}`), so the attempt's
+    /// replay reads it from the journal instead of a transaction of its own.
     pub async fn acquire(
         &self,
         node: &str,
@@ -137,16 +142,22 @@ impl Store {
         let mut conn = self.db().conn().await?;
         let rows: Vec<LeasedRow> = sql(
             "WITH picked AS ( \
-                 SELECT id, lease_owner FROM jobs \
+                 SELECT id, lease_owner, waiting FROM jobs \
                  WHERE finished_at IS NULL AND run_at <= now() \
                    AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp() \
                         OR ($4 AND lease_owner = $1)) \
                    AND ($5::text[] IS NULL OR workflow || '@' || workflow_version = ANY($5)) AND NOT (id = ANY($6))  \
                  ORDER BY priority DESC, run_at LIMIT $2 \
-                 FOR UPDATE SKIP LOCKED) \
+                 FOR UPDATE SKIP LOCKED), \
+             fired AS ( \
+                 UPDATE waits w SET outcome = '{\"slept\": true}', done_at = now() \
+                 FROM picked WHERE w.job_id = picked.id AND picked.waiting->>'kind' = 'sleep' \
+                   AND w.kind = 'sleep' AND w.done_at IS NULL AND w.until <= now() \
+                 RETURNING w.job_id) \
              UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
                  lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \
-                 attempts = j.attempts + 1, updated_at = now() \
+                 attempts = j.attempts + 1, updated_at = now(), \
+                 waiting = CASE WHEN j.id IN (SELECT job_id FROM fired) THEN NULL ELSE j.waiting END \
              FROM picked WHERE j.id = picked.id \
              RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
                  picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token",

@@ -98,6 +98,17 @@ struct Count {
     n: i64,
 }
 
+/// One key of a job's journal (see [`Store::journal_keys`]).
+#[derive(Debug, Clone, QueryableByName)]
+pub struct Journaled {
+    /// The key.
+    #[diesel(sql_type = Text)]
+    pub key: String,
+    /// A wait's outcome, once the wait is over.
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    pub outcome: Option<Value>,
+}
+
 impl Store {
     /// Records the intent to execute `call` (before any side effect) and
     /// decides whether this attempt executes it.
@@ -262,29 +273,26 @@ impl Store {
     /// Every key journaled for `fence`'s job (model calls, tool calls,
     /// steps, waits), in the order they were first journaled: what a replay of the
     /// body must ask for again, in this order, before it asks anything new.
-    pub async fn journal_keys(&self, fence: &Fence) -> Result<Vec<String>, StoreError> {
-        #[derive(QueryableByName)]
-        struct Key {
-            #[diesel(sql_type = Text)]
-            key: String,
-        }
+    /// A wait that is over comes with its outcome, which a replay returns
+    /// as it stands.
+    pub async fn journal_keys(&self, fence: &Fence) -> Result<Vec<Journaled>, StoreError> {
         let prefix = fence.key();
         retrying!(self, "journal_keys", async || {
             let mut conn = self.db().conn().await?;
-            let rows: Vec<Key> = sql(
-                "SELECT key FROM ( \
-                     SELECT idempotency_key AS key, created_at, id AS seq FROM model_calls WHERE job_id = $1 \
-                     UNION ALL SELECT $2 || ':tool:' || turn || ':' || call_index, created_at, id \
+            Ok(sql(
+                "SELECT key, outcome FROM ( \
+                     SELECT idempotency_key AS key, created_at, id AS seq, NULL::jsonb AS outcome \
+                         FROM model_calls WHERE job_id = $1 \
+                     UNION ALL SELECT $2 || ':tool:' || turn || ':' || call_index, created_at, id, NULL \
                          FROM tool_calls WHERE job_id = $1 \
-                     UNION ALL SELECT step_key, created_at, 0 FROM steps WHERE job_id = $1 \
-                     UNION ALL SELECT wait_key, created_at, 0 FROM waits WHERE job_id = $1) k \
+                     UNION ALL SELECT step_key, created_at, 0, NULL FROM steps WHERE job_id = $1 \
+                     UNION ALL SELECT wait_key, created_at, 0, outcome FROM waits WHERE job_id = $1) k \
                  ORDER BY created_at, seq",
             )
             .bind::<Text, _>(&fence.job_id)
             .bind::<Text, _>(prefix.as_str())
             .load(&mut conn)
-            .await?;
-            Ok(rows.into_iter().map(|r| r.key).collect())
+            .await?)
         })
         .await
     }

@@ -185,6 +185,8 @@ struct Counts {
     webhook_keys: HashSet<Option<String>>,
     webhook_processed: usize,
     webhook_requests: usize,
+    /// `job.waiting` events processed.
+    waiting_processed: usize,
     /// Chunks and resets in the job's stream journal (what watchers saw).
     stream_chunks: i64,
     stream_resets: i64,
@@ -202,6 +204,8 @@ pub struct Explorer<'a, F> {
     recorders: Vec<FakeConsumer>,
     /// Signals sent to each job right after it is submitted.
     signals: Vec<(String, String, Value)>,
+    /// Whether a crashed job's signals are sent while no node runs instead.
+    signals_in_crash: bool,
     prefix: String,
 }
 
@@ -215,6 +219,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             input,
             recorders: Vec::new(),
             signals: Vec::new(),
+            signals_in_crash: false,
             prefix: format!("x{}", rand::random::<u16>()),
         }
     }
@@ -226,6 +231,17 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
     pub fn signal(mut self, name: &str, signal_id: &str, payload: Value) -> Self {
         self.signals
             .push((name.to_owned(), signal_id.to_owned(), payload));
+        self
+    }
+
+    /// In the crash rows, sends the [`signal`](Self::signal)s while no
+    /// node runs, after the crash, instead of with the job: a crash after
+    /// the wait was journaled leaves the job waiting, and the signal finds
+    /// it so (its wake-up `NOTIFY` reaches nobody); the resumed node must
+    /// still run it once. The clean run and the freeze rows get them with
+    /// the job, as without this.
+    pub fn signals_arrive_during_crashes(mut self) -> Self {
+        self.signals_in_crash = true;
         self
     }
 
@@ -296,9 +312,25 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 );
                 env.faults.arm_nth(&id, *point, Action::Crash, *nth);
                 let crashing = node("crashing");
-                self.submit(&id).await;
+                self.submit_with(&id, !self.signals_in_crash).await;
+                if self.signals_in_crash {
+                    // A boundary past the wait is reached only once the
+                    // signal is there: send it while the node runs when the
+                    // job waits for it before reaching the armed boundary.
+                    super::wait_until(wait, || async {
+                        env.faults.fired(&id) || self.is_waiting(&id).await
+                    })
+                    .await;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    if !env.faults.fired(&id) {
+                        self.send_signals(&id).await;
+                    }
+                }
                 let fired = super::wait_until(wait, || async { env.faults.fired(&id) }).await;
                 crashing.shutdown();
+                if self.signals_in_crash {
+                    self.send_signals(&id).await;
+                }
                 // What the dead attempt had journaled is never asked for again.
                 let journaled = self.journaled(&id).await;
                 let resumed_at = std::time::Instant::now();
@@ -377,6 +409,10 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
     }
 
     async fn submit(&self, id: &str) {
+        self.submit_with(id, true).await;
+    }
+
+    async fn submit_with(&self, id: &str, with_signals: bool) {
         // The version a node with this registry would start it on.
         let version = (self.make_registry)()
             .get(&self.workflow)
@@ -397,6 +433,12 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 },
             })
             .await;
+        if with_signals {
+            self.send_signals(id).await;
+        }
+    }
+
+    async fn send_signals(&self, id: &str) {
         for (name, signal_id, payload) in &self.signals {
             self.env
                 .store
@@ -404,6 +446,16 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 .await
                 .expect("send the explorer's signal");
         }
+    }
+
+    async fn is_waiting(&self, id: &str) -> bool {
+        self.env
+            .store
+            .job(id)
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.waiting.is_some())
     }
 
     /// Waits until the job is finished (or `wait` passes), then counts.
@@ -553,10 +605,19 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         c.stream_chunks = journal[0]["chunks"].as_i64().unwrap_or_default();
         c.stream_resets = journal[0]["resets"].as_i64().unwrap_or_default();
         c.stream_differs = journal[0]["differ"].as_i64().unwrap_or_default();
-        let hooks = env.consumer.deliveries_for(id);
+        // A `job.waiting` event (a job that waited for a signal the clean
+        // run found there already) is counted apart: once per wait.
+        let (waiting, hooks): (Vec<_>, Vec<_>) =
+            env.consumer.deliveries_for(id).into_iter().partition(|d| {
+                d.webhook_id
+                    .as_deref()
+                    .is_some_and(|k| k.contains(":waiting:"))
+            });
+        let processed = |d: &&super::Delivery| !d.duplicate && (200..300).contains(&d.status);
         c.webhook_requests = hooks.len();
         c.webhook_keys = hooks.iter().map(|d| d.webhook_id.clone()).collect();
-        c.webhook_processed = env.consumer.processed_for(id);
+        c.webhook_processed = hooks.iter().filter(processed).count();
+        c.waiting_processed = waiting.iter().filter(processed).count();
         c
     }
 }
@@ -605,6 +666,12 @@ fn violations(baseline: &Counts, c: &Counts, mode: Mode) -> Vec<String> {
         if c.webhook_processed != baseline.webhook_processed {
             v.push(format!("webhook processed {} times", c.webhook_processed));
         }
+    }
+    if c.waiting_processed > 1 {
+        v.push(format!(
+            "job.waiting processed {} times for one wait",
+            c.waiting_processed
+        ));
     }
     if !c.model_overworked.is_empty() {
         v.push(format!(
