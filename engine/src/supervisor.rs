@@ -125,6 +125,7 @@ impl Actor for Supervisor {
         // and fill the gauges.
         ctx.notify(Poll);
         ctx.notify(Gauge);
+        ctx.notify(SendEvents);
     }
 }
 
@@ -304,7 +305,12 @@ impl Handler<Finished> for Supervisor {
                 .lease_lost
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        if matches!(msg.outcome, Outcome::Dead | Outcome::Waiting) {
+        // An attempt that may have queued an event (a death, an approval's
+        // wait) or that ended unsure (its kill may have committed).
+        if !matches!(
+            msg.outcome,
+            Outcome::Acked | Outcome::Rescheduled | Outcome::Drained
+        ) {
             ctx.notify(SendEvents);
         }
         tracing::debug!(job.id = %msg.job_id, outcome = ?msg.outcome, "attempt ended");
@@ -461,7 +467,11 @@ impl Handler<SendEvents> for Supervisor {
                     act.sending_events = false;
                     match result {
                         // A full batch: more may be due.
-                        Ok(n) if n as i64 == EVENT_BATCH => ctx.notify(SendEvents),
+                        Ok((n, _)) if n as i64 == EVENT_BATCH => ctx.notify(SendEvents),
+                        // A send to retry: looked for again when it is due.
+                        Ok((_, Some(retry_in))) => {
+                            ctx.notify_later(SendEvents, retry_in);
+                        }
                         Ok(_) => {}
                         Err(e) => {
                             tracing::warn!(error = %e, "could not send failure events; will retry")
@@ -473,7 +483,12 @@ impl Handler<SendEvents> for Supervisor {
 }
 
 /// Sends one batch of due failure events; returns how many were claimed.
-async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError> {
+/// Sends the failure events due; returns how many it claimed, and when the
+/// soonest of those it must retry is due again.
+async fn send_events(
+    shared: &Shared,
+) -> Result<(usize, Option<std::time::Duration>), crate::error::StoreError> {
+    let mut soonest: Option<std::time::Duration> = None;
     let config = &shared.config;
     let in_flight_ms =
         (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
@@ -524,6 +539,9 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
                 let policy = config.webhook_retry;
                 let retry_in = (failure.is_retryable() && !policy.exhausted(attempts))
                     .then(|| policy.delay(attempts, failure.retry_after()));
+                if let Some(delay) = retry_in {
+                    soonest = Some(soonest.map_or(delay, |s| s.min(delay)));
+                }
                 metrics.delivery(if retry_in.is_some() {
                     onceflow_observability::names::OUTCOME_RETRIED
                 } else {
@@ -541,7 +559,7 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
             }
         }
     }
-    Ok(n)
+    Ok((n, soonest))
 }
 
 impl Handler<Adopt> for Supervisor {

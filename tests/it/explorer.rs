@@ -3,8 +3,9 @@
 
 use std::collections::HashSet;
 use std::sync::Mutex;
+use std::time::Duration;
 
-use onceflow_engine::testkit::{Explorer, FakeConsumer, Mode, Report, TestEnv};
+use onceflow_engine::testkit::{wait_until, Explorer, FakeConsumer, Mode, Report, TestEnv};
 use onceflow_engine::{Context, Registry, StepError, Workflow};
 use onceflow_workflows::example::Onboarding;
 use onceflow_workflows::{Agent, Completion, HttpPost};
@@ -149,6 +150,16 @@ async fn an_approval_arriving_during_a_crash_runs_the_tool_once() {
             ))
             .await;
         assert_eq!(order[0]["after"], true, "{}: {report}", row.job_id);
+        // It waited, so it told its webhook so, once.
+        let key = format!("job:{}:waiting:approval:call_1", row.job_id);
+        assert!(
+            wait_until(Duration::from_secs(10), || async {
+                env.consumer.processed_with_key(&key) == 1
+            })
+            .await,
+            "{key}: {} processed",
+            env.consumer.processed_with_key(&key)
+        );
     }
 }
 

@@ -462,7 +462,7 @@ async fn actors_in_flight(base: &str, token: &str) -> i64 {
 }
 
 /// The real `onceflow serve`, killed with SIGKILL while an agent's tool call
-/// waits for its approval and again right after the approval: the waiting
+/// waits for its approval and again while the approved tool runs: the waiting
 /// job holds no actor on either node (`/metrics`), its `job.waiting` event
 /// is sent once, and the approved tool runs once.
 #[actix_rt::test]
@@ -513,14 +513,22 @@ async fn an_approval_survives_kill_9_of_the_real_binary() {
     );
     assert_eq!(actors_in_flight(&serve.base, &token).await, 0);
 
+    let attempts = env.job("kill-ap").await.attempts;
     serve.sigkill();
     serve.restart_on_same_port(&vars, &log).await;
-    // The new node leaves the waiting job alone: no actor, no lease.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The new node leaves the waiting job alone: no actor, no lease, not
+    // even an attempt that would wait again.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(actors_in_flight(&serve.base, &token).await, 0);
     let job = env.job("kill-ap").await;
     assert!(job.waiting.is_some(), "still waiting after the restart");
+    assert_eq!(job.attempts, attempts, "the restart ran no attempt");
     assert_eq!(tools.requests_with_key("job:kill-ap:tool:0:0"), 0);
+    // The approved tool does its work and holds its answer: the second kill
+    // lands before the node hears back.
+    tools.push(onceflow_engine::testkit::Behaviour::LoseResponse(
+        Duration::from_secs(5),
+    ));
 
     let r = client()
         .post(format!(
@@ -533,15 +541,19 @@ async fn an_approval_survives_kill_9_of_the_real_binary() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 202);
-    // Killed again as the approved job resumes.
+    // Killed again while the approved tool call is under way.
     assert!(
         wait_until(WAIT, || async {
-            env.job("kill-ap").await.waiting.is_none()
+            tools.requests_with_key("job:kill-ap:tool:0:0") >= 1
         })
         .await,
         "the approval did not wake the job"
     );
     serve.sigkill();
+    assert!(
+        !env.job("kill-ap").await.state.is_terminal(),
+        "killed mid-way"
+    );
     serve.restart_on_same_port(&vars, &log).await;
     let job = env.wait_for("kill-ap", JobState::Acked, WAIT).await;
     assert_eq!(job.result.unwrap()["tool_calls"], 1);
@@ -550,9 +562,10 @@ async fn an_approval_survives_kill_9_of_the_real_binary() {
         1,
         "the approved tool's effect happened once"
     );
-    assert!(
-        tools.requests_with_key("job:kill-ap:tool:0:0") <= 2,
-        "at most one resend of the tool's request under its key"
+    assert_eq!(
+        tools.requests_with_key("job:kill-ap:tool:0:0"),
+        2,
+        "the tool call cut by the kill was sent again under its key"
     );
     assert_eq!(
         env.consumer.requests_with_key(event_key),

@@ -92,18 +92,19 @@ pub(super) async fn job_events(
 }
 
 /// Whether job `id` has finished and journaled no event after `after`
-/// (a resume past a finished job's last event). A read error is `false`:
-/// the stream then finds out itself.
+/// (a resume past a finished job's last event). The state is read first:
+/// a job that finishes between the two reads has its final event journaled
+/// with the move, so the second read sees it and the stream sends it. A
+/// read error is `false`: the stream then finds out itself. (A dead job
+/// may be redriven later; its new events are read by a new request.)
 async fn finished_before(store: &Store, id: &str, after: i64) -> bool {
     if after == 0 {
         return false; // a first connection gets the whole journal
     }
-    match store.job_events(id, after, 1).await {
-        Ok(events) if events.is_empty() => {
-            matches!(store.job(id).await, Ok(Some(view)) if view.state.is_terminal())
-        }
-        _ => false,
+    if !matches!(store.job(id).await, Ok(Some(view)) if view.state.is_terminal()) {
+        return false;
     }
+    matches!(store.job_events(id, after, 1).await, Ok(events) if events.is_empty())
 }
 
 /// Sends `job_id`'s events after `after` to `tx` as they are journaled,

@@ -152,7 +152,8 @@ impl Store {
              fired AS ( \
                  UPDATE waits w SET outcome = '{\"slept\": true}', done_at = now() \
                  FROM picked WHERE w.job_id = picked.id AND picked.waiting->>'kind' = 'sleep' \
-                   AND w.kind = 'sleep' AND w.done_at IS NULL AND w.until <= now() \
+                   AND w.kind = 'sleep' AND w.name = picked.waiting->>'name' \
+                   AND w.done_at IS NULL AND w.until <= now() \
                  RETURNING w.job_id) \
              UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
                  lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \

@@ -185,8 +185,9 @@ struct Counts {
     webhook_keys: HashSet<Option<String>>,
     webhook_processed: usize,
     webhook_requests: usize,
-    /// `job.waiting` events processed.
+    /// `job.waiting` events processed, and requested.
     waiting_processed: usize,
+    waiting_requests: usize,
     /// Chunks and resets in the job's stream journal (what watchers saw).
     stream_chunks: i64,
     stream_resets: i64,
@@ -618,6 +619,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         c.webhook_keys = hooks.iter().map(|d| d.webhook_id.clone()).collect();
         c.webhook_processed = hooks.iter().filter(processed).count();
         c.waiting_processed = waiting.iter().filter(processed).count();
+        c.waiting_requests = waiting.len();
         c
     }
 }
@@ -705,6 +707,8 @@ fn violations(baseline: &Counts, c: &Counts, mode: Mode) -> Vec<String> {
     for (what, clean, now) in [
         ("model", baseline.model_requests, c.model_requests),
         ("webhook", baseline.webhook_requests, c.webhook_requests),
+        // At most one job.waiting per wait, so one and its resends.
+        ("job.waiting", 1, c.waiting_requests),
         ("side-effect", baseline.effect_requests, c.effect_requests),
     ] {
         if now > clean + slack {
