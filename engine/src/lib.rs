@@ -61,6 +61,7 @@ pub mod quota;
 pub mod request;
 pub mod retry;
 pub mod runtime;
+pub mod schedule;
 pub mod store;
 pub mod supervisor;
 pub mod traceparent;

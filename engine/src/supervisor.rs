@@ -81,7 +81,20 @@ pub struct Supervisor {
     stopping: bool,
     /// Actors in flight last reported to the up-down counter.
     reported_in_flight: i64,
+    /// When to look for due schedules next (`None`: at the next poll).
+    schedules_due: Option<std::time::Instant>,
+    firing: bool,
 }
+
+/// Fire the due schedules (see [`crate::store::schedules`]).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct FireSchedules;
+
+/// A schedule was created or resumed somewhere: look at once.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SchedulesChanged;
 
 impl Supervisor {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
@@ -97,6 +110,8 @@ impl Supervisor {
             reclaimed_own: false,
             stopping: false,
             reported_in_flight: 0,
+            schedules_due: None,
+            firing: false,
         }
     }
 }
@@ -136,6 +151,12 @@ impl Handler<Poll> for Supervisor {
         // A frozen attempt (failpoint) stands for a paused node: it takes no work.
         if self.stopping || self.frozen() {
             return;
+        }
+        if self
+            .schedules_due
+            .is_none_or(|at| std::time::Instant::now() >= at)
+        {
+            ctx.notify(FireSchedules);
         }
         if self.polling {
             self.poll_again = true;
@@ -405,6 +426,66 @@ impl Handler<Purge> for Supervisor {
                 Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
             }
         }));
+    }
+}
+
+impl Handler<FireSchedules> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: FireSchedules, ctx: &mut Self::Context) {
+        if self.firing || self.stopping {
+            return;
+        }
+        self.firing = true;
+        let shared = self.shared.clone();
+        let fireable: Vec<crate::store::schedules::Fireable> = shared
+            .registry
+            .names()
+            .filter_map(|name| {
+                Some(crate::store::schedules::Fireable {
+                    workflow: name.to_owned(),
+                    version: shared.registry.get(name)?.version() as i32,
+                    notify_failures: shared.registry.failure_events(name),
+                })
+            })
+            .collect();
+        // Looked at again when the next is due, or after a minute of polls
+        // at the latest (a NOTIFY lost while LISTEN reconnected).
+        let safety = self.shared.config.poll_interval * 60;
+        ctx.spawn(
+            async move { shared.store.fire_schedules(&fireable).await }
+                .into_actor(self)
+                .map(move |result, act, ctx| {
+                    act.firing = false;
+                    let now = std::time::Instant::now();
+                    act.schedules_due = Some(match result {
+                        Ok(fired) => {
+                            if fired.jobs > 0 {
+                                tracing::info!(
+                                    jobs = fired.jobs,
+                                    schedules = fired.schedules,
+                                    "schedules fired"
+                                );
+                                ctx.notify(Poll);
+                            }
+                            now + fired.next_in.map_or(safety, |d| d.min(safety))
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not fire schedules; will retry");
+                            now + act.shared.config.poll_interval
+                        }
+                    });
+                }),
+        );
+    }
+}
+
+impl Handler<SchedulesChanged> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: SchedulesChanged, ctx: &mut Self::Context) {
+        self.schedules_due = None;
+        ctx.notify(FireSchedules);
     }
 }
 

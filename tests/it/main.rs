@@ -7,6 +7,7 @@ mod anthropic;
 mod binary;
 mod chaos;
 mod console;
+mod cron;
 mod dbfaults;
 mod durability;
 mod embedded;

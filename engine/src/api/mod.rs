@@ -43,6 +43,7 @@ mod events;
 mod jobs;
 mod metrics;
 mod operate;
+mod schedules;
 mod signals;
 
 use auth::*;
@@ -54,6 +55,7 @@ pub use jobs::MAX_PAGE;
 use jobs::*;
 use metrics::*;
 use operate::*;
+use schedules::*;
 pub use signals::MAX_SIGNAL_PAYLOAD;
 use signals::*;
 
@@ -158,6 +160,12 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
                 .route("/v1/jobs/{id}/cancel", web::post().to(cancel))
                 .route("/v1/jobs/{id}/redrive", web::post().to(redrive))
                 .route("/v1/jobs/{id}/signals/{name}", web::post().to(signal))
+                .route("/v1/schedules", web::post().to(create_schedule))
+                .route("/v1/schedules", web::get().to(list_schedules))
+                .route("/v1/schedules/{id}", web::get().to(get_schedule))
+                .route("/v1/schedules/{id}", web::delete().to(delete_schedule))
+                .route("/v1/schedules/{id}/pause", web::post().to(pause_schedule))
+                .route("/v1/schedules/{id}/resume", web::post().to(resume_schedule))
                 .route("/", web::get().to(console_page))
                 .route("/console.js", web::get().to(console_js))
                 .route("/console.css", web::get().to(console_css))

@@ -53,6 +53,7 @@ pub mod lease;
 pub mod ledger;
 pub mod operate;
 mod rows;
+pub mod schedules;
 pub mod slots;
 pub mod sql;
 pub mod streams;

@@ -1,0 +1,261 @@
+//! `/v1/schedules`: crons that create jobs (see [`crate::schedule`] and
+//! [`crate::store::schedules`]). A schedule belongs to the token that
+//! created it, as a job does; another token's is a `404`.
+
+use super::*;
+use crate::error::InvalidInput;
+use crate::schedule::{CatchUp, Timetable};
+use crate::store::schedules::{NewSchedule, ScheduleIntake};
+
+fn invalid(e: InvalidInput) -> HttpResponse {
+    error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid",
+        e.to_string(),
+        Some(&e.field),
+    )
+}
+
+/// Validates a `POST /v1/schedules` body: the schedule's own fields here,
+/// and `workflow`, `input` and `webhook_url` as intake validates a job's.
+fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetable), IntakeError> {
+    let serde_json::Value::Object(mut obj) = crate::intake::parse_json(body)? else {
+        return Err(InvalidInput::new("body", "must be a JSON object").into());
+    };
+    let mut text = |field: &str, required: bool| -> Result<Option<String>, InvalidInput> {
+        match obj.remove(field) {
+            Some(serde_json::Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(InvalidInput::new(field, "must be a string")),
+            None if required => Err(InvalidInput::new(field, "is required")),
+            None => Ok(None),
+        }
+    };
+    let id = text("id", true)?.unwrap_or_default();
+    crate::schedule::validate_id(&id)?;
+    let cron = text("cron", true)?.unwrap_or_default();
+    let timezone = text("timezone", false)?.unwrap_or_else(|| "UTC".to_owned());
+    let catch_up = match text("catch_up", false)? {
+        None => CatchUp::Latest,
+        Some(c) => CatchUp::parse(&c).ok_or_else(|| {
+            InvalidInput::new("catch_up", "must be \"latest\", \"all\" or \"none\"")
+        })?,
+    };
+    let table = Timetable::parse(&cron, &timezone)?;
+    // The rest is a job's, checked by intake (as the first job would be).
+    let job_fields = ["workflow", "input", "webhook_url"];
+    if let Some(extra) = obj.keys().find(|k| !job_fields.contains(&k.as_str())) {
+        return Err(InvalidInput::new(extra.clone(), "unknown field").into());
+    }
+    obj.insert(
+        "id".into(),
+        serde_json::Value::String(crate::schedule::job_id(&id, chrono::Utc::now())),
+    );
+    let job_body = serde_json::to_vec(&obj).expect("a JSON object serialises");
+    let job = crate::intake::parse(&job_body, &state.registry, &state.url_guard)?;
+    Ok((
+        NewSchedule {
+            id,
+            cron,
+            timezone,
+            workflow: job.workflow,
+            input: job.input,
+            webhook_url: job.webhook_url,
+            catch_up,
+        },
+        table,
+    ))
+}
+
+/// `POST /v1/schedules` `{"id", "cron", "timezone"?, "workflow", "input",
+/// "webhook_url", "catch_up"?}`: `201` created · `200` the same schedule
+/// again · `409 schedule_conflict` the id with another body · `422` a bad
+/// field, named.
+pub(super) async fn create_schedule(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    if !is_json(&req) {
+        return not_json();
+    }
+    let limit = state.body_limit;
+    let body = match read_body(&state, payload, limit, || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the request body exceeds {limit} bytes"),
+            None,
+        )
+    })
+    .await
+    {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let (schedule, table) = match parse_schedule(&state, &body) {
+        Ok(parsed) => parsed,
+        Err(IntakeError::Invalid(e)) => return invalid(e),
+        Err(IntakeError::Malformed(m)) => {
+            return error(StatusCode::BAD_REQUEST, "malformed_json", m, None)
+        }
+    };
+    let Some(first) = table.next_after(chrono::Utc::now()) else {
+        return invalid(InvalidInput::new("cron", "never fires"));
+    };
+    match state
+        .store
+        .create_schedule(&schedule, who.owner(), first)
+        .await
+    {
+        Ok(ScheduleIntake::Created(view)) => HttpResponse::Created().json(view),
+        Ok(ScheduleIntake::Existing(view)) => HttpResponse::Ok().json(view),
+        Ok(ScheduleIntake::Conflict) => error(
+            StatusCode::CONFLICT,
+            "schedule_conflict",
+            format!(
+                "schedule {:?} exists with another body; the stored one is unchanged",
+                schedule.id
+            ),
+            Some("id"),
+        ),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// `GET /v1/schedules`: the caller's schedules (an admin's: all), by id.
+pub(super) async fn list_schedules(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let scope = who.scope();
+    match state.store.schedules(scope.is_none(), scope).await {
+        Ok(list) => HttpResponse::Ok().json(serde_json::json!({ "schedules": list })),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// Schedule `id` when the caller may see it; `404` otherwise.
+async fn own_schedule(
+    state: &ApiState,
+    who: Who,
+    id: &str,
+) -> Result<crate::store::schedules::ScheduleDetail, HttpResponse> {
+    match state.store.schedule(id).await {
+        Ok(Some(s)) if who.sees(s.schedule.owner_token) => Ok(s),
+        Ok(_) => Err(error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no schedule {id:?}"),
+            None,
+        )),
+        Err(e) => Err(unavailable(e)),
+    }
+}
+
+/// `GET /v1/schedules/{id}`: the schedule, its `next_fire_at` and its
+/// latest jobs · `404`.
+pub(super) async fn get_schedule(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    match own_schedule(&state, who, &id).await {
+        Ok(s) => HttpResponse::Ok().json(s),
+        Err(refused) => refused,
+    }
+}
+
+/// `DELETE /v1/schedules/{id}`: `204`, and nothing fires after · `404`.
+/// Its jobs stay.
+pub(super) async fn delete_schedule(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    if let Err(refused) = own_schedule(&state, who, &id).await {
+        return refused;
+    }
+    match state.store.delete_schedule(&id).await {
+        Ok(_) => HttpResponse::NoContent().finish(),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// `POST /v1/schedules/{id}/pause`: `200` and the schedule; nothing fires
+/// until it is resumed · `404`.
+pub(super) async fn pause_schedule(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> HttpResponse {
+    set_paused(state, req, id, true).await
+}
+
+/// `POST /v1/schedules/{id}/resume`: `200` and the schedule, next firing
+/// at its next fire time from now (those passed while it was paused never
+/// fire) · `404`.
+pub(super) async fn resume_schedule(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> HttpResponse {
+    set_paused(state, req, id, false).await
+}
+
+async fn set_paused(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+    paused: bool,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let current = match own_schedule(&state, who, &id).await {
+        Ok(s) => s.schedule,
+        Err(refused) => return refused,
+    };
+    let next = if paused {
+        None
+    } else {
+        Timetable::parse(&current.cron, &current.timezone)
+            .ok()
+            .and_then(|t| t.next_after(chrono::Utc::now()))
+    };
+    if let Err(e) = state.store.set_paused(&id, paused, next).await {
+        return unavailable(e);
+    }
+    match own_schedule(&state, who, &id).await {
+        Ok(s) => HttpResponse::Ok().json(s),
+        Err(refused) => refused,
+    }
+}

@@ -1,0 +1,445 @@
+//! Schedules: their rows, and firing them. A firing locks the due
+//! schedules' rows (`FOR UPDATE SKIP LOCKED`: each is fired by one node at
+//! a time), and in one commit records each fire time once
+//! (`schedule_fires`' primary key), inserts its job through intake's insert
+//! (`{schedule id}:{YYYYMMDDTHHMMSSZ}`: an id that exists inserts nothing)
+//! and moves `next_fire_at` on. A node killed mid-firing commits nothing,
+//! and the next firing (on any node) does it all. A delete or pause takes
+//! the same row lock, so nothing fires after it commits.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, BigInt, Bool, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, RunQueryDsl};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::group_writes::{intake_on, NewRow};
+use super::sql::sql;
+use super::Store;
+use crate::error::StoreError;
+use crate::request::{canonical_hash, JobRequest};
+use crate::schedule::{job_id, CatchUp, Timetable};
+
+/// The `NOTIFY` channel a schedule created or resumed is announced on: the
+/// nodes look for due schedules at once.
+pub const SCHEDULES_CHANNEL: &str = "onceflow_schedules";
+
+/// Schedules fired per statement.
+const FIRE_BATCH: i64 = 20;
+
+/// A schedule as `POST /v1/schedules` gives it, validated.
+#[derive(Debug, Clone, Serialize)]
+pub struct NewSchedule {
+    /// Its id (a job of it is `{id}:{fire time}`).
+    pub id: String,
+    /// Five fields, or six with seconds first.
+    pub cron: String,
+    /// An IANA zone name.
+    pub timezone: String,
+    /// The workflow each job runs.
+    pub workflow: String,
+    /// Each job's input.
+    pub input: Value,
+    /// Each job's webhook.
+    pub webhook_url: String,
+    /// What happens to fire times missed while no node ran.
+    pub catch_up: CatchUp,
+}
+
+/// One job a schedule created.
+#[derive(Debug, Clone, Serialize, QueryableByName, PartialEq)]
+pub struct ScheduledJob {
+    /// The job's id.
+    #[diesel(sql_type = Text)]
+    pub id: String,
+    /// The fire time it was created for.
+    #[diesel(sql_type = Timestamptz)]
+    pub fire_at: DateTime<Utc>,
+    /// Its state now (`None` once purged).
+    #[diesel(sql_type = Nullable<Text>)]
+    pub state: Option<String>,
+}
+
+/// A schedule as `GET /v1/schedules/{id}` shows it.
+#[derive(Debug, Clone, Serialize, QueryableByName)]
+pub struct ScheduleView {
+    /// Its id.
+    #[diesel(sql_type = Text)]
+    pub id: String,
+    /// Its cron.
+    #[diesel(sql_type = Text)]
+    pub cron: String,
+    /// Its time zone.
+    #[diesel(sql_type = Text)]
+    pub timezone: String,
+    /// The workflow its jobs run.
+    #[diesel(sql_type = Text)]
+    pub workflow: String,
+    /// Its jobs' input.
+    #[diesel(sql_type = Jsonb)]
+    pub input: Value,
+    /// Its jobs' webhook.
+    #[diesel(sql_type = Text)]
+    pub webhook_url: String,
+    /// `latest`, `all` or `none`.
+    #[diesel(sql_type = Text)]
+    pub catch_up: String,
+    /// Whether it is paused.
+    #[diesel(sql_type = Bool)]
+    pub paused: bool,
+    /// When it fires next (`None` while paused).
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub next_fire_at: Option<DateTime<Utc>>,
+    /// When it was created.
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+    /// The token it belongs to (not shown).
+    #[serde(skip)]
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub owner_token: Option<i64>,
+}
+
+/// A schedule with its latest jobs, newest first.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScheduleDetail {
+    /// The schedule.
+    #[serde(flatten)]
+    pub schedule: ScheduleView,
+    /// Its latest ten jobs, newest first.
+    pub latest_jobs: Vec<ScheduledJob>,
+}
+
+/// What creating a schedule did.
+#[derive(Debug)]
+pub enum ScheduleIntake {
+    /// Created now (`201`).
+    Created(ScheduleView),
+    /// The same schedule was created before (`200`).
+    Existing(ScheduleDetail),
+    /// The id is taken by another schedule (`409`).
+    Conflict,
+}
+
+/// A workflow this node can fire schedules of.
+#[derive(Debug, Clone)]
+pub struct Fireable {
+    /// Its name.
+    pub workflow: String,
+    /// The version a new job of it gets here (the highest registered).
+    pub version: i32,
+    /// Whether its jobs send failure events.
+    pub notify_failures: bool,
+}
+
+/// What a firing did.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Fired {
+    /// Jobs created.
+    pub jobs: usize,
+    /// Schedules fired.
+    pub schedules: usize,
+    /// How long until the next schedule this node can fire is due (`None`:
+    /// none is active).
+    pub next_in: Option<std::time::Duration>,
+}
+
+/// The columns of a [`ScheduleView`].
+macro_rules! view {
+    () => {
+        "SELECT id, cron, timezone, workflow, input, webhook_url, catch_up, paused, \
+         CASE WHEN paused THEN NULL ELSE next_fire_at END AS next_fire_at, created_at, owner_token \
+         FROM schedules"
+    };
+}
+
+#[derive(QueryableByName)]
+struct DueRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    owner_token: Option<i64>,
+    #[diesel(sql_type = Text)]
+    cron: String,
+    #[diesel(sql_type = Text)]
+    timezone: String,
+    #[diesel(sql_type = Text)]
+    workflow: String,
+    #[diesel(sql_type = Jsonb)]
+    input: Value,
+    #[diesel(sql_type = Text)]
+    webhook_url: String,
+    #[diesel(sql_type = Text)]
+    catch_up: String,
+    #[diesel(sql_type = Timestamptz)]
+    next_fire_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    db_now: DateTime<Utc>,
+}
+
+impl NewSchedule {
+    /// The hash two submissions of one schedule share.
+    fn hash(&self) -> String {
+        canonical_hash(&serde_json::to_value(self).expect("a schedule serialises"))
+    }
+}
+
+impl Store {
+    /// Creates schedule `s` for token `owner`, first firing at `next_fire_at`;
+    /// the same schedule again is `Existing`, another under its id `Conflict`.
+    pub async fn create_schedule(
+        &self,
+        s: &NewSchedule,
+        owner: Option<i64>,
+        next_fire_at: DateTime<Utc>,
+    ) -> Result<ScheduleIntake, StoreError> {
+        let hash = s.hash();
+        let mut conn = self.db().conn().await?;
+        let created: Vec<ScheduleView> = sql(
+            "WITH created AS ( \
+                 INSERT INTO schedules (id, owner_token, cron, timezone, workflow, input, webhook_url, \
+                     catch_up, body_hash, next_fire_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+                 ON CONFLICT (id) DO NOTHING \
+                 RETURNING id, cron, timezone, workflow, input, webhook_url, catch_up, paused, \
+                     next_fire_at, created_at, owner_token), \
+             told AS (SELECT pg_notify($11, id) FROM created) \
+             SELECT created.* FROM created LEFT JOIN told ON true",
+        )
+        .bind::<Text, _>(&s.id)
+        .bind::<Nullable<BigInt>, _>(owner)
+        .bind::<Text, _>(&s.cron)
+        .bind::<Text, _>(&s.timezone)
+        .bind::<Text, _>(&s.workflow)
+        .bind::<Jsonb, _>(&s.input)
+        .bind::<Text, _>(&s.webhook_url)
+        .bind::<Text, _>(s.catch_up.as_str())
+        .bind::<Text, _>(&hash)
+        .bind::<Timestamptz, _>(next_fire_at)
+        .bind::<Text, _>(SCHEDULES_CHANNEL)
+        .load(&mut conn)
+        .await?;
+        if let Some(view) = created.into_iter().next() {
+            return Ok(ScheduleIntake::Created(view));
+        }
+        #[derive(QueryableByName)]
+        struct Stored {
+            #[diesel(sql_type = Text)]
+            body_hash: String,
+            #[diesel(sql_type = Nullable<BigInt>)]
+            owner_token: Option<i64>,
+        }
+        let stored: Vec<Stored> = sql("SELECT body_hash, owner_token FROM schedules WHERE id = $1")
+            .bind::<Text, _>(&s.id)
+            .load(&mut conn)
+            .await?;
+        match stored.into_iter().next() {
+            Some(st) if st.body_hash == hash && st.owner_token == owner => {
+                match self.schedule(&s.id).await? {
+                    Some(view) => Ok(ScheduleIntake::Existing(view)),
+                    None => Ok(ScheduleIntake::Conflict), // deleted meanwhile
+                }
+            }
+            _ => Ok(ScheduleIntake::Conflict),
+        }
+    }
+
+    /// The schedules of token `owner` (every token's with `all`), by id.
+    pub async fn schedules(
+        &self,
+        all: bool,
+        token: Option<i64>,
+    ) -> Result<Vec<ScheduleView>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        Ok(sql(concat!(
+            view!(),
+            " WHERE $1 OR owner_token IS NOT DISTINCT FROM $2 ORDER BY id LIMIT 1000"
+        ))
+        .bind::<Bool, _>(all)
+        .bind::<Nullable<BigInt>, _>(token)
+        .load(&mut conn)
+        .await?)
+    }
+
+    /// Schedule `id` with its latest jobs, or `None`.
+    pub async fn schedule(&self, id: &str) -> Result<Option<ScheduleDetail>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let view: Vec<ScheduleView> = sql(concat!(view!(), " WHERE id = $1"))
+            .bind::<Text, _>(id)
+            .load(&mut conn)
+            .await?;
+        let Some(schedule) = view.into_iter().next() else {
+            return Ok(None);
+        };
+        let jobs: Vec<ScheduledJob> = sql(
+            "SELECT f.job_id AS id, f.fire_at, j.state::text AS state FROM schedule_fires f \
+             LEFT JOIN jobs j ON j.id = f.job_id \
+             WHERE f.schedule_id = $1 ORDER BY f.fire_at DESC LIMIT 10",
+        )
+        .bind::<Text, _>(id)
+        .load(&mut conn)
+        .await?;
+        Ok(Some(ScheduleDetail {
+            schedule,
+            latest_jobs: jobs,
+        }))
+    }
+
+    /// Deletes schedule `id` (its jobs stay); `false` when there was none.
+    pub async fn delete_schedule(&self, id: &str) -> Result<bool, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let n = sql("DELETE FROM schedules WHERE id = $1")
+            .bind::<Text, _>(id)
+            .execute(&mut conn)
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Pauses schedule `id`, or resumes it to fire next at `next_fire_at`
+    /// (fire times passed while it was paused never fire); `false` when
+    /// there is none.
+    pub async fn set_paused(
+        &self,
+        id: &str,
+        paused: bool,
+        next_fire_at: Option<DateTime<Utc>>,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let n = sql("WITH moved AS ( \
+                 UPDATE schedules SET paused = $2, next_fire_at = coalesce($3, next_fire_at), \
+                     updated_at = now() \
+                 WHERE id = $1 RETURNING id), \
+             told AS (SELECT pg_notify($4, id) FROM moved WHERE NOT $2) \
+             SELECT id FROM moved LEFT JOIN told ON true")
+        .bind::<Text, _>(id)
+        .bind::<Bool, _>(paused)
+        .bind::<Nullable<Timestamptz>, _>(next_fire_at)
+        .bind::<Text, _>(SCHEDULES_CHANNEL)
+        .execute(&mut conn)
+        .await?;
+        Ok(n == 1)
+    }
+
+    /// Fires the due schedules of the workflows in `fireable` (see the
+    /// module's documentation), at most a batch per call.
+    pub async fn fire_schedules(&self, fireable: &[Fireable]) -> Result<Fired, StoreError> {
+        let names: Vec<&str> = fireable.iter().map(|f| f.workflow.as_str()).collect();
+        let mut conn = self.db().conn().await?;
+        // One read when nothing is due (an idle node's case).
+        let next_in = Self::next_schedule_in(&mut conn, &names).await?;
+        if next_in.is_none_or(|d| !d.is_zero()) {
+            return Ok(Fired {
+                next_in,
+                ..Fired::default()
+            });
+        }
+        let mut fired = conn
+            .transaction::<_, StoreError, _>(async |conn| {
+                let due: Vec<DueRow> = sql(
+                    "SELECT id, owner_token, cron, timezone, workflow, input, webhook_url, catch_up, \
+                         next_fire_at, now() AS db_now FROM schedules \
+                     WHERE NOT paused AND next_fire_at <= now() AND workflow = ANY($1) \
+                     ORDER BY next_fire_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+                )
+                .bind::<Array<Text>, _>(&names)
+                .bind::<BigInt, _>(FIRE_BATCH)
+                .load(conn)
+                .await?;
+                let mut fired = Fired::default();
+                for row in due {
+                    let Some(target) = fireable.iter().find(|f| f.workflow == row.workflow) else {
+                        continue;
+                    };
+                    let (times, next) = match Timetable::parse(&row.cron, &row.timezone) {
+                        Ok(table) => table.due(
+                            row.next_fire_at,
+                            row.db_now,
+                            CatchUp::parse(&row.catch_up).unwrap_or(CatchUp::Latest),
+                        ),
+                        Err(e) => {
+                            tracing::warn!(schedule = row.id, error = %e, "a stored schedule no longer parses; paused");
+                            (Vec::new(), None)
+                        }
+                    };
+                    let rows: Vec<NewRow> = times
+                        .iter()
+                        .map(|at| {
+                            let request = JobRequest {
+                                workflow: row.workflow.clone(),
+                                input: row.input.clone(),
+                                webhook_url: row.webhook_url.clone(),
+                                ..JobRequest::default()
+                            };
+                            let stored = request.to_value();
+                            NewRow {
+                                id: job_id(&row.id, *at),
+                                workflow: row.workflow.clone(),
+                                workflow_version: target.version,
+                                request_hash: canonical_hash(&stored),
+                                request: stored,
+                                trace: crate::traceparent::TraceParent::new_root().to_string(),
+                                owner: row.owner_token,
+                                notify_failures: target.notify_failures,
+                                priority: 0,
+                                run_at: None,
+                                delay_ms: None,
+                                lease: None,
+                            }
+                        })
+                        .collect();
+                    if !rows.is_empty() {
+                        let ats: Vec<DateTime<Utc>> = times.clone();
+                        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+                        sql(
+                            "INSERT INTO schedule_fires (schedule_id, fire_at, job_id) \
+                             SELECT $1, f.at, f.id FROM unnest($2::timestamptz[], $3::text[]) AS f(at, id) \
+                             ON CONFLICT DO NOTHING",
+                        )
+                        .bind::<Text, _>(&row.id)
+                        .bind::<Array<Timestamptz>, _>(&ats)
+                        .bind::<Array<Text>, _>(&ids)
+                        .execute(conn)
+                        .await?;
+                        let inserted = intake_on(conn, &rows).await?;
+                        fired.jobs += inserted.iter().filter(|r| r.is_some()).count();
+                    }
+                    fired.schedules += 1;
+                    sql(
+                        "UPDATE schedules SET next_fire_at = coalesce($2, next_fire_at), \
+                             paused = paused OR $2 IS NULL, updated_at = now() WHERE id = $1",
+                    )
+                    .bind::<Text, _>(&row.id)
+                    .bind::<Nullable<Timestamptz>, _>(next)
+                    .execute(conn)
+                    .await?;
+                }
+                Ok(fired)
+            })
+            .await?;
+        fired.next_in = Self::next_schedule_in(&mut conn, &names).await?;
+        Ok(fired)
+    }
+
+    /// How long until the next active schedule of `names` is due (zero:
+    /// one is due now; `None`: none is active).
+    async fn next_schedule_in(
+        conn: &mut diesel_async::AsyncPgConnection,
+        names: &[&str],
+    ) -> Result<Option<std::time::Duration>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Next {
+            #[diesel(sql_type = Nullable<BigInt>)]
+            ms: Option<i64>,
+        }
+        let next: Next = sql(
+            "SELECT ceil(extract(epoch FROM min(next_fire_at) - now()) * 1000)::bigint AS ms \
+             FROM schedules WHERE NOT paused AND workflow = ANY($1)",
+        )
+        .bind::<Array<Text>, _>(names)
+        .get_result(conn)
+        .await?;
+        Ok(next
+            .ms
+            .map(|ms| std::time::Duration::from_millis(ms.max(0) as u64)))
+    }
+}

@@ -1,0 +1,438 @@
+//! Schedules (`/v1/schedules`): a cron creates the job
+//! `{schedule id}:{YYYYMMDDTHHMMSSZ}` once per fire time, across nodes and
+//! through kill -9; nothing fires after a pause or a delete; missed fire
+//! times follow `catch_up`.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use chrono::{DateTime, Timelike, Utc};
+use onceflow_engine::api::Auth;
+use onceflow_engine::testkit::{wait_until, TestEnv};
+use onceflow_engine::Registry;
+use serde_json::{json, Value};
+
+use crate::support::client;
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.register(onceflow_workflows::Completion::default());
+    r
+}
+
+fn api(env: &TestEnv, auth: Auth) -> String {
+    crate::support::serve_api_state(onceflow_engine::api::ApiState {
+        store: env.store.clone(),
+        registry: registry(),
+        body_limit: onceflow_engine::api::DEFAULT_BODY_LIMIT,
+        telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
+        url_guard: onceflow_engine::UrlGuard::allow_private(),
+        hosts: onceflow_engine::api::Hosts::Any,
+        auth,
+        limits: Default::default(),
+        draining: Default::default(),
+        trace_url: None,
+        handoff: None,
+    })
+}
+
+async fn call(
+    method: reqwest::Method,
+    url: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> (u16, Value) {
+    let mut r = client().request(method, url);
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    if let Some(b) = body {
+        r = r
+            .header("content-type", "application/json")
+            .body(serde_json::to_vec(b).unwrap());
+    }
+    let r = r.send().await.expect("request");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+fn schedule(id: &str, cron: &str, webhook: &str) -> Value {
+    json!({
+        "id": id, "cron": cron, "workflow": "completion", "webhook_url": webhook,
+        "input": { "model": "m", "messages": [{ "role": "user", "content": "digest" }] },
+    })
+}
+
+/// The fire times of schedule `id`'s jobs (from their ids), and how many jobs.
+async fn fired(env: &TestEnv, id: &str) -> Vec<DateTime<Utc>> {
+    let rows = env
+        .sql(&format!(
+            "SELECT id FROM jobs WHERE id LIKE '{id}:%' ORDER BY id"
+        ))
+        .await;
+    rows.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let stamp = r["id"].as_str().unwrap().rsplit(':').next().unwrap();
+            chrono::NaiveDateTime::parse_from_str(stamp, "%Y%m%dT%H%M%SZ")
+                .unwrap()
+                .and_utc()
+        })
+        .collect()
+}
+
+#[actix_rt::test]
+async fn the_schedule_api_answers_each_case_with_its_status() {
+    let env = TestEnv::new().await;
+    let base = api(&env, Auth::Tokens { loopback: false });
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let bob = env.store.create_token("bob", false).await.unwrap();
+    let url = format!("{base}/v1/schedules");
+    let body = schedule("digest", "0 2 * * *", &env.consumer.url());
+    let post = reqwest::Method::POST;
+
+    let (status, created) = call(post.clone(), &url, Some(&alice), Some(&body)).await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["catch_up"], "latest");
+    assert_eq!(created["timezone"], "UTC");
+    let next: DateTime<Utc> = created["next_fire_at"].as_str().unwrap().parse().unwrap();
+    assert_eq!((next.hour(), next.minute(), next.second()), (2, 0, 0));
+    assert!(next > Utc::now());
+    let (status, _) = call(post.clone(), &url, Some(&alice), Some(&body)).await;
+    assert_eq!(status, 200, "the identical schedule again");
+    let mut other = body.clone();
+    other["cron"] = json!("0 3 * * *");
+    let (status, answer) = call(post.clone(), &url, Some(&alice), Some(&other)).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("schedule_conflict"))
+    );
+    let (status, _) = call(post.clone(), &url, Some(&bob), Some(&body)).await;
+    assert_eq!(status, 409, "another token's id is taken too");
+
+    for (field, value, named) in [
+        ("cron", json!("0 2 * *"), "cron"),
+        ("cron", json!("0 2 * * * * 2027"), "cron"),
+        ("cron", json!("every night"), "cron"),
+        ("timezone", json!("Mars/Olympus"), "timezone"),
+        ("catch_up", json!("sometimes"), "catch_up"),
+        ("workflow", json!("nope"), "workflow"),
+        ("input", json!({ "messages": "hi" }), "input"),
+        ("id", json!("a:b"), "id"),
+        ("surprise", json!(1), "surprise"),
+    ] {
+        let mut bad = body.clone();
+        bad["id"] = json!("bad-one");
+        bad[field] = value;
+        let (status, answer) = call(post.clone(), &url, Some(&alice), Some(&bad)).await;
+        assert_eq!(status, 422, "{field}: {answer}");
+        assert!(
+            answer["error"]["field"]
+                .as_str()
+                .is_some_and(|f| f.starts_with(named)),
+            "{field}: {answer}"
+        );
+    }
+
+    // Listed and shown to its token only.
+    let (status, list) = call(reqwest::Method::GET, &url, Some(&alice), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(list["schedules"].as_array().unwrap().len(), 1);
+    let (_, list) = call(reqwest::Method::GET, &url, Some(&bob), None).await;
+    assert_eq!(list["schedules"], json!([]));
+    let one = format!("{url}/digest");
+    let (status, shown) = call(reqwest::Method::GET, &one, Some(&alice), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(shown["latest_jobs"], json!([]));
+    let (status, _) = call(reqwest::Method::GET, &one, Some(&bob), None).await;
+    assert_eq!(status, 404);
+
+    let (status, paused) = call(post.clone(), &format!("{one}/pause"), Some(&alice), None).await;
+    assert_eq!((status, paused["paused"].as_bool()), (200, Some(true)));
+    assert_eq!(paused["next_fire_at"], Value::Null);
+    let (status, resumed) = call(post.clone(), &format!("{one}/resume"), Some(&alice), None).await;
+    assert_eq!((status, resumed["paused"].as_bool()), (200, Some(false)));
+    assert!(resumed["next_fire_at"].is_string());
+    let (status, _) = call(post.clone(), &format!("{one}/pause"), Some(&bob), None).await;
+    assert_eq!(status, 404);
+    let (status, _) = call(reqwest::Method::DELETE, &one, Some(&bob), None).await;
+    assert_eq!(status, 404);
+    let (status, _) = call(reqwest::Method::DELETE, &one, Some(&alice), None).await;
+    assert_eq!(status, 204);
+    let (status, _) = call(reqwest::Method::GET, &one, Some(&alice), None).await;
+    assert_eq!(status, 404);
+}
+
+/// A schedule firing every second on two nodes: each fire time is one job,
+/// none is skipped, each job calls the model once and sends one webhook;
+/// nothing fires after a pause, or after a delete.
+#[actix_rt::test]
+async fn each_fire_time_is_one_job_across_two_nodes_and_none_after_pause_or_delete() {
+    let env = TestEnv::new().await;
+    let base = api(&env, Auth::Off);
+    let mut config = env.config();
+    config.node_id = "node-a".into();
+    let _a = env.start(registry(), config.clone());
+    config.node_id = "node-b".into();
+    let _b = env.start(registry(), config);
+    let url = format!("{base}/v1/schedules");
+    let body = schedule("tick", "* * * * * *", &env.consumer.url());
+    let (status, answer) = call(reqwest::Method::POST, &url, None, Some(&body)).await;
+    assert_eq!(status, 201, "{answer}");
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            fired(&env, "tick").await.len() >= 5
+        })
+        .await,
+        "the schedule did not fire"
+    );
+    let (status, _) = call(
+        reqwest::Method::POST,
+        &format!("{url}/tick/pause"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let at_pause = fired(&env, "tick").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let times = fired(&env, "tick").await;
+    assert_eq!(times, at_pause, "nothing fired after the pause");
+    // One job per second, none skipped.
+    for pair in times.windows(2) {
+        assert_eq!(pair[1] - pair[0], chrono::Duration::seconds(1), "{times:?}");
+    }
+    let ids: Vec<String> = times
+        .iter()
+        .map(|t| onceflow_engine::schedule::job_id("tick", *t))
+        .collect();
+    for id in &ids {
+        env.wait_for(
+            id,
+            onceflow_engine::JobState::Acked,
+            Duration::from_secs(20),
+        )
+        .await;
+        assert_eq!(
+            env.provider.work_done(&format!("job:{id}:generate")),
+            1,
+            "{id}"
+        );
+        assert_eq!(env.consumer.processed_for(id), 1, "{id}");
+    }
+    let fires = env
+        .sql("SELECT count(*) AS n FROM schedule_fires WHERE schedule_id = 'tick'")
+        .await;
+    assert_eq!(fires[0]["n"], ids.len(), "each fire time recorded once");
+    let (_, shown) = call(reqwest::Method::GET, &format!("{url}/tick"), None, None).await;
+    assert_eq!(shown["latest_jobs"][0]["id"], json!(ids.last().unwrap()));
+    assert_eq!(shown["latest_jobs"][0]["state"], "acked");
+
+    // Resumed, then deleted: nothing after the delete.
+    call(
+        reqwest::Method::POST,
+        &format!("{url}/tick/resume"),
+        None,
+        None,
+    )
+    .await;
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            fired(&env, "tick").await.len() > times.len()
+        })
+        .await,
+        "the resumed schedule did not fire"
+    );
+    let (status, _) = call(reqwest::Method::DELETE, &format!("{url}/tick"), None, None).await;
+    assert_eq!(status, 204);
+    let at_delete = fired(&env, "tick").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        fired(&env, "tick").await,
+        at_delete,
+        "nothing fired after the delete"
+    );
+    // The fire times skipped while paused never fired.
+    let resumed: BTreeSet<_> = at_delete
+        .iter()
+        .filter(|t| **t > *times.last().unwrap())
+        .collect();
+    assert!(
+        resumed
+            .iter()
+            .all(|t| **t - *times.last().unwrap() > chrono::Duration::seconds(2)),
+        "a fire time of the pause fired: {resumed:?}"
+    );
+}
+
+/// Fire times missed while no node ran: `all` fires each, `latest` only the
+/// last, `none` none.
+#[actix_rt::test]
+async fn missed_fire_times_follow_catch_up() {
+    let env = TestEnv::new().await;
+    let base = api(&env, Auth::Off);
+    let url = format!("{base}/v1/schedules");
+    // Hourly at a minute half an hour from now, so the latest missed fire
+    // time is about 30 minutes old, never "on time".
+    let now = Utc::now();
+    let minute = (now.minute() + 30) % 60;
+    let mut last = now
+        .with_minute(minute)
+        .unwrap()
+        .with_second(0)
+        .unwrap()
+        .with_nanosecond(0)
+        .unwrap();
+    if last > now {
+        last -= chrono::Duration::hours(1);
+    }
+    let first = last - chrono::Duration::hours(3);
+    for mode in ["all", "latest", "none"] {
+        let mut body = schedule(
+            &format!("missed-{mode}"),
+            &format!("{minute} * * * *"),
+            &env.consumer.url(),
+        );
+        body["catch_up"] = json!(mode);
+        let (status, answer) = call(reqwest::Method::POST, &url, None, Some(&body)).await;
+        assert_eq!(status, 201, "{answer}");
+    }
+    // As if no node had run for three hours and more.
+    {
+        use diesel_async::RunQueryDsl;
+        let mut conn = env.store.db().conn().await.unwrap();
+        let moved = diesel::sql_query("UPDATE schedules SET next_fire_at = $1")
+            .bind::<diesel::sql_types::Timestamptz, _>(first)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(moved, 3);
+    }
+    let _engine = env.start(registry(), env.config());
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            fired(&env, "missed-all").await.len() == 4
+                && fired(&env, "missed-latest").await.len() == 1
+        })
+        .await,
+        "all: {:?}, latest: {:?}",
+        fired(&env, "missed-all").await,
+        fired(&env, "missed-latest").await
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let hours: Vec<_> = (0..4).map(|h| first + chrono::Duration::hours(h)).collect();
+    assert_eq!(fired(&env, "missed-all").await, hours);
+    assert_eq!(fired(&env, "missed-latest").await, vec![last]);
+    assert_eq!(
+        fired(&env, "missed-none").await,
+        Vec::<DateTime<Utc>>::new()
+    );
+    // Each moved on to its next fire time after now.
+    let next = env
+        .sql("SELECT next_fire_at > now() AS ahead FROM schedules")
+        .await;
+    assert!(
+        next.as_array().unwrap().iter().all(|r| r["ahead"] == true),
+        "{next}"
+    );
+}
+
+/// `onceflow serve` firing a schedule every second is killed with SIGKILL
+/// and started again three seconds later: with `catch_up: "all"`, every
+/// fire time, those of the outage included, is one job, and each job
+/// called the model once and sent one webhook.
+#[actix_rt::test]
+async fn no_fire_time_is_lost_or_doubled_through_kill_9() {
+    use crate::support::ServeProcess;
+    let env = TestEnv::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = [
+        ("DATABASE_URL", env.db_url.clone()),
+        ("OPENAI_BASE_URL", env.provider.base_url()),
+        ("ONCEFLOW_POLL_MS", "100".to_owned()),
+        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+    ];
+    let mut serve = ServeProcess::start(&vars, &log).await;
+    let token = env.store.create_token("cron", false).await.unwrap();
+    let url = format!("{}/v1/schedules", serve.base);
+    let mut body = schedule("beat", "* * * * * *", &env.consumer.url());
+    body["catch_up"] = json!("all");
+    let (status, answer) = call(reqwest::Method::POST, &url, Some(&token), Some(&body)).await;
+    assert_eq!(status, 201, "{answer}");
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            fired(&env, "beat").await.len() >= 3
+        })
+        .await,
+        "the schedule did not fire"
+    );
+    serve.sigkill();
+    let killed_at = Utc::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    serve.restart_on_same_port(&vars, &log).await;
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            fired(&env, "beat")
+                .await
+                .last()
+                .is_some_and(|t| *t > killed_at + chrono::Duration::seconds(4))
+        })
+        .await,
+        "the restarted node did not fire"
+    );
+    let (status, _) = call(
+        reqwest::Method::POST,
+        &format!("{url}/beat/pause"),
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let times = fired(&env, "beat").await;
+    let owner = env
+        .store
+        .list_tokens()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|t| t.name == "cron")
+        .unwrap()
+        .id;
+    for pair in times.windows(2) {
+        assert_eq!(
+            pair[1] - pair[0],
+            chrono::Duration::seconds(1),
+            "a fire time lost: {times:?}"
+        );
+    }
+    assert!(
+        times
+            .iter()
+            .any(|t| *t > killed_at + chrono::Duration::seconds(1)
+                && *t < killed_at + chrono::Duration::seconds(3)),
+        "the outage's fire times were caught up: {times:?}"
+    );
+    for t in &times {
+        let id = onceflow_engine::schedule::job_id("beat", *t);
+        env.wait_for(
+            &id,
+            onceflow_engine::JobState::Acked,
+            Duration::from_secs(30),
+        )
+        .await;
+        assert_eq!(
+            env.provider.work_done(&format!("job:{id}:generate")),
+            1,
+            "{id}"
+        );
+        assert_eq!(env.consumer.processed_for(&id), 1, "{id}");
+        let job = env.job(&id).await;
+        assert_eq!(
+            job.owner_token,
+            Some(owner),
+            "{id} belongs to the schedule's token"
+        );
+    }
+}
