@@ -353,6 +353,71 @@ impl Client {
         Ok(status == 202)
     }
 
+    /// Creates schedule `schedule` (the body of `POST /v1/schedules`:
+    /// `{"id", "cron", "timezone"?, "workflow", "input", "webhook_url",
+    /// "catch_up"?}`): `true` when created now, `false` when the identical
+    /// schedule existed. Another schedule under its id is
+    /// `ClientError::Conflict` (`schedule_conflict`).
+    pub async fn create_schedule(&self, schedule: &Value) -> Result<(bool, Value), ClientError> {
+        let response = self
+            .request(reqwest::Method::POST, "/v1/schedules")
+            .json(schedule)
+            .send()
+            .await?;
+        let (status, view): (u16, Value) = Self::answer(response).await?;
+        Ok((status == 201, view))
+    }
+
+    /// The caller's schedules (an admin token: all), by id.
+    pub async fn schedules(&self) -> Result<Vec<Value>, ClientError> {
+        let response = self
+            .request(reqwest::Method::GET, "/v1/schedules")
+            .send()
+            .await?;
+        let (_, page): (u16, Value) = Self::answer(response).await?;
+        Ok(page["schedules"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// Schedule `id`, with `next_fire_at` and its latest jobs.
+    pub async fn schedule(&self, id: &str) -> Result<Value, ClientError> {
+        let response = self
+            .request(
+                reqwest::Method::GET,
+                &format!("/v1/schedules/{}", encode(id)),
+            )
+            .send()
+            .await?;
+        Ok(Self::answer(response).await?.1)
+    }
+
+    /// Deletes schedule `id` (its jobs stay).
+    pub async fn delete_schedule(&self, id: &str) -> Result<(), ClientError> {
+        let response = self
+            .request(
+                reqwest::Method::DELETE,
+                &format!("/v1/schedules/{}", encode(id)),
+            )
+            .send()
+            .await?;
+        if response.status().as_u16() == 204 {
+            return Ok(());
+        }
+        Self::answer::<Value>(response).await.map(|_| ())
+    }
+
+    /// Pauses (`true`) or resumes (`false`) schedule `id`; returns it.
+    pub async fn pause_schedule(&self, id: &str, paused: bool) -> Result<Value, ClientError> {
+        let action = if paused { "pause" } else { "resume" };
+        let response = self
+            .request(
+                reqwest::Method::POST,
+                &format!("/v1/schedules/{}/{action}", encode(id)),
+            )
+            .send()
+            .await?;
+        Ok(Self::answer(response).await?.1)
+    }
+
     /// Redrives a dead job (an unknown delivery only with `confirm_unknown`).
     pub async fn redrive(
         &self,

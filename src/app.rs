@@ -36,13 +36,15 @@ enum Command {
     Redrive(client::RedriveArgs),
     /// Send a job a signal (what its wait asks for, or an approval).
     Signal(client::SignalArgs),
+    /// Manage schedules: crons that create jobs (create, list, show, delete, pause, resume).
+    Schedule(client::ScheduleArgs),
     /// Manage API tokens (create, list, revoke).
     Token(token::TokenArgs),
 }
 
 /// A onceflow node with your workflows and tools: the same command line as
 /// the `onceflow` binary (`serve`, `migrate`, `submit`, `status`, `jobs`,
-/// `cancel`, `redrive`, `signal`, `token`, `watch`; the same flags and
+/// `cancel`, `redrive`, `signal`, `schedule`, `token`, `watch`; the same flags and
 /// environment; the embedded PostgreSQL by default), with the built-in
 /// `completion` and `agent` plus what you register.
 ///
@@ -132,6 +134,7 @@ impl App {
             Command::Cancel(args) => client::cancel(args),
             Command::Redrive(args) => client::redrive(args),
             Command::Signal(args) => client::signal(args),
+            Command::Schedule(args) => client::schedule(args),
         }
     }
 }

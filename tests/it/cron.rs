@@ -436,3 +436,83 @@ async fn no_fire_time_is_lost_or_doubled_through_kill_9() {
         );
     }
 }
+
+/// `onceflow schedule create|list|show|pause|resume|delete` against a
+/// running server, as an operator types them.
+#[actix_rt::test]
+async fn the_schedule_cli_creates_lists_pauses_and_deletes() {
+    let env = TestEnv::new().await;
+    let base = api(&env, Auth::Off);
+    // Run off the test's thread: the store's tasks live on it.
+    let cli = |args: &[&str]| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"));
+        command
+            .arg("schedule")
+            .args(args)
+            .args(["--server", &base])
+            .env_remove("ONCEFLOW_TOKEN");
+        async move {
+            let out = tokio::task::spawn_blocking(move || {
+                command.output().expect("run onceflow schedule")
+            })
+            .await
+            .unwrap();
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).into_owned()
+                    + &String::from_utf8_lossy(&out.stderr),
+            )
+        }
+    };
+    let input = r#"{"model": "m", "messages": [{"role": "user", "content": "digest"}]}"#;
+    let hook = env.consumer.url();
+    let create = [
+        "create",
+        "--id",
+        "nightly",
+        "--cron",
+        "0 2 * * *",
+        "--timezone",
+        "Europe/Paris",
+        "--workflow",
+        "completion",
+        "--input",
+        input,
+        "--webhook-url",
+        &hook,
+    ];
+    let (ok, out) = cli(&create).await;
+    assert!(ok && out.contains("schedule nightly created"), "{out}");
+    let (ok, out) = cli(&create).await;
+    assert!(ok && out.contains("already existed"), "{out}");
+    let (ok, out) = cli(&[
+        "create",
+        "--id",
+        "bad",
+        "--cron",
+        "0 2 * *",
+        "--workflow",
+        "completion",
+        "--input",
+        input,
+        "--webhook-url",
+        &hook,
+    ])
+    .await;
+    assert!(!ok && out.contains("422 invalid cron"), "{out}");
+    let (ok, out) = cli(&["list"]).await;
+    assert!(
+        ok && out.contains("nightly") && out.contains("Europe/Paris"),
+        "{out}"
+    );
+    let (ok, out) = cli(&["pause", "nightly"]).await;
+    assert!(ok && out.contains("paused"), "{out}");
+    let (_, out) = cli(&["show", "nightly"]).await;
+    assert!(out.contains("paused"), "{out}");
+    let (ok, out) = cli(&["resume", "nightly"]).await;
+    assert!(ok && out.contains("next fire at"), "{out}");
+    let (ok, _) = cli(&["delete", "nightly"]).await;
+    assert!(ok);
+    let (ok, out) = cli(&["show", "nightly"]).await;
+    assert!(!ok && out.contains("404"), "{out}");
+}
