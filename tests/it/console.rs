@@ -371,3 +371,68 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     );
     browser.quit().await;
 }
+
+/// The schedules page lists a token's schedules with their next fire time
+/// and links the newest job a schedule created.
+#[actix_rt::test]
+async fn the_console_lists_schedules_with_their_next_fire_time() {
+    let env = TestEnv::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let serve = ServeProcess::start(
+        &[
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OPENAI_BASE_URL", env.provider.base_url()),
+            ("ONCEFLOW_POLL_MS", "200".to_owned()),
+        ],
+        &dir.path().join("serve.log"),
+    )
+    .await;
+    let token = env.store.create_token("console", false).await.unwrap();
+    for (id, cron) in [("every-second", "* * * * * *"), ("nightly", "0 2 * * *")] {
+        let r = client()
+            .post(format!("{}/v1/schedules", serve.base))
+            .bearer_auth(&token)
+            .json(&json!({
+                "id": id, "cron": cron, "timezone": "Europe/Paris", "workflow": "completion",
+                "webhook_url": env.consumer.url(),
+                "input": { "model": "m", "messages": [{ "role": "user", "content": "tick" }] },
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201);
+    }
+    let browser = Browser::start().await;
+    browser.go(&format!("{}/", serve.base)).await;
+    assert!(
+        browser
+            .wait_text("#login-title", |t| t == "API token")
+            .await
+    );
+    browser.type_into("#token", &token).await;
+    browser.click("#login-form button").await;
+    browser.click("#schedules-link").await;
+    assert!(
+        browser
+            .wait_text("tr[data-id=\"nightly\"] td:nth-child(2)", |t| t
+                == "0 2 * * *")
+            .await,
+        "the schedule is listed with its cron"
+    );
+    assert!(
+        browser
+            .wait_text("tr[data-id=\"nightly\"] td[data-fact=\"next-fire\"]", |t| {
+                !t.is_empty()
+            })
+            .await,
+        "with its next fire time"
+    );
+    assert!(
+        browser
+            .wait_text("tr[data-id=\"every-second\"] td:last-child a", |t| t
+                .starts_with("every-second:"))
+            .await,
+        "the newest job of a schedule that fired is linked"
+    );
+    browser.quit().await;
+}

@@ -49,7 +49,7 @@ function stateCell(row, state) {
 function when(t) { return t ? new Date(t).toLocaleString() : ""; }
 
 function show(section) {
-  for (const id of ["login", "list", "job"]) $(id).hidden = id !== section;
+  for (const id of ["login", "list", "job", "schedules"]) $(id).hidden = id !== section;
   $("signout").hidden = !token();
 }
 
@@ -105,6 +105,39 @@ async function loadList(cursor) {
   }
   nextCursor = page.next_cursor;
   $("next-page").disabled = !nextCursor;
+}
+
+async function loadSchedules() {
+  const page = await api("/v1/schedules");
+  const rows = $("schedule-rows");
+  rows.replaceChildren();
+  for (const s of page.schedules) {
+    const tr = document.createElement("tr");
+    tr.dataset.id = s.id;
+    cell(tr, s.id, "wrap");
+    cell(tr, s.cron);
+    cell(tr, s.timezone);
+    cell(tr, s.workflow);
+    cell(tr, s.catch_up);
+    const next = cell(tr, s.paused ? "paused" : when(s.next_fire_at));
+    next.dataset.fact = "next-fire";
+    // Its newest job, linked (the single view lists its latest ten).
+    const latest = cell(tr, "");
+    api("/v1/schedules/" + encodeURIComponent(s.id)).then((d) => {
+      const j = (d.latest_jobs || [])[0];
+      if (!j) return;
+      const a = document.createElement("a");
+      a.href = "#/jobs/" + encodeURIComponent(j.id);
+      a.textContent = j.id + " (" + (j.state || "purged") + ")";
+      latest.appendChild(a);
+    }).catch(() => {});
+    rows.appendChild(tr);
+  }
+  if (!page.schedules.length) {
+    const tr = document.createElement("tr");
+    cell(tr, "No schedules yet: POST /v1/schedules, or onceflow schedule create.");
+    rows.appendChild(tr);
+  }
 }
 
 function fact(dl, name, value, href) {
@@ -252,7 +285,11 @@ async function route() {
   const hash = location.hash || "#/";
   try {
     await loadCounts();
-    if (hash.startsWith("#/jobs/")) {
+    if (hash.startsWith("#/schedules")) {
+      show("schedules");
+      await loadSchedules();
+      refresh = setInterval(() => { loadSchedules().catch(() => {}); }, 5000);
+    } else if (hash.startsWith("#/jobs/")) {
       const id = decodeURIComponent(hash.slice("#/jobs/".length));
       show("job");
       await loadJob(id);
