@@ -20,6 +20,7 @@ mod journal;
 mod library;
 mod limits;
 mod operations;
+mod parallel;
 mod schedule;
 mod security;
 mod streams;

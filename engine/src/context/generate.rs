@@ -297,6 +297,61 @@ impl Context {
         // Boxed, as every database call here: a query's future is large, and
         // an unboxed one widens the future every waiting job keeps.
         Box::pin(self.follow_journal(step, &key, false)).await?;
+        self.serve_call(key, request).await
+    }
+
+    /// Calls the model once per `(step, request)`, all at once, each
+    /// journaled under its own key (`job:{id}:{step}`) exactly as
+    /// [`generate`](Self::generate) journals one; returns the responses in
+    /// the order given. A rerun after a crash replays the calls that were
+    /// answered and sends only the others; each call waits for its own
+    /// provider slot, so `ONCEFLOW_LIMITS` holds across the batch. When a
+    /// call fails, the others still finish (and are journaled), and the
+    /// first failure in the given order is returned. Steps must be
+    /// distinct.
+    pub async fn generate_all(
+        &mut self,
+        calls: &[(&str, &Value)],
+    ) -> Result<Vec<Value>, StepError> {
+        let keys: Vec<String> = calls
+            .iter()
+            .map(|(step, _)| keys::model_call(&self.fence.key(), step))
+            .collect();
+        if let Some(dup) = keys
+            .iter()
+            .enumerate()
+            .find(|(i, k)| keys[..*i].contains(k))
+        {
+            return Err(StepError::permanent(
+                "duplicate_step",
+                format!("generate_all was given step key {} twice", dup.1),
+                "each call of a batch needs its own step name".to_owned(),
+            ));
+        }
+        // The batch's calls were journaled in whatever order they began:
+        // asked together, none of them counts as skipped by another.
+        if self.replay.armed {
+            self.replay.asked.extend(keys.iter().cloned());
+        }
+        for ((step, _), key) in calls.iter().zip(&keys) {
+            Box::pin(self.follow_journal(step, key, false)).await?;
+        }
+        let this = &*self;
+        let answers = futures_util::future::join_all(
+            calls
+                .iter()
+                .zip(keys)
+                .map(|((_, request), key)| Box::pin(this.serve_call(key, request))),
+        )
+        .await;
+        answers
+            .into_iter()
+            .map(|answer| answer.map(|(response, _)| response))
+            .collect()
+    }
+
+    /// One model call under `key`, once the journal's order was checked.
+    async fn serve_call(&self, key: String, request: &Value) -> Result<(Value, Served), StepError> {
         let call = Call::new(self, key, request);
         let metrics = self.scope.metrics().clone();
         let mut span = self.scope.step(
