@@ -66,5 +66,7 @@ impl Tool for OrderStatus {
     }
 }
 
+pub mod digest;
 pub mod refund;
+pub use digest::Digest;
 pub use refund::Refund;

@@ -12,6 +12,7 @@ fn main() -> anyhow::Result<()> {
     onceflow::App::new()
         .workflow(greet::Greet)
         .workflow(greet::Refund)
+        .workflow(greet::Digest)
         .tool(greet::OrderStatus)
         .run()
 }

@@ -47,3 +47,26 @@ async fn a_refund_acts_once_after_its_approval_at_every_boundary() {
     println!("{report}");
     report.assert_ok();
 }
+
+/// The map-reduce digest: one model call per chunk, all at once, then one
+/// that combines them. Crashed and taken over at every boundary of every
+/// chunk's call, each chunk is paid once and the webhook sent once.
+#[actix_rt::test]
+async fn a_digest_pays_each_chunk_once_at_every_boundary() {
+    let env = TestEnv::new().await;
+    let text = "one two three four five six seven eight nine ten ".repeat(30);
+    let input = serde_json::json!({ "text": text, "chunk_chars": 500 });
+    let chunks = greet::digest::chunks(&text, 500).len();
+    let registry = || {
+        let mut r = Registry::new();
+        r.register(greet::Digest);
+        r
+    };
+    let report = Explorer::new(&env, registry, "digest", input).run().await;
+    println!("{report}");
+    report.assert_ok();
+    // The clean run: one request per chunk and one to combine, one webhook.
+    assert_eq!(report.clean_requests.0, chunks + 1, "{report}");
+    assert_eq!(report.clean_requests.1, 1, "{report}");
+    assert!(chunks >= 3, "{chunks} chunks");
+}
