@@ -277,6 +277,12 @@ pub fn validate_id(id: &str) -> Result<(), InvalidInput> {
             format!("may contain only A-Z a-z 0-9 _ . : - (found {bad:?})"),
         ));
     }
+    if crate::schedule::is_scheduled_job_id(id) {
+        return Err(InvalidInput::new(
+            "id",
+            "ids of the form {schedule id}:{YYYYMMDDTHHMMSSZ} are reserved for the jobs schedules create",
+        ));
+    }
     Ok(())
 }
 

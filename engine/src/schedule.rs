@@ -105,40 +105,71 @@ impl Timetable {
             .map(|at| at.with_timezone(&Utc))
     }
 
+    /// The last fire time at or before `t`, or `None`.
+    pub fn last_at_or_before(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        self.cron
+            .find_previous_occurrence(&t.with_timezone(&self.tz), true)
+            .ok()
+            .map(|at| at.with_timezone(&Utc))
+    }
+
     /// The fire times from `from` (included, the schedule's next fire time)
-    /// to `now` that fire under `catch_up`, at most [`MAX_FIRES_AT_ONCE`],
-    /// and the schedule's next fire time after them.
+    /// to `now` that fire under `catch_up`, and the schedule's next fire
+    /// time after them. Bounded work whatever the outage: `all` fires at
+    /// most [`MAX_FIRES_AT_ONCE`] (the rest at the next firing); `latest`
+    /// and `none` look only at the last fire time before `now`.
     pub fn due(
         &self,
         from: DateTime<Utc>,
         now: DateTime<Utc>,
         catch_up: CatchUp,
     ) -> (Vec<DateTime<Utc>>, Option<DateTime<Utc>>) {
-        let mut times = Vec::new();
-        let mut t = Some(from);
-        while let Some(at) = t.filter(|at| *at <= now) {
-            if catch_up == CatchUp::All && times.len() == MAX_FIRES_AT_ONCE {
-                return (times, Some(at)); // the rest at the next firing
-            }
-            times.push(at);
-            t = self.next_after(at);
+        if from > now {
+            return (Vec::new(), Some(from));
         }
-        let fire = match catch_up {
-            CatchUp::All => times,
-            CatchUp::Latest => times.pop().into_iter().collect(),
-            CatchUp::None => times
-                .pop()
-                .filter(|at| now - *at <= ON_TIME)
-                .into_iter()
-                .collect(),
-        };
-        (fire, t)
+        match catch_up {
+            CatchUp::All => {
+                let mut times = Vec::new();
+                let mut t = Some(from);
+                while let Some(at) = t.filter(|at| *at <= now) {
+                    if times.len() == MAX_FIRES_AT_ONCE {
+                        return (times, Some(at)); // the rest at the next firing
+                    }
+                    times.push(at);
+                    t = self.next_after(at);
+                }
+                (times, t)
+            }
+            CatchUp::Latest | CatchUp::None => {
+                let last = self
+                    .last_at_or_before(now)
+                    .filter(|at| *at >= from)
+                    .unwrap_or(from);
+                let fire = catch_up == CatchUp::Latest || now - last <= ON_TIME;
+                (
+                    if fire { vec![last] } else { Vec::new() },
+                    self.next_after(now.max(last)),
+                )
+            }
+        }
     }
 }
 
 /// The id of the job schedule `schedule_id` creates for fire time `at`.
 pub fn job_id(schedule_id: &str, at: DateTime<Utc>) -> String {
     format!("{schedule_id}:{}", at.format("%Y%m%dT%H%M%SZ"))
+}
+
+/// Whether job id `id` has the form of a schedule's job,
+/// `{schedule id}:{YYYYMMDDTHHMMSSZ}`: intake refuses such ids, so no job
+/// submitted by hand can take a fire time's place.
+pub fn is_scheduled_job_id(id: &str) -> bool {
+    let Some((schedule, stamp)) = id.rsplit_once(':') else {
+        return false;
+    };
+    validate_id(schedule).is_ok()
+        && stamp.len() == 16
+        && chrono::NaiveDateTime::parse_from_str(stamp, "%Y%m%dT%H%M%SZ").is_ok()
 }
 
 /// Whether `id` may name a schedule: 1–150 characters of `A-Z a-z 0-9 _ . -`.
@@ -240,5 +271,15 @@ mod tests {
         assert!(validate_id("digest-1.a_b").is_ok());
         assert_eq!(validate_id("a:b").unwrap_err().field, "id");
         assert_eq!(validate_id("").unwrap_err().field, "id");
+        assert!(is_scheduled_job_id("digest:20261204T020000Z"));
+        assert!(
+            !is_scheduled_job_id("a:b:20261204T020000Z"),
+            "a schedule id has no colon"
+        );
+        assert!(
+            !is_scheduled_job_id("digest:20261304T020000Z"),
+            "no 13th month"
+        );
+        assert!(!is_scheduled_job_id("order-7"));
     }
 }

@@ -468,6 +468,11 @@ impl Handler<FireSchedules> for Supervisor {
                                 );
                                 ctx.notify(Poll);
                             }
+                            if fired.schedules > 0
+                                && fired.next_in == Some(std::time::Duration::ZERO)
+                            {
+                                ctx.notify(FireSchedules); // a full batch: more are due
+                            }
                             now + fired.next_in.map_or(safety, |d| d.min(safety))
                         }
                         Err(e) => {

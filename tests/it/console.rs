@@ -388,10 +388,15 @@ async fn the_console_lists_schedules_with_their_next_fire_time() {
     )
     .await;
     let token = env.store.create_token("console", false).await.unwrap();
-    for (id, cron) in [("every-second", "* * * * * *"), ("nightly", "0 2 * * *")] {
+    let other = env.store.create_token("other", false).await.unwrap();
+    for (id, cron, owner) in [
+        ("every-second", "* * * * * *", &token),
+        ("nightly", "0 2 * * *", &token),
+        ("someone-elses", "0 3 * * *", &other),
+    ] {
         let r = client()
             .post(format!("{}/v1/schedules", serve.base))
-            .bearer_auth(&token)
+            .bearer_auth(owner)
             .json(&json!({
                 "id": id, "cron": cron, "timezone": "Europe/Paris", "workflow": "completion",
                 "webhook_url": env.consumer.url(),
@@ -422,7 +427,7 @@ async fn the_console_lists_schedules_with_their_next_fire_time() {
     assert!(
         browser
             .wait_text("tr[data-id=\"nightly\"] td[data-fact=\"next-fire\"]", |t| {
-                !t.is_empty()
+                !t.is_empty() && t != "paused" && !t.contains("Invalid")
             })
             .await,
         "with its next fire time"
@@ -433,6 +438,13 @@ async fn the_console_lists_schedules_with_their_next_fire_time() {
                 .starts_with("every-second:"))
             .await,
         "the newest job of a schedule that fired is linked"
+    );
+    assert!(
+        browser
+            .find("tr[data-id=\"someone-elses\"]")
+            .await
+            .is_none(),
+        "another token's schedule is not listed"
     );
     browser.quit().await;
 }

@@ -82,6 +82,18 @@ async fn fired(env: &TestEnv, id: &str) -> Vec<DateTime<Utc>> {
         .collect()
 }
 
+/// Job `id` was created once: its first incarnation, one `received` row.
+async fn assert_created_once(env: &TestEnv, id: &str) {
+    let job = env.job(id).await;
+    assert_eq!(job.incarnation, 1, "{id} was created again");
+    let received = job
+        .history
+        .iter()
+        .filter(|h| h.state == onceflow_engine::JobState::Received && h.attempt == 0)
+        .count();
+    assert_eq!(received, 1, "{id}: {:?}", job.history);
+}
+
 #[actix_rt::test]
 async fn the_schedule_api_answers_each_case_with_its_status() {
     let env = TestEnv::new().await;
@@ -135,6 +147,23 @@ async fn the_schedule_api_answers_each_case_with_its_status() {
         );
     }
 
+    // A job id of a schedule's form is the schedule's alone.
+    let mut job = body.clone();
+    job.as_object_mut().unwrap().remove("cron");
+    job["id"] = json!("digest:20261205T020000Z");
+    let (status, answer) = call(
+        post.clone(),
+        &format!("{base}/v1/jobs"),
+        Some(&bob),
+        Some(&job),
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["field"].as_str()),
+        (422, Some("id")),
+        "{answer}"
+    );
+
     // Listed and shown to its token only.
     let (status, list) = call(reqwest::Method::GET, &url, Some(&alice), None).await;
     assert_eq!(status, 200);
@@ -177,7 +206,10 @@ async fn each_fire_time_is_one_job_across_two_nodes_and_none_after_pause_or_dele
     config.node_id = "node-b".into();
     let _b = env.start(registry(), config);
     let url = format!("{base}/v1/schedules");
-    let body = schedule("tick", "* * * * * *", &env.consumer.url());
+    let mut body = schedule("tick", "* * * * * *", &env.consumer.url());
+    // Catching up everything: a fire time of the pause that fired after the
+    // resume would show.
+    body["catch_up"] = json!("all");
     let (status, answer) = call(reqwest::Method::POST, &url, None, Some(&body)).await;
     assert_eq!(status, 201, "{answer}");
     assert!(
@@ -220,6 +252,7 @@ async fn each_fire_time_is_one_job_across_two_nodes_and_none_after_pause_or_dele
             "{id}"
         );
         assert_eq!(env.consumer.processed_for(id), 1, "{id}");
+        assert_created_once(&env, id).await;
     }
     let fires = env
         .sql("SELECT count(*) AS n FROM schedule_fires WHERE schedule_id = 'tick'")
@@ -434,6 +467,7 @@ async fn no_fire_time_is_lost_or_doubled_through_kill_9() {
             Some(owner),
             "{id} belongs to the schedule's token"
         );
+        assert_created_once(&env, &id).await;
     }
 }
 

@@ -108,6 +108,5 @@ async fn parallel_calls_survive_a_crash_or_a_takeover_at_every_boundary() {
         .filter(|r| r.boundary == onceflow_engine::FailPoint::ModelAfterSend)
         .count();
     assert_eq!(sends, 4 * 3, "{report}");
-    assert!(report.rows.iter().all(|r| r.fired), "{report}");
     report.assert_ok();
 }

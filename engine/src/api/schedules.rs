@@ -46,9 +46,10 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
     if let Some(extra) = obj.keys().find(|k| !job_fields.contains(&k.as_str())) {
         return Err(InvalidInput::new(extra.clone(), "unknown field").into());
     }
+    // (A placeholder id: the jobs' own ids are the schedules' to make.)
     obj.insert(
         "id".into(),
-        serde_json::Value::String(crate::schedule::job_id(&id, chrono::Utc::now())),
+        serde_json::Value::String("schedule-check".into()),
     );
     let job_body = serde_json::to_vec(&obj).expect("a JSON object serialises");
     let job = crate::intake::parse(&job_body, &state.registry, &state.url_guard)?;
@@ -106,12 +107,9 @@ pub(super) async fn create_schedule(
             return error(StatusCode::BAD_REQUEST, "malformed_json", m, None)
         }
     };
-    let Some(first) = table.next_after(chrono::Utc::now()) else {
-        return invalid(InvalidInput::new("cron", "never fires"));
-    };
     match state
         .store
-        .create_schedule(&schedule, who.owner(), first)
+        .create_schedule(&schedule, &table, who.owner())
         .await
     {
         Ok(ScheduleIntake::Created(view)) => HttpResponse::Created().json(view),
@@ -197,11 +195,14 @@ pub(super) async fn delete_schedule(
         Ok(who) => who,
         Err(refused) => return refused,
     };
-    if let Err(refused) = own_schedule(&state, who, &id).await {
-        return refused;
-    }
-    match state.store.delete_schedule(&id).await {
-        Ok(_) => HttpResponse::NoContent().finish(),
+    match state.store.delete_schedule(&id, who.scope()).await {
+        Ok(true) => HttpResponse::NoContent().finish(),
+        Ok(false) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no schedule {:?}", id.as_str()),
+            None,
+        ),
         Err(e) => unavailable(e),
     }
 }
@@ -240,19 +241,17 @@ async fn set_paused(
         Ok(who) => who,
         Err(refused) => return refused,
     };
-    let current = match own_schedule(&state, who, &id).await {
-        Ok(s) => s.schedule,
-        Err(refused) => return refused,
-    };
-    let next = if paused {
-        None
-    } else {
-        Timetable::parse(&current.cron, &current.timezone)
-            .ok()
-            .and_then(|t| t.next_after(chrono::Utc::now()))
-    };
-    if let Err(e) = state.store.set_paused(&id, paused, next).await {
-        return unavailable(e);
+    match state.store.set_paused(&id, who.scope(), paused).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no schedule {:?}", id.as_str()),
+                None,
+            )
+        }
+        Err(e) => return unavailable(e),
     }
     match own_schedule(&state, who, &id).await {
         Ok(s) => HttpResponse::Ok().json(s),

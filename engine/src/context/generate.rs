@@ -112,6 +112,9 @@ impl Drop for SlotGuard {
     }
 }
 
+/// Most model calls one `generate_all` sends at once.
+pub const MAX_PARALLEL_CALLS: usize = 100;
+
 impl Context {
     /// Waits until its key's limit admits `ask`, holding no connection.
     /// The call queues on this node by priority; the best queued call is
@@ -306,13 +309,23 @@ impl Context {
     /// the order given. A rerun after a crash replays the calls that were
     /// answered and sends only the others; each call waits for its own
     /// provider slot, so `ONCEFLOW_LIMITS` holds across the batch. When a
-    /// call fails, the others still finish (and are journaled), and the
-    /// first failure in the given order is returned. Steps must be
-    /// distinct.
+    /// call fails for the attempt as a whole (the lease lost, the node
+    /// draining, an injected crash), the others are dropped at once, as a
+    /// crash would; other failures let the rest finish (and be journaled),
+    /// then a permanent one is returned before a retryable one. Steps must
+    /// be distinct; at most [`MAX_PARALLEL_CALLS`] per batch.
     pub async fn generate_all(
         &mut self,
         calls: &[(&str, &Value)],
     ) -> Result<Vec<Value>, StepError> {
+        use futures_util::stream::{FuturesUnordered, StreamExt};
+        if calls.len() > MAX_PARALLEL_CALLS {
+            return Err(StepError::permanent(
+                "too_many_calls",
+                format!("generate_all takes at most {MAX_PARALLEL_CALLS} calls at once"),
+                format!("the body gave {}", calls.len()),
+            ));
+        }
         let keys: Vec<String> = calls
             .iter()
             .map(|(step, _)| keys::model_call(&self.fence.key(), step))
@@ -337,17 +350,44 @@ impl Context {
             Box::pin(self.follow_journal(step, key, false)).await?;
         }
         let this = &*self;
-        let answers = futures_util::future::join_all(
-            calls
-                .iter()
-                .zip(keys)
-                .map(|((_, request), key)| Box::pin(this.serve_call(key, request))),
-        )
-        .await;
-        answers
+        let mut running: FuturesUnordered<_> = calls
+            .iter()
+            .zip(keys)
+            .enumerate()
+            .map(|(i, ((_, request), key))| {
+                Box::pin(async move { (i, this.serve_call(key, request).await) })
+            })
+            .collect();
+        let mut answers: Vec<Option<Value>> = vec![None; calls.len()];
+        let mut failed: Option<StepError> = None;
+        while let Some((i, answer)) = running.next().await {
+            match answer {
+                Ok((response, _)) => answers[i] = Some(response),
+                Err(
+                    e @ (StepError::LeaseLost
+                    | StepError::Draining
+                    | StepError::Injected(crate::faults::Injected::Crash(_))),
+                ) => {
+                    return Err(e); // the rest are dropped here, mid-way
+                }
+                Err(e) => {
+                    let worse = matches!(
+                        (&failed, &e),
+                        (None, _) | (Some(StepError::Retry { .. }), StepError::Permanent { .. })
+                    );
+                    if worse {
+                        failed = Some(e);
+                    }
+                }
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        Ok(answers
             .into_iter()
-            .map(|answer| answer.map(|(response, _)| response))
-            .collect()
+            .map(|a| a.expect("every call answered"))
+            .collect())
     }
 
     /// One model call under `key`, once the journal's order was checked.

@@ -185,16 +185,22 @@ impl NewSchedule {
 }
 
 impl Store {
-    /// Creates schedule `s` for token `owner`, first firing at `next_fire_at`;
-    /// the same schedule again is `Existing`, another under its id `Conflict`.
+    /// Creates schedule `s` (its cron parsed as `table`) for token `owner`,
+    /// first firing at its first fire time after now by the database's
+    /// clock (which every node's firing reads too); the same schedule again
+    /// is `Existing`, another under its id `Conflict`.
     pub async fn create_schedule(
         &self,
         s: &NewSchedule,
+        table: &Timetable,
         owner: Option<i64>,
-        next_fire_at: DateTime<Utc>,
     ) -> Result<ScheduleIntake, StoreError> {
         let hash = s.hash();
         let mut conn = self.db().conn().await?;
+        let now = Self::db_now(&mut conn).await?;
+        let Some(next_fire_at) = table.next_after(now) else {
+            return Ok(ScheduleIntake::Conflict);
+        };
         let created: Vec<ScheduleView> = sql(
             "WITH created AS ( \
                  INSERT INTO schedules (id, owner_token, cron, timezone, workflow, input, webhook_url, \
@@ -273,7 +279,8 @@ impl Store {
         };
         let jobs: Vec<ScheduledJob> = sql(
             "SELECT f.job_id AS id, f.fire_at, j.state::text AS state FROM schedule_fires f \
-             LEFT JOIN jobs j ON j.id = f.job_id \
+             JOIN schedules s ON s.id = f.schedule_id \
+             LEFT JOIN jobs j ON j.id = f.job_id AND j.owner_token IS NOT DISTINCT FROM s.owner_token \
              WHERE f.schedule_id = $1 ORDER BY f.fire_at DESC LIMIT 10",
         )
         .bind::<Text, _>(id)
@@ -285,39 +292,93 @@ impl Store {
         }))
     }
 
-    /// Deletes schedule `id` (its jobs stay); `false` when there was none.
-    pub async fn delete_schedule(&self, id: &str) -> Result<bool, StoreError> {
+    async fn db_now(
+        conn: &mut diesel_async::AsyncPgConnection,
+    ) -> Result<DateTime<Utc>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Now {
+            #[diesel(sql_type = Timestamptz)]
+            now: DateTime<Utc>,
+        }
+        Ok(sql("SELECT now() AS now")
+            .get_result::<Now>(conn)
+            .await?
+            .now)
+    }
+
+    /// Deletes schedule `id` of token `scope` (`None`: any token's) — its
+    /// jobs stay; `false` when there was none.
+    pub async fn delete_schedule(&self, id: &str, scope: Option<i64>) -> Result<bool, StoreError> {
         let mut conn = self.db().conn().await?;
-        let n = sql("DELETE FROM schedules WHERE id = $1")
-            .bind::<Text, _>(id)
-            .execute(&mut conn)
-            .await?;
+        let n =
+            sql("DELETE FROM schedules WHERE id = $1 AND ($2::bigint IS NULL OR owner_token = $2)")
+                .bind::<Text, _>(id)
+                .bind::<Nullable<BigInt>, _>(scope)
+                .execute(&mut conn)
+                .await?;
         Ok(n == 1)
     }
 
-    /// Pauses schedule `id`, or resumes it to fire next at `next_fire_at`
-    /// (fire times passed while it was paused never fire); `false` when
-    /// there is none.
+    /// Pauses schedule `id` of token `scope` (`None`: any token's), or
+    /// resumes it: a paused schedule fires next at its first fire time after
+    /// now by the database's clock, so the fire times passed while it was
+    /// paused never fire (resuming one that is not paused changes nothing).
+    /// `false` when there is none.
     pub async fn set_paused(
         &self,
         id: &str,
+        scope: Option<i64>,
         paused: bool,
-        next_fire_at: Option<DateTime<Utc>>,
     ) -> Result<bool, StoreError> {
         let mut conn = self.db().conn().await?;
-        let n = sql("WITH moved AS ( \
-                 UPDATE schedules SET paused = $2, next_fire_at = coalesce($3, next_fire_at), \
-                     updated_at = now() \
-                 WHERE id = $1 RETURNING id), \
-             told AS (SELECT pg_notify($4, id) FROM moved WHERE NOT $2) \
-             SELECT id FROM moved LEFT JOIN told ON true")
-        .bind::<Text, _>(id)
-        .bind::<Bool, _>(paused)
-        .bind::<Nullable<Timestamptz>, _>(next_fire_at)
-        .bind::<Text, _>(SCHEDULES_CHANNEL)
-        .execute(&mut conn)
-        .await?;
-        Ok(n == 1)
+        conn.transaction::<_, StoreError, _>(async |conn| {
+            #[derive(QueryableByName)]
+            struct Row {
+                #[diesel(sql_type = Text)]
+                cron: String,
+                #[diesel(sql_type = Text)]
+                timezone: String,
+                #[diesel(sql_type = Bool)]
+                paused: bool,
+                #[diesel(sql_type = Timestamptz)]
+                db_now: DateTime<Utc>,
+            }
+            let row: Vec<Row> = sql(
+                "SELECT cron, timezone, paused, now() AS db_now FROM schedules \
+                 WHERE id = $1 AND ($2::bigint IS NULL OR owner_token = $2) FOR UPDATE",
+            )
+            .bind::<Text, _>(id)
+            .bind::<Nullable<BigInt>, _>(scope)
+            .load(conn)
+            .await?;
+            let Some(row) = row.into_iter().next() else {
+                return Ok(false);
+            };
+            if row.paused == paused {
+                return Ok(true);
+            }
+            let next = if paused {
+                None
+            } else {
+                Timetable::parse(&row.cron, &row.timezone)
+                    .ok()
+                    .and_then(|t| t.next_after(row.db_now))
+            };
+            sql("WITH moved AS ( \
+                     UPDATE schedules SET paused = $2, next_fire_at = coalesce($3, next_fire_at), \
+                         updated_at = now() \
+                     WHERE id = $1 RETURNING id), \
+                 told AS (SELECT pg_notify($4, id) FROM moved WHERE NOT $2) \
+                 SELECT id FROM moved LEFT JOIN told ON true")
+            .bind::<Text, _>(id)
+            .bind::<Bool, _>(paused)
+            .bind::<Nullable<Timestamptz>, _>(next)
+            .bind::<Text, _>(SCHEDULES_CHANNEL)
+            .execute(conn)
+            .await?;
+            Ok(true)
+        })
+        .await
     }
 
     /// Fires the due schedules of the workflows in `fireable` (see the
@@ -339,6 +400,8 @@ impl Store {
                     "SELECT id, owner_token, cron, timezone, workflow, input, webhook_url, catch_up, \
                          next_fire_at, now() AS db_now FROM schedules \
                      WHERE NOT paused AND next_fire_at <= now() AND workflow = ANY($1) \
+                       AND (owner_token IS NULL OR NOT EXISTS ( \
+                           SELECT 1 FROM api_tokens t WHERE t.id = owner_token AND t.revoked_at IS NOT NULL)) \
                      ORDER BY next_fire_at LIMIT $2 FOR UPDATE SKIP LOCKED",
                 )
                 .bind::<Array<Text>, _>(&names)
@@ -388,20 +451,32 @@ impl Store {
                         })
                         .collect();
                     if !rows.is_empty() {
-                        let ats: Vec<DateTime<Utc>> = times.clone();
+                        #[derive(QueryableByName)]
+                        struct Recorded {
+                            #[diesel(sql_type = Text)]
+                            job_id: String,
+                        }
                         let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
-                        sql(
+                        // A fire time recorded before (its job maybe purged
+                        // since) makes no job again.
+                        let recorded: Vec<Recorded> = sql(
                             "INSERT INTO schedule_fires (schedule_id, fire_at, job_id) \
                              SELECT $1, f.at, f.id FROM unnest($2::timestamptz[], $3::text[]) AS f(at, id) \
-                             ON CONFLICT DO NOTHING",
+                             ON CONFLICT DO NOTHING RETURNING job_id",
                         )
                         .bind::<Text, _>(&row.id)
-                        .bind::<Array<Timestamptz>, _>(&ats)
+                        .bind::<Array<Timestamptz>, _>(&times)
                         .bind::<Array<Text>, _>(&ids)
-                        .execute(conn)
+                        .load(conn)
                         .await?;
-                        let inserted = intake_on(conn, &rows).await?;
-                        fired.jobs += inserted.iter().filter(|r| r.is_some()).count();
+                        let new: Vec<NewRow> = rows
+                            .into_iter()
+                            .filter(|r| recorded.iter().any(|x| x.job_id == r.id))
+                            .collect();
+                        if !new.is_empty() {
+                            let inserted = intake_on(conn, &new).await?;
+                            fired.jobs += inserted.iter().filter(|r| r.is_some()).count();
+                        }
                     }
                     fired.schedules += 1;
                     sql(
@@ -416,7 +491,11 @@ impl Store {
                 Ok(fired)
             })
             .await?;
-        fired.next_in = Self::next_schedule_in(&mut conn, &names).await?;
+        fired.next_in = if fired.schedules as i64 == FIRE_BATCH {
+            Some(std::time::Duration::ZERO) // a full batch: more may be due
+        } else {
+            Self::next_schedule_in(&mut conn, &names).await?
+        };
         Ok(fired)
     }
 
@@ -433,7 +512,9 @@ impl Store {
         }
         let next: Next = sql(
             "SELECT ceil(extract(epoch FROM min(next_fire_at) - now()) * 1000)::bigint AS ms \
-             FROM schedules WHERE NOT paused AND workflow = ANY($1)",
+             FROM schedules WHERE NOT paused AND workflow = ANY($1) \
+               AND (owner_token IS NULL OR NOT EXISTS ( \
+                   SELECT 1 FROM api_tokens t WHERE t.id = owner_token AND t.revoked_at IS NOT NULL))",
         )
         .bind::<Array<Text>, _>(names)
         .get_result(conn)

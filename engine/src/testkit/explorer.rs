@@ -178,6 +178,8 @@ struct Counts {
     history: Vec<JobState>,
     model_keys: usize,
     model_requests: usize,
+    /// The most requests one model-call key received.
+    model_requests_per_key: usize,
     model_overworked: Vec<String>,
     effect_processed: usize,
     effect_keys: usize,
@@ -553,6 +555,11 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                     .is_some_and(|k| k.starts_with(&prefix))
             })
             .count();
+        c.model_requests_per_key = model_keys
+            .iter()
+            .map(|k| env.provider.requests_for(k))
+            .max()
+            .unwrap_or(0);
         c.model_overworked = model_keys
             .iter()
             .filter(|k| env.provider.work_done(k) != 1)
@@ -704,8 +711,16 @@ fn violations(baseline: &Counts, c: &Counts, mode: Mode) -> Vec<String> {
     // takeover; never more. A frozen attempt that wakes sends nothing the
     // attempt that took over sent (checked by key too, above): one repeat.
     let slack = if mode == Mode::Freeze { 1 } else { 2 };
+    // Model calls are counted per key: a crash interrupts every call in
+    // flight (several, with `generate_all`), and each may be sent again
+    // under its own key; none more than the slack.
+    if c.model_requests_per_key > baseline.model_requests_per_key + slack {
+        v.push(format!(
+            "{} requests under one model-call key, the clean run sent {}",
+            c.model_requests_per_key, baseline.model_requests_per_key
+        ));
+    }
     for (what, clean, now) in [
-        ("model", baseline.model_requests, c.model_requests),
         ("webhook", baseline.webhook_requests, c.webhook_requests),
         // At most one job.waiting per wait, so one and its resends.
         ("job.waiting", 1, c.waiting_requests),

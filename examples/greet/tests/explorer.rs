@@ -69,4 +69,11 @@ async fn a_digest_pays_each_chunk_once_at_every_boundary() {
     assert_eq!(report.clean_requests.0, chunks + 1, "{report}");
     assert_eq!(report.clean_requests.1, 1, "{report}");
     assert!(chunks >= 3, "{chunks} chunks");
+    // A crash and a takeover after every chunk's send, in three modes.
+    let after_send = report
+        .rows
+        .iter()
+        .filter(|r| r.boundary == onceflow::engine::FailPoint::ModelAfterSend)
+        .count();
+    assert_eq!(after_send, (chunks + 1) * 3, "{report}");
 }
