@@ -21,19 +21,7 @@ fn registry() -> Registry {
 }
 
 fn api(env: &TestEnv, auth: Auth) -> String {
-    crate::support::serve_api_state(onceflow_engine::api::ApiState {
-        store: env.store.clone(),
-        registry: registry(),
-        body_limit: onceflow_engine::api::DEFAULT_BODY_LIMIT,
-        telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
-        url_guard: onceflow_engine::UrlGuard::allow_private(),
-        hosts: onceflow_engine::api::Hosts::Any,
-        auth,
-        limits: Default::default(),
-        draining: Default::default(),
-        trace_url: None,
-        handoff: None,
-    })
+    crate::support::serve_api_with_auth(env.store.clone(), registry(), auth)
 }
 
 async fn call(
@@ -246,11 +234,13 @@ async fn each_fire_time_is_one_job_across_two_nodes_and_none_after_pause_or_dele
             Duration::from_secs(20),
         )
         .await;
+        // No crash here: exactly one request each reached the fakes.
         assert_eq!(
-            env.provider.work_done(&format!("job:{id}:generate")),
+            env.provider.requests_for(&format!("job:{id}:generate")),
             1,
             "{id}"
         );
+        assert_eq!(env.consumer.deliveries_for(id).len(), 1, "{id}");
         assert_eq!(env.consumer.processed_for(id), 1, "{id}");
         assert_created_once(&env, id).await;
     }

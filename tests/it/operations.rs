@@ -125,19 +125,7 @@ async fn sigterm_drains_and_hands_jobs_over_without_paying_twice() {
 fn list_api(env: &TestEnv, auth: onceflow_engine::api::Auth) -> String {
     let mut registry = onceflow_engine::Registry::new();
     registry.register(onceflow_workflows::Completion::default());
-    crate::support::serve_api_state(onceflow_engine::api::ApiState {
-        store: env.store.clone(),
-        registry,
-        body_limit: onceflow_engine::api::DEFAULT_BODY_LIMIT,
-        telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
-        url_guard: onceflow_engine::UrlGuard::allow_private(),
-        hosts: onceflow_engine::api::Hosts::Any,
-        auth,
-        limits: Default::default(),
-        draining: Default::default(),
-        trace_url: None,
-        handoff: None,
-    })
+    crate::support::serve_api_with_auth(env.store.clone(), registry, auth)
 }
 
 async fn get_as(url: &str, token: Option<&str>) -> (u16, Value) {

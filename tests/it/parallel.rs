@@ -83,11 +83,9 @@ async fn parallel_calls_go_at_once_within_the_provider_limits() {
         "ONCEFLOW_LIMITS held within the job"
     );
     for step in ["panel-a", "panel-b", "panel-c", "judge"] {
-        assert_eq!(
-            env.provider.work_done(&format!("job:panel-2:{step}")),
-            1,
-            "{step}"
-        );
+        let key = format!("job:panel-2:{step}");
+        assert_eq!(env.provider.requests_for(&key), 1, "{step}: one request");
+        assert_eq!(env.provider.work_done(&key), 1, "{step}: paid once");
     }
 }
 

@@ -15,6 +15,17 @@ pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) ->
     serve_api_state(api_state(store, registry, body_limit, None))
 }
 
+/// Serves the API with `auth` (tokens, or open).
+pub fn serve_api_with_auth(
+    store: Store,
+    registry: Registry,
+    auth: onceflow_engine::api::Auth,
+) -> String {
+    let mut state = api_state(store, registry, None, None);
+    state.auth = auth;
+    serve_api_state(state)
+}
+
 /// Serves the API of a node that runs `engine` too: a new job it has room
 /// for is handed to it in intake's commit, as `serve` does.
 pub fn serve_node_api(
