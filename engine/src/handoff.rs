@@ -18,10 +18,12 @@ use std::sync::Arc;
 
 use actix::Addr;
 
+use crate::error::{BatchError, StoreError};
+use crate::faults::FailPoint;
 use crate::node::Shared;
 use crate::store::jobs::HandTo;
 use crate::store::Leased;
-use crate::supervisor::{Adopt, Supervisor};
+use crate::supervisor::{Adopt, ReclaimOwn, Supervisor};
 
 /// This node's engine, as intake sees it: where a new job may be handed.
 #[derive(Clone)]
@@ -124,9 +126,34 @@ impl Reservation {
 
     /// Hands the job, leased in intake's commit, to the supervisor, which
     /// starts its actor (or, stopping, lets the lease lapse).
-    pub fn adopt(mut self, leased: Leased) {
+    ///
+    /// The failpoint `after-commit:intake` (action `fail`) stands for an
+    /// answer lost after the commit landed: the job is then left as
+    /// [`orphaned`](Self::orphaned) leaves it, and the caller gets an error.
+    pub async fn adopt(mut self, leased: Leased) -> Result<(), StoreError> {
+        let faults = &self.handoff.shared.faults;
+        if faults
+            .hit(&leased.fence.job_id, FailPoint::AfterCommit("intake"))
+            .await
+            .is_err()
+        {
+            self.orphaned();
+            return Err(BatchError::Dropped.into());
+        }
         self.adopted = true;
         self.handoff.supervisor.do_send(Adopt(leased));
+        Ok(())
+    }
+
+    /// Intake's commit may have landed without its answer reaching us (an
+    /// error after the statement, or a batch written again one by one that
+    /// then found its own row): the job may be leased to this node with no
+    /// actor. Rather than leave it until the lease lapses, the supervisor
+    /// takes back, in its next acquire, this node's leases that no actor
+    /// here runs (the same reclaim a node does at start). The room held is
+    /// given back.
+    pub fn orphaned(self) {
+        self.handoff.supervisor.do_send(ReclaimOwn);
     }
 }
 

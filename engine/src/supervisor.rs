@@ -52,6 +52,13 @@ const PURGE_BATCH: i64 = 100;
 #[rtype(result = "()")]
 pub struct Adopt(pub crate::store::Leased);
 
+/// A hand-off's answer was lost (or its commit is in doubt): the job may
+/// be leased to this node with no actor. The next acquire also takes back
+/// this node's own leases of jobs no actor here runs, as at start.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct ReclaimOwn;
+
 /// How many jobs this node is running.
 #[derive(Message)]
 #[rtype(result = "usize")]
@@ -668,6 +675,17 @@ impl Handler<Adopt> for Supervisor {
             .gate
             .reserved
             .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+impl Handler<ReclaimOwn> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: ReclaimOwn, ctx: &mut Self::Context) {
+        // Safe against a hand-off still on its way to `Adopt`: the acquire
+        // leases it under a newer epoch and `Adopt` then finds it running.
+        self.reclaimed_own = false;
+        ctx.notify(Poll);
     }
 }
 

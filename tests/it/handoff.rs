@@ -170,3 +170,40 @@ async fn a_full_node_or_a_later_job_goes_through_the_queue() {
         "every reservation adopted or given back"
     );
 }
+
+/// Intake's commit lands, leased to node A, but its answer is lost
+/// (failpoint `after-commit:intake`): the POST fails with 503 and no actor
+/// starts. A must not leave the job to its 60 s lease: it takes its own
+/// orphaned lease back at once (epoch 2, attempt 2) and runs the job once.
+/// The client's retry of the POST finds the job.
+#[actix_rt::test]
+async fn a_hand_off_whose_answer_is_lost_is_taken_back_at_once() {
+    let env = TestEnv::new().await;
+    let mut config = env.config();
+    config.node_id = "node-a".into();
+    config.lease = Duration::from_secs(60);
+    let a = env.start(registry(), config);
+    let base = serve_node_api(env.store.clone(), registry(), &a);
+    let handoff = a.handoff();
+    assert!(wait_until(WAIT, || async { handoff.budget() > 0 }).await);
+    env.faults.arm(
+        Some("h-lost"),
+        FailPoint::AfterCommit("intake"),
+        Action::Fail,
+        1,
+    );
+    let (status, body) = post_job(&base, &job("h-lost", &env.consumer.url())).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(env.faults.fired("h-lost"), "the failpoint fired");
+    // Well inside the 60 s lease the commit wrote.
+    let view = env
+        .wait_for("h-lost", JobState::Acked, Duration::from_secs(15))
+        .await;
+    assert_eq!(view.attempts, 2, "taken back under a new lease");
+    assert_eq!(worker_of(&env, "h-lost", "generated").await, vec!["node-a"]);
+    assert_eq!(env.provider.requests_for("job:h-lost:generate"), 1);
+    assert_eq!(env.consumer.deliveries_for("h-lost").len(), 1);
+    let (status, body) = post_job(&base, &job("h-lost", &env.consumer.url())).await;
+    assert_eq!(status, 200, "the retry finds the job: {body}");
+    assert_eq!(body["state"], "acked");
+}

@@ -183,11 +183,32 @@ pub(super) async fn submit(
         let (store, job, owner) = (state.store.clone(), job.clone(), who.owner());
         actix_web::rt::spawn(async move {
             let hand_to = reservation.as_ref().map(|r| r.hand_to());
-            let (intake, leased) = store
+            let submitted = store
                 .submit_handed(&job, trace, owner, notify, hand_to)
-                .await?;
-            if let (Some(reservation), Some(leased)) = (reservation, leased) {
-                reservation.adopt(leased);
+                .await;
+            let (intake, leased) = match submitted {
+                Ok(done) => done,
+                Err(e) => {
+                    // The commit may have landed leased to this node.
+                    if let Some(reservation) = reservation {
+                        reservation.orphaned();
+                    }
+                    return Err(e);
+                }
+            };
+            match (reservation, leased) {
+                (Some(reservation), Some(leased)) => reservation.adopt(leased).await?,
+                // A job found rather than created, leased once and still
+                // `received`, may be this very request's own row whose first
+                // answer was lost (a failed batch is written again one by one).
+                (Some(reservation), None) => {
+                    if let Intake::Existing(view) = &intake {
+                        if view.attempts == 1 && view.state == crate::lifecycle::JobState::Received {
+                            reservation.orphaned();
+                        }
+                    }
+                }
+                (None, _) => {}
             }
             Ok::<_, crate::error::StoreError>(intake)
         })
