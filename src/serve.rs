@@ -27,18 +27,20 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
     let result = actix_web::rt::System::new().block_on(async {
         let db = database.open(args.db.db_pool).await?;
         let store = Store::new(db);
-        // One live node per name, held until this process ends.
-        let mut _node_name = store
-            .db()
-            .dedicated()
+        // One live node per name, held until this process ends (checked
+        // once a lease, and taken again after a dropped connection).
+        let Some(mut node_name) = store
+            .hold_node_id(&config.node_id, config.lease)
             .await
-            .context("opening the node's own connection")?;
-        if !Store::lock_node_id(&mut _node_name, &config.node_id).await? {
+            .context("taking the node's name (ONCEFLOW_NODE_ID)")?
+        else {
             anyhow::bail!(
-                "another running node uses the name {:?} (ONCEFLOW_NODE_ID): two nodes under one                  name would renew and release each other's leases. Give each node its own                  ONCEFLOW_NODE_ID, or leave it unset (host:pid)",
+                "another running node uses the name {:?} (ONCEFLOW_NODE_ID): two nodes under one \
+                 name would renew and release each other's leases. Give each node its own \
+                 ONCEFLOW_NODE_ID, or leave it unset (host:pid)",
                 config.node_id
             );
-        }
+        };
         // Off loopback, tokens are required, and there must be one to use.
         let loopback = args.listen.ip().is_loopback();
         let tokens = store.tokens_exist().await.context("reading the API tokens")?;
@@ -120,6 +122,10 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
         tokio::select! {
             _ = terminate.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
+            said = node_name.lost() => {
+                engine.shutdown();
+                return Err(anyhow::anyhow!(said));
+            }
             stopped = &mut serving => {
                 engine.shutdown();
                 return match stopped {

@@ -208,6 +208,38 @@ async fn app_roles(data: &std::path::Path) -> Vec<(String, bool)> {
 /// ONCEFLOW_NODE_ID refuses to start, saying why; a second node under its
 /// own name runs, and stopping it leaves the first node's embedded
 /// PostgreSQL (which it did not start) running.
+/// Starts `serve` with `vars`, expects it to refuse to run (exit non-zero
+/// within 30 s) and returns what it said on stderr.
+async fn refused_twin(vars: &[(&str, String)]) -> String {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"));
+    cmd.arg("serve")
+        .env_remove("DATABASE_URL")
+        .env(
+            "ONCEFLOW_LISTEN",
+            format!("127.0.0.1:{}", crate::support::free_port()),
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    let twin = cmd.spawn().unwrap();
+    let pid = twin.id() as i32;
+    let exited = wait_until(Duration::from_secs(30), || async {
+        !alive(pid)
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z "))
+    })
+    .await;
+    if !exited {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+    }
+    let twin = twin.wait_with_output().unwrap();
+    assert!(exited, "the twin must not run");
+    assert!(!twin.status.success(), "the twin must not run");
+    String::from_utf8_lossy(&twin.stderr).into_owned()
+}
+
 #[actix_rt::test]
 async fn a_second_node_on_one_data_dir_neither_shares_a_name_nor_stops_the_database() {
     let dir = tempfile::Builder::new()
@@ -224,33 +256,7 @@ async fn a_second_node_on_one_data_dir_neither_shares_a_name_nor_stops_the_datab
         ]
     };
     let first = ServeProcess::start(&node("node-one"), &log).await;
-    let twin = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"))
-        .arg("serve")
-        .env_remove("DATABASE_URL")
-        .env("ONCEFLOW_DATA_DIR", data.display().to_string())
-        .env("ONCEFLOW_NODE_ID", "node-one")
-        .env(
-            "ONCEFLOW_LISTEN",
-            format!("127.0.0.1:{}", crate::support::free_port()),
-        )
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = twin.id() as i32;
-    let exited = wait_until(Duration::from_secs(30), || async {
-        !alive(pid)
-            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .is_ok_and(|s| s.contains(") Z "))
-    })
-    .await;
-    if !exited {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
-    }
-    let twin = twin.wait_with_output().unwrap();
-    assert!(exited, "a second node-one must not run");
-    assert!(!twin.status.success(), "a second node-one must not run");
-    let said = String::from_utf8_lossy(&twin.stderr);
+    let said = refused_twin(&node("node-one")).await;
     assert!(
         said.contains("ONCEFLOW_NODE_ID") && said.contains("node-one"),
         "{said}"
@@ -265,5 +271,73 @@ async fn a_second_node_on_one_data_dir_neither_shares_a_name_nor_stops_the_datab
         get(&healthz).await.0,
         200,
         "the second node stopped the first one's PostgreSQL on its way out"
+    );
+}
+
+/// The backend holding node name `name`'s advisory lock, if any.
+async fn name_holder(env: &onceflow_engine::testkit::TestEnv, name: &str) -> Option<i64> {
+    env.sql(&format!(
+        "SELECT pid::bigint AS pid FROM pg_locks WHERE locktype = 'advisory' AND granted \
+         AND classid = 7310586 AND objid = hashtext('{name}')::oid"
+    ))
+    .await
+    .as_array()
+    .unwrap()
+    .first()
+    .map(|r| r["pid"].as_i64().unwrap())
+}
+
+/// The connection that holds a node's name drops (its backend terminated,
+/// as in a database restart). The node takes its name again, so a twin
+/// started afterwards still refuses to run. And when a twin slips in while
+/// the connection is down, the node that finds its name taken stops, with
+/// a message naming ONCEFLOW_NODE_ID, rather than share it.
+#[actix_rt::test]
+async fn a_node_keeps_its_name_across_a_dropped_connection_or_stops() {
+    let env = onceflow_engine::testkit::TestEnv::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = |name: &str, lease_ms: u64| {
+        vec![
+            ("DATABASE_URL", env.db_url.clone()),
+            ("ONCEFLOW_NODE_ID", name.to_owned()),
+            ("ONCEFLOW_LEASE_MS", lease_ms.to_string()),
+        ]
+    };
+    // Checked every second: the name is taken again on a new connection.
+    let _kept = ServeProcess::start(&vars("kept", 1000), &log).await;
+    let before = name_holder(&env, "kept").await.expect("the name is held");
+    env.execute(&format!("SELECT pg_terminate_backend({before})"))
+        .await;
+    let retaken = wait_until(Duration::from_secs(15), || async {
+        name_holder(&env, "kept")
+            .await
+            .is_some_and(|pid| pid != before)
+    })
+    .await;
+    assert!(retaken, "the node took its name again on a new connection");
+    let said = refused_twin(&vars("kept", 1000)).await;
+    assert!(said.contains("ONCEFLOW_NODE_ID"), "{said}");
+
+    // Checked every 8 s: a twin starts while the name is free, and the
+    // node finds it taken at its next check and stops.
+    let mut lost = ServeProcess::start(&vars("lost", 8000), &log).await;
+    let before = name_holder(&env, "lost").await.expect("the name is held");
+    env.execute(&format!("SELECT pg_terminate_backend({before})"))
+        .await;
+    let _twin = ServeProcess::start(&vars("lost", 8000), &log).await;
+    let pid = lost.child.id() as i32;
+    let stopped = wait_until(Duration::from_secs(30), || async {
+        !alive(pid)
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z "))
+    })
+    .await;
+    assert!(stopped, "the node whose name was taken stopped");
+    assert!(!lost.child.wait().unwrap().success());
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains("another node took the name") && logged.contains("ONCEFLOW_NODE_ID"),
+        "{logged}"
     );
 }

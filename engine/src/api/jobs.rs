@@ -203,7 +203,8 @@ pub(super) async fn submit(
                 // answer was lost (a failed batch is written again one by one).
                 (Some(reservation), None) => {
                     if let Intake::Existing(view) = &intake {
-                        if view.attempts == 1 && view.state == crate::lifecycle::JobState::Received {
+                        if view.attempts == 1 && view.state == crate::lifecycle::JobState::Received
+                        {
                             reservation.orphaned();
                         }
                     }

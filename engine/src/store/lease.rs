@@ -265,11 +265,70 @@ impl Store {
         })
     }
 
-    /// Locks the job row for the rest of `conn`'s transaction if `fence` still
-    /// owns it; false when the lease is lost. Every journal write takes this
-    /// lock first, so writes of one job are serialised (a takeover, or a
-    /// concurrent attempt sharing the lease, waits for the commit) and always
-    /// lock the job row before any side table, which rules out deadlocks.
+    /// Takes node name `node` on a dedicated connection of its own and keeps
+    /// it for as long as the returned hold lives: `None` when another live
+    /// node has it. Every `every`, the connection is checked (`SELECT 1`);
+    /// when it has dropped (a database restart, a failover), the name is
+    /// taken again on a new connection, and if a twin took it meanwhile the
+    /// hold reports it lost ([`NodeIdHold::lost`]): the node must stop, as
+    /// the twin would have refused to start had the connection stayed up.
+    pub async fn hold_node_id(
+        &self,
+        node: &str,
+        every: std::time::Duration,
+    ) -> Result<Option<NodeIdHold>, StoreError> {
+        let mut conn = self.db().dedicated().await?;
+        if !Self::lock_node_id(&mut conn, node).await? {
+            return Ok(None);
+        }
+        let (tx, lost) = tokio::sync::oneshot::channel();
+        let (db, node) = (self.db().clone(), node.to_owned());
+        self.db().spawn(async move {
+            let mut tx = tx;
+            let mut conn = Some(conn);
+            loop {
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                if let Some(c) = conn.as_mut() {
+                    if diesel_async::SimpleAsyncConnection::batch_execute(c, "SELECT 1")
+                        .await
+                        .is_ok()
+                    {
+                        continue;
+                    }
+                    tracing::warn!(node = %node, "the connection holding this node's name dropped; taking the name again");
+                    conn = None;
+                }
+                let taken = match db.dedicated().await {
+                    Ok(mut c) => Self::lock_node_id(&mut c, &node).await.map(|t| (t, c)),
+                    Err(e) => Err(e),
+                };
+                match taken {
+                    Ok((true, c)) => {
+                        tracing::warn!(node = %node, "this node's name is held again");
+                        conn = Some(c);
+                    }
+                    Ok((false, _)) => {
+                        let said = format!(
+                            "another node took the name {node:?} (ONCEFLOW_NODE_ID) while this \
+                             node's connection was down: two nodes under one name would renew and \
+                             release each other's leases, so this one stops"
+                        );
+                        tracing::error!("{said}");
+                        let _ = tx.send(said);
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, node = %node, "could not take this node's name again; will retry");
+                    }
+                }
+            }
+        });
+        Ok(Some(NodeIdHold { lost }))
+    }
+
     /// Takes node name `node` for as long as `conn` (a dedicated
     /// connection) stays open: a session advisory lock on the name. False
     /// when another live node holds it; two nodes under one name would
@@ -456,6 +515,24 @@ impl Store {
                 Ok(Checkpoint::AlreadyAt(parse_state(&row.state)?))
             }
             Some(_) | None => Ok(Checkpoint::LeaseLost),
+        }
+    }
+}
+
+/// A node's hold on its name (see [`Store::hold_node_id`]); dropping it
+/// gives the name up.
+#[derive(Debug)]
+pub struct NodeIdHold {
+    lost: tokio::sync::oneshot::Receiver<String>,
+}
+
+impl NodeIdHold {
+    /// Resolves, with what to say, if another node took the name while the
+    /// hold's connection was down; never otherwise.
+    pub async fn lost(&mut self) -> String {
+        match (&mut self.lost).await {
+            Ok(said) => said,
+            Err(_) => std::future::pending().await,
         }
     }
 }

@@ -71,7 +71,7 @@ use crate::error::StoreError;
 
 pub use group_writes::BatchKind;
 pub use jobs::{DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter};
-pub use lease::{Checkpoint, Fence, Leased, Renewal};
+pub use lease::{Checkpoint, Fence, Leased, NodeIdHold, Renewal};
 pub use ledger::Journaled;
 
 /// The Postgres store.
