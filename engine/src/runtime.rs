@@ -211,9 +211,9 @@ async fn listen_on(
     use crate::store::operate::CANCEL_CHANNEL;
     use crate::store::schedules::SCHEDULES_CHANNEL;
     use crate::store::slots::LIMITS_CHANNEL;
-    use crate::store::streams::STREAM_CHANNEL;
+    use crate::store::streams::{STREAM_CHANNEL, TOKENS_CHANNEL};
     conn.batch_execute(&format!(
-        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}; LISTEN {STREAM_CHANNEL}; LISTEN {CANCEL_CHANNEL}; LISTEN {SCHEDULES_CHANNEL}"
+        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}; LISTEN {STREAM_CHANNEL}; LISTEN {CANCEL_CHANNEL}; LISTEN {SCHEDULES_CHANNEL}; LISTEN {TOKENS_CHANNEL}"
     ))
     .await?;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
@@ -225,6 +225,8 @@ async fn listen_on(
             store.stream_moved(&n.payload);
         } else if n.channel == CANCEL_CHANNEL {
             supervisor.do_send(crate::supervisor::Cancelled(n.payload));
+        } else if n.channel == TOKENS_CHANNEL {
+            store.token_revoked(&n.payload);
         } else if n.channel == SCHEDULES_CHANNEL {
             supervisor.do_send(crate::supervisor::SchedulesChanged);
         } else {

@@ -1164,3 +1164,52 @@ async fn a_tenants_priority_is_bounded() {
     assert_eq!(submit("prio-low", &tenant, -101).await.0, 422);
     assert_eq!(submit("prio-admin", &admin, 1_000_000).await.0, 201);
 }
+
+/// A revoked token's open event stream ends at once, on every node: the
+/// revocation (made here through another store handle, as `onceflow token
+/// revoke` would) is announced by `NOTIFY`, not found by the stream's
+/// once-a-minute safety read.
+#[actix_rt::test]
+async fn a_revoked_tokens_stream_ends_at_once() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let _node = env.start(registry(), env.config()); // its LISTEN hears the NOTIFY
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: true },
+    );
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let mut job = job_body("rv-1", &env.consumer.url());
+    job["delay_ms"] = json!(3_600_000); // never ends while the test runs
+    let url = format!("{base}/v1/jobs");
+    let (status, answer, _) = call(Method::POST, &url, Some(&alice), Some(&job)).await;
+    assert_eq!(status, 201, "{answer}");
+    let mut stream = client()
+        .get(format!("{base}/v1/jobs/rv-1/events"))
+        .bearer_auth(&alice)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status().as_u16(), 200);
+    let followed = wait_until(Duration::from_secs(10), || async {
+        env.sql("SELECT count(*) AS n FROM stream_watchers WHERE job_id = 'rv-1'")
+            .await[0]["n"]
+            .as_i64()
+            == Some(1)
+    })
+    .await;
+    assert!(followed, "the stream is open");
+    let cli =
+        onceflow_engine::Store::new(onceflow_engine::Db::connect(&env.db_url, 1).await.unwrap());
+    assert!(cli.revoke_token("alice").await.unwrap());
+    let ended = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(_chunk) = stream.chunk().await.expect("reading events") {}
+    })
+    .await;
+    assert!(
+        ended.is_ok(),
+        "the revoked token's stream did not end within 5 s"
+    );
+}

@@ -115,7 +115,8 @@ async fn finished_before(store: &Store, id: &str, after: i64) -> bool {
 /// read from the journal when a `NOTIFY` says the job moved. An idle stream
 /// reads nothing: it sends a keep-alive comment every 15 s and reads again
 /// once a minute as a safety net (a `NOTIFY` lost while the node's `LISTEN`
-/// reconnected), checking its token then. Without the `followed` row
+/// reconnected), checking its token then; a revocation announced by
+/// `NOTIFY` ends the token's streams at once. Without the `followed` row
 /// (`Store::follow` failed) it reads every second.
 pub(super) async fn follow_events(
     store: Store,
@@ -141,6 +142,7 @@ pub(super) async fn follow_events(
     };
     // Subscribed before the first read, so a commit in between is not missed.
     let mut moved = store.watch_stream(&job_id);
+    let mut revocations = store.watch_revocations();
     loop {
         let events = match store.job_events(&job_id, after, 500).await {
             Ok(events) => events,
@@ -216,6 +218,18 @@ pub(super) async fn follow_events(
                         return;
                     }
                 }
+                // A revoked token's stream ends at once (announced by NOTIFY).
+                revoked = revocations.recv(), if token.is_some() => match revoked {
+                    Ok(id) if Some(id) != token => {}
+                    Err(RecvError::Closed) => revocations = store.watch_revocations(),
+                    Ok(_) | Err(RecvError::Lagged(_)) => {
+                        if let Some(token) = token {
+                            if matches!(store.token_live(token).await, Ok(false)) {
+                                return;
+                            }
+                        }
+                    }
+                },
                 _ = tx.closed() => return,
             }
         }

@@ -229,10 +229,25 @@ pub struct Published {
 }
 
 /// This node's watchers of streamed jobs, by job.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Watchers {
     jobs: Mutex<HashMap<String, tokio::sync::broadcast::Sender<Arc<Published>>>>,
+    /// Ids of tokens revoked (announced on [`TOKENS_CHANNEL`]).
+    revoked: tokio::sync::broadcast::Sender<i64>,
 }
+
+impl Default for Watchers {
+    fn default() -> Self {
+        Watchers {
+            jobs: Mutex::default(),
+            revoked: tokio::sync::broadcast::channel(64).0,
+        }
+    }
+}
+
+/// The channel a token's revocation is announced on (payload: its id), so
+/// its streams on every node end at once.
+pub const TOKENS_CHANNEL: &str = "onceflow_tokens";
 
 impl Watchers {
     fn subscribe(&self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {
@@ -367,6 +382,18 @@ impl Store {
                 at: r.at,
             })
             .collect())
+    }
+
+    /// Revoked tokens' ids, as announced on [`TOKENS_CHANNEL`].
+    pub fn watch_revocations(&self) -> tokio::sync::broadcast::Receiver<i64> {
+        self.watchers.revoked.subscribe()
+    }
+
+    /// Called with each [`TOKENS_CHANNEL`] notification's payload.
+    pub fn token_revoked(&self, payload: &str) {
+        if let Ok(id) = payload.parse() {
+            let _ = self.watchers.revoked.send(id);
+        }
     }
 
     /// Follows `job_id`'s stream on this node: every batch of its chunks

@@ -109,11 +109,15 @@ impl Store {
     /// Revokes the token `name`; false when there is no live token by that name.
     pub async fn revoke_token(&self, name: &str) -> Result<bool, StoreError> {
         let mut conn = self.db().conn().await?;
-        let n =
-            sql("UPDATE api_tokens SET revoked_at = now() WHERE name = $1 AND revoked_at IS NULL")
-                .bind::<Text, _>(name)
-                .execute(&mut conn)
-                .await?;
+        // Announced in the same statement: its streams end at once.
+        let n = sql("WITH revoked AS ( \
+                 UPDATE api_tokens SET revoked_at = now() WHERE name = $1 AND revoked_at IS NULL \
+                 RETURNING id) \
+             SELECT pg_notify($2, id::text) FROM revoked")
+        .bind::<Text, _>(name)
+        .bind::<Text, _>(super::streams::TOKENS_CHANNEL)
+        .execute(&mut conn)
+        .await?;
         Ok(n == 1)
     }
 
