@@ -381,3 +381,111 @@ async fn retention_purges_expired_jobs_so_their_ids_are_new_again() {
     ));
     assert_eq!(env.job("recent-1").await.state, JobState::Acked);
 }
+
+/// A second tool that the newer nodes of a rolling deploy have.
+struct Lookup;
+
+impl onceflow_workflows::Tool for Lookup {
+    fn name(&self) -> &str {
+        "lookup"
+    }
+    fn description(&self) -> &str {
+        "looks a ticket up"
+    }
+    fn parameters(&self) -> Value {
+        json!({ "type": "object", "properties": { "ticket": { "type": "string" } } })
+    }
+    fn execute(
+        &self,
+        _: onceflow_engine::context::ToolInvocation,
+        _: Value,
+    ) -> futures_util::future::BoxFuture<'_, Result<String, onceflow_engine::StepError>> {
+        Box::pin(async { Ok("found".to_owned()) })
+    }
+}
+
+/// The tools each of the provider's requests for `key` offered, by name.
+fn offered(env: &TestEnv, key: &str) -> Vec<Vec<String>> {
+    env.provider
+        .requests()
+        .iter()
+        .filter(|r| r.idempotency_key.as_deref() == Some(key))
+        .map(|r| {
+            r.body["tools"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .iter()
+                .map(|t| t["function"]["name"].as_str().unwrap().to_owned())
+                .collect()
+        })
+        .collect()
+}
+
+/// An agent job's tool set is pinned in its journal: started on a node
+/// with one tool and resumed, mid-turn, on a node with two (a deploy half
+/// rolled out), the job asks the model with the first node's list again
+/// (the turn's key keeps its hash, so no `model_key_conflict`), its tool
+/// runs once, one webhook. And a node that lacks a tool the job's list has
+/// retries the job for another node instead of killing it.
+#[actix_rt::test]
+async fn an_agent_job_keeps_its_tool_set_across_nodes_that_differ() {
+    let env = TestEnv::new().await;
+    let tools = FakeConsumer::start();
+    script_tool_calls(&env, vec![("call_1", json!({ "ticket": "T" }))]);
+    env.faults
+        .arm_nth("agent-pin", FailPoint::ModelAfterSend, Action::Crash, 1);
+    let old = env.start(agent_registry(&tools.url()), env.config());
+    env.submit_job(agent_job(&env, "agent-pin")).await;
+    assert!(
+        wait_until(WAIT, || async { env.faults.fired("agent-pin") }).await,
+        "the crash after turn 0's send fired"
+    );
+    old.shutdown();
+    let mut newer = Registry::new();
+    newer.register(
+        Agent::new()
+            .with_tool(HttpPost::new(tools.url()))
+            .with_tool(Lookup),
+    );
+    let _new = env.start(newer, env.config());
+    let job = env.wait_for("agent-pin", JobState::Acked, WAIT).await;
+    assert!(job.attempts >= 2, "resumed by the newer node");
+    let turn0 = offered(&env, "job:agent-pin:turn:0");
+    assert_eq!(turn0.len(), 2, "sent, crashed, sent again: {turn0:?}");
+    assert!(
+        turn0.iter().all(|t| t == &vec!["http_post".to_owned()]),
+        "{turn0:?}"
+    );
+    assert_eq!(env.provider.work_done("job:agent-pin:turn:0"), 1);
+    assert_eq!(tools.requests_with_key(&tool_key("agent-pin", 0, 0)), 1);
+    assert_eq!(env.consumer.deliveries_for("agent-pin").len(), 1);
+
+    // Pinned with http_post, resumed where only `lookup` exists: retried.
+    env.faults
+        .arm_nth("agent-gone", FailPoint::ModelAfterSend, Action::Crash, 1);
+    let old = env.start(agent_registry(&tools.url()), env.config());
+    env.submit_job(agent_job(&env, "agent-gone")).await;
+    assert!(wait_until(WAIT, || async { env.faults.fired("agent-gone") }).await);
+    old.shutdown();
+    let mut lacking = Registry::new();
+    lacking.register(Agent::new().with_tool(Lookup));
+    let lacking = env.start(lacking, env.config());
+    assert!(
+        wait_until(WAIT, || async {
+            env.job("agent-gone")
+                .await
+                .last_error
+                .is_some_and(|e| e.code == "tool_unavailable")
+        })
+        .await,
+        "the node without the tool retries the job"
+    );
+    assert_eq!(env.job("agent-gone").await.state, JobState::Received);
+    lacking.shutdown();
+    let _back = env.start(agent_registry(&tools.url()), env.config());
+    env.wait_for("agent-gone", JobState::Acked, Duration::from_secs(60))
+        .await;
+    assert_eq!(tools.requests_with_key(&tool_key("agent-gone", 0, 0)), 1);
+    assert_eq!(env.consumer.deliveries_for("agent-gone").len(), 1);
+}

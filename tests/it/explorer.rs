@@ -16,15 +16,16 @@ use serde_json::{json, Value};
 /// code, so a change of the lifecycle or of a workflow's steps changes these
 /// on purpose. Completion: model-call send and journal (2), the commit of
 /// generated, persisted and claimed (3 before, 3 after), the webhook send,
-/// delivered (before and after), the ack and acked = 13. The agent: two
-/// turns' model calls (4), its tool's effect (1) and the same 11 = 16. The
+/// delivered (before and after), the ack and acked = 13. The agent: its
+/// pinned tool set (a general step, 1), two turns' model calls (4), its
+/// tool's effect (1) and the same 11 = 17. The
 /// example: one model call (2), one general step (1) and the 11 = 14.
 /// Streamed, a model call that streams text passes one more boundary,
 /// mid-stream (`stream:chunk`): the agent's final turn streams its answer,
 /// its tool-calling turn no text.
 const COMPLETION_BOUNDARIES: usize = 13;
-const STREAMED_AGENT_BOUNDARIES: usize = 17;
-const AGENT_BOUNDARIES: usize = 16;
+const STREAMED_AGENT_BOUNDARIES: usize = 18;
+const AGENT_BOUNDARIES: usize = 17;
 const EXAMPLE_BOUNDARIES: usize = 14;
 
 /// Exactly `boundaries` explored, each in all three modes, every armed

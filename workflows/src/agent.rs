@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use onceflow_engine::context::Decision;
+use onceflow_engine::error::ErrorEnvelope;
 use onceflow_engine::{Context, InvalidInput, StepError, Workflow};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -28,6 +29,10 @@ use crate::tool::Tool;
 
 /// Turns allowed when the input does not say.
 pub const DEFAULT_MAX_TURNS: u32 = 8;
+
+/// The step under which an agent job pins its tool definitions
+/// (`job:{id}:step:tools`).
+pub const TOOLS_STEP: &str = "tools";
 
 /// The agent workflow with its tools.
 #[derive(Clone, Default)]
@@ -188,7 +193,12 @@ impl Workflow for Agent {
 
     async fn run(&self, ctx: &mut Context, input: AgentInput) -> Result<AgentOutput, StepError> {
         let max_turns = input.max_turns.unwrap_or(DEFAULT_MAX_TURNS);
-        let definitions: Vec<Value> = self.tools.values().map(|t| t.definition()).collect();
+        // The tool set is pinned in the journal before the first turn: a job
+        // resumed on a node whose tools differ (a deploy half rolled out)
+        // asks the model with the same list, so each turn's request keeps
+        // its key's hash.
+        let here: Vec<Value> = self.tools.values().map(|t| t.definition()).collect();
+        let definitions: Vec<Value> = ctx.step(TOOLS_STEP, |_| async move { Ok(here) }).await?;
         let mut messages = input.messages.clone();
         let mut executed = 0;
         for turn in 0..max_turns {
@@ -231,13 +241,34 @@ impl Workflow for Agent {
                         .push(json!({ "role": "tool", "tool_call_id": id, "content": refused }));
                     continue;
                 }
-                let tool = self.tools.get(name).cloned().ok_or_else(|| {
-                    StepError::permanent(
-                        "unknown_tool",
-                        format!("the model called {name:?}, which this agent does not have"),
-                        format!("tools: {:?}", self.tools.keys().collect::<Vec<_>>()),
-                    )
-                })?;
+                let tool = match self.tools.get(name) {
+                    Some(tool) => tool.clone(),
+                    // Pinned for this job, missing on this node: another
+                    // node (or this one after its deploy) may run it.
+                    None if definitions
+                        .iter()
+                        .any(|d| d["function"]["name"].as_str() == Some(name)) =>
+                    {
+                        return Err(StepError::Retry {
+                            error: ErrorEnvelope {
+                                code: "tool_unavailable".to_owned(),
+                                message: format!(
+                                    "this job's agent has tool {name:?}, and this node's does not"
+                                ),
+                                retryable: true,
+                            },
+                            attempt: ctx.attempt().max(1) as u32,
+                            retry_after: None,
+                        })
+                    }
+                    None => {
+                        return Err(StepError::permanent(
+                            "unknown_tool",
+                            format!("the model called {name:?}, which this agent does not have"),
+                            format!("tools: {:?}", self.tools.keys().collect::<Vec<_>>()),
+                        ))
+                    }
+                };
                 let result = ctx
                     .tool(
                         turn as i32,
