@@ -949,3 +949,87 @@ async fn a_failed_send_and_its_kill_commit_or_roll_back_together() {
     assert_eq!(job.state, JobState::Dead);
     assert_eq!(job.delivery.unwrap().status, "unknown");
 }
+
+/// Retries are scheduled on the database's clock, not the process's: with
+/// the database's clock an hour ahead of this process (`now()` and
+/// `clock_timestamp()` shadowed by a schema earlier in the engine's
+/// `search_path`), a model call answered `503, Retry-After: 30` and a
+/// webhook answered the same are each due about 30 s from the database's
+/// now. Computed from the process's clock, they would be an hour overdue
+/// and run again at once.
+#[actix_rt::test]
+async fn retries_are_due_on_the_databases_clock() {
+    let env = TestEnv::new().await;
+    env.execute("CREATE SCHEMA skew").await;
+    env.execute(
+        "CREATE FUNCTION skew.now() RETURNS timestamptz LANGUAGE sql STABLE \
+         AS $$ SELECT pg_catalog.now() + interval '1 hour' $$",
+    )
+    .await;
+    env.execute(
+        "CREATE FUNCTION skew.clock_timestamp() RETURNS timestamptz LANGUAGE sql VOLATILE \
+         AS $$ SELECT pg_catalog.clock_timestamp() + interval '1 hour' $$",
+    )
+    .await;
+    env.execute(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET search_path = skew, pg_catalog, public', \
+         current_database()); END $$",
+    )
+    .await;
+    // The engine's own connections, opened after the change, see the skew.
+    let skewed =
+        onceflow_engine::Store::new(onceflow_engine::Db::connect(&env.db_url, 4).await.unwrap());
+    env.provider.push(Behaviour::Status(503, Some(30)));
+    env.consumer.push(Behaviour::Status(503, Some(30)));
+    let mut config = long_lease(&env);
+    config.model_retry.retry_after_cap = Duration::from_secs(60);
+    config.webhook_retry.retry_after_cap = Duration::from_secs(60);
+    let _engine = Engine::start(
+        skewed,
+        registry(DeliveryPolicy::AtLeastOnce),
+        env.faults.clone(),
+        config,
+    );
+    env.submit("clock-model", "hello").await;
+    env.submit("clock-hook", "hello").await;
+    // One job's model call and the other's webhook were answered 503
+    // (which is which depends on the order of sends): both jobs are
+    // released to wait for their retry.
+    let sent = || {
+        env.provider.requests().len()
+            + env.consumer.deliveries_for("clock-model").len()
+            + env.consumer.deliveries_for("clock-hook").len()
+    };
+    let waiting = || async {
+        env.sql(
+            "SELECT count(*) AS n FROM jobs WHERE attempts >= 1 AND lease_owner IS NULL \
+             AND finished_at IS NULL",
+        )
+        .await[0]["n"]
+            == json!(2)
+    };
+    assert!(
+        wait_until(WAIT, || async { sent() == 3 && waiting().await }).await,
+        "a model call and a webhook failed, and both jobs wait for their retry"
+    );
+    for id in ["clock-model", "clock-hook"] {
+        let row = env
+            .sql(&format!(
+                "SELECT extract(epoch FROM run_at - (pg_catalog.now() + interval '1 hour'))::float8 \
+                 AS s FROM jobs WHERE id = '{id}'"
+            ))
+            .await;
+        let s = row[0]["s"].as_f64().unwrap();
+        assert!(
+            (20.0..=40.0).contains(&s),
+            "{id}: due {s} s from the database's now, not about 30"
+        );
+    }
+    let before = sent();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        sent(),
+        before,
+        "nothing was sent again before its Retry-After"
+    );
+}
