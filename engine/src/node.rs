@@ -107,6 +107,9 @@ pub(crate) struct Shared {
     pub(crate) gate: Gate,
     /// The signing secrets of the tokens whose jobs this node delivered lately.
     signing: std::sync::Mutex<HashMap<i64, ReadSecret>>,
+    /// Tokens whose secret changed (a rotation announced by `NOTIFY`):
+    /// their cached secrets are read again.
+    token_changes: std::sync::Mutex<tokio::sync::broadcast::Receiver<i64>>,
     /// The node's own secret (`ONCEFLOW_WEBHOOK_SECRET`).
     node_secret: Option<Arc<WebhookSecret>>,
 }
@@ -118,6 +121,7 @@ impl Shared {
         faults: Faults,
         config: EngineConfig,
     ) -> Self {
+        let token_changes = std::sync::Mutex::new(store.watch_token_changes());
         // Webhooks and tools go to URLs callers and models choose: no
         // redirects, and names resolved through the SSRF guard.
         // No proxy from the environment either: a proxy resolves the name
@@ -162,13 +166,14 @@ impl Shared {
             draining: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             gate: Default::default(),
             signing: Default::default(),
+            token_changes,
             node_secret: config_secret,
         }
     }
 
     /// The secrets that sign webhooks of a job submitted by API token
-    /// `owner`: the token's own (read again at most every 30 s, so a
-    /// rotation takes effect within that), else the node's
+    /// `owner`: the token's own (read again after a rotation announced by
+    /// `NOTIFY`, and at least every 30 s should that be missed), else the node's
     /// `ONCEFLOW_WEBHOOK_SECRET` (development mode, admin tokens, tokens
     /// made before tokens had their own).
     pub(crate) async fn signing_secret(
@@ -179,6 +184,7 @@ impl Shared {
             return Ok(self.node_secret.clone());
         };
         let fresh = std::time::Duration::from_secs(30);
+        self.forget_changed_secrets();
         if let Some((read, secret)) = self.signing.lock().expect("lock").get(&owner) {
             if read.elapsed() < fresh {
                 return Ok(secret.clone().or_else(|| self.node_secret.clone()));
@@ -199,6 +205,21 @@ impl Shared {
             .expect("lock")
             .insert(owner, (std::time::Instant::now(), secret.clone()));
         Ok(secret.or_else(|| self.node_secret.clone()))
+    }
+
+    /// Drops the cached secrets of tokens announced as changed.
+    fn forget_changed_secrets(&self) {
+        use tokio::sync::broadcast::error::TryRecvError;
+        let mut changes = self.token_changes.lock().expect("lock");
+        loop {
+            match changes.try_recv() {
+                Ok(id) => {
+                    self.signing.lock().expect("lock").remove(&id);
+                }
+                Err(TryRecvError::Lagged(_)) => self.signing.lock().expect("lock").clear(),
+                Err(TryRecvError::Empty | TryRecvError::Closed) => return,
+            }
+        }
     }
 
     pub(crate) fn is_draining(&self) -> bool {

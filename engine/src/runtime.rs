@@ -226,7 +226,7 @@ async fn listen_on(
         } else if n.channel == CANCEL_CHANNEL {
             supervisor.do_send(crate::supervisor::Cancelled(n.payload));
         } else if n.channel == TOKENS_CHANNEL {
-            store.token_revoked(&n.payload);
+            store.token_changed(&n.payload);
         } else if n.channel == SCHEDULES_CHANNEL {
             supervisor.do_send(crate::supervisor::SchedulesChanged);
         } else {

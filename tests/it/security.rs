@@ -1213,3 +1213,143 @@ async fn a_revoked_tokens_stream_ends_at_once() {
         "the revoked token's stream did not end within 5 s"
     );
 }
+
+/// Whether the Standard Webhooks reference library (PyPI `standardwebhooks`,
+/// installed by `.ci/run`) accepts delivery `d` under `secret`.
+async fn reference_verifies(d: &onceflow_engine::testkit::Delivery, secret: &str) -> bool {
+    const VERIFY: &str = "import json, sys\n\
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError\n\
+a = json.load(sys.stdin)\n\
+headers = {'webhook-id': a['id'], 'webhook-timestamp': a['timestamp'], 'webhook-signature': a['signature']}\n\
+try:\n    Webhook(a['secret']).verify(a['body'], headers)\nexcept WebhookVerificationError:\n    sys.exit(1)\n";
+    let input = json!({
+        "secret": secret,
+        "id": d.webhook_id,
+        "timestamp": d.timestamp,
+        "signature": d.signature,
+        "body": String::from_utf8(d.raw.clone()).unwrap(),
+    })
+    .to_string();
+    let output = tokio::task::spawn_blocking(move || {
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", VERIFY])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 (the reference library's language) runs");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    match output.status.code() {
+        Some(0) => true,
+        Some(1) => false,
+        _ => panic!(
+            "the reference library did not run (pip install standardwebhooks): {}",
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    }
+}
+
+/// Checked by the Standard Webhooks reference library, as a tenant's
+/// consumer would: a job's completion webhook and its `job.dead` event are
+/// signed with its token's own secret (another tenant's and the node's
+/// secrets are rejected), and a rotation reaches the running node at once:
+/// the next webhook verifies under the new secret alone, and under the
+/// previous one kept beside it.
+#[actix_rt::test]
+async fn tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let node_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let mut config = env.config();
+    config.webhook_secret = Some(node_secret.parse().unwrap());
+    let with_events = || {
+        let mut r = registry();
+        r.with_failure_events(true);
+        r
+    };
+    let _engine = env.start(with_events(), config);
+    let base = serve_api_state(ApiState {
+        store: env.store.clone(),
+        registry: with_events(),
+        body_limit: DEFAULT_BODY_LIMIT,
+        telemetry: Arc::new(onceflow_observability::Telemetry::disabled()),
+        url_guard: UrlGuard::allow_private(),
+        hosts: Hosts::Any,
+        auth: Auth::Tokens { loopback: false },
+        limits: Bounds::default(),
+        draining: Default::default(),
+        trace_url: None,
+        handoff: None,
+    });
+    let a = env.store.create_token("tenant-a", false).await.unwrap();
+    env.store.create_token("tenant-b", false).await.unwrap();
+    let a_secret = env.store.token_secret("tenant-a").await.unwrap().unwrap();
+    let b_secret = env.store.token_secret("tenant-b").await.unwrap().unwrap();
+    let submit = |id: &'static str| {
+        let (base, a, hook) = (base.clone(), a.clone(), env.consumer.url());
+        async move {
+            let (status, answer, _) = call(
+                Method::POST,
+                &format!("{base}/v1/jobs"),
+                Some(&a),
+                Some(&job_body(id, &hook)),
+            )
+            .await;
+            assert_eq!(status, 201, "{answer}");
+        }
+    };
+    // The model refuses the first job for good: it dies, and says so.
+    env.provider.push(Behaviour::Status(400, None));
+    submit("ref-dead").await;
+    env.wait_for("ref-dead", JobState::Dead, WAIT).await;
+    assert!(
+        wait_until(WAIT, || async {
+            env.consumer
+                .deliveries_for("ref-dead")
+                .iter()
+                .any(|d| d.body["type"] == "job.dead")
+        })
+        .await,
+        "the job.dead event was sent"
+    );
+    let dead = env.consumer.deliveries_for("ref-dead").remove(0);
+    assert_eq!(dead.body["type"], "job.dead");
+    submit("ref-done").await;
+    env.wait_for("ref-done", JobState::Acked, WAIT).await;
+    let done = env.consumer.deliveries_for("ref-done").remove(0);
+    for d in [&dead, &done] {
+        let what = &d.body["type"];
+        assert!(reference_verifies(d, &a_secret).await, "{what}: A's secret");
+        assert!(
+            !reference_verifies(d, &b_secret).await,
+            "{what}: B's secret must reject it"
+        );
+        assert!(
+            !reference_verifies(d, node_secret).await,
+            "{what}: the node's secret must reject it"
+        );
+    }
+    // Rotated while the node runs (and has A's old secret cached).
+    let rotated = env.store.rotate_token_secret("tenant-a").await.unwrap();
+    submit("ref-rotated").await;
+    env.wait_for("ref-rotated", JobState::Acked, WAIT).await;
+    let after = env.consumer.deliveries_for("ref-rotated").remove(0);
+    assert!(
+        reference_verifies(&after, &rotated).await,
+        "the rotation reached the running node at once"
+    );
+    assert!(
+        reference_verifies(&after, &a_secret).await,
+        "the previous secret still verifies"
+    );
+    assert!(!reference_verifies(&after, &b_secret).await);
+}

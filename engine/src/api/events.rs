@@ -142,7 +142,7 @@ pub(super) async fn follow_events(
     };
     // Subscribed before the first read, so a commit in between is not missed.
     let mut moved = store.watch_stream(&job_id);
-    let mut revocations = store.watch_revocations();
+    let mut revocations = store.watch_token_changes();
     loop {
         let events = match store.job_events(&job_id, after, 500).await {
             Ok(events) => events,
@@ -221,7 +221,7 @@ pub(super) async fn follow_events(
                 // A revoked token's stream ends at once (announced by NOTIFY).
                 revoked = revocations.recv(), if token.is_some() => match revoked {
                     Ok(id) if Some(id) != token => {}
-                    Err(RecvError::Closed) => revocations = store.watch_revocations(),
+                    Err(RecvError::Closed) => revocations = store.watch_token_changes(),
                     Ok(_) | Err(RecvError::Lagged(_)) => {
                         if let Some(token) = token {
                             if matches!(store.token_live(token).await, Ok(false)) {

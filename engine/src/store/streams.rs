@@ -232,21 +232,23 @@ pub struct Published {
 #[derive(Debug)]
 pub(crate) struct Watchers {
     jobs: Mutex<HashMap<String, tokio::sync::broadcast::Sender<Arc<Published>>>>,
-    /// Ids of tokens revoked (announced on [`TOKENS_CHANNEL`]).
-    revoked: tokio::sync::broadcast::Sender<i64>,
+    /// Ids of tokens revoked or given a new secret (announced on
+    /// [`TOKENS_CHANNEL`]).
+    tokens: tokio::sync::broadcast::Sender<i64>,
 }
 
 impl Default for Watchers {
     fn default() -> Self {
         Watchers {
             jobs: Mutex::default(),
-            revoked: tokio::sync::broadcast::channel(64).0,
+            tokens: tokio::sync::broadcast::channel(64).0,
         }
     }
 }
 
-/// The channel a token's revocation is announced on (payload: its id), so
-/// its streams on every node end at once.
+/// The channel a token's revocation or secret rotation is announced on
+/// (payload: its id), so its streams on every node end at once and its new
+/// secret signs at once.
 pub const TOKENS_CHANNEL: &str = "onceflow_tokens";
 
 impl Watchers {
@@ -384,15 +386,16 @@ impl Store {
             .collect())
     }
 
-    /// Revoked tokens' ids, as announced on [`TOKENS_CHANNEL`].
-    pub fn watch_revocations(&self) -> tokio::sync::broadcast::Receiver<i64> {
-        self.watchers.revoked.subscribe()
+    /// Ids of tokens revoked or given a new secret, as announced on
+    /// [`TOKENS_CHANNEL`].
+    pub fn watch_token_changes(&self) -> tokio::sync::broadcast::Receiver<i64> {
+        self.watchers.tokens.subscribe()
     }
 
     /// Called with each [`TOKENS_CHANNEL`] notification's payload.
-    pub fn token_revoked(&self, payload: &str) {
+    pub fn token_changed(&self, payload: &str) {
         if let Ok(id) = payload.parse() {
-            let _ = self.watchers.revoked.send(id);
+            let _ = self.watchers.tokens.send(id);
         }
     }
 

@@ -180,11 +180,15 @@ impl Store {
     pub async fn rotate_token_secret(&self, name: &str) -> Result<String, StoreError> {
         let new = crate::webhook::new_secret();
         let mut conn = self.db().conn().await?;
-        let n = sql("UPDATE api_tokens SET webhook_secret = \
-                 $2 || coalesce(' ' || split_part(webhook_secret, ' ', 1), '') \
-             WHERE name = $1 AND NOT admin AND revoked_at IS NULL")
+        // Announced in the same statement: every node signs with it at once.
+        let n = sql("WITH rotated AS ( \
+                 UPDATE api_tokens SET webhook_secret = \
+                     $2 || coalesce(' ' || split_part(webhook_secret, ' ', 1), '') \
+                 WHERE name = $1 AND NOT admin AND revoked_at IS NULL RETURNING id) \
+             SELECT pg_notify($3, id::text) FROM rotated")
         .bind::<Text, _>(name)
         .bind::<Text, _>(&new)
+        .bind::<Text, _>(super::streams::TOKENS_CHANNEL)
         .execute(&mut conn)
         .await?;
         if n == 0 {
