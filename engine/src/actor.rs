@@ -166,6 +166,9 @@ impl JobRun {
             limiter: shared.limiter.clone(),
             priority: leased.request.priority,
             signal_waits: Default::default(),
+            joins: 0,
+            children: shared.child_rules.clone(),
+            owner_token: leased.owner_token,
             scope,
         };
         let request = leased.request;
@@ -346,6 +349,15 @@ impl JobRun {
         let metrics = self.ctx.scope.metrics().clone();
         // Read before any send is marked begun: a failure here leaves no
         // send marked that was never made.
+        if self.webhook_url.is_empty() {
+            // A child job given no webhook: delivered means recorded, with
+            // no send (the outbox row has no URL and status 0).
+            self.first_send = None;
+            let c = store
+                .mark_delivered(&self.fence, &key, 0, &self.shared.faults)
+                .await?;
+            return self.settled(c, JobState::Acked, "delivered");
+        }
         let secret = self.shared.signing_secret(self.owner_token).await?;
         let step = |send: Option<i32>| {
             let mut attrs = vec![

@@ -7,14 +7,14 @@
 use serde_json::{Map, Value};
 
 use crate::guard::UrlGuard;
-pub use crate::request::{canonical_hash, NewJob, Schedule};
+pub use crate::request::{canonical_hash, validate_webhook_url, NewJob, Schedule};
 use crate::workflow::{InvalidInput, Registry};
 
 /// Longest accepted job id.
-pub const MAX_ID_LEN: usize = 200;
+pub const MAX_ID_LEN: usize = crate::request::MAX_JOB_ID_LEN;
 
 /// Longest accepted `webhook_url`.
-pub const MAX_URL_LEN: usize = 2048;
+pub use crate::request::MAX_URL_LEN;
 
 /// Longest accepted `delay_ms`, and how far ahead `run_at` may be: 30 days.
 pub const MAX_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
@@ -277,6 +277,12 @@ pub fn validate_id(id: &str) -> Result<(), InvalidInput> {
             format!("may contain only A-Z a-z 0-9 _ . : - (found {bad:?})"),
         ));
     }
+    if id.contains(":child:") {
+        return Err(InvalidInput::new(
+            "id",
+            "ids containing :child: are reserved for the child jobs workflows start ({parent id}:child:{name})",
+        ));
+    }
     if crate::schedule::is_scheduled_job_id(id) {
         return Err(InvalidInput::new(
             "id",
@@ -284,39 +290,6 @@ pub fn validate_id(id: &str) -> Result<(), InvalidInput> {
         ));
     }
     Ok(())
-}
-
-fn validate_webhook_url(raw: &str, guard: &UrlGuard) -> Result<(), InvalidInput> {
-    if raw.len() > MAX_URL_LEN {
-        return Err(InvalidInput::new(
-            "webhook_url",
-            format!(
-                "must be at most {MAX_URL_LEN} characters (got {})",
-                raw.len()
-            ),
-        ));
-    }
-    let parsed = url::Url::parse(raw).map_err(|e| {
-        InvalidInput::new(
-            "webhook_url",
-            format!("must be an absolute http(s) URL: {e}"),
-        )
-    })?;
-    if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none_or(str::is_empty) {
-        return Err(InvalidInput::new(
-            "webhook_url",
-            "must be an absolute http(s) URL with a host",
-        ));
-    }
-    if !parsed.username().is_empty() || parsed.password().is_some() {
-        return Err(InvalidInput::new(
-            "webhook_url",
-            "must not carry credentials (user:password@)",
-        ));
-    }
-    guard
-        .check(&parsed)
-        .map_err(|r| InvalidInput::new("webhook_url", r.0))
 }
 
 #[cfg(test)]

@@ -87,6 +87,49 @@ pub fn default_node_id() -> String {
     format!("{host}:{}", std::process::id())
 }
 
+/// A child job's checks against this node's workflows and SSRF guard.
+struct NodeChildRules {
+    registry: Registry,
+    guard: crate::guard::UrlGuard,
+}
+
+impl std::fmt::Debug for NodeChildRules {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeChildRules").finish_non_exhaustive()
+    }
+}
+
+impl crate::context::ChildRules for NodeChildRules {
+    fn check(
+        &self,
+        workflow: &str,
+        input: &serde_json::Value,
+        webhook_url: Option<&str>,
+    ) -> Result<(i32, bool), crate::error::InvalidInput> {
+        let Some(w) = self.registry.get(workflow) else {
+            let known: Vec<_> = self.registry.names().collect();
+            return Err(crate::error::InvalidInput::new(
+                "workflow",
+                format!(
+                    "unknown workflow {workflow:?}; registered: {}",
+                    known.join(", ")
+                ),
+            ));
+        };
+        if !input.is_object() {
+            return Err(crate::error::InvalidInput::new(
+                "input",
+                "must be a JSON object",
+            ));
+        }
+        w.validate(input)?;
+        if let Some(url) = webhook_url {
+            crate::request::validate_webhook_url(url, &self.guard)?;
+        }
+        Ok((w.version() as i32, self.registry.failure_events(workflow)))
+    }
+}
+
 /// A token's signing secret as read at an instant (`None`: it has none).
 type ReadSecret = (std::time::Instant, Option<Arc<WebhookSecret>>);
 
@@ -103,6 +146,8 @@ pub(crate) struct Shared {
     pub(crate) draining: Arc<std::sync::atomic::AtomicBool>,
     /// Provider limits and the wake-up of calls waiting on one.
     pub(crate) limiter: Arc<crate::limiter::Limiter>,
+    /// What a child job must pass to start (see [`crate::context::ChildRules`]).
+    pub(crate) child_rules: Arc<dyn crate::context::ChildRules>,
     /// Whether intake may hand this node a new job (see [`crate::handoff`]).
     pub(crate) gate: Gate,
     /// The signing secrets of the tokens whose jobs this node delivered lately.
@@ -122,6 +167,10 @@ impl Shared {
         config: EngineConfig,
     ) -> Self {
         let token_changes = std::sync::Mutex::new(store.watch_token_changes());
+        let child_rules = Arc::new(NodeChildRules {
+            registry: registry.clone(),
+            guard: config.url_guard.clone(),
+        });
         // Webhooks and tools go to URLs callers and models choose: no
         // redirects, and names resolved through the SSRF guard.
         // No proxy from the environment either: a proxy resolves the name
@@ -167,6 +216,7 @@ impl Shared {
             gate: Default::default(),
             signing: Default::default(),
             token_changes,
+            child_rules,
             node_secret: config_secret,
         }
     }

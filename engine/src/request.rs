@@ -9,6 +9,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+/// Longest accepted `webhook_url`.
+pub const MAX_URL_LEN: usize = 2048;
+
+/// Longest job id (the schema checks it too).
+pub const MAX_JOB_ID_LEN: usize = 200;
+
 /// A validated submission.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewJob {
@@ -179,6 +185,44 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
         }
         scalar => serde_json::to_writer(&mut *out, scalar).expect("writing to memory"),
     }
+}
+
+/// A `webhook_url`: an absolute http(s) URL of at most [`MAX_URL_LEN`]
+/// characters, without credentials, that `guard` allows.
+pub fn validate_webhook_url(
+    raw: &str,
+    guard: &crate::guard::UrlGuard,
+) -> Result<(), crate::error::InvalidInput> {
+    if raw.len() > MAX_URL_LEN {
+        return Err(crate::error::InvalidInput::new(
+            "webhook_url",
+            format!(
+                "must be at most {MAX_URL_LEN} characters (got {})",
+                raw.len()
+            ),
+        ));
+    }
+    let parsed = url::Url::parse(raw).map_err(|e| {
+        crate::error::InvalidInput::new(
+            "webhook_url",
+            format!("must be an absolute http(s) URL: {e}"),
+        )
+    })?;
+    if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none_or(str::is_empty) {
+        return Err(crate::error::InvalidInput::new(
+            "webhook_url",
+            "must be an absolute http(s) URL with a host",
+        ));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(crate::error::InvalidInput::new(
+            "webhook_url",
+            "must not carry credentials (user:password@)",
+        ));
+    }
+    guard
+        .check(&parsed)
+        .map_err(|r| crate::error::InvalidInput::new("webhook_url", r.0))
 }
 
 #[cfg(test)]

@@ -26,6 +26,8 @@ pub const SPAN_ACK: &str = "ack";
 pub const SPAN_TOOL: &str = "tool";
 /// One general step of a user workflow (`Context::step`).
 pub const SPAN_STEP: &str = "step";
+/// A child job started by a workflow (`ctx.spawn`); the child's trace continues from it.
+pub const SPAN_SPAWN: &str = "spawn";
 
 // ---- attributes -------------------------------------------------------------
 

@@ -6,6 +6,7 @@ mod agent;
 mod anthropic;
 mod binary;
 mod chaos;
+mod children;
 mod console;
 mod cron;
 mod dbfaults;

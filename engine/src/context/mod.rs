@@ -5,8 +5,8 @@
 //! This file holds the [`Context`] and the journal check every effect
 //! starts with; each kind of effect has a file of its own: `generate` (a
 //! model call), `tool` (a tool call, once per position), `step` (a general
-//! step), `wait` (timers and signals) and `tape` (the journal of a
-//! streamed answer).
+//! step), `wait` (timers and signals), `children` (child jobs) and `tape`
+//! (the journal of a streamed answer).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,12 +17,15 @@ use crate::faults::Faults;
 use crate::provider::Provider;
 use crate::store::{Fence, Store};
 
+mod children;
 mod generate;
 mod step;
 mod tape;
 mod tool;
 mod wait;
 
+pub(crate) use children::ChildRules;
+pub use children::{child_id, Child, ChildFailed};
 pub use step::StepInvocation;
 pub use tool::ToolInvocation;
 pub use wait::{valid_wait_name, Decision, MAX_WAIT_NAME};
@@ -55,6 +58,12 @@ pub struct Context {
     pub(crate) priority: i32,
     /// Waits for each signal name reached so far in this run of the body.
     pub(crate) signal_waits: std::collections::HashMap<String, u32>,
+    /// Joins reached so far in this run of the body.
+    pub(crate) joins: u32,
+    /// What a child job must pass to start (the node's registry and guard).
+    pub(crate) children: Arc<dyn ChildRules>,
+    /// The API token the job belongs to, and so do its children.
+    pub(crate) owner_token: Option<i64>,
 }
 
 /// What a rerun of a body has asked of the job's journal so far (see

@@ -139,6 +139,8 @@ pub(crate) struct NewRow {
     /// Insert it leased to this node for this many milliseconds (a
     /// hand-off, see [`crate::handoff`]).
     pub(crate) lease: Option<(String, i64)>,
+    /// The job whose workflow started it (`ctx.spawn`).
+    pub(crate) parent: Option<String>,
 }
 
 impl Keyed for NewRow {
@@ -475,7 +477,9 @@ pub(crate) async fn intake_on(
     let mut delays = Vec::with_capacity(n);
     let mut lease_owners = Vec::with_capacity(n);
     let mut lease_ms = Vec::with_capacity(n);
+    let mut parents = Vec::with_capacity(n);
     for r in requests {
+        parents.push(r.parent.as_deref());
         lease_owners.push(r.lease.as_ref().map(|(node, _)| node.as_str()));
         lease_ms.push(r.lease.as_ref().map(|(_, ms)| *ms));
         priorities.push(r.priority);
@@ -499,20 +503,20 @@ pub(crate) async fn intake_on(
                  (SELECT $4::jsonb[]), (SELECT $5::text[]), (SELECT $6::text[]), \
                  (SELECT $7::bigint[]), (SELECT $8::bool[]), (SELECT $11::int[]), \
                  (SELECT $12::timestamptz[]), (SELECT $13::bigint[]), (SELECT $14::text[]), \
-                 (SELECT $15::bigint[])) \
+                 (SELECT $15::bigint[]), (SELECT $16::text[])) \
              AS i(id, workflow, workflow_version, request, request_hash, trace_context, owner_token, \
-                  notify_failures, priority, run_at, delay_ms, lease_owner, lease_ms)), \
+                  notify_failures, priority, run_at, delay_ms, lease_owner, lease_ms, parent_id)), \
          job AS ( \
              INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, trace_context, \
                  incarnation, lease_epoch, owner_token, notify_failures, priority, run_at, \
-                 lease_owner, lease_expires_at, attempts) \
+                 lease_owner, lease_expires_at, attempts, parent_id) \
              SELECT i.id, i.workflow, i.workflow_version, i.request, i.request_hash, i.trace_context, \
                  coalesce(t.incarnation + 1, 1), \
                  coalesce(t.last_epoch, 0) + (i.lease_owner IS NOT NULL)::int, \
                  i.owner_token, i.notify_failures, \
                  i.priority, coalesce(i.run_at, now() + coalesce(i.delay_ms, 0) * interval '1 millisecond'), \
                  i.lease_owner, clock_timestamp() + i.lease_ms * interval '1 millisecond', \
-                 (i.lease_owner IS NOT NULL)::int \
+                 (i.lease_owner IS NOT NULL)::int, i.parent_id \
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
              ORDER BY i.id \
              ON CONFLICT (id) DO NOTHING \
@@ -542,6 +546,7 @@ pub(crate) async fn intake_on(
     .bind::<Array<Nullable<BigInt>>, _>(&delays)
     .bind::<Array<Nullable<Text>>, _>(&lease_owners)
     .bind::<Array<Nullable<BigInt>>, _>(&lease_ms)
+    .bind::<Array<Nullable<Text>>, _>(&parents)
     .load(conn)
     .await?;
     let mut by_id: std::collections::HashMap<String, Inserted> =

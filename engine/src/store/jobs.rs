@@ -91,6 +91,24 @@ pub struct JobView {
     /// The signals sent to the job, oldest first, each with the wait that
     /// took it (`taken_by`) or `null` while it is kept.
     pub signals: Vec<super::waits::SignalView>,
+    /// The job whose workflow started this one (`ctx.spawn`), or `null`.
+    pub parent: Option<String>,
+    /// The child jobs this one started, oldest first (at most 1,000).
+    pub children: Vec<ChildView>,
+}
+
+/// A child job as its parent's view shows it.
+#[derive(Debug, Clone, Serialize, QueryableByName)]
+pub struct ChildView {
+    /// The child's job id (`{parent id}:child:{name}`).
+    #[diesel(sql_type = Text)]
+    pub id: String,
+    /// Its workflow.
+    #[diesel(sql_type = Text)]
+    pub workflow: String,
+    /// Its state now.
+    #[diesel(sql_type = Text)]
+    pub state: String,
 }
 
 /// One model call as the job view shows it.
@@ -212,6 +230,8 @@ struct JobRow {
     trace_context: Option<String>,
     #[diesel(sql_type = Nullable<Jsonb>)]
     waiting: Option<Value>,
+    #[diesel(sql_type = Nullable<Text>)]
+    parent_id: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -246,7 +266,7 @@ struct OutboxRow {
 
 const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.workflow_version, j.priority, j.run_at, j.request, j.request_hash, j.state::text AS state, \
      j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context, \
-     CASE WHEN j.finished_at IS NULL THEN j.waiting END AS waiting \
+     CASE WHEN j.finished_at IS NULL THEN j.waiting END AS waiting, j.parent_id \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 
 impl Store {
@@ -317,6 +337,7 @@ impl Store {
                 run_at: job.schedule.run_at,
                 delay_ms: job.schedule.delay_ms.map(|ms| ms as i64),
                 lease: hand_to.as_ref().map(|h| (h.node.clone(), h.lease_ms)),
+                parent: None,
             })
             .await?;
         if let Some(row) = inserted {
@@ -368,6 +389,8 @@ impl Store {
                 tool_calls: Vec::new(),
                 waiting: None,
                 signals: Vec::new(),
+                parent: None,
+                children: Vec::new(),
             });
             return Ok((created, leased));
         }
@@ -459,8 +482,17 @@ impl Store {
         .bind::<Text, _>(id)
         .load(conn)
         .await?;
+        let children: Vec<ChildView> = sql(
+            "SELECT id, workflow, state::text AS state FROM jobs WHERE parent_id = $1 \
+             ORDER BY created_at, id LIMIT 1000",
+        )
+        .bind::<Text, _>(id)
+        .load(conn)
+        .await?;
         let request = JobRequest::from_stored(row.request);
         let view = JobView {
+            parent: row.parent_id,
+            children,
             model_calls,
             tool_calls,
             signals,

@@ -119,14 +119,24 @@ impl Store {
         .bind::<Text, _>(CANCEL_CHANNEL)
         .get_result(&mut conn)
         .await?;
-        Ok(match (row.moved, row.state) {
+        let cancelled = match (row.moved, row.state) {
             (true, _) => Cancelled::Now,
             (false, None) => Cancelled::Missing,
             (false, Some(s)) => match parse_state(&s)? {
                 JobState::Cancelled => Cancelled::Already,
                 other => Cancelled::Finished(other),
             },
-        })
+        };
+        // Its live children go with it (after its own commit, one at a
+        // time, so no lock is held across jobs; a repeat finishes the job).
+        if matches!(cancelled, Cancelled::Now | Cancelled::Already) {
+            drop(conn);
+            let why = format!("its parent job {id} was cancelled");
+            for child in self.live_children(id).await? {
+                Box::pin(self.cancel(&child, by, &why)).await?;
+            }
+        }
+        Ok(cancelled)
     }
 
     /// Brings `dead` job `id` back to the last live state it reached, with

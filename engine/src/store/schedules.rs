@@ -447,6 +447,7 @@ impl Store {
                                 run_at: None,
                                 delay_ms: None,
                                 lease: None,
+                                parent: None,
                             }
                         })
                         .collect();

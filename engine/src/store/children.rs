@@ -1,0 +1,233 @@
+//! Child jobs: a job that a workflow starts (`ctx.spawn`) and may wait for
+//! (`ctx.join`).
+//!
+//! A child is inserted by intake's own statement, in a transaction that
+//! first holds the parent's fence: a cancelled or taken-over attempt
+//! starts no child, and the id (derived from the parent's id and the
+//! spawn's name) makes a repeat find the child instead of making another.
+//! A join is a wait (`waits`, kind `children`): while a child is live, the
+//! parent is released with `waiting` saying so; a child that finishes makes
+//! its waiting parent due at once (a trigger, `onceflow_child_finished`),
+//! and the join's outcome — every child's state, result or error — is
+//! journaled the first time all are over (or the join times out), so a
+//! replay never reads the children again.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, BigInt, Bool, Jsonb, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, RunQueryDsl};
+use serde_json::{json, Value};
+
+use super::group_writes::{intake_on, NewRow};
+use super::sql::sql;
+use super::waits::WaitStep;
+use super::{Fence, Store};
+use crate::error::StoreError;
+
+/// What starting a child did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Spawned {
+    /// Inserted now.
+    Created,
+    /// This parent started it before, with the same request.
+    Existing,
+    /// The id is taken by another job, or by this parent's child with
+    /// another request (the body changed under the same name).
+    Conflict,
+    /// The attempt no longer holds the parent: nothing was written.
+    LeaseLost,
+}
+
+/// Most children one join shows in the parent's `waiting`.
+const SHOWN_PENDING: usize = 100;
+
+impl Store {
+    /// Starts child `row` of the job `fence` holds (see the module's
+    /// documentation).
+    pub(crate) async fn spawn_child(
+        &self,
+        fence: &Fence,
+        row: NewRow,
+    ) -> Result<Spawned, StoreError> {
+        retrying!(self, "spawn_child", async || {
+            let mut conn = self.db().conn().await?;
+            let row = row.clone();
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                if !Store::hold_fence(conn, fence).await? {
+                    return Ok(Spawned::LeaseLost);
+                }
+                let hash = row.request_hash.clone();
+                let id = row.id.clone();
+                if intake_on(conn, std::slice::from_ref(&row))
+                    .await?
+                    .remove(0)
+                    .is_some()
+                {
+                    return Ok(Spawned::Created);
+                }
+                #[derive(QueryableByName)]
+                struct Stored {
+                    #[diesel(sql_type = Bool)]
+                    same: bool,
+                }
+                let stored: Vec<Stored> = sql(
+                    "SELECT request_hash = $2 AND parent_id IS NOT DISTINCT FROM $3 AS same \
+                     FROM jobs WHERE id = $1",
+                )
+                .bind::<Text, _>(&id)
+                .bind::<Text, _>(&hash)
+                .bind::<Text, _>(&fence.job_id)
+                .load(conn)
+                .await?;
+                Ok(if stored.iter().any(|s| s.same) {
+                    Spawned::Existing
+                } else {
+                    Spawned::Conflict
+                })
+            })
+            .await
+        })
+        .await
+    }
+
+    /// Reaches join `key` (named `name`) of `children` under the attempt's
+    /// fence: journals it the first time (due `timeout_ms` from now, by the
+    /// database's clock), returns its journaled outcome when every child is
+    /// over or the join timed out, or releases the parent until a child
+    /// finishes.
+    pub(crate) async fn join_children(
+        &self,
+        fence: &Fence,
+        key: &str,
+        name: &str,
+        children: &[String],
+        timeout_ms: i64,
+    ) -> Result<WaitStep, StoreError> {
+        #[derive(QueryableByName)]
+        struct WaitRow {
+            #[diesel(sql_type = Timestamptz)]
+            until: DateTime<Utc>,
+            #[diesel(sql_type = Nullable<Jsonb>)]
+            outcome: Option<Value>,
+            #[diesel(sql_type = Bool)]
+            due: bool,
+        }
+        #[derive(QueryableByName)]
+        struct ChildRow {
+            #[diesel(sql_type = Text)]
+            id: String,
+            #[diesel(sql_type = Text)]
+            state: String,
+            #[diesel(sql_type = Bool)]
+            finished: bool,
+            #[diesel(sql_type = Nullable<Jsonb>)]
+            result: Option<Value>,
+            #[diesel(sql_type = Nullable<Jsonb>)]
+            error: Option<Value>,
+            #[diesel(sql_type = Nullable<Text>)]
+            dead_reason: Option<String>,
+        }
+        retrying!(self, "join_children", async || {
+            let mut conn = self.db().conn().await?;
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                if !Store::hold_fence(conn, fence).await? {
+                    return Ok(WaitStep::LeaseLost);
+                }
+                let wait: WaitRow = sql(
+                    "INSERT INTO waits (job_id, wait_key, kind, name, until) \
+                     VALUES ($1, $2, 'children', $3, clock_timestamp() + $4 * interval '1 millisecond') \
+                     ON CONFLICT (job_id, wait_key) DO UPDATE SET kind = waits.kind \
+                     RETURNING until, outcome, clock_timestamp() >= until AS due",
+                )
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<Text, _>(key)
+                .bind::<Text, _>(name)
+                .bind::<BigInt, _>(timeout_ms)
+                .get_result(conn)
+                .await?;
+                if let Some(outcome) = wait.outcome {
+                    return Ok(WaitStep::Done(outcome));
+                }
+                let rows: Vec<ChildRow> = sql(
+                    "SELECT j.id, j.state::text AS state, j.finished_at IS NOT NULL AS finished, \
+                         r.output AS result, j.last_error AS error, j.dead_reason \
+                     FROM jobs j LEFT JOIN results r ON r.job_id = j.id \
+                     WHERE j.id = ANY($1) AND j.parent_id = $2",
+                )
+                .bind::<Array<Text>, _>(children)
+                .bind::<Text, _>(&fence.job_id)
+                .load(conn)
+                .await?;
+                let mut by_id: std::collections::HashMap<&str, &ChildRow> =
+                    rows.iter().map(|r| (r.id.as_str(), r)).collect();
+                let pending: Vec<&String> = children
+                    .iter()
+                    .filter(|id| by_id.get(id.as_str()).is_some_and(|r| !r.finished))
+                    .collect();
+                if pending.is_empty() || wait.due {
+                    let outcome = json!({
+                        "children": children.iter().map(|id| match by_id.remove(id.as_str()) {
+                            None => json!({ "id": id, "state": "missing" }),
+                            Some(r) => json!({
+                                "id": r.id,
+                                "state": r.state,
+                                "finished": r.finished,
+                                "result": r.result,
+                                "error": r.error,
+                                "dead_reason": r.dead_reason,
+                            }),
+                        }).collect::<Vec<_>>(),
+                    });
+                    sql(
+                        "WITH done AS (UPDATE waits SET outcome = $3, done_at = now() \
+                             WHERE job_id = $1 AND wait_key = $2) \
+                         UPDATE jobs SET waiting = NULL WHERE id = $1 AND waiting IS NOT NULL",
+                    )
+                    .bind::<Text, _>(&fence.job_id)
+                    .bind::<Text, _>(key)
+                    .bind::<Jsonb, _>(&outcome)
+                    .execute(conn)
+                    .await?;
+                    return Ok(WaitStep::Done(outcome));
+                }
+                let waiting = json!({
+                    "kind": "children",
+                    "name": name,
+                    "until": wait.until,
+                    "children": pending.iter().take(SHOWN_PENDING).collect::<Vec<_>>(),
+                    "pending": pending.len(),
+                });
+                sql(
+                    "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, \
+                         lease_expires_at = NULL, updated_at = now() \
+                     WHERE id = $1 AND lease_epoch = $2",
+                )
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<BigInt, _>(fence.epoch)
+                .bind::<Jsonb, _>(&waiting)
+                .bind::<Timestamptz, _>(wait.until)
+                .execute(conn)
+                .await?;
+                Ok(WaitStep::Waiting { until: wait.until })
+            })
+            .await
+        })
+        .await
+    }
+
+    /// The live children of job `id` (to cancel with it).
+    pub(crate) async fn live_children(&self, id: &str) -> Result<Vec<String>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Text)]
+            id: String,
+        }
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<Row> =
+            sql("SELECT id FROM jobs WHERE parent_id = $1 AND finished_at IS NULL")
+                .bind::<Text, _>(id)
+                .load(&mut conn)
+                .await?;
+        Ok(rows.into_iter().map(|r| r.id).collect())
+    }
+}

@@ -1,0 +1,322 @@
+//! Child jobs (`ctx.spawn`, `ctx.join`): a parent fans out to children of
+//! any registered workflow and fans back in. Each child is created once
+//! (its id derived from the parent's and the spawn's name), paid once,
+//! sends no webhook of its own unless given one, belongs to the parent's
+//! token and continues its trace; the parent waits holding no lease, a dead
+//! child is an error its code handles, and cancelling the parent cancels
+//! its live children.
+
+use std::time::Duration;
+
+use onceflow_engine::faults::{Action, FailPoint};
+use onceflow_engine::intake::NewJob;
+use onceflow_engine::testkit::{wait_until, Behaviour, TestEnv};
+use onceflow_engine::{Context, JobState, Registry, StepError, Workflow};
+use onceflow_workflows::Completion;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Asks one completion child per prompt and collects their answers.
+pub(crate) struct FanOut;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Prompts {
+    prompts: Vec<String>,
+    /// Where each child posts its own completion webhook, if anywhere.
+    #[serde(default)]
+    child_webhook: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Collected {
+    /// Each child's answer, or `null` when it failed.
+    answers: Vec<Option<String>>,
+    /// The children that did not end acked: (id, state).
+    failed: Vec<(String, String)>,
+}
+
+impl Workflow for FanOut {
+    const NAME: &'static str = "test.fan_out";
+    type Input = Prompts;
+    type Output = Collected;
+
+    async fn run(&self, ctx: &mut Context, input: Prompts) -> Result<Collected, StepError> {
+        let mut children = Vec::new();
+        for (i, prompt) in input.prompts.iter().enumerate() {
+            let name = format!("c{i}");
+            let child =
+                json!({ "model": "m", "messages": [{ "role": "user", "content": prompt }] });
+            children.push(match &input.child_webhook {
+                Some(url) => {
+                    ctx.spawn_with_webhook(&name, "completion", &child, url)
+                        .await?
+                }
+                None => ctx.spawn(&name, "completion", &child).await?,
+            });
+        }
+        let mut collected = Collected {
+            answers: Vec::new(),
+            failed: Vec::new(),
+        };
+        for outcome in ctx.join(&children, Duration::from_secs(300)).await? {
+            match outcome {
+                Ok(output) => collected
+                    .answers
+                    .push(output["content"].as_str().map(str::to_owned)),
+                Err(failed) => {
+                    collected.answers.push(None);
+                    collected.failed.push((failed.id, failed.state));
+                }
+            }
+        }
+        Ok(collected)
+    }
+}
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.register(Completion::default());
+    r.register(FanOut);
+    r
+}
+
+fn parent(env: &TestEnv, id: &str, prompts: &[&str], child_webhook: Option<&str>) -> NewJob {
+    NewJob {
+        id: id.to_owned(),
+        workflow: FanOut::NAME.to_owned(),
+        workflow_version: 1,
+        input: json!({ "prompts": prompts, "child_webhook": child_webhook }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    }
+}
+
+fn child(parent: &str, i: usize) -> String {
+    format!("{parent}:child:c{i}")
+}
+
+fn gen_key(id: &str) -> String {
+    format!("job:{id}:generate")
+}
+
+async fn count(env: &TestEnv, query: &str) -> i64 {
+    env.sql(&format!("SELECT count(*) AS n FROM ({query}) q"))
+        .await[0]["n"]
+        .as_i64()
+        .unwrap()
+}
+
+/// Three children, created once each (incarnation 1, one `received` row),
+/// each model call paid and sent once, no child webhook, one parent
+/// webhook after the join; the parent waited holding no lease (kind
+/// `children`), and the views link both ways. The children belong to the
+/// parent's token and continue its trace.
+#[actix_rt::test]
+async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
+    let env = TestEnv::new().await;
+    // The children take a while: the parent reaches its join first.
+    env.provider.set_latency(Duration::from_millis(300));
+    let token = env.store.create_token("tenant", false).await.unwrap();
+    let owner = env
+        .store
+        .authenticate(&token)
+        .await
+        .unwrap()
+        .map(|c| c.token);
+    let _engine = env.start(registry(), env.config());
+    let job = parent(&env, "fan-1", &["a", "b", "c"], None);
+    let trace = onceflow_engine::traceparent::TraceParent::new_root();
+    env.store
+        .submit_owned(&job, trace, owner, false)
+        .await
+        .unwrap();
+    let waited = wait_until(WAIT, || async {
+        env.job("fan-1")
+            .await
+            .waiting
+            .is_some_and(|w| w["kind"] == "children")
+    })
+    .await;
+    assert!(waited, "the parent waits for its children");
+    let lease = env
+        .sql("SELECT lease_owner FROM jobs WHERE id = 'fan-1'")
+        .await;
+    let view = env.wait_for("fan-1", JobState::Acked, WAIT).await;
+    assert!(
+        lease[0]["lease_owner"].is_null() || view.state == JobState::Acked,
+        "waiting, the parent holds no lease: {lease}"
+    );
+    let out: Collected = serde_json::from_value(view.result.clone().unwrap()).unwrap();
+    assert_eq!(out.answers.len(), 3);
+    assert!(out.answers.iter().all(Option::is_some), "{out:?}");
+    assert!(out.failed.is_empty(), "{out:?}");
+    let listed: Vec<(String, String)> = view
+        .children
+        .iter()
+        .map(|c| (c.id.clone(), c.state.clone()))
+        .collect();
+    let expected: Vec<(String, String)> = (0..3)
+        .map(|i| (child("fan-1", i), "acked".to_owned()))
+        .collect();
+    assert_eq!(listed, expected);
+    let parent_trace = view.trace_id.clone().unwrap();
+    for i in 0..3 {
+        let id = child("fan-1", i);
+        let c = env.job(&id).await;
+        assert_eq!(c.parent.as_deref(), Some("fan-1"));
+        assert_eq!(c.state, JobState::Acked);
+        assert_eq!(c.incarnation, 1, "{id} created once");
+        assert_eq!(c.owner_token, owner, "{id} belongs to the parent's token");
+        assert_eq!(
+            c.trace_id.as_deref(),
+            Some(parent_trace.as_str()),
+            "{id} continues the parent's trace"
+        );
+        assert_eq!(
+            env.provider.requests_for(&gen_key(&id)),
+            1,
+            "{id} sent once"
+        );
+        assert_eq!(env.provider.work_done(&gen_key(&id)), 1);
+        assert_eq!(
+            env.consumer.deliveries_for(&id).len(),
+            0,
+            "{id} has no webhook"
+        );
+        let received = count(
+            &env,
+            &format!("SELECT 1 FROM job_history WHERE job_id = '{id}' AND state = 'received'"),
+        )
+        .await;
+        assert_eq!(received, 1, "{id}: one intake");
+    }
+    assert_eq!(
+        env.consumer.deliveries_for("fan-1").len(),
+        1,
+        "one parent webhook"
+    );
+    assert_eq!(env.provider.requests().len(), 3, "no other model call");
+    let joins = count(
+        &env,
+        "SELECT 1 FROM waits WHERE job_id = 'fan-1' AND kind = 'children' AND outcome IS NOT NULL",
+    )
+    .await;
+    assert_eq!(joins, 1, "one journaled join");
+}
+
+/// One child's model call is refused for good: that child dies, and the
+/// parent's join hands it over as an error the parent's code records; the
+/// parent still ends acked, with one webhook.
+#[actix_rt::test]
+async fn a_dead_child_is_an_error_the_parent_handles() {
+    let env = TestEnv::new().await;
+    env.provider.push(Behaviour::Status(400, None));
+    let _engine = env.start(registry(), env.config());
+    env.submit_job(parent(&env, "fan-dead", &["a", "b"], None))
+        .await;
+    let view = env.wait_for("fan-dead", JobState::Acked, WAIT).await;
+    let out: Collected = serde_json::from_value(view.result.unwrap()).unwrap();
+    assert_eq!(out.failed.len(), 1, "{out:?}");
+    let (dead, state) = &out.failed[0];
+    assert_eq!(state, "dead");
+    assert_eq!(env.job(dead).await.state, JobState::Dead);
+    assert_eq!(out.answers.iter().filter(|a| a.is_some()).count(), 1);
+    assert_eq!(env.consumer.deliveries_for("fan-dead").len(), 1);
+}
+
+/// Cancelling a parent that waits for its children cancels them too: none
+/// is left running, and nothing is delivered.
+#[actix_rt::test]
+async fn cancelling_a_parent_cancels_its_live_children() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_secs(20));
+    let _engine = env.start(registry(), env.config());
+    env.submit_job(parent(&env, "fan-cancel", &["a", "b", "c"], None))
+        .await;
+    let started = wait_until(WAIT, || async {
+        env.provider.requests().len() == 3
+            && env
+                .job("fan-cancel")
+                .await
+                .waiting
+                .is_some_and(|w| w["kind"] == "children")
+    })
+    .await;
+    assert!(started, "three children in flight, the parent waiting");
+    env.store
+        .cancel("fan-cancel", "test", "no longer needed")
+        .await
+        .unwrap();
+    assert_eq!(env.job("fan-cancel").await.state, JobState::Cancelled);
+    for i in 0..3 {
+        assert_eq!(
+            env.job(&child("fan-cancel", i)).await.state,
+            JobState::Cancelled,
+            "child {i}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(env.consumer.deliveries().len(), 0, "nothing delivered");
+}
+
+/// A child given a `webhook_url` sends its own completion webhook, once.
+#[actix_rt::test]
+async fn a_child_given_a_webhook_sends_its_own_once() {
+    let env = TestEnv::new().await;
+    let _engine = env.start(registry(), env.config());
+    let hook = env.consumer.url();
+    env.submit_job(parent(&env, "fan-hook", &["a", "b"], Some(&hook)))
+        .await;
+    env.wait_for("fan-hook", JobState::Acked, WAIT).await;
+    for i in 0..2 {
+        let id = child("fan-hook", i);
+        assert_eq!(env.consumer.deliveries_for(&id).len(), 1, "{id}");
+        assert_eq!(env.consumer.processed_for(&id), 1, "{id}");
+    }
+    assert_eq!(env.consumer.deliveries_for("fan-hook").len(), 1);
+}
+
+/// The parent's attempt crashes just after its second child is created,
+/// and again just before its join is journaled: the attempts that take
+/// over find the children already there (created once each) and pay for
+/// each model call once; one parent webhook.
+#[actix_rt::test]
+async fn children_are_created_once_through_crashes_of_the_parent() {
+    let env = TestEnv::new().await;
+    env.faults.arm_nth(
+        "fan-crash",
+        FailPoint::AfterCommit("spawn"),
+        Action::Crash,
+        2,
+    );
+    env.faults.arm(
+        Some("fan-crash"),
+        FailPoint::BeforeCommit("join"),
+        Action::Crash,
+        1,
+    );
+    let _engine = env.start(registry(), env.config());
+    env.submit_job(parent(&env, "fan-crash", &["a", "b", "c"], None))
+        .await;
+    let view = env.wait_for("fan-crash", JobState::Acked, WAIT).await;
+    for point in [
+        FailPoint::AfterCommit("spawn"),
+        FailPoint::BeforeCommit("join"),
+    ] {
+        assert!(env.faults.fired_at("fan-crash", point), "{point} fired");
+    }
+    assert!(view.attempts >= 3, "two crashes, taken over twice");
+    for i in 0..3 {
+        let id = child("fan-crash", i);
+        let c = env.job(&id).await;
+        assert_eq!((c.state, c.incarnation), (JobState::Acked, 1), "{id}");
+        assert_eq!(env.provider.requests_for(&gen_key(&id)), 1, "{id}");
+    }
+    assert_eq!(
+        count(&env, "SELECT 1 FROM jobs WHERE parent_id = 'fan-crash'").await,
+        3
+    );
+    assert_eq!(env.consumer.deliveries_for("fan-crash").len(), 1);
+}
