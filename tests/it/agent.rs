@@ -433,9 +433,16 @@ async fn an_agent_job_keeps_its_tool_set_across_nodes_that_differ() {
     let env = TestEnv::new().await;
     let tools = FakeConsumer::start();
     script_tool_calls(&env, vec![("call_1", json!({ "ticket": "T" }))]);
+    // The crashed attempt's lease outlives the shutdown below by far, so
+    // the old node never takes the job up again itself.
+    let old_config = || {
+        let mut c = env.config();
+        c.lease = Duration::from_secs(5);
+        c
+    };
     env.faults
         .arm_nth("agent-pin", FailPoint::ModelAfterSend, Action::Crash, 1);
-    let old = env.start(agent_registry(&tools.url()), env.config());
+    let old = env.start(agent_registry(&tools.url()), old_config());
     env.submit_job(agent_job(&env, "agent-pin")).await;
     assert!(
         wait_until(WAIT, || async { env.faults.fired("agent-pin") }).await,
@@ -448,7 +455,7 @@ async fn an_agent_job_keeps_its_tool_set_across_nodes_that_differ() {
             .with_tool(HttpPost::new(tools.url()))
             .with_tool(Lookup),
     );
-    let _new = env.start(newer, env.config());
+    let new = env.start(newer, env.config());
     let job = env.wait_for("agent-pin", JobState::Acked, WAIT).await;
     assert!(job.attempts >= 2, "resumed by the newer node");
     let turn0 = offered(&env, "job:agent-pin:turn:0");
@@ -460,11 +467,12 @@ async fn an_agent_job_keeps_its_tool_set_across_nodes_that_differ() {
     assert_eq!(env.provider.work_done("job:agent-pin:turn:0"), 1);
     assert_eq!(tools.requests_with_key(&tool_key("agent-pin", 0, 0)), 1);
     assert_eq!(env.consumer.deliveries_for("agent-pin").len(), 1);
+    new.shutdown();
 
     // Pinned with http_post, resumed where only `lookup` exists: retried.
     env.faults
         .arm_nth("agent-gone", FailPoint::ModelAfterSend, Action::Crash, 1);
-    let old = env.start(agent_registry(&tools.url()), env.config());
+    let old = env.start(agent_registry(&tools.url()), old_config());
     env.submit_job(agent_job(&env, "agent-gone")).await;
     assert!(wait_until(WAIT, || async { env.faults.fired("agent-gone") }).await);
     old.shutdown();
@@ -479,7 +487,8 @@ async fn an_agent_job_keeps_its_tool_set_across_nodes_that_differ() {
                 .is_some_and(|e| e.code == "tool_unavailable")
         })
         .await,
-        "the node without the tool retries the job"
+        "the node without the tool retries the job: {:?}",
+        env.job("agent-gone").await
     );
     assert_eq!(env.job("agent-gone").await.state, JobState::Received);
     lacking.shutdown();

@@ -178,7 +178,9 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
     let token = env.store.create_token("console", true).await.unwrap();
     env.consumer
         .push_for("ui-dead", Behaviour::Status(410, None));
-    for id in ["ui-ok", "ui-dead"] {
+    env.consumer
+        .push_for("ui-dead-2", Behaviour::Status(410, None));
+    for id in ["ui-ok", "ui-dead", "ui-dead-2"] {
         let r = client()
             .post(format!("{}/v1/jobs", serve.base))
             .bearer_auth(&token)
@@ -259,10 +261,51 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
             .wait_text("dd[data-fact=\"state\"]", |t| t == "acked")
             .await
     );
+    // The acked job's page shows its input and result, and no stale error.
+    browser.go(&format!("{}/#/jobs/ui-ok", serve.base)).await;
+    assert!(
+        browser
+            .wait_text("#job-input", |t| t.contains("\"ui-ok\""))
+            .await,
+        "the input is shown"
+    );
+    assert!(
+        browser
+            .wait_text("#job-result", |t| t.contains("\"content\""))
+            .await,
+        "the result is shown"
+    );
+    assert!(browser
+        .find("#job-facts dd[data-fact=\"last error\"]")
+        .await
+        .is_none());
+
+    // Bulk redrive of the dead jobs of one workflow, from the list.
+    browser.go(&format!("{}/", serve.base)).await;
+    browser.type_into("#workflow-filter", "completion").await;
+    browser.click("a[data-state=\"dead\"]").await;
+    assert!(
+        browser
+            .wait_text("tr[data-id=\"ui-dead-2\"] td[data-state]", |t| t == "dead")
+            .await,
+        "the dead filter lists ui-dead-2"
+    );
+    browser.click("#redrive-dead").await;
+    let acked = wait_until(Duration::from_secs(20), || async {
+        env.store
+            .job("ui-dead-2")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.state == onceflow_engine::JobState::Acked)
+    })
+    .await;
+    assert!(acked, "the bulk redrive brought ui-dead-2 to acked");
+    assert_eq!(env.consumer.processed_for("ui-dead-2"), 1, "one delivery");
     browser.go(&format!("{}/", serve.base)).await;
     assert!(
         browser
-            .wait_text("a[data-state=\"acked\"]", |t| t == "acked 2")
+            .wait_text("a[data-state=\"acked\"]", |t| t == "acked 3")
             .await
     );
     browser.screenshot(&shots.join("console.png")).await;
@@ -445,6 +488,76 @@ async fn the_console_lists_schedules_with_their_next_fire_time() {
             .await
             .is_none(),
         "another token's schedule is not listed"
+    );
+    browser.quit().await;
+}
+
+/// A parent's page lists its child jobs with their states, each linked; a
+/// child's page links back to its parent.
+#[actix_rt::test]
+async fn the_console_links_a_parent_and_its_children() {
+    let env = TestEnv::new().await;
+    let token = env.store.create_token("console", true).await.unwrap();
+    {
+        // The jobs run on an engine that has the fan-out workflow; the
+        // console's node only shows them.
+        let mut registry = onceflow_engine::Registry::new();
+        registry.register(onceflow_workflows::Completion::default());
+        registry.register(crate::children::FanOut);
+        let engine = env.start(registry, env.config());
+        env.submit_job(onceflow_engine::intake::NewJob {
+            id: "ui-parent".into(),
+            workflow: "test.fan_out".into(),
+            workflow_version: 1,
+            input: json!({ "prompts": ["a", "b"] }),
+            webhook_url: env.consumer.url(),
+            schedule: Default::default(),
+        })
+        .await;
+        env.wait_for(
+            "ui-parent",
+            onceflow_engine::JobState::Acked,
+            Duration::from_secs(30),
+        )
+        .await;
+        engine.shutdown();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let serve = ServeProcess::start(
+        &[("DATABASE_URL", env.db_url.clone())],
+        &dir.path().join("serve.log"),
+    )
+    .await;
+    let browser = Browser::start().await;
+    browser.go(&format!("{}/", serve.base)).await;
+    assert!(
+        browser
+            .wait_text("#login-title", |t| t == "API token")
+            .await
+    );
+    browser.type_into("#token", &token).await;
+    browser.click("#login-form button").await;
+    browser
+        .go(&format!("{}/#/jobs/ui-parent", serve.base))
+        .await;
+    assert!(
+        browser
+            .wait_text("#children tr:nth-child(2) a", |t| t == "ui-parent:child:c1")
+            .await,
+        "the parent lists its second child"
+    );
+    assert!(
+        browser
+            .wait_text("#children tr:nth-child(1) td[data-state]", |t| t == "acked")
+            .await,
+        "with its state"
+    );
+    browser.click("#children tr:nth-child(1) a").await;
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"parent\"] a", |t| t == "ui-parent")
+            .await,
+        "the child links back to its parent"
     );
     browser.quit().await;
 }

@@ -178,14 +178,16 @@ impl Context {
         match Box::pin(self.store.spawn_child(&self.fence, row)).await? {
             Spawned::Created | Spawned::Existing => {}
             Spawned::LeaseLost => return Err(StepError::LeaseLost),
-            Spawned::Conflict => return Err(StepError::permanent(
-                "child_conflict",
-                format!("child job {id} exists with another request or parent"),
-                format!(
+            Spawned::Conflict => {
+                return Err(StepError::permanent(
+                    "child_conflict",
+                    format!("child job {id} exists with another request or parent"),
+                    format!(
                     "the body started child {name:?} with another workflow or input than before, \
                          or job id {id} belongs to another job; nothing was started"
                 ),
-            )),
+                ))
+            }
         }
         span.end("spawned");
         self.faults

@@ -126,6 +126,8 @@ impl Context {
             SpanKind::Client,
             vec![
                 KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
+                // The GenAI semantic conventions' name for a tool's execution.
+                KeyValue::new(GEN_AI_OPERATION, "execute_tool"),
                 KeyValue::new(GEN_AI_TOOL_NAME, tool_name.to_owned()),
                 KeyValue::new(GEN_AI_TOOL_CALL_ID, tool_call_id.to_owned()),
             ],

@@ -80,6 +80,10 @@ async function loadList(cursor) {
   const params = new URLSearchParams({ limit: "50" });
   if (state === "waiting") params.set("waiting", "true");
   else if (state) params.set("state", state);
+  const workflow = $("workflow-filter").value.trim();
+  if (workflow) params.set("workflow", workflow);
+  // Bulk redrive: the API's, for dead jobs (of this workflow, if one is named).
+  $("redrive-dead").hidden = state !== "dead";
   if (cursor) params.set("cursor", cursor);
   const page = await api("/v1/jobs?" + params);
   const needle = $("search").value.trim();
@@ -167,13 +171,19 @@ async function loadJob(id) {
   fact(facts, "attempts", job.attempts);
   fact(facts, "incarnation", job.incarnation);
   fact(facts, "dead reason", job.dead_reason);
+  if (job.parent) fact(facts, "parent", job.parent, "#/jobs/" + encodeURIComponent(job.parent));
   const waiting = job.waiting;
   fact(facts, "waiting", waiting ? `${waiting.kind} ${waiting.name} until ${when(waiting.until)}` : null);
   if (waiting && waiting.tool) {
     fact(facts, "tool", waiting.tool.name);
     fact(facts, "arguments", JSON.stringify(waiting.tool.arguments));
   }
-  fact(facts, "last error", job.last_error ? job.last_error.code + ": " + job.last_error.message : null);
+  // A job scheduled for later looks stuck unless its time is shown.
+  if (LIVE.has(job.state)) fact(facts, "runs at", when(job.run_at));
+  // An acked job's last error is history (a failure it recovered from).
+  if (job.state !== "acked") {
+    fact(facts, "last error", job.last_error ? job.last_error.code + ": " + job.last_error.message : null);
+  }
   const template = document.querySelector('meta[name="onceflow-trace-url"]').content;
   const traceHref = job.trace_id && template && template.includes("{trace_id}")
     ? template.replace("{trace_id}", encodeURIComponent(job.trace_id)) : null;
@@ -181,6 +191,9 @@ async function loadJob(id) {
   fact(facts, "created", when(job.created_at));
   fact(facts, "finished", when(job.finished_at));
 
+  $("job-input").textContent = JSON.stringify(job.input, null, 2);
+  $("job-result").textContent = job.result == null
+    ? (LIVE.has(job.state) ? "not yet" : "none") : JSON.stringify(job.result, null, 2);
   const timeline = $("timeline");
   timeline.replaceChildren();
   job.history.forEach((h, i) => {
@@ -198,7 +211,10 @@ async function loadJob(id) {
   for (const m of job.model_calls || []) {
     const tr = document.createElement("tr");
     cell(tr, m.idempotency_key, "wrap");
-    cell(tr, m.status);
+    // A call that failed for good keeps its journal row `pending`; once the
+    // job is over, it will never be sent again.
+    const failed = m.status === "pending" && m.last_error && !LIVE.has(job.state);
+    cell(tr, failed ? "failed" : m.status).dataset.status = failed ? "failed" : m.status;
     cell(tr, m.attempts);
     cell(tr, (m.input_tokens ?? "–") + " / " + (m.output_tokens ?? "–"));
     cell(tr, m.last_error ? m.last_error.code : "", "wrap");
@@ -215,6 +231,21 @@ async function loadJob(id) {
     cell(tr, t.attempts);
     tools.appendChild(tr);
   }
+  const children = $("children");
+  children.replaceChildren();
+  for (const c of job.children || []) {
+    const tr = document.createElement("tr");
+    const td = document.createElement("td");
+    const a = document.createElement("a");
+    a.href = "#/jobs/" + encodeURIComponent(c.id);
+    a.textContent = c.id;
+    td.appendChild(a);
+    td.className = "wrap";
+    tr.appendChild(td);
+    cell(tr, c.workflow);
+    stateCell(tr, c.state);
+    children.appendChild(tr);
+  }
   const delivery = $("delivery");
   delivery.replaceChildren();
   if (job.delivery) {
@@ -225,7 +256,9 @@ async function loadJob(id) {
     fact(delivery, "last error", job.delivery.last_error ? job.delivery.last_error.code : null);
     fact(delivery, "delivered", when(job.delivery.delivered_at));
   } else {
-    fact(delivery, "status", "not claimed yet");
+    fact(delivery, "status", LIVE.has(job.state)
+      ? "not claimed yet"
+      : "none: the job ended before its webhook was claimed");
   }
   $("redrive").hidden = job.state !== "dead";
   $("cancel").hidden = !LIVE.has(job.state);
@@ -236,6 +269,24 @@ async function loadJob(id) {
     $(b).hidden = !approval;
     $(b).dataset.id = job.id;
     $(b).dataset.name = approval ? waiting.name : "";
+  }
+}
+
+// Every dead job of the filter's workflow (or all, for an empty filter),
+// through the API's bulk redrive; jobs whose webhook outcome is unknown are
+// skipped, as the API does without confirm_unknown.
+async function redriveDead() {
+  const workflow = $("workflow-filter").value.trim();
+  const reason = "bulk redrive from the console";
+  try {
+    const body = workflow ? { reason, workflow } : { reason };
+    const answer = await api("/v1/jobs/redrive", { method: "POST", body: JSON.stringify(body) });
+    say(`Redrove ${answer.redriven} dead jobs (${answer.skipped_unknown} skipped: unknown delivery).`);
+    cursors = [];
+    await loadList(null);
+    await loadCounts();
+  } catch (e) {
+    if (e.message !== "unauthorized") say("the redrive failed: " + e.message);
   }
 }
 
@@ -337,6 +388,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("next-page").addEventListener("click", () => { cursors.push(nextCursor); loadList(nextCursor).catch((e) => say(e.message)); });
   $("first-page").addEventListener("click", () => { cursors = []; loadList(null).catch((e) => say(e.message)); });
   $("redrive").addEventListener("click", () => act("redrive"));
+  $("redrive-dead").addEventListener("click", () => redriveDead());
   $("cancel").addEventListener("click", () => act("cancel"));
   $("approve").addEventListener("click", () => decide(true));
   $("reject").addEventListener("click", () => decide(false));
