@@ -108,3 +108,115 @@ async fn parallel_calls_survive_a_crash_or_a_takeover_at_every_boundary() {
     assert_eq!(sends, 4 * 3, "{report}");
     report.assert_ok();
 }
+
+/// Three general steps at once (`ctx.step_all`), each posting its effect
+/// with its own key. On a first attempt they also meet at a barrier: run
+/// one by one, they would never all get there, and the job would die.
+pub(crate) struct Notify {
+    url: String,
+    barrier: std::sync::Arc<tokio::sync::Barrier>,
+}
+
+impl Workflow for Notify {
+    const NAME: &'static str = "test.notify_three";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let together = ctx.attempt() == 1;
+        let steps: Vec<(&str, _)> = ["email", "sms", "slack"]
+            .into_iter()
+            .map(|channel| {
+                let (url, barrier) = (self.url.clone(), self.barrier.clone());
+                let work = move |step: onceflow_engine::StepInvocation| async move {
+                    if together
+                        && tokio::time::timeout(Duration::from_secs(5), barrier.wait())
+                            .await
+                            .is_err()
+                    {
+                        return Err(StepError::permanent(
+                            "not_parallel",
+                            "the steps did not run at once",
+                            "the barrier timed out",
+                        ));
+                    }
+                    step.post_json(&url, &json!({ "channel": channel, "job_id": step.job_id }))
+                        .await
+                };
+                (channel, work)
+            })
+            .collect();
+        let sent = ctx.step_all(steps).await?;
+        Ok(json!({ "sent": sent.len() }))
+    }
+}
+
+fn notify_registry(url: &str, barrier: &std::sync::Arc<tokio::sync::Barrier>) -> Registry {
+    let mut r = Registry::new();
+    r.register(Notify {
+        url: url.to_owned(),
+        barrier: barrier.clone(),
+    });
+    r
+}
+
+/// The three steps run at once (they meet at the barrier) and each effect
+/// is sent once, under its own key.
+#[actix_rt::test]
+async fn parallel_steps_run_at_once_and_each_acts_once() {
+    let env = TestEnv::new().await;
+    let effects = onceflow_engine::testkit::FakeConsumer::start();
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(3));
+    let _engine = env.start(notify_registry(&effects.url(), &barrier), env.config());
+    env.submit_job(NewJob {
+        id: "notify-1".into(),
+        workflow: Notify::NAME.into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let view = env
+        .wait_for("notify-1", JobState::Acked, Duration::from_secs(20))
+        .await;
+    assert_eq!(view.result.unwrap()["sent"], 3);
+    for channel in ["email", "sms", "slack"] {
+        let key = format!("job:notify-1:step:{channel}");
+        assert_eq!(effects.requests_with_key(&key), 1, "{key}");
+    }
+    assert_eq!(effects.deliveries().len(), 3);
+    assert_eq!(env.consumer.deliveries_for("notify-1").len(), 1);
+}
+
+/// A crash or a takeover at every boundary of every parallel step: the
+/// journaled steps replay, only the others run again, and each effect is
+/// processed once under its key.
+#[actix_rt::test]
+async fn parallel_steps_survive_a_crash_or_a_takeover_at_every_boundary() {
+    let env = TestEnv::new().await;
+    let effects = onceflow_engine::testkit::FakeConsumer::start();
+    let url = effects.url();
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(3));
+    let report = Explorer::new(
+        &env,
+        move || notify_registry(&url, &barrier),
+        Notify::NAME,
+        json!({}),
+    )
+    .recording(effects)
+    .run()
+    .await;
+    println!("{report}");
+    let effects = report
+        .rows
+        .iter()
+        .filter(|r| r.boundary == onceflow_engine::FailPoint::StepAfterEffect)
+        .count();
+    assert_eq!(
+        effects,
+        3 * 3,
+        "each step's effect, in three modes: {report}"
+    );
+    report.assert_ok();
+}

@@ -26,7 +26,7 @@ mod wait;
 
 pub(crate) use children::ChildRules;
 pub use children::{child_id, Child, ChildFailed};
-pub use step::StepInvocation;
+pub use step::{StepInvocation, MAX_PARALLEL_STEPS};
 pub use tool::ToolInvocation;
 pub use wait::{valid_wait_name, Decision, MAX_WAIT_NAME};
 

@@ -52,6 +52,9 @@ impl StepInvocation {
     }
 }
 
+/// Most steps one [`Context::step_all`] runs at once.
+pub const MAX_PARALLEL_STEPS: usize = 100;
+
 impl Context {
     /// Runs `work` once per job under step `name` and journals its output; a
     /// rerun returns the journaled output. A crash after `work` and before
@@ -66,6 +69,100 @@ impl Context {
     {
         let key = keys::step(&self.fence.key(), name);
         self.follow_journal(name, &key, true).await?;
+        self.run_step(name, key, work).await
+    }
+
+    /// Runs several steps at once, each as [`step`](Self::step) runs one:
+    /// fenced before its work, journaled under `job:{id}:step:{name}` when
+    /// it succeeds, replayed on a rerun. Outputs come in the order given.
+    /// After a crash the finished steps replay and only the others run
+    /// again. A lost lease, a drain or an injected crash stops the batch at
+    /// once; otherwise every step runs to its end, and the first failure
+    /// (a permanent one before a retryable one) is returned. At most
+    /// [`MAX_PARALLEL_STEPS`] steps; names must differ.
+    pub async fn step_all<T, F, Fut>(&mut self, steps: Vec<(&str, F)>) -> Result<Vec<T>, StepError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        F: FnOnce(StepInvocation) -> Fut,
+        Fut: std::future::Future<Output = Result<T, StepError>>,
+    {
+        use futures_util::stream::{FuturesUnordered, StreamExt};
+        if steps.len() > MAX_PARALLEL_STEPS {
+            return Err(StepError::permanent(
+                "too_many_steps",
+                format!("step_all takes at most {MAX_PARALLEL_STEPS} steps at once"),
+                format!("the body gave {}", steps.len()),
+            ));
+        }
+        let keys: Vec<String> = steps
+            .iter()
+            .map(|(name, _)| keys::step(&self.fence.key(), name))
+            .collect();
+        if let Some((_, dup)) = keys
+            .iter()
+            .enumerate()
+            .find(|(i, k)| keys[..*i].contains(k))
+        {
+            return Err(StepError::permanent(
+                "duplicate_step",
+                format!("step_all was given step key {dup} twice"),
+                "each step of a batch needs its own name".to_owned(),
+            ));
+        }
+        // Journaled in whatever order they finished: asked together.
+        if self.replay.armed {
+            self.replay.asked.extend(keys.iter().cloned());
+        }
+        for ((name, _), key) in steps.iter().zip(&keys) {
+            Box::pin(self.follow_journal(name, key, true)).await?;
+        }
+        let n = steps.len();
+        let this = &*self;
+        let mut running: FuturesUnordered<_> = steps
+            .into_iter()
+            .zip(keys)
+            .enumerate()
+            .map(|(i, ((name, work), key))| {
+                Box::pin(async move { (i, this.run_step(name, key, work).await) })
+            })
+            .collect();
+        let mut outputs: Vec<Option<T>> = (0..n).map(|_| None).collect();
+        let mut failed: Option<StepError> = None;
+        while let Some((i, output)) = running.next().await {
+            match output {
+                Ok(output) => outputs[i] = Some(output),
+                Err(
+                    e @ (StepError::LeaseLost
+                    | StepError::Draining
+                    | StepError::Injected(crate::faults::Injected::Crash(_))),
+                ) => return Err(e),
+                Err(e) => {
+                    let worse = matches!(
+                        (&failed, &e),
+                        (None, _) | (Some(StepError::Retry { .. }), StepError::Permanent { .. })
+                    );
+                    if worse {
+                        failed = Some(e);
+                    }
+                }
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        Ok(outputs
+            .into_iter()
+            .map(|o| o.expect("every step answered"))
+            .collect())
+    }
+
+    /// One step after its journal check: fenced, run, journaled.
+    async fn run_step<T, F, Fut>(&self, name: &str, key: String, work: F) -> Result<T, StepError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        F: FnOnce(StepInvocation) -> Fut,
+        Fut: std::future::Future<Output = Result<T, StepError>>,
+    {
         let decode = |text: &str| {
             serde_json::from_str::<T>(text)
                 .map_err(|e| StepError::Serialize(format!("journaled output of step {name}: {e}")))

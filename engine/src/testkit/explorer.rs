@@ -39,7 +39,7 @@
 //! # fn my_registry() -> onceflow_engine::Registry { unimplemented!() }
 //! ```
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::Duration;
 
@@ -184,6 +184,8 @@ struct Counts {
     effect_processed: usize,
     effect_keys: usize,
     effect_requests: usize,
+    /// The most requests one side-effect key received.
+    effect_requests_per_key: usize,
     webhook_keys: HashSet<Option<String>>,
     webhook_processed: usize,
     webhook_requests: usize,
@@ -582,15 +584,18 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 .iter()
                 .filter(|d| !d.duplicate && (200..300).contains(&d.status))
                 .count();
-            c.effect_keys += mine
-                .iter()
-                .map(|d| {
-                    d.idempotency_key
-                        .clone()
-                        .unwrap_or_else(|| format!("(none) {}", d.received))
-                })
-                .collect::<HashSet<_>>()
-                .len();
+            let mut per_key: HashMap<String, usize> = HashMap::new();
+            for d in &mine {
+                let key = d
+                    .idempotency_key
+                    .clone()
+                    .unwrap_or_else(|| format!("(none) {}", d.received));
+                *per_key.entry(key).or_default() += 1;
+            }
+            c.effect_keys += per_key.len();
+            c.effect_requests_per_key = c
+                .effect_requests_per_key
+                .max(per_key.values().copied().max().unwrap_or(0));
         }
         let journal = env
             .sql(&format!(
@@ -720,11 +725,25 @@ fn violations(baseline: &Counts, c: &Counts, mode: Mode) -> Vec<String> {
             c.model_requests_per_key, baseline.model_requests_per_key
         ));
     }
+    // Side effects likewise: a crash interrupts every step of a
+    // `step_all` in flight, each resent under its own key.
+    if c.effect_requests_per_key > baseline.effect_requests_per_key + slack {
+        v.push(format!(
+            "{} requests under one side-effect key, the clean run sent {}",
+            c.effect_requests_per_key, baseline.effect_requests_per_key
+        ));
+    }
+    let effect_slack = slack * baseline.effect_keys.max(1);
+    if c.effect_requests > baseline.effect_requests + effect_slack {
+        v.push(format!(
+            "{} side-effect requests, the clean run sent {}",
+            c.effect_requests, baseline.effect_requests
+        ));
+    }
     for (what, clean, now) in [
         ("webhook", baseline.webhook_requests, c.webhook_requests),
         // At most one job.waiting per wait, so one and its resends.
         ("job.waiting", 1, c.waiting_requests),
-        ("side-effect", baseline.effect_requests, c.effect_requests),
     ] {
         if now > clean + slack {
             v.push(format!("{now} {what} requests, the clean run sent {clean}"));
