@@ -10,9 +10,20 @@ use std::fmt::{Display, Write};
 use opentelemetry::KeyValue;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, Metric, MetricData, ResourceMetrics};
 
-/// Renders every metric in `rm`.
+/// Renders every metric in `rm`, after `target_info`: the resource's
+/// attributes (`service.name`, `service.instance.id` = the node's name, …)
+/// as labels, so a direct scrape says which node answered.
 pub fn encode(rm: &ResourceMetrics) -> String {
     let mut out = String::new();
+    let resource: Vec<KeyValue> = rm
+        .resource()
+        .iter()
+        .map(|(k, v)| KeyValue::new(k.clone(), v.clone()))
+        .collect();
+    if !resource.is_empty() {
+        out.push_str("# HELP target_info Target metadata\n# TYPE target_info gauge\n");
+        sample(&mut out, "target_info", resource.iter(), None, 1);
+    }
     for scope in rm.scope_metrics() {
         for metric in scope.metrics() {
             match metric.data() {

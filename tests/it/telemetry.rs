@@ -771,3 +771,39 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     assert!(generate.iter().all(|g| g.attr(STREAM_CHUNKS) == "8"));
     assert_eq!(env.provider.chunks_streamed(), 16);
 }
+
+/// A direct scrape of a fresh node says which node answered (`target_info`
+/// with its `service_instance_id`) and shows its series at zero before any
+/// job, so panels read 0 rather than "No data".
+#[actix_rt::test]
+async fn a_fresh_nodes_scrape_names_the_node_and_starts_its_series_at_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let serve = ServeProcess::start(
+        &[
+            ("DATABASE_URL", database::fresh().await),
+            ("ONCEFLOW_NODE_ID", "node-scraped".to_owned()),
+        ],
+        &dir.path().join("serve.log"),
+    )
+    .await;
+    let text = crate::support::get_text(&format!("{}/metrics", serve.base)).await;
+    let target = text
+        .lines()
+        .find(|l| l.starts_with("target_info{"))
+        .unwrap_or_else(|| panic!("no target_info:\n{text}"));
+    assert!(
+        target.contains("service_instance_id=\"node-scraped\""),
+        "{target}"
+    );
+    assert!(target.ends_with(" 1"), "{target}");
+    let scraped = parse_prometheus(&text);
+    for series in [
+        "onceflow_deliveries_total{onceflow_outcome=\"delivered\"}",
+        "onceflow_deliveries_total{onceflow_outcome=\"dead\"}",
+        "onceflow_model_calls_total{onceflow_outcome=\"performed\"}",
+        "onceflow_lease_takeovers_total",
+        "onceflow_actors_in_flight",
+    ] {
+        assert_eq!(scraped.get(series), Some(&0.0), "{series} at zero:\n{text}");
+    }
+}
