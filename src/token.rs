@@ -73,7 +73,23 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
         let store = onceflow_engine::Store::new(db);
         match args.command {
             TokenCommand::Create { name, admin } => {
+                let first = !store.tokens_exist().await?;
                 let token = store.create_token(&name, admin).await?;
+                if first {
+                    eprintln!(
+                        "warning: this is the first token, so the API now requires one: every \
+                         request without it gets 401, /metrics included. Give the running \
+                         Prometheus scrape an admin token (`authorization: credentials: <token>`) \
+                         or it stops silently"
+                    );
+                }
+                let unowned = store.unowned_jobs().await?;
+                if unowned > 0 && !admin {
+                    eprintln!(
+                        "warning: {unowned} jobs submitted in development mode belong to no \
+                         token: this token does not see them (an admin token sees every job)"
+                    );
+                }
                 if let Some(secret) = store.token_secret(&name).await? {
                     eprintln!(
                         "its jobs' webhooks are signed with this secret of its own (Standard \

@@ -741,6 +741,12 @@ async fn serve_off_loopback_needs_a_token_and_the_cli_sends_it() {
         "{}",
         String::from_utf8_lossy(&created.stderr)
     );
+    // The first token closes the API, /metrics included: said at once.
+    let said = String::from_utf8_lossy(&created.stderr);
+    assert!(
+        said.contains("first token") && said.contains("/metrics"),
+        "{said}"
+    );
     let stdout = String::from_utf8(created.stdout).unwrap();
     let token = stdout.lines().last().unwrap().trim().to_owned();
     assert!(token.starts_with("of_") && token.len() > 40, "{stdout:?}");
@@ -1352,4 +1358,41 @@ async fn tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation
         "the previous secret still verifies"
     );
     assert!(!reference_verifies(&after, &b_secret).await);
+}
+
+/// Jobs submitted in development mode belong to no token: creating a
+/// tenant's token says that it will not see them; a second token does not
+/// repeat the first token's warning.
+#[actix_rt::test]
+async fn a_tenant_token_created_over_development_mode_jobs_says_it_will_not_see_them() {
+    let env = TestEnv::new().await;
+    env.store
+        .submit(&NewJob {
+            id: "dev-1".into(),
+            workflow: "completion".into(),
+            workflow_version: 1,
+            input: json!({ "model": "m", "messages": [{ "role": "user", "content": "hi" }] }),
+            webhook_url: env.consumer.url(),
+            schedule: Default::default(),
+        })
+        .await
+        .unwrap();
+    let create = |name: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"))
+            .args(["token", "create", "--name", name])
+            .env("DATABASE_URL", &env.db_url)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let first = create("tenant-one");
+    assert!(
+        first.contains("1 jobs submitted in development mode"),
+        "{first}"
+    );
+    assert!(first.contains("first token"), "{first}");
+    let second = create("tenant-two");
+    assert!(second.contains("development mode"), "{second}");
+    assert!(!second.contains("first token"), "{second}");
 }

@@ -252,6 +252,21 @@ impl Store {
         Ok(row.live)
     }
 
+    /// Jobs that belong to no token (submitted in development mode): only
+    /// admin tokens see them once tokens exist.
+    pub async fn unowned_jobs(&self) -> Result<i64, StoreError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let mut conn = self.db().conn().await?;
+        let row: Row = sql("SELECT count(*) AS n FROM jobs WHERE owner_token IS NULL")
+            .get_result(&mut conn)
+            .await?;
+        Ok(row.n)
+    }
+
     /// Whether the API requires a token: a live token exists, or a revoked
     /// one the operator has not released ([`Self::open_development_mode`]).
     /// Revoking the last token never reopens the API by itself.
