@@ -189,7 +189,7 @@ impl StoreError {
 }
 
 /// The failure record stored with a job, a model call or an outbox row.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ErrorEnvelope {
     /// A stable, machine-readable code (`http_503`, `ambiguous`, `lease_lost`, …).
     pub code: String,

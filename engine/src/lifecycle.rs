@@ -17,7 +17,19 @@ use serde::{Deserialize, Serialize};
 
 /// Where a job is. Persisted as the Postgres enum `job_state`; the names are
 /// a contract and are never reordered, renamed or reused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
     /// Entered at intake (`POST /v1/jobs`). Durable: the job row and its request.

@@ -1396,3 +1396,40 @@ async fn a_tenant_token_created_over_development_mode_jobs_says_it_will_not_see_
     assert!(second.contains("development mode"), "{second}");
     assert!(!second.contains("first token"), "{second}");
 }
+
+/// The OpenAPI document is served without a token (it holds nothing
+/// secret) while every API route needs one, and it is the engine's own.
+#[actix_rt::test]
+async fn the_openapi_document_is_served_open_and_is_the_engines() {
+    let env = TestEnv::new().await;
+    env.store.create_token("someone", false).await.unwrap();
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: false },
+    );
+    let r = client()
+        .get(format!("{base}/v1/openapi.json"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/json"));
+    let served: Value = r.json().await.unwrap();
+    let built = serde_json::to_value(onceflow_engine::api::openapi::document()).unwrap();
+    assert_eq!(served, built);
+    let jobs = client()
+        .get(format!("{base}/v1/jobs"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        jobs.status().as_u16(),
+        401,
+        "the API itself still needs a token"
+    );
+}

@@ -4,6 +4,8 @@ use super::*;
 
 /// `GET /v1/stats`: jobs per state (every state), of the token's own jobs or,
 /// for an admin token, of all.
+#[utoipa::path(get, path = "/v1/stats", tag = "jobs",
+    responses((status = 200, body = Stats), (status = 401, body = ErrorBody)))]
 pub(super) async fn stats(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if let Some(refused) = misdirected(&state, &req) {
         return refused;

@@ -10,6 +10,18 @@ use super::*;
 /// so what a watcher saw is always a prefix of the journal. `Last-Event-ID`
 /// resumes after that event; the stream ends after the job's final state,
 /// and a resume past a finished job's last event is `204 No Content`.
+#[utoipa::path(get, path = "/v1/jobs/{id}/events", tag = "jobs",
+    params(
+        ("id" = String, Path, description = "The job id"),
+        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event"),
+    ),
+    responses(
+        (status = 200, description = "Server-sent events: `state`, `chunk`, `reset`; ends after the final state", content_type = "text/event-stream", body = String),
+        (status = 204, description = "Resumed past the end of a finished job: nothing more will come"),
+        (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 429, description = "Too many open streams", body = ErrorBody),
+    ))]
 pub(super) async fn job_events(
     state: web::Data<ApiState>,
     req: HttpRequest,

@@ -2,6 +2,19 @@
 
 use super::*;
 
+#[utoipa::path(post, path = "/v1/jobs", tag = "jobs", request_body = SubmitJob,
+    responses(
+        (status = 201, description = "Created", body = JobView),
+        (status = 200, description = "The identical job again", body = JobView),
+        (status = 400, description = "Not JSON", body = ErrorBody),
+        (status = 401, description = "No or a bad token", body = ErrorBody),
+        (status = 409, description = "The id with another request, or another token's", body = ErrorBody),
+        (status = 413, description = "Too large", body = ErrorBody),
+        (status = 415, description = "Not application/json", body = ErrorBody),
+        (status = 422, description = "A field is wrong (named)", body = ErrorBody),
+        (status = 429, description = "Backlog full", body = ErrorBody),
+        (status = 503, description = "Draining or the database is down", body = ErrorBody),
+    ))]
 pub(super) async fn submit(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -259,6 +272,14 @@ pub(super) async fn submit(
     }
 }
 
+#[utoipa::path(get, path = "/v1/jobs/{id}", tag = "jobs",
+    params(("id" = String, Path, description = "The job id")),
+    responses(
+        (status = 200, body = JobView),
+        (status = 401, body = ErrorBody),
+        (status = 404, description = "Unknown, or another token's", body = ErrorBody),
+        (status = 422, body = ErrorBody),
+    ))]
 pub(super) async fn get_job(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -320,6 +341,20 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
 
 /// `GET /v1/jobs?state=&workflow=&waiting=&since=&limit=&cursor=`: newest first,
 /// keyset-paginated; a token sees its own jobs, an admin token all.
+#[utoipa::path(get, path = "/v1/jobs", tag = "jobs",
+    params(
+        ("state" = Option<String>, Query, description = "Only jobs in this state"),
+        ("workflow" = Option<String>, Query, description = "Only this workflow's jobs"),
+        ("waiting" = Option<bool>, Query, description = "Only waiting jobs (true) or the others (false)"),
+        ("since" = Option<String>, Query, description = "Created at or after (RFC 3339)"),
+        ("limit" = Option<u32>, Query, description = "1–500, default 50"),
+        ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before"),
+    ),
+    responses(
+        (status = 200, description = "Newest first", body = JobPage),
+        (status = 401, body = ErrorBody),
+        (status = 422, description = "A bad parameter (named)", body = ErrorBody),
+    ))]
 pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if let Some(refused) = misdirected(&state, &req) {
         return refused;

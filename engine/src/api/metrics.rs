@@ -4,6 +4,8 @@ use super::*;
 
 /// Open to anyone and any `Host` (load balancers probe by address): it
 /// says nothing but whether the database answers.
+#[utoipa::path(get, path = "/healthz", tag = "operate", security(()),
+    responses((status = 200, description = "`{\"status\": \"ok\"}`"), (status = 503, body = ErrorBody)))]
 pub(super) async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
         return error(
@@ -25,6 +27,8 @@ pub(super) async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
     }
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "operate",
+    responses((status = 200, description = "Prometheus text", content_type = "text/plain", body = String), (status = 401, body = ErrorBody)))]
 pub(super) async fn metrics(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if let Some(refused) = misdirected(&state, &req) {
         return refused;

@@ -42,6 +42,7 @@ mod console;
 mod events;
 mod jobs;
 mod metrics;
+pub mod openapi;
 mod operate;
 mod schedules;
 mod signals;
@@ -58,6 +59,18 @@ use operate::*;
 use schedules::*;
 pub use signals::MAX_SIGNAL_PAYLOAD;
 use signals::*;
+// The types the handlers' OpenAPI attributes name (see `openapi`).
+#[allow(unused_imports)]
+use crate::store::jobs::JobView;
+#[allow(unused_imports)]
+use crate::store::schedules::{ScheduleDetail, ScheduleView};
+#[allow(unused_imports)]
+use crate::store::waits::SignalView;
+#[allow(unused_imports)]
+use openapi::{
+    Action, BulkRedrive, BulkRedriven, CreateSchedule, ErrorBody, JobPage, SchedulePage,
+    SignalBody, Stats, SubmitJob,
+};
 
 /// Default largest accepted request body (1 MiB).
 pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
@@ -171,6 +184,7 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
                 .route("/console.css", web::get().to(console_css))
                 .route("/healthz", web::get().to(healthz))
                 .route("/metrics", web::get().to(metrics))
+                .route("/v1/openapi.json", web::get().to(openapi::openapi_json))
                 .default_service(web::to(not_found)),
         );
     }

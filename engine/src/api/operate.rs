@@ -87,6 +87,14 @@ pub(super) async fn own_job(
 
 /// `POST /v1/jobs/{id}/cancel` `{"reason"}`: `202` and the job once it is
 /// `cancelled` (also when it already was); `409` when it finished first.
+#[utoipa::path(post, path = "/v1/jobs/{id}/cancel", tag = "operate", request_body = Option<Action>,
+    params(("id" = String, Path)),
+    responses(
+        (status = 202, body = JobView),
+        (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "Already finished", body = ErrorBody),
+    ))]
 pub(super) async fn cancel(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -155,6 +163,14 @@ pub(super) struct RedriveQuery {
 /// `POST /v1/jobs/{id}/redrive` `{"reason"}`: `202` and the job resumed at
 /// its last live state, with the same keys; `409` when it is not dead, or
 /// when its webhook's outcome is unknown and `?confirm_unknown=true` is absent.
+#[utoipa::path(post, path = "/v1/jobs/{id}/redrive", tag = "operate", request_body = Option<Action>,
+    params(("id" = String, Path), ("confirm_unknown" = Option<bool>, Query)),
+    responses(
+        (status = 202, body = JobView),
+        (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "Not dead, or its webhook's outcome is unknown", body = ErrorBody),
+    ))]
 pub(super) async fn redrive(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -230,6 +246,14 @@ pub(super) async fn redrive(
 /// caller's dead jobs (an admin token: everyone's), oldest death first,
 /// skipping those whose delivery is unknown unless `?confirm_unknown=true`;
 /// answers `{"redriven": n, "skipped_unknown": m}`.
+#[utoipa::path(post, path = "/v1/jobs/redrive", tag = "operate", request_body = BulkRedrive,
+    params(("confirm_unknown" = Option<bool>, Query, description = "Also resend webhooks whose outcome is unknown")),
+    responses(
+        (status = 202, body = BulkRedriven),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+    ))]
 pub(super) async fn redrive_bulk(
     state: web::Data<ApiState>,
     req: HttpRequest,

@@ -71,6 +71,14 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
 /// "webhook_url", "catch_up"?}`: `201` created · `200` the same schedule
 /// again · `409 schedule_conflict` the id with another body · `422` a bad
 /// field, named.
+#[utoipa::path(post, path = "/v1/schedules", tag = "schedules", request_body = CreateSchedule,
+    responses(
+        (status = 201, body = ScheduleView),
+        (status = 200, description = "The identical schedule again", body = ScheduleView),
+        (status = 401, body = ErrorBody),
+        (status = 409, description = "`schedule_conflict`", body = ErrorBody),
+        (status = 422, body = ErrorBody),
+    ))]
 pub(super) async fn create_schedule(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -128,6 +136,8 @@ pub(super) async fn create_schedule(
 }
 
 /// `GET /v1/schedules`: the caller's schedules (an admin's: all), by id.
+#[utoipa::path(get, path = "/v1/schedules", tag = "schedules",
+    responses((status = 200, body = SchedulePage), (status = 401, body = ErrorBody)))]
 pub(super) async fn list_schedules(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if let Some(refused) = misdirected(&state, &req) {
         return refused;
@@ -163,6 +173,9 @@ async fn own_schedule(
 
 /// `GET /v1/schedules/{id}`: the schedule, its `next_fire_at` and its
 /// latest jobs · `404`.
+#[utoipa::path(get, path = "/v1/schedules/{id}", tag = "schedules",
+    params(("id" = String, Path)),
+    responses((status = 200, body = ScheduleDetail), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub(super) async fn get_schedule(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -183,6 +196,9 @@ pub(super) async fn get_schedule(
 
 /// `DELETE /v1/schedules/{id}`: `204`, and nothing fires after · `404`.
 /// Its jobs stay.
+#[utoipa::path(delete, path = "/v1/schedules/{id}", tag = "schedules",
+    params(("id" = String, Path)),
+    responses((status = 204, description = "Deleted"), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub(super) async fn delete_schedule(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -209,6 +225,9 @@ pub(super) async fn delete_schedule(
 
 /// `POST /v1/schedules/{id}/pause`: `200` and the schedule; nothing fires
 /// until it is resumed · `404`.
+#[utoipa::path(post, path = "/v1/schedules/{id}/pause", tag = "schedules",
+    params(("id" = String, Path)),
+    responses((status = 200, body = ScheduleView), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub(super) async fn pause_schedule(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -220,6 +239,9 @@ pub(super) async fn pause_schedule(
 /// `POST /v1/schedules/{id}/resume`: `200` and the schedule, next firing
 /// at its next fire time from now (those passed while it was paused never
 /// fire) · `404`.
+#[utoipa::path(post, path = "/v1/schedules/{id}/resume", tag = "schedules",
+    params(("id" = String, Path)),
+    responses((status = 200, body = ScheduleView), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub(super) async fn resume_schedule(
     state: web::Data<ApiState>,
     req: HttpRequest,

@@ -48,6 +48,16 @@ async fn signal_body(
 /// `409 signal_conflict` the same id with another payload · `409
 /// job_finished` · `404` an unknown job or another token's · `422` a bad
 /// name, id or payload (or a payload over 64 KiB).
+#[utoipa::path(post, path = "/v1/jobs/{id}/signals/{name}", tag = "jobs", request_body = SignalBody,
+    params(("id" = String, Path), ("name" = String, Path, description = "1–200 characters of A-Z a-z 0-9 _ . : -")),
+    responses(
+        (status = 202, description = "Recorded now", body = SignalView),
+        (status = 200, description = "The identical signal again", body = SignalView),
+        (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "`signal_conflict` or `job_finished`", body = ErrorBody),
+        (status = 422, body = ErrorBody),
+    ))]
 pub(super) async fn signal(
     state: web::Data<ApiState>,
     req: HttpRequest,

@@ -37,7 +37,7 @@ pub enum Intake {
 }
 
 /// A job as `GET /v1/jobs/{id}` shows it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct JobView {
     /// The job id (the client's business id).
     pub id: String,
@@ -57,10 +57,12 @@ pub struct JobView {
     /// (retention) and submitted again; its keys are then `job:{id}#{n}:…`.
     pub incarnation: i32,
     /// The workflow's input, as submitted.
+    #[schema(value_type = Object)]
     pub input: Value,
     /// Where the outcome is delivered by webhook.
     pub webhook_url: String,
     /// The workflow's output, once persisted.
+    #[schema(value_type = Option<Object>)]
     pub result: Option<Value>,
     /// Every transition, oldest first.
     pub history: Vec<HistoryEntry>,
@@ -87,6 +89,7 @@ pub struct JobView {
     pub tool_calls: Vec<ToolCallView>,
     /// What the job waits for: `{"kind": "sleep"|"signal"|"approval",
     /// "name", "until"}`, or `null` (it holds no lease meanwhile).
+    #[schema(value_type = Option<Object>)]
     pub waiting: Option<Value>,
     /// The signals sent to the job, oldest first, each with the wait that
     /// took it (`taken_by`) or `null` while it is kept.
@@ -98,7 +101,7 @@ pub struct JobView {
 }
 
 /// A child job as its parent's view shows it.
-#[derive(Debug, Clone, Serialize, QueryableByName)]
+#[derive(Debug, Clone, Serialize, QueryableByName, utoipa::ToSchema)]
 pub struct ChildView {
     /// The child's job id (`{parent id}:child:{name}`).
     #[diesel(sql_type = Text)]
@@ -112,7 +115,7 @@ pub struct ChildView {
 }
 
 /// One model call as the job view shows it.
-#[derive(Debug, Clone, Serialize, QueryableByName)]
+#[derive(Debug, Clone, Serialize, QueryableByName, utoipa::ToSchema)]
 pub struct ModelCallView {
     /// The call's key (`job:{id}:{step}`), sent as `Idempotency-Key`.
     #[diesel(sql_type = Text)]
@@ -131,11 +134,12 @@ pub struct ModelCallView {
     pub output_tokens: Option<i32>,
     /// The last failed send's error envelope, if any.
     #[diesel(sql_type = Nullable<Jsonb>)]
+    #[schema(value_type = Option<Object>)]
     pub last_error: Option<Value>,
 }
 
 /// One tool call as the job view shows it.
-#[derive(Debug, Clone, Serialize, QueryableByName)]
+#[derive(Debug, Clone, Serialize, QueryableByName, utoipa::ToSchema)]
 pub struct ToolCallView {
     /// The model turn that asked for the call (0-based).
     #[diesel(sql_type = Integer)]
@@ -158,7 +162,7 @@ pub struct ToolCallView {
 }
 
 /// One transition.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct HistoryEntry {
     /// The state entered.
     pub state: JobState,
@@ -174,7 +178,7 @@ pub struct HistoryEntry {
 }
 
 /// The completion webhook's outbox row.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct DeliveryView {
     /// The webhook's key (`job:{id}:completed`), sent as `Idempotency-Key` and `webhook-id`.
     pub idempotency_key: String,
@@ -536,7 +540,7 @@ pub(crate) fn not_found_is_none<T>(
 }
 
 /// One job in a list: what an operator scans for, not the whole record.
-#[derive(Debug, Clone, Serialize, QueryableByName)]
+#[derive(Debug, Clone, Serialize, QueryableByName, utoipa::ToSchema)]
 pub struct JobSummary {
     /// The job id.
     #[diesel(sql_type = Text)]
@@ -570,6 +574,7 @@ pub struct JobSummary {
     pub dead_reason: Option<String>,
     /// What the job waits for, or `null`.
     #[diesel(sql_type = Nullable<Jsonb>)]
+    #[schema(value_type = Option<Object>)]
     pub waiting: Option<Value>,
 }
 

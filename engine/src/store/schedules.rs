@@ -48,7 +48,7 @@ pub struct NewSchedule {
 }
 
 /// One job a schedule created.
-#[derive(Debug, Clone, Serialize, QueryableByName, PartialEq)]
+#[derive(Debug, Clone, Serialize, QueryableByName, PartialEq, utoipa::ToSchema)]
 pub struct ScheduledJob {
     /// The job's id.
     #[diesel(sql_type = Text)]
@@ -62,7 +62,7 @@ pub struct ScheduledJob {
 }
 
 /// A schedule as `GET /v1/schedules/{id}` shows it.
-#[derive(Debug, Clone, Serialize, QueryableByName)]
+#[derive(Debug, Clone, Serialize, QueryableByName, utoipa::ToSchema)]
 pub struct ScheduleView {
     /// Its id.
     #[diesel(sql_type = Text)]
@@ -78,6 +78,7 @@ pub struct ScheduleView {
     pub workflow: String,
     /// Its jobs' input.
     #[diesel(sql_type = Jsonb)]
+    #[schema(value_type = Object)]
     pub input: Value,
     /// Its jobs' webhook.
     #[diesel(sql_type = Text)]
@@ -101,7 +102,7 @@ pub struct ScheduleView {
 }
 
 /// A schedule with its latest jobs, newest first.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ScheduleDetail {
     /// The schedule.
     #[serde(flatten)]

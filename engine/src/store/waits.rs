@@ -91,7 +91,7 @@ pub enum WaitStep {
 }
 
 /// A signal as `GET /v1/jobs/{id}` shows it.
-#[derive(Debug, Clone, Serialize, PartialEq, QueryableByName)]
+#[derive(Debug, Clone, Serialize, PartialEq, QueryableByName, utoipa::ToSchema)]
 pub struct SignalView {
     /// The signal's name (what a wait asks for).
     #[diesel(sql_type = Text)]
@@ -101,6 +101,7 @@ pub struct SignalView {
     pub id: String,
     /// What it carries.
     #[diesel(sql_type = Jsonb)]
+    #[schema(value_type = Object)]
     pub payload: Value,
     /// When it was recorded.
     #[diesel(sql_type = Timestamptz)]

@@ -1,0 +1,198 @@
+//! `GET /v1/openapi.json`: the HTTP API as an OpenAPI 3.1 document, built
+//! by `utoipa` from the types the handlers answer with (`JobView`,
+//! `JobSummary`, `SignalView`, `ScheduleView`, …). The handlers read their
+//! bodies by hand (for the field-naming `422`s), so the request bodies and
+//! the few answers built in place are described by the types below, next
+//! to the paths; `engine/tests/openapi.rs` checks that every route
+//! `configure` registers (but the console's page and assets) is in the
+//! document, and nothing else.
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi, ToSchema};
+
+use super::*;
+use crate::error::ErrorEnvelope;
+use crate::lifecycle::JobState;
+use crate::store::jobs::{
+    ChildView, DeliveryView, HistoryEntry, JobSummary, JobView, ModelCallView, ToolCallView,
+};
+use crate::store::schedules::{ScheduleDetail, ScheduleView, ScheduledJob};
+use crate::store::waits::SignalView;
+
+/// Every error answer: `{"error": {"code", "message", "field"?}}`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct ErrorBody {
+    error: ErrorDetail,
+}
+
+/// What went wrong, with the field at fault when one is.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct ErrorDetail {
+    /// A stable code (`invalid_input`, `not_found`, `conflict`, …).
+    code: String,
+    /// For people; never internal detail.
+    message: String,
+    /// The request field at fault (`input.model`, `id`, …).
+    field: Option<String>,
+}
+
+/// `POST /v1/jobs`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct SubmitJob {
+    /// The job id, your business id: 1–200 characters of `A-Z a-z 0-9 _ . : -`.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
+    id: String,
+    /// A registered workflow: `completion`, `agent`, or your own.
+    workflow: String,
+    /// The workflow's input: for `completion`, `{"model", "messages",
+    /// "stream"?, "provider"?, …}`; for `agent`, `{"model", "messages",
+    /// "max_turns"?, "approval"?, …}` (see the guide).
+    #[schema(value_type = Object)]
+    input: serde_json::Value,
+    /// Where the outcome is POSTed (Standard Webhooks), http(s) only.
+    webhook_url: String,
+    /// Higher runs first among due jobs (0–100 for a tenant's token).
+    priority: Option<i32>,
+    /// Not before this time (RFC 3339, at most 30 days ahead).
+    run_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Not before this many milliseconds (at most 30 days); not with `run_at`.
+    delay_ms: Option<u64>,
+}
+
+/// A page of `GET /v1/jobs`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct JobPage {
+    jobs: Vec<JobSummary>,
+    /// Pass back as `cursor` for the next page; `null` on the last.
+    next_cursor: Option<String>,
+}
+
+/// `GET /v1/stats`: jobs by state.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct Stats {
+    #[schema(value_type = Object)]
+    states: serde_json::Value,
+}
+
+/// The optional body of cancel and redrive.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct Action {
+    /// Why (kept in the job's history).
+    reason: Option<String>,
+}
+
+/// `POST /v1/jobs/redrive`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct BulkRedrive {
+    reason: Option<String>,
+    /// Only this workflow's dead jobs.
+    workflow: Option<String>,
+    /// At most this many (1–1,000, default 1,000).
+    limit: Option<i64>,
+}
+
+/// What a bulk redrive did.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct BulkRedriven {
+    redriven: i64,
+    /// Dead jobs whose webhook outcome is unknown, left alone without `confirm_unknown`.
+    skipped_unknown: i64,
+}
+
+/// `POST /v1/jobs/{id}/signals/{name}`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct SignalBody {
+    /// The sender's id for this signal: the same id again is the same signal.
+    id: String,
+    /// What it carries (at most 64 KiB).
+    #[schema(value_type = Object)]
+    payload: serde_json::Value,
+}
+
+/// `POST /v1/schedules`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct CreateSchedule {
+    id: String,
+    /// Five fields, or six with seconds first.
+    cron: String,
+    /// An IANA time zone (default UTC).
+    timezone: Option<String>,
+    workflow: String,
+    #[schema(value_type = Object)]
+    input: serde_json::Value,
+    webhook_url: String,
+    /// `latest` (default), `all` or `none`.
+    catch_up: Option<String>,
+}
+
+/// A page of `GET /v1/schedules`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct SchedulePage {
+    schedules: Vec<ScheduleView>,
+}
+
+/// Bearer tokens (`onceflow token create`).
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "An API token: `Authorization: Bearer <token>`. Not needed in development mode",
+                    ))
+                    .build(),
+            ),
+        );
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "onceflow", description = "Durable LLM jobs: each model call, tool call and webhook once per job."),
+    paths(
+        super::jobs::submit, super::jobs::list_jobs, super::console::stats, super::operate::redrive_bulk, super::jobs::get_job, super::events::job_events, super::operate::cancel, super::operate::redrive, super::signals::signal, super::schedules::create_schedule, super::schedules::list_schedules, super::schedules::get_schedule, super::schedules::delete_schedule, super::schedules::pause_schedule, super::schedules::resume_schedule, super::metrics::healthz, super::metrics::metrics, openapi_json
+    ),
+    components(schemas(
+        JobView, JobSummary, HistoryEntry, DeliveryView, ModelCallView, ToolCallView, ChildView,
+        SignalView, JobState, ErrorEnvelope, ScheduleView, ScheduleDetail, ScheduledJob,
+        ErrorBody, ErrorDetail, SubmitJob, JobPage, Stats, Action, BulkRedrive, BulkRedriven,
+        SignalBody, CreateSchedule, SchedulePage
+    )),
+    modifiers(&BearerAuth),
+    security(("bearer" = []))
+)]
+struct ApiDoc;
+
+/// The document, as served.
+pub fn document() -> utoipa::openapi::OpenApi {
+    let mut doc = ApiDoc::openapi();
+    doc.info.version = env!("CARGO_PKG_VERSION").to_owned();
+    doc
+}
+
+/// `GET /v1/openapi.json`: open, like `/healthz` (it holds nothing secret).
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "operate", security(()),
+    responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
+pub(super) async fn openapi_json() -> HttpResponse {
+    static DOC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let body = DOC.get_or_init(|| document().to_json().expect("the document serialises"));
+    HttpResponse::Ok()
+        .content_type("application/json")
+        .body(body.clone())
+}
