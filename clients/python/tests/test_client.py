@@ -1,0 +1,182 @@
+"""The Python client against a real `onceflow serve` (embedded PostgreSQL
+in a throwaway folder), a fake OpenAI-style provider and a webhook
+consumer on 127.0.0.1. Counts what the outside world saw: one webhook
+processed per job, repeats dropped by webhook-id.
+
+    ONCEFLOW_BIN=target/debug/onceflow python3 -m pytest clients/python
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from onceflow_client import Client, OnceflowError, WebhookReceiver  # noqa: E402
+
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+BIN = os.environ.get("ONCEFLOW_BIN", os.path.join(os.path.dirname(__file__), "../../../target/debug/onceflow"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(handler):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+class Provider(BaseHTTPRequestHandler):
+    requests = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        Provider.requests.append(self.headers.get("idempotency-key"))
+        answer = json.dumps({
+            "id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+        }).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+class Consumer(BaseHTTPRequestHandler):
+    receiver = WebhookReceiver(SECRET)
+    posts = []
+    processed = []
+    lock = threading.Lock()
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["content-length"]))
+        with Consumer.lock:
+            Consumer.posts.append(self.headers.get("webhook-id"))
+            event = Consumer.receiver.receive(body, dict(self.headers))
+            if event is not None:
+                Consumer.processed.append(event)
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def node():
+    provider, provider_url = serve(Provider)
+    consumer, consumer_url = serve(Consumer)
+    folder = tempfile.mkdtemp(prefix="onceflow-py-")
+    os.chmod(folder, 0o755)  # the embedded server may run as `postgres`
+    env = dict(os.environ, ONCEFLOW_DATA_DIR=os.path.join(folder, "data"))
+    env.pop("DATABASE_URL", None)
+    token = subprocess.run(
+        [BIN, "token", "create", "--name", "py", "--admin"], env=env,
+        capture_output=True, text=True, check=True,
+    ).stdout.strip().splitlines()[-1]
+    port = free_port()
+    env.update(
+        ONCEFLOW_LISTEN=f"127.0.0.1:{port}", OPENAI_BASE_URL=provider_url,
+        ONCEFLOW_WEBHOOK_SECRET=SECRET, ONCEFLOW_ALLOW_PRIVATE_URLS="true",
+        ONCEFLOW_POLL_MS="100",
+    )
+    log = open(os.path.join(folder, "serve.log"), "w")
+    process = subprocess.Popen([BIN, "serve"], env=env, stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            if httpx.get(f"{base}/healthz").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    else:
+        process.kill()
+        raise RuntimeError(open(os.path.join(folder, "serve.log")).read())
+    yield Client(base, token=token), consumer_url
+    process.terminate()
+    process.wait(timeout=30)
+    provider.shutdown()
+    consumer.shutdown()
+
+
+def completion(prompt):
+    return {"model": "m", "messages": [{"role": "user", "content": prompt}]}
+
+
+def test_submit_stream_and_one_verified_webhook(node):
+    client, hook = node
+    created = client.submit("py-1", "completion", completion("hi"), hook)
+    assert created["state"] == "received"
+    again = client.submit("py-1", "completion", completion("hi"), hook)
+    assert again["id"] == "py-1" and again["incarnation"] == created["incarnation"]
+    with pytest.raises(OnceflowError) as conflict:
+        client.submit("py-1", "completion", completion("other"), hook)
+    assert conflict.value.status == 409
+
+    states = [e.data["text"] for e in client.events("py-1") if e.kind == "state"]
+    assert states[-1] == "acked", states
+    assert client.get("py-1")["state"] == "acked"
+    # Resumed past the end of a finished job: the stream ends at once (204).
+    last = max(e.id for e in client.events("py-1"))
+    assert list(client.events("py-1", last_event_id=last)) == []
+
+    deadline = time.time() + 10
+    while time.time() < deadline and not any(e["job_id"] == "py-1" for e in Consumer.processed):
+        time.sleep(0.1)
+    mine = [e for e in Consumer.processed if e["job_id"] == "py-1"]
+    assert len(mine) == 1, Consumer.processed
+    assert Provider.requests.count("job:py-1:generate") == 1
+
+
+def test_a_repeated_webhook_is_dropped_by_its_id():
+    body = json.dumps({"type": "job.completed", "job_id": "x"}).encode()
+    from standardwebhooks.webhooks import Webhook
+    from datetime import datetime, timezone
+
+    now = datetime.now(tz=timezone.utc)
+    signature = Webhook(SECRET).sign("msg_1", now, body.decode())
+    headers = {"webhook-id": "msg_1", "webhook-timestamp": str(int(now.timestamp())),
+               "webhook-signature": signature}
+    receiver = WebhookReceiver(SECRET)
+    assert receiver.receive(body, headers)["job_id"] == "x"
+    assert receiver.receive(body, headers) is None
+    with pytest.raises(Exception):
+        WebhookReceiver("whsec_" + "A" * 32).receive(body, headers)
+
+
+def test_list_pages_cancel_redrive_and_errors(node):
+    client, hook = node
+    for i in range(5):
+        client.submit(f"py-later-{i}", "completion", completion("later"), hook, delay_ms=3_600_000)
+    later = [j["id"] for j in client.list(state="received", page_size=2) if j["id"].startswith("py-later-")]
+    assert sorted(later) == [f"py-later-{i}" for i in range(5)]
+    cancelled = client.cancel("py-later-0", reason="not needed")
+    assert cancelled["state"] == "cancelled"
+    with pytest.raises(OnceflowError) as not_dead:
+        client.redrive("py-later-1")
+    assert not_dead.value.status == 409
+    with pytest.raises(OnceflowError) as bad:
+        client.submit("py-bad", "completion", {"messages": []}, hook)
+    assert bad.value.status == 422 and bad.value.field.startswith("input")
+    with pytest.raises(OnceflowError) as missing:
+        client.get("py-nobody")
+    assert missing.value.status == 404
