@@ -311,6 +311,21 @@ async fn unknown_jobs_and_routes_are_404_and_healthz_is_200() {
     assert_eq!(answer["error"]["code"], "not_found");
     let (status, answer) = get(&format!("{base}/v2/whatever")).await;
     assert_eq!(status, 404, "{answer}");
+    // A path the API serves, with a method it does not: 405 and Allow.
+    let r = crate::support::client()
+        .delete(format!("{base}/v1/jobs/nope"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    assert_eq!(r.headers()["allow"], "GET");
+    let r = crate::support::client()
+        .put(format!("{base}/v1/jobs"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    assert_eq!(r.headers()["allow"], "GET, POST");
     let (status, answer) = get(&format!("{base}/healthz")).await;
     assert_eq!(status, 200, "{answer}");
 }

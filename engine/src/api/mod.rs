@@ -248,7 +248,28 @@ fn unavailable(e: impl std::fmt::Display) -> HttpResponse {
     )
 }
 
+/// No route: `405` with `Allow` when the path is one the API serves with
+/// other methods (read from the OpenAPI document, which a test keeps equal
+/// to the routes), else `404`.
 async fn not_found(req: HttpRequest) -> HttpResponse {
+    if let Some(allowed) = openapi::methods_of(req.path()) {
+        let mut answer = error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!(
+                "{} {} is not served; use {allowed}",
+                req.method(),
+                req.path()
+            ),
+            None,
+        );
+        if let Ok(value) = actix_web::http::header::HeaderValue::from_str(&allowed) {
+            answer
+                .headers_mut()
+                .insert(actix_web::http::header::ALLOW, value);
+        }
+        return answer;
+    }
     error(
         StatusCode::NOT_FOUND,
         "not_found",

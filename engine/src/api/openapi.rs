@@ -162,6 +162,82 @@ impl Modify for BearerAuth {
     }
 }
 
+/// The answers every operation may give besides its own, added to each
+/// (none replaces what a path states): `421` a `Host` the node does not
+/// answer for, `503` the database down or the node draining, `401` without
+/// a token on a secured path; with a request body, `400` not JSON, `413`
+/// too large, `415` not `application/json`; with a path parameter, `422`
+/// a bad one (a NUL, say).
+struct CommonErrors;
+
+impl Modify for CommonErrors {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+        let answer = |description: &str| {
+            RefOr::T(
+                ResponseBuilder::new()
+                    .description(description)
+                    .content(
+                        "application/json",
+                        ContentBuilder::new()
+                            .schema(Some(Ref::from_schema_name("ErrorBody")))
+                            .build(),
+                    )
+                    .build(),
+            )
+        };
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let open = matches!(path.as_str(), "/healthz" | "/v1/openapi.json");
+            for op in [
+                &mut item.get,
+                &mut item.post,
+                &mut item.put,
+                &mut item.delete,
+                &mut item.patch,
+            ]
+            .into_iter()
+            .flatten()
+            {
+                let mut add = |code: &str, description: &str| {
+                    op.responses
+                        .responses
+                        .entry(code.to_owned())
+                        .or_insert_with(|| answer(description));
+                };
+                add("421", "Misdirected: a Host this node does not answer for");
+                if !open {
+                    add("401", "No token, or a bad one");
+                    add(
+                        "503",
+                        "The database is unavailable, or the node is draining",
+                    );
+                }
+                if path.contains('{') {
+                    add("422", "A bad path parameter (named)");
+                }
+                if op.request_body.is_some() {
+                    add("400", "Malformed JSON");
+                    add("413", "The body is too large");
+                    add("415", "Not application/json");
+                }
+                let queried = op.parameters.iter().flatten().any(|p| {
+                    matches!(
+                        p,
+                        RefOr::T(p) if matches!(
+                            p.parameter_in,
+                            utoipa::openapi::path::ParameterIn::Query
+                                | utoipa::openapi::path::ParameterIn::Header
+                        )
+                    )
+                });
+                if queried {
+                    add("400", "A bad query parameter or header");
+                }
+            }
+        }
+    }
+}
+
 #[derive(OpenApi)]
 #[openapi(
     info(title = "onceflow", description = "Durable LLM jobs: each model call, tool call and webhook once per job."),
@@ -174,10 +250,39 @@ impl Modify for BearerAuth {
         ErrorBody, ErrorDetail, SubmitJob, JobPage, Stats, Action, BulkRedrive, BulkRedriven,
         SignalBody, CreateSchedule, SchedulePage
     )),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &CommonErrors),
     security(("bearer" = []))
 )]
 struct ApiDoc;
+
+/// The methods the API serves on `path` (`"GET, POST"`), when it is one
+/// of the document's paths; the console's own page and assets aside.
+pub(super) fn methods_of(path: &str) -> Option<String> {
+    static PATHS: std::sync::OnceLock<Vec<(actix_web::dev::ResourceDef, String)>> =
+        std::sync::OnceLock::new();
+    let paths = PATHS.get_or_init(|| {
+        let doc = serde_json::to_value(document()).expect("the document serialises");
+        let mut paths = Vec::new();
+        if let Some(items) = doc["paths"].as_object() {
+            for (pattern, item) in items {
+                let methods: Vec<String> = ["get", "post", "put", "delete", "patch"]
+                    .into_iter()
+                    .filter(|m| item.get(*m).is_some())
+                    .map(|m| m.to_uppercase())
+                    .collect();
+                paths.push((
+                    actix_web::dev::ResourceDef::new(pattern.as_str()),
+                    methods.join(", "),
+                ));
+            }
+        }
+        paths
+    });
+    paths
+        .iter()
+        .find(|(def, _)| def.is_match(path))
+        .map(|(_, methods)| methods.clone())
+}
 
 /// The document, as served.
 pub fn document() -> utoipa::openapi::OpenApi {
