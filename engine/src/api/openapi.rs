@@ -166,7 +166,8 @@ impl Modify for BearerAuth {
 /// (none replaces what a path states): `421` a `Host` the node does not
 /// answer for, `503` the database down or the node draining, `401` without
 /// a token on a secured path; with a request body, `400` not JSON, `413`
-/// too large, `415` not `application/json`; with a path parameter, `422`
+/// too large, `415` not `application/json`, `408` not received in time;
+/// with query or header parameters, `400`; with a path parameter, `422`
 /// a bad one (a NUL, say).
 struct CommonErrors;
 
@@ -219,6 +220,7 @@ impl Modify for CommonErrors {
                     add("400", "Malformed JSON");
                     add("413", "The body is too large");
                     add("415", "Not application/json");
+                    add("408", "The body did not arrive within 30 s");
                 }
                 let queried = op.parameters.iter().flatten().any(|p| {
                     matches!(
