@@ -46,6 +46,8 @@ impl std::fmt::Debug for Handoff {
 pub struct Reservation {
     handoff: Handoff,
     adopted: bool,
+    /// The job it is for, once [`hand_to`](Self::hand_to) named it.
+    job: Option<String>,
 }
 
 impl Handoff {
@@ -81,6 +83,7 @@ impl Handoff {
         Some(Reservation {
             handoff: self.clone(),
             adopted: false,
+            job: None,
         })
     }
 
@@ -92,6 +95,15 @@ impl Handoff {
     /// The lease's length, in milliseconds.
     pub fn lease_ms(&self) -> i64 {
         self.shared.config.lease.as_millis() as i64
+    }
+
+    fn handing(&self, job: &str, on: bool) {
+        let mut handing = self.shared.gate.handing.lock().expect("lock");
+        if on {
+            handing.insert(job.to_owned());
+        } else {
+            handing.remove(job);
+        }
     }
 
     /// Hand-offs this node would take now (the room its last acquire left).
@@ -116,8 +128,13 @@ impl Reservation {
         self.handoff.lease_ms()
     }
 
-    /// Where the store is to lease the new job in intake's commit.
-    pub fn hand_to(&self) -> HandTo {
+    /// Where the store is to lease new job `job_id` in intake's commit.
+    /// From now until its `Adopt` is handled (or the reservation is given
+    /// back), the job is one this node is handing itself: no reclaim
+    /// takes it.
+    pub fn hand_to(&mut self, job_id: &str) -> HandTo {
+        self.handoff.handing(job_id, true);
+        self.job = Some(job_id.to_owned());
         HandTo {
             node: self.node().to_owned(),
             lease_ms: self.lease_ms(),
@@ -152,7 +169,11 @@ impl Reservation {
     /// takes back, in its next acquire, this node's leases that no actor
     /// here runs (the same reclaim a node does at start). The room held is
     /// given back.
-    pub fn orphaned(self) {
+    pub fn orphaned(mut self) {
+        // No longer being handed: the reclaim may take it.
+        if let Some(job) = self.job.take() {
+            self.handoff.handing(&job, false);
+        }
         self.handoff.supervisor.do_send(ReclaimOwn);
     }
 }
@@ -165,6 +186,9 @@ impl Drop for Reservation {
             let gate = &self.handoff.shared.gate;
             gate.reserved.fetch_sub(1, Ordering::AcqRel);
             gate.budget.fetch_add(1, Ordering::AcqRel);
+            if let Some(job) = self.job.take() {
+                self.handoff.handing(&job, false);
+            }
         }
     }
 }

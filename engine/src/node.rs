@@ -315,6 +315,10 @@ pub(crate) struct Gate {
     pub(crate) budget: AtomicUsize,
     /// The supervisor stops or drains: no hand-off.
     pub(crate) closed: AtomicBool,
+    /// Jobs being handed to this node: inserted leased (or about to be),
+    /// their `Adopt` not yet handled. An acquire never takes these back as
+    /// its own (`ReclaimOwn`), so one job never gets two actors here.
+    pub(crate) handing: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Default for Gate {
@@ -323,6 +327,7 @@ impl Default for Gate {
             reserved: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
             budget: AtomicUsize::new(0),
+            handing: Default::default(),
             closed: AtomicBool::new(false),
         }
     }

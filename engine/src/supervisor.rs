@@ -84,7 +84,10 @@ pub struct Supervisor {
     purging: bool,
     gauging: bool,
     sending_events: bool,
-    reclaimed_own: bool,
+    /// Reclaims of this node's own leases asked for (one at start, one per
+    /// `ReclaimOwn`) and done: an acquire reclaims while any is pending.
+    reclaim_wanted: u64,
+    reclaimed: u64,
     stopping: bool,
     /// Actors in flight last reported to the up-down counter.
     reported_in_flight: i64,
@@ -114,7 +117,8 @@ impl Supervisor {
             purging: false,
             gauging: false,
             sending_events: false,
-            reclaimed_own: false,
+            reclaim_wanted: 1,
+            reclaimed: 0,
             stopping: false,
             reported_in_flight: 0,
             schedules_due: None,
@@ -183,10 +187,23 @@ impl Handler<Poll> for Supervisor {
         let capacity = (room - promised).max(1);
         self.polling = true;
         let shared = self.shared.clone();
-        let reclaim_own = !self.reclaimed_own;
+        // Counted, not a flag: a ReclaimOwn that arrives while an acquire
+        // runs is served by the next one, never marked done by this one.
+        let reclaim_upto = self.reclaim_wanted;
+        let reclaim_own = reclaim_upto > self.reclaimed;
         // Never a job this node is still running (its heartbeat may have
         // failed and its lease lapsed): one job, one actor per node.
-        let running: Vec<String> = self.in_flight.keys().cloned().collect();
+        // Nor a job being handed to this node whose `Adopt` is on its way.
+        let mut running: Vec<String> = self.in_flight.keys().cloned().collect();
+        running.extend(
+            self.shared
+                .gate
+                .handing
+                .lock()
+                .expect("lock")
+                .iter()
+                .cloned(),
+        );
         let acquire = async move {
             let workflows = shared.registry.runnable();
             shared
@@ -205,7 +222,7 @@ impl Handler<Poll> for Supervisor {
             act.polling = false;
             match result {
                 Ok(leased) => {
-                    act.reclaimed_own = true;
+                    act.reclaimed = act.reclaimed.max(reclaim_upto);
                     let full = leased.len() == capacity;
                     for job in leased {
                         act.start_job(job, ctx);
@@ -659,6 +676,7 @@ impl Handler<Adopt> for Supervisor {
     type Result = ();
 
     fn handle(&mut self, Adopt(leased): Adopt, ctx: &mut Self::Context) {
+        let leased_id = leased.fence.job_id.clone();
         // Counted in `in_flight` before the reservation is given back, so
         // the room it held is never offered twice. Stopping, the job is not
         // started: its lease lapses and any node resumes it.
@@ -675,6 +693,12 @@ impl Handler<Adopt> for Supervisor {
             .gate
             .reserved
             .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.shared
+            .gate
+            .handing
+            .lock()
+            .expect("lock")
+            .remove(&leased_id);
     }
 }
 
@@ -684,7 +708,7 @@ impl Handler<ReclaimOwn> for Supervisor {
     fn handle(&mut self, _: ReclaimOwn, ctx: &mut Self::Context) {
         // Safe against a hand-off still on its way to `Adopt`: the acquire
         // leases it under a newer epoch and `Adopt` then finds it running.
-        self.reclaimed_own = false;
+        self.reclaim_wanted += 1;
         ctx.notify(Poll);
     }
 }

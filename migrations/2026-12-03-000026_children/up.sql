@@ -2,9 +2,9 @@
 -- its parent. A parent waiting for its children (`ctx.join`) holds no
 -- lease; when a child finishes (acked, dead or cancelled, by any path),
 -- this trigger makes its waiting parent due at once and wakes the nodes.
--- The parent's row lock orders the two: a join that finds the child
--- unfinished and releases the parent commits before the child's finish
--- can update the parent, which then finds it waiting.
+-- A join share-locks the children's rows while it decides: a child that
+-- finishes meanwhile waits for the join's commit (which released the
+-- parent), so this update then finds the parent waiting.
 ALTER TABLE jobs ADD COLUMN parent_id TEXT;
 CREATE INDEX jobs_parent ON jobs (parent_id) WHERE parent_id IS NOT NULL;
 

@@ -319,13 +319,13 @@ async fn a_node_keeps_its_name_across_a_dropped_connection_or_stops() {
     let said = refused_twin(&vars("kept", 1000)).await;
     assert!(said.contains("ONCEFLOW_NODE_ID"), "{said}");
 
-    // Checked every 8 s: a twin starts while the name is free, and the
-    // node finds it taken at its next check and stops.
-    let mut lost = ServeProcess::start(&vars("lost", 8000), &log).await;
+    // Checked every 4 s: a twin starts while the name is free, and the
+    // node, finding it taken at three checks in a row, stops.
+    let mut lost = ServeProcess::start(&vars("lost", 4000), &log).await;
     let before = name_holder(&env, "lost").await.expect("the name is held");
     env.execute(&format!("SELECT pg_terminate_backend({before})"))
         .await;
-    let _twin = ServeProcess::start(&vars("lost", 8000), &log).await;
+    let _twin = ServeProcess::start(&vars("lost", 4000), &log).await;
     let pid = lost.child.id() as i32;
     let stopped = wait_until(Duration::from_secs(30), || async {
         !alive(pid)

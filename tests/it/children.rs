@@ -14,7 +14,7 @@ use onceflow_engine::testkit::{wait_until, Behaviour, TestEnv};
 use onceflow_engine::{Context, JobState, Registry, StepError, Workflow};
 use onceflow_workflows::Completion;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
+use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -132,22 +132,27 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
         .submit_owned(&job, trace, owner, false)
         .await
         .unwrap();
+    // One read of the row: while it waits for its children, no lease.
+    let seen = std::sync::Mutex::new(Value::Null);
     let waited = wait_until(WAIT, || async {
-        env.job("fan-1")
-            .await
-            .waiting
-            .is_some_and(|w| w["kind"] == "children")
+        let row = env
+            .sql("SELECT waiting, lease_owner, lease_expires_at FROM jobs WHERE id = 'fan-1'")
+            .await[0]
+            .clone();
+        let waiting = row["waiting"]["kind"] == "children";
+        if waiting {
+            *seen.lock().unwrap() = row;
+        }
+        waiting
     })
     .await;
+    let seen = seen.into_inner().unwrap();
     assert!(waited, "the parent waits for its children");
-    let lease = env
-        .sql("SELECT lease_owner FROM jobs WHERE id = 'fan-1'")
-        .await;
-    let view = env.wait_for("fan-1", JobState::Acked, WAIT).await;
     assert!(
-        lease[0]["lease_owner"].is_null() || view.state == JobState::Acked,
-        "waiting, the parent holds no lease: {lease}"
+        seen["lease_owner"].is_null() && seen["lease_expires_at"].is_null(),
+        "waiting, the parent holds no lease: {seen}"
     );
+    let view = env.wait_for("fan-1", JobState::Acked, WAIT).await;
     let out: Collected = serde_json::from_value(view.result.clone().unwrap()).unwrap();
     assert_eq!(out.answers.len(), 3);
     assert!(out.answers.iter().all(Option::is_some), "{out:?}");

@@ -195,7 +195,8 @@ pub(super) async fn submit(
     let submitting = {
         let (store, job, owner) = (state.store.clone(), job.clone(), who.owner());
         actix_web::rt::spawn(async move {
-            let hand_to = reservation.as_ref().map(|r| r.hand_to());
+            let mut reservation = reservation;
+            let hand_to = reservation.as_mut().map(|r| r.hand_to(&job.id));
             let submitted = store
                 .submit_handed(&job, trace, owner, notify, hand_to)
                 .await;

@@ -148,11 +148,17 @@ impl Store {
                 if let Some(outcome) = wait.outcome {
                     return Ok(WaitStep::Done(outcome));
                 }
+                // The children's rows are share-locked: a child finishing
+                // now waits for this commit, so its trigger sees the parent
+                // released (a leased parent's committed row does not match
+                // the trigger's WHERE, which would skip it without waiting),
+                // and one that finished first is read finished.
                 let rows: Vec<ChildRow> = sql(
                     "SELECT j.id, j.state::text AS state, j.finished_at IS NOT NULL AS finished, \
                          r.output AS result, j.last_error AS error, j.dead_reason \
                      FROM jobs j LEFT JOIN results r ON r.job_id = j.id \
-                     WHERE j.id = ANY($1) AND j.parent_id = $2",
+                     WHERE j.id = ANY($1) AND j.parent_id = $2 \
+                     ORDER BY j.id FOR SHARE OF j",
                 )
                 .bind::<Array<Text>, _>(children)
                 .bind::<Text, _>(&fence.job_id)

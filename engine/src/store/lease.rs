@@ -268,9 +268,10 @@ impl Store {
     /// Takes node name `node` on a dedicated connection of its own and keeps
     /// it for as long as the returned hold lives: `None` when another live
     /// node has it. Every `every`, the connection is checked (`SELECT 1`);
-    /// when it has dropped (a database restart, a failover), the name is
-    /// taken again on a new connection, and if a twin took it meanwhile the
-    /// hold reports it lost ([`NodeIdHold::lost`]): the node must stop, as
+    /// when it has dropped or hangs for 5 s (a database restart, a
+    /// failover), the name is taken again on a new connection, and if it is
+    /// still taken at the third check (a twin took it meanwhile) the hold
+    /// reports it lost ([`NodeIdHold::lost`]): the node must stop, as
     /// the twin would have refused to start had the connection stayed up.
     pub async fn hold_node_id(
         &self,
@@ -286,16 +287,21 @@ impl Store {
         self.db().spawn(async move {
             let mut tx = tx;
             let mut conn = Some(conn);
+            let mut refused = 0;
             loop {
                 tokio::select! {
                     _ = tx.closed() => return,
                     _ = tokio::time::sleep(every) => {}
                 }
                 if let Some(c) = conn.as_mut() {
-                    if diesel_async::SimpleAsyncConnection::batch_execute(c, "SELECT 1")
-                        .await
-                        .is_ok()
-                    {
+                    // Bounded: a half-open connection must not hide a drop.
+                    let alive = tokio::time::timeout(
+                        std::time::Duration::from_secs(5),
+                        diesel_async::SimpleAsyncConnection::batch_execute(c, "SELECT 1"),
+                    )
+                    .await;
+                    if matches!(alive, Ok(Ok(()))) {
+                        refused = 0;
                         continue;
                     }
                     tracing::warn!(node = %node, "the connection holding this node's name dropped; taking the name again");
@@ -309,6 +315,13 @@ impl Store {
                     Ok((true, c)) => {
                         tracing::warn!(node = %node, "this node's name is held again");
                         conn = Some(c);
+                    }
+                    // The old backend may hold the lock a little longer
+                    // (it has not noticed the dropped connection yet): a
+                    // lock still refused after three checks is a twin's.
+                    Ok((false, _)) if refused < 2 => {
+                        refused += 1;
+                        tracing::warn!(node = %node, "this node's name is still locked (the old connection's backend, or a twin); checking again");
                     }
                     Ok((false, _)) => {
                         let said = format!(

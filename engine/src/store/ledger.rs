@@ -450,13 +450,17 @@ impl Store {
     ) -> Result<u64, StoreError> {
         // Each purged id leaves a tombstone (its incarnation and last lease
         // epoch), so a resubmission is a new incarnation with keys of its own
-        // and epochs that continue.
+        // and epochs that continue. A child job stays while its parent is
+        // live or dead (a redrive): the parent's replay must find it, not
+        // start it again.
         let purged: Count = sql("WITH gone AS ( \
                  DELETE FROM jobs WHERE id IN ( \
                      SELECT id FROM jobs \
                      WHERE finished_at < now() - least($1, $3) * interval '1 millisecond' \
                        AND finished_at < now() - (CASE WHEN state = 'dead' THEN $3 ELSE $1 END) \
                            * interval '1 millisecond' \
+                       AND NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = jobs.parent_id \
+                           AND (p.finished_at IS NULL OR p.state = 'dead')) \
                      ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
                  RETURNING id, incarnation, lease_epoch), \
              tombstones AS ( \
