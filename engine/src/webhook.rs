@@ -102,14 +102,34 @@ pub fn new_secret() -> String {
     format!("whsec_{}", B64.encode(key))
 }
 
-/// The completion event's body.
+/// An event's body in the Standard Webhooks envelope:
+/// `{"type", "timestamp", "data"}`, `timestamp` the event's time (RFC 3339,
+/// UTC). Built once, when the event is claimed: every attempt resends the
+/// same bytes (only the `webhook-timestamp` header is the attempt's).
+/// The events written by SQL (`job.dead`, `job.cancelled`, `job.waiting`)
+/// build the same shape, their `timestamp` the database's `now()` in this
+/// same format (`security::tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation`
+/// checks both kinds).
+pub fn event_body(event: &str, data: Value) -> Value {
+    let mut body = serde_json::Map::new();
+    body.insert("type".into(), event.into());
+    body.insert(
+        "timestamp".into(),
+        chrono::Utc::now()
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+            .into(),
+    );
+    body.insert("data".into(), data);
+    Value::Object(body)
+}
+
+/// The completion event's body: `data` is `{"job_id", "result"}`.
 pub fn completed_body(job_id: &str, result: &Value) -> Value {
     // Built directly: `json!` would serialise `result` into a new value.
-    let mut body = serde_json::Map::new();
-    body.insert("type".into(), COMPLETED_EVENT.into());
-    body.insert("job_id".into(), job_id.into());
-    body.insert("result".into(), result.clone());
-    Value::Object(body)
+    let mut data = serde_json::Map::new();
+    data.insert("job_id".into(), job_id.into());
+    data.insert("result".into(), result.clone());
+    event_body(COMPLETED_EVENT, Value::Object(data))
 }
 
 /// How webhooks leave this node.

@@ -49,7 +49,7 @@ fn assert_one_delivery(env: &TestEnv, id: &str) {
         assert_eq!(d.idempotency_key.as_deref(), Some(hook_key(id).as_str()));
         assert_eq!(d.webhook_id.as_deref(), Some(hook_key(id).as_str()));
         assert_eq!(d.body["type"], "job.completed");
-        assert_eq!(d.body["job_id"], id);
+        assert_eq!(d.body["data"]["job_id"], id);
     }
     assert_eq!(env.consumer.processed_for(id), 1, "{deliveries:#?}");
 }

@@ -229,7 +229,8 @@ async fn dead_with_events(env: &TestEnv, prefix: &str, n: usize) {
                  WHERE id = '{id}' RETURNING id, request) \
              INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
              SELECT id, 'job.dead', 'job:' || id || ':dead', request->>'webhook_url', \
-                 jsonb_build_object('type', 'job.dead', 'job_id', id) FROM d"
+                 jsonb_build_object('type', 'job.dead', 'timestamp', now(), \
+                     'data', jsonb_build_object('job_id', id)) FROM d"
         ))
         .await;
     }

@@ -101,7 +101,7 @@ async fn a_users_own_crate_builds_and_serves_its_workflow() {
     assert_eq!(env.provider.requests_for("job:greet-cli:greet"), 1);
     assert_eq!(env.consumer.processed_for("greet-cli"), 1);
     let delivery = &env.consumer.deliveries_for("greet-1")[0];
-    assert!(delivery.body["result"]["greeting"]
+    assert!(delivery.body["data"]["result"]["greeting"]
         .as_str()
         .unwrap()
         .contains("Ada"));

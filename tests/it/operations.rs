@@ -633,7 +633,10 @@ async fn dead_and_cancelled_jobs_send_their_event_once() {
         assert_eq!(e.idempotency_key.as_deref(), Some("job:fail-ev:dead"));
         assert_eq!(e.body["type"], "job.dead");
         assert!(
-            e.body["reason"].as_str().unwrap().contains("refused"),
+            e.body["data"]["reason"]
+                .as_str()
+                .unwrap()
+                .contains("refused"),
             "{}",
             e.body
         );
@@ -688,7 +691,7 @@ async fn dead_and_cancelled_jobs_send_their_event_once() {
     let event = &env.consumer.deliveries_for("cancel-ev")[0];
     assert_eq!(event.webhook_id.as_deref(), Some("job:cancel-ev:cancelled"));
     assert_eq!(event.body["type"], "job.cancelled");
-    assert_eq!(event.body["reason"], "no longer needed");
+    assert_eq!(event.body["data"]["reason"], "no longer needed");
 
     // The quiet one sent nothing, ever; the cancelled one, once its
     // attempt's model call has ended too, nothing but its one event.

@@ -1332,8 +1332,22 @@ async fn tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation
     submit("ref-done").await;
     env.wait_for("ref-done", JobState::Acked, WAIT).await;
     let done = env.consumer.deliveries_for("ref-done").remove(0);
-    for d in [&dead, &done] {
+    for (d, id) in [(&dead, "ref-dead"), (&done, "ref-done")] {
         let what = &d.body["type"];
+        // The Standard Webhooks envelope, the time in one format whether
+        // the body was built by SQL (job.dead) or by the node (completed).
+        assert_eq!(d.body["data"]["job_id"], id, "{what}: {}", d.body);
+        let at = d.body["timestamp"].as_str().unwrap_or_default();
+        assert!(
+            at.len() == 27 && at.ends_with('Z') && chrono::DateTime::parse_from_rfc3339(at).is_ok(),
+            "{what}: timestamp {at:?}"
+        );
+        assert_eq!(
+            d.body.as_object().map(|o| o.len()),
+            Some(3),
+            "{what}: type, timestamp and data only: {}",
+            d.body
+        );
         assert!(reference_verifies(d, &a_secret).await, "{what}: A's secret");
         assert!(
             !reference_verifies(d, &b_secret).await,

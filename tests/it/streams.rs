@@ -186,7 +186,7 @@ async fn a_clean_stream_is_shown_once_to_every_watcher_and_is_the_result() {
     assert_eq!(env.consumer.deliveries_for("s-clean").len(), 1);
     let delivered = &env.consumer.deliveries_for("s-clean")[0];
     assert_eq!(
-        delivered.body["result"]["content"].as_str(),
+        delivered.body["data"]["result"]["content"].as_str(),
         Some(content.as_str())
     );
 }
@@ -527,8 +527,8 @@ async fn the_agents_final_answer_streams_and_a_broken_turn_repeats_nothing() {
     );
     assert_eq!(env.consumer.deliveries_for("s-agent").len(), 1);
     let delivered = &env.consumer.deliveries_for("s-agent")[0];
-    assert_eq!(delivered.body["result"]["content"], ANSWER);
-    assert_eq!(delivered.body["result"]["tool_calls"], 1);
+    assert_eq!(delivered.body["data"]["result"]["content"], ANSWER);
+    assert_eq!(delivered.body["data"]["result"]["tool_calls"], 1);
 }
 
 /// `stream` with a provider that cannot stream is refused at intake,

@@ -340,6 +340,21 @@ async fn an_approved_tool_call_runs_once_after_its_approval() {
         .await,
         "no job.waiting event"
     );
+    let event = env
+        .consumer
+        .deliveries_for("ap-1")
+        .into_iter()
+        .find(|d| d.idempotency_key.as_deref() == Some(event_key))
+        .expect("the job.waiting delivery");
+    assert_eq!(event.body["type"], "job.waiting");
+    let waiting = &event.body["data"]["waiting"];
+    assert_eq!(
+        (waiting["kind"].as_str(), waiting["name"].as_str()),
+        (Some("approval"), Some("approval:call_1")),
+        "{}",
+        event.body
+    );
+    assert!(waiting["tool"]["name"].is_string(), "{}", event.body);
 
     let (status, body) = signal(
         &base,

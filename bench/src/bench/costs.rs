@@ -456,7 +456,7 @@ mod tests {
             .next()
             .expect("host:port")
             .to_owned();
-        let body = r#"{"job_id":"cpu-test"}"#;
+        let body = r#"{"type":"job.completed","data":{"job_id":"cpu-test"}}"#;
         let post = |n: usize| {
             for _ in 0..n {
                 let mut s = std::net::TcpStream::connect(&addr).expect("connect");

@@ -917,7 +917,7 @@ impl Env {
         let deliveries = self.consumer.deliveries();
         let (mut latencies, mut lead_latencies) = (Vec::with_capacity(jobs), Vec::new());
         for d in &deliveries[deliveries_before..] {
-            let id = d.body["job_id"].as_str().unwrap_or_default();
+            let id = d.body["data"]["job_id"].as_str().unwrap_or_default();
             if let Some(t0) = submitted.get(id) {
                 let took = d.received_at.saturating_duration_since(*t0);
                 if id.starts_with(&lead_prefix) {

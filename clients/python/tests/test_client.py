@@ -140,15 +140,15 @@ def test_submit_stream_and_one_verified_webhook(node):
     assert list(client.events("py-1", last_event_id=last)) == []
 
     deadline = time.time() + 10
-    while time.time() < deadline and not any(e["job_id"] == "py-1" for e in Consumer.processed):
+    while time.time() < deadline and not any(e["data"]["job_id"] == "py-1" for e in Consumer.processed):
         time.sleep(0.1)
-    mine = [e for e in Consumer.processed if e["job_id"] == "py-1"]
+    mine = [e for e in Consumer.processed if e["data"]["job_id"] == "py-1"]
     assert len(mine) == 1, Consumer.processed
     assert Provider.requests.count("job:py-1:generate") == 1
 
 
 def test_a_repeated_webhook_is_dropped_by_its_id():
-    body = json.dumps({"type": "job.completed", "job_id": "x"}).encode()
+    body = json.dumps({"type": "job.completed", "timestamp": "2026-12-03T00:00:00.000000Z", "data": {"job_id": "x"}}).encode()
     from standardwebhooks.webhooks import Webhook
     from datetime import datetime, timezone
 
@@ -157,7 +157,7 @@ def test_a_repeated_webhook_is_dropped_by_its_id():
     headers = {"webhook-id": "msg_1", "webhook-timestamp": str(int(now.timestamp())),
                "webhook-signature": signature}
     receiver = WebhookReceiver(SECRET)
-    assert receiver.receive(body, headers)["job_id"] == "x"
+    assert receiver.receive(body, headers)["data"]["job_id"] == "x"
     assert receiver.receive(body, headers) is None
     with pytest.raises(Exception):
         WebhookReceiver("whsec_" + "A" * 32).receive(body, headers)

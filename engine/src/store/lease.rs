@@ -409,7 +409,7 @@ impl Store {
              event AS ( \
                  INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
                  SELECT id, $7, $8, request->>'webhook_url', \
-                     jsonb_build_object('type', $7, 'job_id', id, 'reason', $3, 'error', $4) \
+                     jsonb_build_object('type', $7, 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'reason', $3, 'error', $4)) \
                  FROM moved WHERE notify_failures \
                  ON CONFLICT DO NOTHING) \
              INSERT INTO job_history (job_id, state, attempt, worker) \

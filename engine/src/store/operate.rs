@@ -97,7 +97,7 @@ impl Store {
              event AS ( \
                  INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
                  SELECT id, $5, $6, request->>'webhook_url', \
-                     jsonb_build_object('type', $5, 'job_id', id, 'reason', $4, 'by', $2) \
+                     jsonb_build_object('type', $5, 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'reason', $4, 'by', $2)) \
                  FROM moved WHERE notify_failures \
                  ON CONFLICT DO NOTHING), \
              closed AS ( \

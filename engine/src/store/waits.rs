@@ -235,7 +235,7 @@ impl Store {
                             sql(
                                 "INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
                                  SELECT id, 'job.waiting:' || $3, $2, request->>'webhook_url', \
-                                     jsonb_build_object('type', 'job.waiting', 'job_id', id, 'waiting', $4::jsonb) \
+                                     jsonb_build_object('type', 'job.waiting', 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'waiting', $4::jsonb)) \
                                  FROM jobs WHERE id = $1 AND request->>'webhook_url' <> '' \
                                  ON CONFLICT DO NOTHING",
                             )

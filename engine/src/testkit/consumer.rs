@@ -103,11 +103,11 @@ impl FakeConsumer {
         self.state.deliveries.lock().expect("lock").clone()
     }
 
-    /// Requests whose body names `job_id`.
+    /// Requests whose body names `job_id` (see [`job_of`]).
     pub fn deliveries_for(&self, job_id: &str) -> Vec<Delivery> {
         self.deliveries()
             .into_iter()
-            .filter(|d| d.body["job_id"].as_str() == Some(job_id))
+            .filter(|d| job_of(&d.body) == Some(job_id))
             .collect()
     }
 
@@ -157,10 +157,19 @@ fn header(req: &HttpRequest, name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// The job a request's body names: an onceflow event's `data.job_id`
+/// (the Standard Webhooks envelope), or the top-level `job_id` a
+/// workflow's own side effect may send.
+pub(crate) fn job_of(body: &Value) -> Option<&str> {
+    body["data"]["job_id"]
+        .as_str()
+        .or_else(|| body["job_id"].as_str())
+}
+
 async fn receive(state: web::Data<State>, req: HttpRequest, raw: web::Bytes) -> HttpResponse {
     let received_at = std::time::Instant::now();
     let body: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
-    let for_job = body["job_id"].as_str().and_then(|id| {
+    let for_job = job_of(&body).and_then(|id| {
         state
             .per_job
             .lock()

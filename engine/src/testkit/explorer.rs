@@ -576,7 +576,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                     d.idempotency_key
                         .as_deref()
                         .is_some_and(|k| k.starts_with(&prefix))
-                        || d.body["job_id"].as_str() == Some(id)
+                        || super::consumer::job_of(&d.body) == Some(id)
                 })
                 .collect();
             c.effect_requests += mine.len();
