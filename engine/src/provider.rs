@@ -210,13 +210,15 @@ impl Provider {
 }
 
 impl Provider {
-    /// As [`chat`](Self::chat) for a request with `"stream": true` (OpenAI
-    /// only): asks for server-sent events with `stream_options.include_usage`
-    /// and hands each piece of the answer's text to `on_text` as it arrives.
-    /// The answer is the whole chat completion, assembled. A stream that
-    /// breaks or ends before `data: [DONE]` is an ambiguous failure: the
-    /// provider may have done the work, and the next attempt asks again
-    /// under the same key.
+    /// As [`chat`](Self::chat) for a request with `"stream": true`: asks
+    /// for server-sent events (OpenAI's chunks with
+    /// `stream_options.include_usage`, or Anthropic's Messages events) and
+    /// hands each piece of the answer's text to `on_text` as it arrives.
+    /// The answer is the whole chat completion, assembled, in the same shape
+    /// for both. A stream that breaks or ends before its end (`data:
+    /// [DONE]`, or `message_stop`) is an ambiguous failure: the provider may
+    /// have done the work, and the next attempt asks again under the same
+    /// key.
     pub async fn chat_stream(
         &self,
         key: &str,
@@ -226,38 +228,55 @@ impl Provider {
         job_id: &str,
         on_text: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(Value, Usage, u16), PostError> {
-        if request
-            .get("provider")
-            .and_then(Value::as_str)
-            .is_some_and(|p| p != "openai")
-        {
-            return Err(PostError::Failed(Failure::Status {
-                status: 400,
-                retry_after: None,
-                body: "streaming is supported for provider openai only".to_owned(),
-            }));
-        }
+        let anthropic = match request.get("provider").and_then(Value::as_str) {
+            None | Some("openai") => false,
+            Some("anthropic") => true,
+            Some(other) => {
+                return Err(PostError::Failed(Failure::Status {
+                    status: 400,
+                    retry_after: None,
+                    body: format!("unknown provider {other:?} (openai, anthropic)"),
+                }))
+            }
+        };
         let mut headers = vec![
             ("idempotency-key", key.to_owned()),
             ("traceparent", traceparent.to_owned()),
             ("accept", "text/event-stream".to_owned()),
         ];
-        if let Some(api_key) = &self.config.api_key {
-            headers.push(("authorization", format!("Bearer {api_key}")));
-        }
-        let url = format!(
-            "{}/chat/completions",
-            self.config.base_url.trim_end_matches('/')
-        );
-        let mut body = request.clone();
-        if let Some(o) = body.as_object_mut() {
-            o.remove("provider");
-            o.insert("stream".into(), Value::Bool(true));
-            o.insert(
-                "stream_options".into(),
-                serde_json::json!({ "include_usage": true }),
+        let (url, body) = if anthropic {
+            if let Some(api_key) = &self.config.anthropic_api_key {
+                headers.push(("x-api-key", api_key.clone()));
+            }
+            headers.push(("anthropic-version", ANTHROPIC_VERSION.to_owned()));
+            let url = format!(
+                "{}/v1/messages",
+                self.config.anthropic_base_url.trim_end_matches('/')
             );
-        }
+            let mut body = anthropic::request(request);
+            if let Some(o) = body.as_object_mut() {
+                o.insert("stream".into(), Value::Bool(true));
+            }
+            (url, body)
+        } else {
+            if let Some(api_key) = &self.config.api_key {
+                headers.push(("authorization", format!("Bearer {api_key}")));
+            }
+            let url = format!(
+                "{}/chat/completions",
+                self.config.base_url.trim_end_matches('/')
+            );
+            let mut body = request.clone();
+            if let Some(o) = body.as_object_mut() {
+                o.remove("provider");
+                o.insert("stream".into(), Value::Bool(true));
+                o.insert(
+                    "stream_options".into(),
+                    serde_json::json!({ "include_usage": true }),
+                );
+            }
+            (url, body)
+        };
         let post = Post {
             url: &url,
             headers,
@@ -275,7 +294,11 @@ impl Provider {
         };
         let (status, mut response) = crate::outbound::open(&self.client, post, Some(seam)).await?;
         let mut events = sse::Events::default();
-        let mut answer = sse::Answer::default();
+        let mut answer = if anthropic {
+            sse::Answer::anthropic()
+        } else {
+            sse::Answer::default()
+        };
         let broken = |what: String| PostError::Failed(Failure::Ambiguous(what));
         loop {
             // The model timeout bounds each gap between chunks.
@@ -322,8 +345,13 @@ impl Provider {
         }
         if !answer.done {
             return Err(broken(format!(
-                "the stream ended after {} chunks, before data: [DONE]",
-                answer.chunks
+                "the stream ended after {} chunks, before {}",
+                answer.chunks,
+                if anthropic {
+                    "message_stop"
+                } else {
+                    "data: [DONE]"
+                }
             )));
         }
         let response = answer.completion(request);
@@ -341,7 +369,9 @@ impl Provider {
     }
 }
 
-/// Server-sent events of OpenAI's streamed chat completions.
+/// Server-sent events of streamed answers: OpenAI's chat-completion chunks
+/// and Anthropic's Messages events, each assembled into one chat
+/// completion.
 pub mod sse {
     use serde_json::{json, Value};
 
@@ -415,11 +445,29 @@ pub mod sse {
         /// Tool calls, by their `index`: each arrives as a first delta with
         /// its id, type and name, then its `arguments` in pieces.
         tool_calls: std::collections::BTreeMap<u64, Value>,
+        /// The events are Anthropic's (see [`Answer::anthropic`]).
+        anthropic: bool,
     }
 
     impl Answer {
+        /// An answer read from Anthropic's Messages events: `message_start`
+        /// (id, model, input tokens), `content_block_start` (a text block,
+        /// or a `tool_use` block's id and name), `content_block_delta`
+        /// (`text_delta`, or a tool's `input_json_delta`), `message_delta`
+        /// (stop reason, output tokens), `message_stop` (the end), `error`.
+        /// Others (`ping`, `content_block_stop`) carry nothing to keep.
+        pub fn anthropic() -> Self {
+            Answer {
+                anthropic: true,
+                ..Answer::default()
+            }
+        }
+
         /// Takes one event's data; returns the text it adds, if any.
         pub fn take(&mut self, data: &str) -> Result<Option<String>, String> {
+            if self.anthropic {
+                return self.take_anthropic(data);
+            }
             if data.trim() == "[DONE]" {
                 self.done = true;
                 return Ok(None);
@@ -452,13 +500,86 @@ pub mod sse {
                 self.tool_call(delta)?;
             }
             match choice["delta"]["content"].as_str() {
-                Some(text) if !text.is_empty() => {
-                    self.size += text.len();
-                    self.content.push_str(text);
-                    Ok(Some(text.to_owned()))
-                }
+                Some(text) if !text.is_empty() => Ok(Some(self.text(text))),
                 _ => Ok(None),
             }
+        }
+
+        fn take_anthropic(&mut self, data: &str) -> Result<Option<String>, String> {
+            let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+            if let Some(error) = event.get("error") {
+                return Err(format!(
+                    "the provider reported an error mid-stream: {}",
+                    crate::outbound::redact(&error.to_string())
+                ));
+            }
+            self.chunks += 1;
+            match event["type"].as_str() {
+                Some("message_start") => {
+                    let message = &event["message"];
+                    self.id = message.get("id").cloned();
+                    self.model = message.get("model").cloned();
+                    self.usage = Some(json!({
+                        "prompt_tokens": message["usage"]["input_tokens"],
+                        "completion_tokens": message["usage"]["output_tokens"],
+                    }));
+                }
+                Some("content_block_start") => {
+                    let block = &event["content_block"];
+                    if block["type"] == "tool_use" {
+                        // The same head an OpenAI stream's first piece has.
+                        self.tool_call(&json!({
+                            "index": event["index"],
+                            "id": block["id"],
+                            "type": "function",
+                            "function": { "name": block["name"] },
+                        }))?;
+                    } else if let Some(text) = block["text"].as_str().filter(|t| !t.is_empty()) {
+                        return Ok(Some(self.text(text)));
+                    }
+                }
+                Some("content_block_delta") => {
+                    let delta = &event["delta"];
+                    match delta["type"].as_str() {
+                        Some("text_delta") => {
+                            if let Some(text) = delta["text"].as_str().filter(|t| !t.is_empty()) {
+                                return Ok(Some(self.text(text)));
+                            }
+                        }
+                        Some("input_json_delta") => {
+                            let index = event["index"].as_u64();
+                            if !index.is_some_and(|i| self.tool_calls.contains_key(&i)) {
+                                return Err("an input_json_delta for no tool_use block".to_owned());
+                            }
+                            self.tool_call(&json!({
+                                "index": index,
+                                "function": { "arguments": delta["partial_json"] },
+                            }))?;
+                        }
+                        _ => {}
+                    }
+                }
+                Some("message_delta") => {
+                    if let Some(reason) = event["delta"]["stop_reason"].as_str() {
+                        self.finish_reason = Some(json!(super::anthropic::finish_reason(reason)));
+                    }
+                    if let (Some(usage), Some(out)) =
+                        (self.usage.as_mut(), event["usage"].get("output_tokens"))
+                    {
+                        usage["completion_tokens"] = out.clone();
+                    }
+                }
+                Some("message_stop") => self.done = true,
+                _ => {}
+            }
+            Ok(None)
+        }
+
+        /// Adds a piece of the answer's text; returns it.
+        fn text(&mut self, text: &str) -> String {
+            self.size += text.len();
+            self.content.push_str(text);
+            text.to_owned()
         }
 
         /// Adds one `delta.tool_calls` entry to the call at its `index`.
@@ -497,10 +618,20 @@ pub mod sse {
         pub fn completion(&self, request: &Value) -> Value {
             let mut message = json!({ "role": "assistant", "content": self.content });
             if !self.tool_calls.is_empty() {
-                if self.content.is_empty() {
+                let mut calls: Vec<Value> = self.tool_calls.values().cloned().collect();
+                if self.anthropic {
+                    // As the whole answer reads (`"content": ""` and the
+                    // tool's input as `arguments`): a tool_use block whose
+                    // input streamed no pieces has the input `{}`.
+                    for call in &mut calls {
+                        if call["function"]["arguments"] == "" {
+                            call["function"]["arguments"] = json!("{}");
+                        }
+                    }
+                } else if self.content.is_empty() {
                     message["content"] = Value::Null;
                 }
-                message["tool_calls"] = self.tool_calls.values().cloned().collect();
+                message["tool_calls"] = Value::Array(calls);
             }
             let mut out = json!({
                 "object": "chat.completion",
@@ -513,6 +644,9 @@ pub mod sse {
             });
             if let Some(id) = &self.id {
                 out["id"] = id.clone();
+            }
+            if self.anthropic {
+                out["provider"] = json!("anthropic");
             }
             if let Some(usage) = &self.usage {
                 out["usage"] = usage.clone();
@@ -574,6 +708,52 @@ pub mod sse {
             assert_eq!(c["choices"][0]["finish_reason"], "tool_calls");
             assert!(a
                 .take(r#"{"choices":[{"delta":{"tool_calls":[{"id":"x"}]}}]}"#)
+                .is_err());
+        }
+
+        #[test]
+        fn anthropic_events_make_the_same_completion_as_the_whole_answer() {
+            let mut a = Answer::anthropic();
+            let mut texts = Vec::new();
+            for data in [
+                r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","content":[],"model":"claude-x","stop_reason":null,"usage":{"input_tokens":25,"output_tokens":1}}}"#,
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+                r#"{"type":"ping"}"#,
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Let me "}}"#,
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"look."}}"#,
+                r#"{"type":"content_block_stop","index":0}"#,
+                r#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"toolu_1","name":"lookup","input":{}}}"#,
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"order\":"}}"#,
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"\"42\"}"}}"#,
+                r#"{"type":"content_block_stop","index":1}"#,
+                r#"{"type":"content_block_start","index":2,"content_block":{"type":"tool_use","id":"toolu_2","name":"ping","input":{}}}"#,
+                r#"{"type":"content_block_stop","index":2}"#,
+                r#"{"type":"message_delta","delta":{"stop_reason":"tool_use","stop_sequence":null},"usage":{"output_tokens":30}}"#,
+            ] {
+                texts.extend(a.take(data).unwrap());
+                assert!(!a.done, "not done before message_stop");
+            }
+            a.take(r#"{"type":"message_stop"}"#).unwrap();
+            assert!(a.done);
+            assert_eq!(texts, ["Let me ", "look."]);
+            let streamed = a.completion(&json!({ "model": "m" }));
+            let whole = crate::provider::anthropic::response(&json!({
+                "id": "msg_1", "model": "claude-x", "stop_reason": "tool_use",
+                "content": [
+                    { "type": "text", "text": "Let me look." },
+                    { "type": "tool_use", "id": "toolu_1", "name": "lookup", "input": { "order": "42" } },
+                    { "type": "tool_use", "id": "toolu_2", "name": "ping", "input": {} }],
+                "usage": { "input_tokens": 25, "output_tokens": 30 },
+            }))
+            .unwrap();
+            assert_eq!(streamed, whole);
+            assert!(Answer::anthropic()
+                .take(
+                    r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#
+                )
+                .is_err());
+            assert!(Answer::anthropic()
+                .take(r#"{"type":"content_block_delta","index":5,"delta":{"type":"input_json_delta","partial_json":"{}"}}"#)
                 .is_err());
         }
     }
@@ -690,6 +870,16 @@ pub mod anthropic {
         Value::Object(out)
     }
 
+    /// The chat-completion `finish_reason` of a Messages `stop_reason`.
+    pub fn finish_reason(stop_reason: &str) -> &'static str {
+        match stop_reason {
+            "max_tokens" => "length",
+            "tool_use" => "tool_calls",
+            "refusal" => "content_filter",
+            _ => "stop",
+        }
+    }
+
     /// A chat completion for a Messages `response`: the text blocks joined,
     /// `tool_use` blocks as `tool_calls`, the stop reason as
     /// `finish_reason`, the usage as `prompt_tokens`/`completion_tokens`.
@@ -710,12 +900,7 @@ pub mod anthropic {
                 _ => {}
             }
         }
-        let finish_reason = match response["stop_reason"].as_str() {
-            Some("max_tokens") => "length",
-            Some("tool_use") => "tool_calls",
-            Some("refusal") => "content_filter",
-            _ => "stop",
-        };
+        let finish_reason = finish_reason(response["stop_reason"].as_str().unwrap_or_default());
         let mut message = json!({ "role": "assistant", "content": content });
         if !tool_calls.is_empty() {
             message["tool_calls"] = json!(tool_calls);

@@ -358,12 +358,14 @@ async fn bad_event_requests_get_clear_errors() {
         .await
         .unwrap();
     assert_eq!(r.status(), 404);
-    // `stream` is part of the request: Anthropic cannot stream (yet).
-    let mut job = streamed_job("s-anthropic", &env.consumer.url());
-    job["input"]["provider"] = json!("anthropic");
+    // `stream` is a boolean, checked at intake; nothing is stored.
+    let mut job = streamed_job("s-yes", &env.consumer.url());
+    job["input"]["stream"] = json!("yes");
     let (status, body) = post_job(&base, &job).await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["error"]["field"], "input.stream", "{body}");
+    let stored = env.sql("SELECT id FROM jobs WHERE id = 's-yes'").await;
+    assert_eq!(stored.as_array().unwrap().len(), 0);
 }
 
 /// `kill -9` of the `serve` process mid-stream (after 3 of 8 chunks were
@@ -531,30 +533,131 @@ async fn the_agents_final_answer_streams_and_a_broken_turn_repeats_nothing() {
     assert_eq!(delivered.body["data"]["result"]["tool_calls"], 1);
 }
 
-/// `stream` with a provider that cannot stream is refused at intake,
-/// naming the field, for the agent as for completion; nothing is stored.
+fn anthropic_config(env: &TestEnv) -> onceflow_engine::EngineConfig {
+    let mut config = env.config();
+    config.provider.anthropic_api_key = Some("sk-ant-test".into());
+    config
+}
+
+/// Anthropic streams through the same events and the same decision for a
+/// stream broken halfway. Anthropic does not replay by key, so the repeat
+/// is a new answer: watchers see the first answer's 3 chunks, exactly one
+/// `reset`, then the new answer, which is the result; the provider worked
+/// twice; one delivery. Each request is a streamed Messages request.
 #[actix_rt::test]
-async fn stream_with_anthropic_is_refused_for_the_agent_too() {
+async fn an_anthropic_stream_broken_halfway_resets_once_and_is_delivered_once() {
     let env = TestEnv::new().await;
-    let mut r = Registry::new();
-    r.register(Agent::new());
-    let base = serve_api(env.store.clone(), r, None);
+    env.provider.set_stream_shape(8, Duration::from_millis(20));
+    env.provider.drop_stream_after(3);
+    let base = serve_api(env.store.clone(), registry(), None);
+    let mut job = streamed_job("s-claude", &env.consumer.url());
+    job["input"]["provider"] = json!("anthropic");
+    job["input"]["model"] = json!("claude-x");
+    let (status, body) = post_job(&base, &job).await;
+    assert_eq!(status, 201, "{body}");
+    let _engine = env.start(registry(), anthropic_config(&env));
+    let seen = watch(&base, "s-claude", None, until_finished).await;
+    assert_ids_increase(&seen);
+    let resets: Vec<&Seen> = seen.iter().filter(|s| s.kind == "reset").collect();
+    assert_eq!(resets.len(), 1, "exactly one reset: {seen:?}");
+    let before = seen
+        .iter()
+        .take_while(|s| s.kind != "reset")
+        .filter(|s| s.kind == "chunk")
+        .count();
+    assert_eq!(before, 3, "the first answer's 3 chunks, shown once");
+    let content = result_content(&env, "s-claude").await;
+    assert_eq!(displayed(&seen), content, "after the reset, the new answer");
+    assert_eq!(shown(&seen).len(), 3 + 8);
+    let requests = env.provider.requests();
+    assert_eq!(requests.len(), 2, "asked again under the same key");
+    for r in &requests {
+        assert_eq!(r.path, "/v1/messages");
+        assert_eq!(r.body["stream"], true);
+        assert_eq!(r.x_api_key.as_deref(), Some("sk-ant-test"));
+        assert_eq!(r.idempotency_key.as_deref(), Some("job:s-claude:generate"));
+    }
+    assert_eq!(env.provider.work_done("job:s-claude:generate"), 2);
+    assert_eq!(env.consumer.deliveries_for("s-claude").len(), 1);
+    let usage = env
+        .sql("SELECT input_tokens AS i, output_tokens AS o FROM model_calls WHERE job_id = 's-claude'")
+        .await;
+    assert_eq!(
+        (usage[0]["i"].as_i64(), usage[0]["o"].as_i64()),
+        (Some(7), Some(8)),
+        "the usage of message_start and message_delta: {usage}"
+    );
+}
+
+/// The streamed agent on Anthropic: a turn's `tool_use` block arrives as
+/// `input_json_delta` pieces; a stream broken mid-arguments runs no tool,
+/// the repeat (a new answer: paid twice) runs it once with its whole
+/// arguments, and the final answer streams as text.
+#[actix_rt::test]
+async fn the_streamed_agent_on_anthropic_runs_each_tool_call_once() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(8, Duration::from_millis(20));
+    const ANSWER: &str = "ticket A is open and waiting for you now";
+    env.provider.respond_anthropic_with(|request, n| {
+        let last = request["messages"].as_array().unwrap().last().unwrap();
+        let (content, stop) = if last["content"][0]["type"] == "tool_result" {
+            (json!([{ "type": "text", "text": ANSWER }]), "end_turn")
+        } else {
+            (
+                json!([{ "type": "tool_use", "id": "toolu_1", "name": "http_post",
+                         "input": { "ticket": "A" } }]),
+                "tool_use",
+            )
+        };
+        json!({ "id": format!("msg_{n}"), "type": "message", "role": "assistant",
+                "model": "claude-x", "content": content, "stop_reason": stop,
+                "usage": { "input_tokens": 5, "output_tokens": 2 } })
+    });
+    // Turn 0 breaks after its tool's head and first piece of arguments.
+    env.provider.drop_stream_after(2);
+    let tools = FakeConsumer::start();
+    let agent = |url: String| {
+        let mut r = Registry::new();
+        r.register(Agent::new().with_tool(HttpPost::new(url)));
+        r
+    };
+    let base = serve_api(env.store.clone(), agent(tools.url()), None);
     let job = json!({
-        "id": "s-agent-anthropic",
+        "id": "s-claude-agent",
         "workflow": "agent",
         "input": {
-            "model": "claude", "provider": "anthropic", "stream": true,
-            "messages": [{ "role": "user", "content": "hi" }]
+            "model": "claude-x", "provider": "anthropic", "stream": true,
+            "messages": [{ "role": "user", "content": "open a ticket" }]
         },
         "webhook_url": env.consumer.url(),
     });
     let (status, body) = post_job(&base, &job).await;
-    assert_eq!(status, 422, "{body}");
-    assert_eq!(body["error"]["field"], "input.stream", "{body}");
-    let stored = env
-        .sql("SELECT id FROM jobs WHERE id = 's-agent-anthropic'")
-        .await;
-    assert_eq!(stored.as_array().unwrap().len(), 0);
+    assert_eq!(status, 201, "{body}");
+    let _engine = env.start(agent(tools.url()), anthropic_config(&env));
+    let seen = watch(&base, "s-claude-agent", None, until_finished).await;
+    assert_eq!(shown(&seen).concat(), ANSWER, "{seen:?}");
+    assert!(
+        seen.iter().all(|s| s.kind != "reset"),
+        "no text was shown before the break: {seen:?}"
+    );
+    assert_eq!(result_content(&env, "s-claude-agent").await, ANSWER);
+    assert_eq!(env.provider.work_done("job:s-claude-agent:turn:0"), 2);
+    assert_eq!(env.provider.work_done("job:s-claude-agent:turn:1"), 1);
+    let effects = tools.deliveries();
+    assert_eq!(effects.len(), 1, "the tool ran once: {effects:?}");
+    assert_eq!(
+        effects[0].idempotency_key.as_deref(),
+        Some("job:s-claude-agent:tool:0:0")
+    );
+    assert!(
+        effects[0].body.to_string().contains("\"ticket\":\"A\""),
+        "with its whole arguments: {}",
+        effects[0].body
+    );
+    let second = &env.provider.requests()[2].body["messages"];
+    assert_eq!(second[1]["content"][0]["type"], "tool_use", "{second}");
+    assert_eq!(second[1]["content"][0]["input"], json!({ "ticket": "A" }));
+    assert_eq!(env.consumer.deliveries_for("s-claude-agent").len(), 1);
 }
 
 /// An idle stream reads nothing from the database (it used to read four

@@ -166,12 +166,6 @@ impl Workflow for Agent {
                 ));
             }
         }
-        if input.stream && input.provider == crate::completion::ModelProvider::Anthropic {
-            return Err(InvalidInput::new(
-                "input.stream",
-                "is supported for provider openai only",
-            ));
-        }
         if let Some(t) = input.approval_timeout_s {
             if !(1..=MAX_APPROVAL_TIMEOUT_S).contains(&t) {
                 return Err(InvalidInput::new(

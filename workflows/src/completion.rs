@@ -126,12 +126,6 @@ impl Workflow for Completion {
                 ));
             }
         }
-        if input.stream && input.provider == ModelProvider::Anthropic {
-            return Err(InvalidInput::new(
-                "input.stream",
-                "is supported for provider openai only",
-            ));
-        }
         if let Some(t) = input.temperature {
             if input.provider == ModelProvider::Anthropic && !(0.0..=1.0).contains(&t) {
                 return Err(InvalidInput::new(

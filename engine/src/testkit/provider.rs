@@ -467,28 +467,9 @@ async fn take_time(state: &State, behaviour: &Behaviour) {
 /// mid-answer, without `[DONE]`.
 fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpResponse {
     let responder = state.responder.lock().expect("lock").clone();
-    let (deltas, interval, jitter, drop_after) = {
-        let mut s = state.streams.lock().expect("lock");
-        s.requests += 1;
-        let known = key.as_ref().and_then(|k| s.answers.get(k)).cloned();
-        let deltas = match known.filter(|_| s.replay) {
-            Some(deltas) => deltas,
-            None => {
-                let n = count_work(state, key.as_ref());
-                let deltas = match &responder {
-                    Some(f) => deltas_of(&f(body, n)),
-                    None => (0..s.words)
-                        .map(|i| json!({ "content": format!("w{n}.{i} ") }))
-                        .collect(),
-                };
-                if let Some(k) = &key {
-                    s.answers.insert(k.clone(), deltas.clone());
-                }
-                deltas
-            }
-        };
-        (deltas, s.interval, s.jitter, s.drops.pop_front().flatten())
-    };
+    let (deltas, interval, jitter, drop_after) = plan_stream(state, key.as_ref(), true, |n| {
+        responder.as_ref().map(|f| f(body, n))
+    });
     let model = body["model"].clone();
     let chunk = |delta: &Value, finish: Value| {
         let event = json!({
@@ -518,6 +499,152 @@ fn stream(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpRe
     } else {
         events.truncate(shown);
     }
+    send_stream(state, key, events, interval, jitter, complete)
+}
+
+/// The deltas of the next streamed answer under `key`, and how it goes:
+/// a known key's deltas again when `replay` is allowed and on (no new
+/// work), or else new work answered by `answer(n)` cut into deltas (see
+/// [`deltas_of`]) or, without an answer, numbered words.
+fn plan_stream(
+    state: &web::Data<State>,
+    key: Option<&String>,
+    replay: bool,
+    answer: impl FnOnce(u64) -> Option<Value>,
+) -> (Vec<Value>, Duration, bool, Option<usize>) {
+    let mut s = state.streams.lock().expect("lock");
+    s.requests += 1;
+    let known = key.and_then(|k| s.answers.get(k)).cloned();
+    let deltas = match known.filter(|_| replay && s.replay) {
+        Some(deltas) => deltas,
+        None => {
+            let n = count_work(state, key);
+            let deltas = match answer(n) {
+                Some(completion) => deltas_of(&completion),
+                None => (0..s.words)
+                    .map(|i| json!({ "content": format!("w{n}.{i} ") }))
+                    .collect(),
+            };
+            if let Some(k) = key {
+                s.answers.insert(k.clone(), deltas.clone());
+            }
+            deltas
+        }
+    };
+    (deltas, s.interval, s.jitter, s.drops.pop_front().flatten())
+}
+
+/// A streamed answer as Anthropic's Messages API sends it (`event:` and
+/// `data:` lines): `message_start`, a `ping`, the text as one block of
+/// `text_delta`s, each tool call as a `tool_use` block whose input arrives
+/// as `input_json_delta` pieces, then `message_delta` (stop reason, output
+/// tokens) and `message_stop`. The same deltas as OpenAI's stream (the
+/// answer of [`FakeProvider::respond_anthropic_with`], translated, or
+/// numbered words), never replayed (Anthropic does not de-duplicate by
+/// key); a scripted drop ends the connection after so many deltas.
+fn stream_anthropic(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpResponse {
+    let responder = state.anthropic_responder.lock().expect("lock").clone();
+    let (deltas, interval, jitter, drop_after) = plan_stream(state, key.as_ref(), false, |n| {
+        responder
+            .as_ref()
+            .map(|f| crate::provider::anthropic::response(&f(body, n)).expect("a Messages answer"))
+    });
+    let event = |data: Value| {
+        let kind = data["type"].as_str().unwrap_or_default().to_owned();
+        format!("event: {kind}\ndata: {data}\n\n")
+    };
+    let mut events: Vec<(String, bool)> = vec![
+        (
+            event(json!({ "type": "message_start", "message": {
+                "id": "msg_fake", "type": "message", "role": "assistant", "content": [],
+                "model": body["model"], "stop_reason": null,
+                "usage": { "input_tokens": 7, "output_tokens": 1 } } })),
+            false,
+        ),
+        (event(json!({ "type": "ping" })), false),
+    ];
+    // Block indexes: the text's (if any) first, then one per tool call.
+    let has_text = deltas.iter().any(|d| d.get("content").is_some());
+    let mut open: Option<u64> = None;
+    let mut shown = 0;
+    for d in &deltas {
+        if drop_after.is_some_and(|n| shown >= n) {
+            break;
+        }
+        if let Some(text) = d["content"].as_str() {
+            if open.is_none() {
+                events.push((
+                    event(json!({ "type": "content_block_start", "index": 0,
+                    "content_block": { "type": "text", "text": "" } })),
+                    false,
+                ));
+                open = Some(0);
+            }
+            events.push((
+                event(json!({ "type": "content_block_delta", "index": 0,
+                "delta": { "type": "text_delta", "text": text } })),
+                true,
+            ));
+        } else {
+            let piece = &d["tool_calls"][0];
+            let index = piece["index"].as_u64().unwrap_or_default() + u64::from(has_text);
+            if piece.get("id").is_some() {
+                if let Some(i) = open {
+                    events.push((
+                        event(json!({ "type": "content_block_stop", "index": i })),
+                        false,
+                    ));
+                }
+                events.push((
+                    event(json!({ "type": "content_block_start", "index": index,
+                    "content_block": { "type": "tool_use", "id": piece["id"],
+                        "name": piece["function"]["name"], "input": {} } })),
+                    false,
+                ));
+                open = Some(index);
+            } else {
+                events.push((
+                    event(json!({ "type": "content_block_delta", "index": index,
+                    "delta": { "type": "input_json_delta",
+                        "partial_json": piece["function"]["arguments"] } })),
+                    false,
+                ));
+            }
+        }
+        shown += 1;
+    }
+    let complete = drop_after.is_none();
+    if complete {
+        if let Some(i) = open {
+            events.push((
+                event(json!({ "type": "content_block_stop", "index": i })),
+                false,
+            ));
+        }
+        let calls = deltas.iter().any(|d| d.get("tool_calls").is_some());
+        let stop = if calls { "tool_use" } else { "end_turn" };
+        events.push((
+            event(json!({ "type": "message_delta",
+            "delta": { "stop_reason": stop, "stop_sequence": null },
+            "usage": { "output_tokens": deltas.len() } })),
+            false,
+        ));
+        events.push((event(json!({ "type": "message_stop" })), false));
+    }
+    send_stream(state, key, events, interval, jitter, complete)
+}
+
+/// Sends `events` (each with whether it carries text, counted as a chunk
+/// streamed) `interval` apart; an incomplete stream then drops the
+/// connection.
+fn send_stream(
+    state: &web::Data<State>,
+    key: Option<String>,
+    events: Vec<(String, bool)>,
+    interval: Duration,
+    jitter: bool,
+    complete: bool,
+) -> HttpResponse {
     let state = state.clone();
     let key = key.unwrap_or_default();
     let body =
@@ -610,6 +737,9 @@ async fn messages(
     if let Some(problem) = invalid_messages_request(&body) {
         return HttpResponse::BadRequest()
             .json(json!({ "type": "error", "error": { "type": "invalid_request_error", "message": problem } }));
+    }
+    if body.get("stream").and_then(Value::as_bool) == Some(true) {
+        return stream_anthropic(&state, key, &body);
     }
     let n = count_work(&state, key.as_ref());
     take_time(&state, &behaviour).await;
