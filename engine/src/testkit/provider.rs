@@ -566,11 +566,7 @@ fn stream_anthropic(state: &web::Data<State>, key: Option<String>, body: &Value)
     // Block indexes: the text's (if any) first, then one per tool call.
     let has_text = deltas.iter().any(|d| d.get("content").is_some());
     let mut open: Option<u64> = None;
-    let mut shown = 0;
-    for d in &deltas {
-        if drop_after.is_some_and(|n| shown >= n) {
-            break;
-        }
+    for d in deltas.iter().take(drop_after.unwrap_or(usize::MAX)) {
         if let Some(text) = d["content"].as_str() {
             if open.is_none() {
                 events.push((
@@ -611,7 +607,6 @@ fn stream_anthropic(state: &web::Data<State>, key: Option<String>, body: &Value)
                 ));
             }
         }
-        shown += 1;
     }
     let complete = drop_after.is_none();
     if complete {
