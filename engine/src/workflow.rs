@@ -57,6 +57,13 @@ pub trait Workflow: Send + Sync + 'static {
         Ok(())
     }
 
+    /// The input's JSON Schema, shown in `GET /v1/openapi.json` as this
+    /// workflow's `input` (default: none, any JSON object). Describe what
+    /// [`validate`](Self::validate) accepts; intake still decides.
+    fn input_schema() -> Option<Value> {
+        None
+    }
+
     /// The body. Every side effect goes through `ctx`.
     fn run(
         &self,
@@ -77,6 +84,8 @@ pub trait DynWorkflow: Send + Sync {
     fn failure_events(&self) -> bool;
     /// Decodes `input` into the workflow's input type and runs [`Workflow::validate`].
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
+    /// [`Workflow::input_schema`].
+    fn input_schema(&self) -> Option<Value>;
     /// Decodes `input`, runs the body and serialises its output. The input
     /// is borrowed: a job in flight keeps one copy of it (its decoded form
     /// lives in the body's future).
@@ -107,6 +116,10 @@ impl<W: Workflow> DynWorkflow for W {
     fn validate(&self, input: &Value) -> Result<(), InvalidInput> {
         let typed = decode::<W::Input>(input)?;
         W::validate(&typed)
+    }
+
+    fn input_schema(&self) -> Option<Value> {
+        W::input_schema()
     }
 
     fn run<'a>(

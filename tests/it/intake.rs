@@ -404,3 +404,96 @@ async fn the_database_accepts_exactly_the_documented_id_and_hash_shapes() {
         ])
     );
 }
+
+/// The served OpenAPI document shows, per registered workflow, its name
+/// and its input's schema, and the schema says what intake accepts: an
+/// input with every property the schema names is taken (201), every field
+/// of the input types is in the schema (so a new field cannot be left out
+/// of the document), and a property the schema does not name is refused
+/// (422), as `additionalProperties: false` says.
+#[actix_rt::test]
+async fn the_document_shows_each_workflows_input_as_intake_takes_it() {
+    use onceflow_workflows::agent::{AgentInput, Approval};
+    use onceflow_workflows::completion::{CompletionInput, Message, ModelProvider, Role};
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let hook = env.consumer.url();
+    let (status, doc) = get(&format!("{base}/v1/openapi.json")).await;
+    assert_eq!(status, 200);
+    let variants = doc["components"]["schemas"]["SubmitJob"]["oneOf"]
+        .as_array()
+        .expect("SubmitJob is one variant per workflow");
+    let input_of = |name: &str| {
+        variants
+            .iter()
+            .find(|v| v["properties"]["workflow"]["const"] == name)
+            .unwrap_or_else(|| panic!("no variant for {name}: {variants:?}"))["properties"]["input"]
+            .clone()
+    };
+    let mut names: Vec<&str> = variants
+        .iter()
+        .map(|v| v["properties"]["workflow"]["const"].as_str().unwrap())
+        .collect();
+    names.sort();
+    let mut registered: Vec<&str> = onceflow_workflows::registry().names().collect();
+    registered.sort();
+    assert_eq!(names, registered, "one variant per registered workflow");
+    let schedules = doc["components"]["schemas"]["CreateSchedule"]["oneOf"]
+        .as_array()
+        .expect("CreateSchedule too");
+    assert_eq!(schedules.len(), registered.len());
+
+    let completion = CompletionInput {
+        model: "m".into(),
+        messages: vec![Message {
+            role: Role::User,
+            content: "hi".into(),
+        }],
+        temperature: Some(0.5),
+        max_tokens: Some(10),
+        provider: ModelProvider::Anthropic,
+        stream: true,
+    };
+    let agent = AgentInput {
+        model: "m".into(),
+        messages: vec![json!({ "role": "user", "content": "hi" })],
+        max_turns: Some(2),
+        provider: ModelProvider::Anthropic,
+        stream: true,
+        approval: Some(Approval::Tools(vec!["http_post".into()])),
+        approval_timeout_s: Some(60),
+    };
+    for (workflow, input) in [
+        ("completion", serde_json::to_value(&completion).unwrap()),
+        ("agent", serde_json::to_value(&agent).unwrap()),
+    ] {
+        let schema = input_of(workflow);
+        assert_eq!(schema["additionalProperties"], false, "{workflow}");
+        let mut documented: Vec<&String> =
+            schema["properties"].as_object().unwrap().keys().collect();
+        let mut fields: Vec<&String> = input.as_object().unwrap().keys().collect();
+        documented.sort();
+        fields.sort();
+        assert_eq!(
+            documented, fields,
+            "{workflow}: the schema names every field"
+        );
+        let required: Vec<&str> = schema["required"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_str().unwrap())
+            .collect();
+        assert_eq!(required, ["model", "messages"], "{workflow}");
+        let id = format!("doc-{workflow}");
+        let job = json!({ "id": id, "workflow": workflow, "input": input, "webhook_url": hook });
+        let (status, body) = post_job(&base, &job).await;
+        assert_eq!(status, 201, "{workflow}: {body}");
+        let mut extra = input.clone();
+        extra["colour"] = json!("blue");
+        let job = json!({ "id": format!("{id}-x"), "workflow": workflow, "input": extra, "webhook_url": hook });
+        let (status, body) = post_job(&base, &job).await;
+        assert_eq!(status, 422, "{workflow}: {body}");
+        assert_eq!(body["error"]["field"], "input.colour", "{workflow}: {body}");
+    }
+}

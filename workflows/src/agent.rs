@@ -88,7 +88,7 @@ pub struct AgentInput {
         skip_serializing_if = "crate::completion::ModelProvider::is_default"
     )]
     pub provider: crate::completion::ModelProvider,
-    /// Stream every turn's answer (OpenAI only): the text of each turn —
+    /// Stream every turn's answer: the text of each turn —
     /// the final answer's above all — is journaled as it arrives and shown
     /// on `GET /v1/jobs/{id}/events` under its turn's key; tool calls are
     /// assembled from the stream and run once each, as without it.
@@ -155,6 +155,40 @@ impl Workflow for Agent {
     const NAME: &'static str = "agent";
     type Input = AgentInput;
     type Output = AgentOutput;
+
+    fn input_schema() -> Option<Value> {
+        Some(json!({
+            "type": "object",
+            "description": "A tool-using conversation: the model is asked turn by turn, each tool call runs once.",
+            "required": ["model", "messages"],
+            "additionalProperties": false,
+            "properties": {
+                "model": { "type": "string", "pattern": "\\S",
+                    "description": "The model to ask each turn (not blank)." },
+                "messages": { "type": "array", "minItems": 1, "items": {
+                    "type": "object",
+                    "required": ["role"],
+                    "properties": { "role": { "type": "string" } },
+                    "description": "An OpenAI chat message.",
+                } },
+                "max_turns": { "type": "integer", "minimum": 1, "maximum": MAX_TURNS,
+                    "default": DEFAULT_MAX_TURNS },
+                "provider": { "enum": ["openai", "anthropic"], "default": "openai" },
+                "stream": { "type": "boolean", "default": false,
+                    "description": "Journal every turn's text as it arrives; watch it on GET /v1/jobs/{id}/events." },
+                "approval": {
+                    "description": "Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run.",
+                    "oneOf": [
+                        { "const": "all" },
+                        { "type": "array", "items": { "type": "string" } },
+                    ],
+                },
+                "approval_timeout_s": { "type": "integer", "minimum": 1,
+                    "maximum": MAX_APPROVAL_TIMEOUT_S, "default": DEFAULT_APPROVAL_TIMEOUT_S,
+                    "description": "Unanswered this long, the call is refused." },
+            },
+        }))
+    }
 
     fn validate(input: &AgentInput) -> Result<(), InvalidInput> {
         crate::validate_chat(&input.model, input.messages.len())?;

@@ -39,7 +39,7 @@ pub struct CompletionInput {
     #[serde(default, skip_serializing_if = "ModelProvider::is_default")]
     pub provider: ModelProvider,
     /// Stream the answer: its chunks are journaled as they arrive and shown
-    /// on `GET /v1/jobs/{id}/events` (OpenAI only).
+    /// on `GET /v1/jobs/{id}/events`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stream: bool,
 }
@@ -114,6 +114,34 @@ impl Workflow for Completion {
 
     fn delivery(&self) -> DeliveryPolicy {
         self.delivery
+    }
+
+    fn input_schema() -> Option<Value> {
+        Some(json!({
+            "type": "object",
+            "description": "An OpenAI-style chat request.",
+            "required": ["model", "messages"],
+            "additionalProperties": false,
+            "properties": {
+                "model": { "type": "string", "pattern": "\\S",
+                    "description": "The model to ask (not blank)." },
+                "messages": { "type": "array", "minItems": 1, "items": {
+                    "type": "object",
+                    "required": ["role", "content"],
+                    "additionalProperties": false,
+                    "properties": {
+                        "role": { "enum": ["system", "user", "assistant"] },
+                        "content": { "type": "string" },
+                    },
+                } },
+                "temperature": { "type": "number", "minimum": 0, "maximum": 2,
+                    "description": "0 to 2; 0 to 1 for provider anthropic." },
+                "max_tokens": { "type": "integer", "minimum": 1, "maximum": MAX_TOKENS },
+                "provider": { "enum": ["openai", "anthropic"], "default": "openai" },
+                "stream": { "type": "boolean", "default": false,
+                    "description": "Journal the answer's chunks as they arrive; watch them on GET /v1/jobs/{id}/events." },
+            },
+        }))
     }
 
     fn validate(input: &CompletionInput) -> Result<(), InvalidInput> {

@@ -296,10 +296,60 @@ pub fn document() -> utoipa::openapi::OpenApi {
 /// `GET /v1/openapi.json`: open, like `/healthz` (it holds nothing secret).
 #[utoipa::path(get, path = "/v1/openapi.json", tag = "operate", security(()),
     responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
-pub(super) async fn openapi_json() -> HttpResponse {
-    static DOC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    let body = DOC.get_or_init(|| document().to_json().expect("the document serialises"));
+pub(super) async fn openapi_json(state: web::Data<ApiState>) -> HttpResponse {
+    // Built once per registry (a node has one): keyed by its workflows.
+    type Built = Option<(Vec<(&'static str, u32)>, std::sync::Arc<str>)>;
+    static DOC: std::sync::Mutex<Built> = std::sync::Mutex::new(None);
+    let key: Vec<(&'static str, u32)> = state
+        .registry
+        .names()
+        .filter_map(|n| state.registry.get(n).map(|w| (n, w.version())))
+        .collect();
+    let body = {
+        let mut doc = DOC.lock().unwrap_or_else(|e| e.into_inner());
+        match &*doc {
+            Some((built_for, body)) if *built_for == key => body.clone(),
+            _ => {
+                let body: std::sync::Arc<str> = document_for(&state.registry).to_string().into();
+                *doc = Some((key, body.clone()));
+                body
+            }
+        }
+    };
     HttpResponse::Ok()
         .content_type("application/json")
-        .body(body.clone())
+        .body(body.to_string())
+}
+
+/// The document as a node serves it: the request bodies that name a
+/// workflow (`SubmitJob`, `CreateSchedule`) become one variant per
+/// registered workflow (`oneOf`), its name the `workflow` and its
+/// [`Workflow::input_schema`](crate::Workflow::input_schema), when it has
+/// one, the `input`; so a client sees, say, `completion`'s and `agent`'s
+/// inputs, and the names this node runs.
+pub fn document_for(registry: &crate::Registry) -> serde_json::Value {
+    let mut doc = serde_json::to_value(document()).expect("the document serialises");
+    for base in ["SubmitJob", "CreateSchedule"] {
+        let schema = &mut doc["components"]["schemas"][base];
+        let template = schema.clone();
+        let variants: Vec<serde_json::Value> = registry
+            .names()
+            .map(|name| {
+                let mut variant = template.clone();
+                variant["title"] = format!("{base} ({name})").into();
+                variant["properties"]["workflow"] = serde_json::json!({ "const": name });
+                if let Some(input) = registry.get(name).and_then(|w| w.input_schema()) {
+                    variant["properties"]["input"] = input;
+                }
+                variant
+            })
+            .collect();
+        if !variants.is_empty() {
+            *schema = serde_json::json!({
+                "description": template["description"],
+                "oneOf": variants,
+            });
+        }
+    }
+    doc
 }
