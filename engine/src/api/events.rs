@@ -13,10 +13,10 @@ use super::*;
 #[utoipa::path(get, path = "/v1/jobs/{id}/events", tag = "jobs",
     params(
         ("id" = String, Path, description = "The job id"),
-        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event"),
+        ("Last-Event-ID" = Option<String>, Header, nullable = false, pattern = "^[0-9]{1,18}$", description = "Resume after this event (its id)"),
     ),
     responses(
-        (status = 200, description = "Server-sent events: `state`, `chunk`, `reset`; ends after the final state", content_type = "text/event-stream", body = String),
+        (status = 200, description = "Server-sent events: `state`, `chunk`, `reset`; ends after the final state", content_type = "text/event-stream", body = SseEvent),
         (status = 204, description = "Resumed past the end of a finished job: nothing more will come"),
         (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody),

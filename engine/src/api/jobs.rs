@@ -344,12 +344,12 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
 /// keyset-paginated; a token sees its own jobs, an admin token all.
 #[utoipa::path(get, path = "/v1/jobs", tag = "jobs",
     params(
-        ("state" = Option<String>, Query, description = "Only jobs in this state"),
+        ("state" = Option<crate::JobState>, Query, description = "Only jobs in this state"),
         ("workflow" = Option<String>, Query, description = "Only this workflow's jobs"),
         ("waiting" = Option<bool>, Query, description = "Only waiting jobs (true) or the others (false)"),
-        ("since" = Option<String>, Query, description = "Created at or after (RFC 3339)"),
-        ("limit" = Option<u32>, Query, description = "1–500, default 50"),
-        ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before"),
+        ("since" = Option<chrono::DateTime<chrono::Utc>>, Query, description = "Created at or after (RFC 3339)"),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "1–500, default 50"),
+        ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before (opaque: any other value is a 422)"),
     ),
     responses(
         (status = 200, description = "Newest first", body = JobPage),

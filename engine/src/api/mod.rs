@@ -69,7 +69,7 @@ use crate::store::waits::SignalView;
 #[allow(unused_imports)]
 use openapi::{
     Action, BulkRedrive, BulkRedriven, CreateSchedule, ErrorBody, JobPage, SchedulePage,
-    SignalBody, Stats, SubmitJob,
+    SignalBody, SseEvent, Stats, SubmitJob,
 };
 
 /// Default largest accepted request body (1 MiB).

@@ -40,6 +40,7 @@ pub(super) struct ErrorDetail {
 
 /// `POST /v1/jobs`.
 #[derive(ToSchema)]
+#[serde(deny_unknown_fields)]
 #[allow(dead_code)] // described, not built: the handler writes it
 pub(super) struct SubmitJob {
     /// The job id, your business id: 1–200 characters of `A-Z a-z 0-9 _ . : -`.
@@ -52,14 +53,34 @@ pub(super) struct SubmitJob {
     /// "max_turns"?, "approval"?, …}` (see the guide).
     #[schema(value_type = Object)]
     input: serde_json::Value,
-    /// Where the outcome is POSTed (Standard Webhooks), http(s) only.
+    /// Where the outcome is POSTed (Standard Webhooks): an http(s) URL of a
+    /// public address (a name is resolved and checked).
+    #[schema(format = "uri", pattern = "^https?://")]
     webhook_url: String,
     /// Higher runs first among due jobs (0–100 for a tenant's token).
     priority: Option<i32>,
     /// Not before this time (RFC 3339, at most 30 days ahead).
     run_at: Option<chrono::DateTime<chrono::Utc>>,
     /// Not before this many milliseconds (at most 30 days); not with `run_at`.
+    #[schema(maximum = 2_592_000_000_u64)]
     delay_ms: Option<u64>,
+}
+
+/// One server-sent event of `GET /v1/jobs/{id}/events` (the schema of
+/// each event in the stream).
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct SseEvent {
+    /// Its place in the job's one increasing sequence (`Last-Event-ID`).
+    #[schema(pattern = "^[0-9]+$")]
+    id: String,
+    /// `state`, `chunk` or `reset`.
+    #[schema(pattern = "^(state|chunk|reset)$")]
+    event: String,
+    /// A JSON object: `{"id", "kind", "text", "at"}`, and for a chunk its
+    /// `call`, `generation` and `offset`.
+    #[schema(content_media_type = "application/json")]
+    data: String,
 }
 
 /// A page of `GET /v1/jobs`.
@@ -81,6 +102,7 @@ pub(super) struct Stats {
 
 /// The optional body of cancel and redrive.
 #[derive(ToSchema)]
+#[serde(deny_unknown_fields)]
 #[allow(dead_code)] // described, not built: the handler writes it
 pub(super) struct Action {
     /// Why (kept in the job's history).
@@ -89,12 +111,14 @@ pub(super) struct Action {
 
 /// `POST /v1/jobs/redrive`.
 #[derive(ToSchema)]
+#[serde(deny_unknown_fields)]
 #[allow(dead_code)] // described, not built: the handler writes it
 pub(super) struct BulkRedrive {
     reason: Option<String>,
     /// Only this workflow's dead jobs.
     workflow: Option<String>,
     /// At most this many (1–1,000, default 1,000).
+    #[schema(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
 }
 
@@ -110,8 +134,10 @@ pub(super) struct BulkRedriven {
 /// `POST /v1/jobs/{id}/signals/{name}`.
 #[derive(ToSchema)]
 #[allow(dead_code)] // described, not built: the handler writes it
+#[serde(deny_unknown_fields)]
 pub(super) struct SignalBody {
     /// The sender's id for this signal: the same id again is the same signal.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
     id: String,
     /// What it carries (at most 64 KiB).
     #[schema(value_type = Object)]
@@ -121,17 +147,23 @@ pub(super) struct SignalBody {
 /// `POST /v1/schedules`.
 #[derive(ToSchema)]
 #[allow(dead_code)] // described, not built: the handler writes it
+#[serde(deny_unknown_fields)]
 pub(super) struct CreateSchedule {
+    /// 1–150 characters of `A-Z a-z 0-9 _ . -`.
+    #[schema(pattern = "^[A-Za-z0-9_.-]{1,150}$")]
     id: String,
     /// Five fields, or six with seconds first.
+    #[schema(min_length = 9)]
     cron: String,
     /// An IANA time zone (default UTC).
     timezone: Option<String>,
     workflow: String,
     #[schema(value_type = Object)]
     input: serde_json::Value,
+    #[schema(format = "uri", pattern = "^https?://")]
     webhook_url: String,
     /// `latest` (default), `all` or `none`.
+    #[schema(pattern = "^(latest|all|none)$")]
     catch_up: Option<String>,
 }
 
@@ -249,7 +281,7 @@ impl Modify for CommonErrors {
     components(schemas(
         JobView, JobSummary, HistoryEntry, DeliveryView, ModelCallView, ToolCallView, ChildView,
         SignalView, JobState, ErrorEnvelope, ScheduleView, ScheduleDetail, ScheduledJob,
-        ErrorBody, ErrorDetail, SubmitJob, JobPage, Stats, Action, BulkRedrive, BulkRedriven,
+        ErrorBody, ErrorDetail, SubmitJob, SseEvent, JobPage, Stats, Action, BulkRedrive, BulkRedriven,
         SignalBody, CreateSchedule, SchedulePage
     )),
     modifiers(&BearerAuth, &CommonErrors),

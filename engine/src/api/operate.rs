@@ -35,14 +35,17 @@ pub(super) async fn action_body(
     if !is_json(req) {
         return Err(not_json());
     }
-    let parsed: ActionBody = serde_json::from_slice(&body).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "malformed_json",
-            e.to_string(),
-            None,
-        )
-    })?;
+    // `null` is no body, as an empty one is.
+    let parsed: ActionBody = serde_json::from_slice::<Option<ActionBody>>(&body)
+        .map_err(|e| {
+            error(
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                e.to_string(),
+                None,
+            )
+        })?
+        .unwrap_or_default();
     for (field, text) in [("reason", &parsed.reason), ("workflow", &parsed.workflow)] {
         if text.as_deref().is_some_and(|t| t.contains('\0')) {
             return Err(error(
@@ -246,7 +249,7 @@ pub(super) async fn redrive(
 /// caller's dead jobs (an admin token: everyone's), oldest death first,
 /// skipping those whose delivery is unknown unless `?confirm_unknown=true`;
 /// answers `{"redriven": n, "skipped_unknown": m}`.
-#[utoipa::path(post, path = "/v1/jobs/redrive", tag = "operate", request_body = BulkRedrive,
+#[utoipa::path(post, path = "/v1/jobs/redrive", tag = "operate", request_body = Option<BulkRedrive>,
     params(("confirm_unknown" = Option<bool>, Query, description = "Also resend webhooks whose outcome is unknown")),
     responses(
         (status = 202, body = BulkRedriven),

@@ -25,6 +25,8 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
     let mut text = |field: &str, required: bool| -> Result<Option<String>, InvalidInput> {
         match obj.remove(field) {
             Some(serde_json::Value::String(s)) => Ok(Some(s)),
+            // `null` for an optional field is its absence, as documented.
+            Some(serde_json::Value::Null) if !required => Ok(None),
             Some(_) => Err(InvalidInput::new(field, "must be a string")),
             None if required => Err(InvalidInput::new(field, "is required")),
             None => Ok(None),

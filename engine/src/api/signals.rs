@@ -49,7 +49,7 @@ async fn signal_body(
 /// job_finished` · `404` an unknown job or another token's · `422` a bad
 /// name, id or payload (or a payload over 64 KiB).
 #[utoipa::path(post, path = "/v1/jobs/{id}/signals/{name}", tag = "jobs", request_body = SignalBody,
-    params(("id" = String, Path), ("name" = String, Path, description = "1–200 characters of A-Z a-z 0-9 _ . : -")),
+    params(("id" = String, Path), ("name" = String, Path, pattern = "^[A-Za-z0-9_.:-]{1,200}$", description = "1–200 characters of A-Z a-z 0-9 _ . : -")),
     responses(
         (status = 202, description = "Recorded now", body = SignalView),
         (status = 200, description = "The identical signal again", body = SignalView),
