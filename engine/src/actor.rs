@@ -160,6 +160,7 @@ impl JobRun {
             client: shared.client.clone(),
             draining: shared.draining.clone(),
             tool_timeout: shared.config.webhook_timeout,
+            tool_events: false,
             guard: shared.config.url_guard.clone(),
             tool_response_limit: shared.config.tool_response_limit,
             replay: crate::context::Replay::for_attempt(leased.fence.attempt),

@@ -531,6 +531,105 @@ async fn the_agents_final_answer_streams_and_a_broken_turn_repeats_nothing() {
     let delivered = &env.consumer.deliveries_for("s-agent")[0];
     assert_eq!(delivered.body["data"]["result"]["content"], ANSWER);
     assert_eq!(delivered.body["data"]["result"]["tool_calls"], 1);
+    // The tool call showed on the stream: started, then finished; the
+    // attempt after the broken final turn took its journaled result,
+    // shown as replayed (it did not run again).
+    assert_eq!(
+        tool_events(&seen),
+        [
+            ("job:s-agent:tool:0:0".to_owned(), "started".to_owned()),
+            ("job:s-agent:tool:0:0".to_owned(), "finished".to_owned()),
+            ("job:s-agent:tool:0:0".to_owned(), "replayed".to_owned()),
+        ]
+    );
+    let tool = seen.iter().find(|s| s.kind == "tool").unwrap();
+    assert_eq!(
+        (
+            tool.data["tool"]["name"].as_str(),
+            tool.data["tool"]["tool_call_id"].as_str()
+        ),
+        (Some("http_post"), Some("call_1"))
+    );
+    let finished = seen
+        .iter()
+        .position(|s| s.kind == "tool" && s.data["text"] == "finished")
+        .unwrap();
+    let first_chunk = seen.iter().position(|s| s.kind == "chunk").unwrap();
+    assert!(finished < first_chunk, "{seen:?}");
+}
+
+/// The tool events a watcher saw: (call, phase), in order.
+fn tool_events(seen: &[Seen]) -> Vec<(String, String)> {
+    seen.iter()
+        .filter(|s| s.kind == "tool")
+        .map(|s| {
+            (
+                s.data["call"].as_str().unwrap_or_default().to_owned(),
+                s.data["text"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// A crash after the tool ran (just after the next turn's request is
+/// sent): the rerun takes the tool's journaled result, and watchers see
+/// it as `replayed`, not as a second start; the tool ran once.
+#[actix_rt::test]
+async fn a_rerun_shows_a_journaled_tool_call_as_replayed() {
+    use onceflow_engine::faults::{Action, FailPoint};
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(4, Duration::from_millis(10));
+    env.provider.respond_with(|request, _| {
+        let messages = request["messages"].as_array().cloned().unwrap_or_default();
+        let message = if messages.iter().any(|m| m["role"] == "tool") {
+            json!({ "role": "assistant", "content": "done and done" })
+        } else {
+            json!({ "role": "assistant", "content": null, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": { "name": "http_post", "arguments": "{\"ticket\":\"B\"}" }
+            }] })
+        };
+        json!({ "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }] })
+    });
+    env.faults
+        .arm_nth("s-replayed", FailPoint::ModelAfterSend, Action::Crash, 2);
+    let tools = FakeConsumer::start();
+    let agent = |url: String| {
+        let mut r = Registry::new();
+        r.register(Agent::new().with_tool(HttpPost::new(url)));
+        r
+    };
+    let base = serve_api(env.store.clone(), agent(tools.url()), None);
+    let job = json!({
+        "id": "s-replayed",
+        "workflow": "agent",
+        "input": {
+            "model": "test-model",
+            "stream": true,
+            "messages": [{ "role": "user", "content": "open a ticket" }]
+        },
+        "webhook_url": env.consumer.url(),
+    });
+    assert_eq!(post_job(&base, &job).await.0, 201);
+    let _engine = env.start(agent(tools.url()), env.config());
+    let seen = watch(&base, "s-replayed", None, until_finished).await;
+    assert!(
+        env.faults.fired_at("s-replayed", FailPoint::ModelAfterSend),
+        "the crash fired"
+    );
+    let call = "job:s-replayed:tool:0:0".to_owned();
+    assert_eq!(
+        tool_events(&seen),
+        [
+            (call.clone(), "started".to_owned()),
+            (call.clone(), "finished".to_owned()),
+            (call, "replayed".to_owned()),
+        ],
+        "{seen:?}"
+    );
+    assert_eq!(shown(&seen).concat(), "done and done");
+    assert_eq!(tools.deliveries().len(), 1, "the tool ran once");
+    assert_eq!(env.consumer.deliveries_for("s-replayed").len(), 1);
 }
 
 fn anthropic_config(env: &TestEnv) -> onceflow_engine::EngineConfig {

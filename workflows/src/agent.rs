@@ -221,6 +221,8 @@ impl Workflow for Agent {
 
     async fn run(&self, ctx: &mut Context, input: AgentInput) -> Result<AgentOutput, StepError> {
         let max_turns = input.max_turns.unwrap_or(DEFAULT_MAX_TURNS);
+        // A streamed agent's watchers see its tool calls too.
+        ctx.show_tool_calls(input.stream);
         // The tool set is pinned in the journal before the first turn: a job
         // resumed on a node whose tools differ (a deploy half rolled out)
         // asks the model with the same list, so each turn's request keeps

@@ -74,11 +74,12 @@ pub(super) struct SseEvent {
     /// Its place in the job's one increasing sequence (`Last-Event-ID`).
     #[schema(pattern = "^[0-9]+$")]
     id: String,
-    /// `state`, `chunk` or `reset`.
-    #[schema(pattern = "^(state|chunk|reset)$")]
+    /// `state`, `chunk`, `reset` or `tool`.
+    #[schema(pattern = "^(state|chunk|reset|tool)$")]
     event: String,
-    /// A JSON object: `{"id", "kind", "text", "at"}`, and for a chunk its
-    /// `call`, `generation` and `offset`.
+    /// A JSON object: `{"id", "kind", "text", "at"}`; for a chunk also its
+    /// `call`, `generation` and `offset`; for a tool event its `call` and
+    /// `tool` (`{"phase", "name", "tool_call_id"}`).
     #[schema(content_media_type = "application/json")]
     data: String,
 }

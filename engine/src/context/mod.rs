@@ -44,6 +44,9 @@ pub struct Context {
     pub(crate) draining: Arc<std::sync::atomic::AtomicBool>,
     /// Timeout of a tool's own requests.
     pub(crate) tool_timeout: Duration,
+    /// Tool calls show on the job's event stream (see
+    /// [`Context::show_tool_calls`]).
+    pub(crate) tool_events: bool,
     /// The SSRF guard for the URLs tools and steps post to.
     pub(crate) guard: crate::guard::UrlGuard,
     /// Largest tool or step answer read.

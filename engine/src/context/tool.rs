@@ -78,7 +78,51 @@ impl ToolInvocation {
     }
 }
 
+/// A tool event's phases, as the row's offset (one row per phase and
+/// attempt).
+const STARTED: (i32, &str) = (0, "started");
+const FINISHED: (i32, &str) = (1, "finished");
+const FAILED: (i32, &str) = (1, "failed");
+const REPLAYED: (i32, &str) = (2, "replayed");
+
 impl Context {
+    /// Shows this job's tool calls on its event stream
+    /// (`GET /v1/jobs/{id}/events`): a `tool` event when a call starts,
+    /// when it finishes or fails, and when a rerun takes its journaled
+    /// result without running it again. A streamed agent turns it on.
+    pub fn show_tool_calls(&mut self, on: bool) {
+        self.tool_events = on;
+    }
+
+    /// Journals one tool event (fenced, announced to watchers) when they
+    /// are shown; a lost lease stops the call.
+    async fn tool_event(
+        &self,
+        key: &str,
+        (offset, phase): (i32, &str),
+        name: &str,
+        tool_call_id: &str,
+    ) -> Result<(), StepError> {
+        if !self.tool_events {
+            return Ok(());
+        }
+        let text =
+            serde_json::json!({ "phase": phase, "name": name, "tool_call_id": tool_call_id });
+        let row = crate::store::streams::StreamRow {
+            offset,
+            kind: "tool",
+            text: text.to_string(),
+        };
+        match self
+            .store
+            .journal_stream(&self.fence, key, self.fence.attempt.max(1), vec![row])
+            .await?
+        {
+            crate::store::Checkpoint::Moved => Ok(()),
+            _ => Err(StepError::LeaseLost),
+        }
+    }
+
     /// Executes a tool call at most once per position (`turn`, `index`) in
     /// the conversation: recorded before `execute` runs, its result stored
     /// after; a replay returns the stored result byte for byte. The same
@@ -142,6 +186,8 @@ impl Context {
                 ToolCallStart::Completed(result) => {
                     metrics.tool(OUTCOME_REPLAYED);
                     span.end(OUTCOME_REPLAYED);
+                    self.tool_event(&key, REPLAYED, tool_name, tool_call_id)
+                        .await?;
                     return Ok(result);
                 }
                 ToolCallStart::Execute { attempt } => break attempt,
@@ -169,10 +215,12 @@ impl Context {
                 }
             }
         };
+        self.tool_event(&key, STARTED, tool_name, tool_call_id)
+            .await?;
         let invocation = ToolInvocation {
             job_id: self.fence.job_id.clone(),
             tool_call_id: tool_call_id.to_owned(),
-            idempotency_key: key,
+            idempotency_key: key.clone(),
             client: self.client.clone(),
             timeout: self.tool_timeout,
             traceparent: span.traceparent(),
@@ -198,6 +246,8 @@ impl Context {
                 {
                     return Err(StepError::LeaseLost);
                 }
+                self.tool_event(&key, FAILED, tool_name, tool_call_id)
+                    .await?;
                 return Err(match error {
                     StepError::Retry {
                         error, retry_after, ..
@@ -246,6 +296,8 @@ impl Context {
         }
         metrics.tool(OUTCOME_PERFORMED);
         span.end(OUTCOME_PERFORMED);
+        self.tool_event(&key, FINISHED, tool_name, tool_call_id)
+            .await?;
         Ok(result)
     }
 }

@@ -26,7 +26,7 @@ pub const STREAM_CHANNEL: &str = "onceflow_stream";
 pub struct StreamRow {
     /// The offset in its generation (`-1` for a reset).
     pub offset: i32,
-    /// `chunk` or `reset`.
+    /// `chunk`, `reset` or `tool`.
     pub kind: &'static str,
     /// The chunk's text, or the reset's reason.
     pub text: String,
@@ -152,15 +152,15 @@ pub(crate) async fn stream_on(
         });
         let events = &mut published.events;
         if let (Some(id), Some(kind), Some(text), Some(at)) = (r.id, r.kind, r.text, r.at) {
-            events.push(JobEvent {
+            events.push(JobEvent::new(
                 id,
-                offset: r.offset.filter(|_| kind == "chunk"),
                 kind,
-                call: r.call,
-                generation: r.generation,
+                r.call,
+                r.generation,
+                r.offset,
                 text,
                 at,
-            });
+            ));
         }
     }
     Ok(requests
@@ -195,7 +195,7 @@ pub struct Journaled {
 pub struct JobEvent {
     /// The event's id: increasing within the job.
     pub id: i64,
-    /// `chunk`, `reset` or `state`.
+    /// `chunk`, `reset`, `tool` or `state`.
     pub kind: String,
     /// The model-call key of a chunk or reset.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -206,10 +206,46 @@ pub struct JobEvent {
     /// A chunk's offset in its generation.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offset: Option<i32>,
-    /// A chunk's text, a reset's reason, a state's name.
+    /// A chunk's text, a reset's reason, a state's name, a tool event's
+    /// phase (`started`, `finished`, `failed`, `replayed`).
     pub text: String,
+    /// A tool event's call: `{"phase", "name", "tool_call_id"}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool: Option<serde_json::Value>,
     /// When it was written.
     pub at: DateTime<Utc>,
+}
+
+impl JobEvent {
+    /// An event from its journal row: a chunk keeps its offset; a tool
+    /// row's JSON text becomes `tool`, and its phase the `text`.
+    fn new(
+        id: i64,
+        kind: String,
+        call: Option<String>,
+        generation: Option<i32>,
+        offset: Option<i32>,
+        text: String,
+        at: DateTime<Utc>,
+    ) -> Self {
+        let (text, tool) = if kind == "tool" {
+            let tool: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+            let phase = tool["phase"].as_str().unwrap_or_default().to_owned();
+            (phase, Some(tool))
+        } else {
+            (text, None)
+        };
+        JobEvent {
+            id,
+            offset: offset.filter(|_| kind == "chunk"),
+            generation: generation.filter(|_| kind != "tool"),
+            kind,
+            call,
+            text,
+            tool,
+            at,
+        }
+    }
 }
 
 /// Committed events of one job, handed to this node's watchers so they
@@ -374,15 +410,7 @@ impl Store {
         .await?;
         Ok(rows
             .into_iter()
-            .map(|r| JobEvent {
-                id: r.id,
-                kind: r.kind,
-                call: r.call,
-                generation: r.generation,
-                offset: r.offset,
-                text: r.text,
-                at: r.at,
-            })
+            .map(|r| JobEvent::new(r.id, r.kind, r.call, r.generation, r.offset, r.text, r.at))
             .collect())
     }
 
