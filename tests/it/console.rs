@@ -44,7 +44,7 @@ impl Browser {
                 "binary": "/usr/bin/chromium",
                 "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                         "--no-first-run", "--window-size=1280,900"]
+                         "--no-first-run", "--window-size=1280,1400"]
             }
         }}});
         let answer: Value = client()
@@ -154,6 +154,11 @@ impl Drop for Browser {
     }
 }
 
+/// Where the tests' screenshots go (`target/tmp`; docs/ keeps copies).
+fn shots() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+}
+
 /// The console asks for a token, lists a job reaching `acked`, shows a dead
 /// job's reason, and its redrive button brings that job to `acked` with one
 /// delivery at the consumer.
@@ -237,7 +242,15 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
             .wait_text("dd[data-fact=\"trace id\"] a", |t| t.len() == 32)
             .await
     );
-    let shots = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    // Its webhook's sends are in the timeline: one, refused with 410.
+    assert!(
+        browser
+            .wait_text("#timeline tr[data-kind=\"webhook\"]", |t| t
+                .contains("1 send, last answer 410"))
+            .await,
+        "the timeline shows the webhook's send"
+    );
+    let shots = shots();
     browser
         .screenshot(&shots.join("console-dead-job.png"))
         .await;
@@ -390,6 +403,9 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
         0,
         "nothing ran yet"
     );
+    browser
+        .screenshot(&shots().join("console-approval.png"))
+        .await;
     browser.type_into("#reason", "checked the order").await;
     browser.click("#approve").await;
     let acked = wait_until(Duration::from_secs(20), || async {
@@ -489,6 +505,9 @@ async fn the_console_lists_schedules_with_their_next_fire_time() {
             .is_none(),
         "another token's schedule is not listed"
     );
+    browser
+        .screenshot(&shots().join("console-schedules.png"))
+        .await;
     browser.quit().await;
 }
 
@@ -558,6 +577,97 @@ async fn the_console_links_a_parent_and_its_children() {
             .wait_text("dd[data-fact=\"parent\"] a", |t| t == "ui-parent")
             .await,
         "the child links back to its parent"
+    );
+    browser.quit().await;
+}
+
+/// A streamed job's page shows its output as it is journaled: part of it
+/// while the job still runs, then all of it, equal to the result.
+#[actix_rt::test]
+async fn the_console_shows_a_streamed_jobs_output_as_it_comes() {
+    let env = TestEnv::new().await;
+    // 12 chunks, 400 ms apart: about 5 s of streaming to watch.
+    env.provider
+        .set_stream_shape(12, Duration::from_millis(400));
+    let dir = tempfile::tempdir().unwrap();
+    let serve = ServeProcess::start(
+        &[
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OPENAI_BASE_URL", env.provider.base_url()),
+            ("ONCEFLOW_POLL_MS", "200".to_owned()),
+        ],
+        &dir.path().join("serve.log"),
+    )
+    .await;
+    let token = env.store.create_token("console", true).await.unwrap();
+    let browser = Browser::start().await;
+    browser.go(&format!("{}/", serve.base)).await;
+    assert!(
+        browser
+            .wait_text("#login-title", |t| t == "API token")
+            .await
+    );
+    browser.type_into("#token", &token).await;
+    browser.click("#login-form button").await;
+    let r = client()
+        .post(format!("{}/v1/jobs", serve.base))
+        .bearer_auth(&token)
+        .json(&json!({
+            "id": "ui-stream", "workflow": "completion", "webhook_url": env.consumer.url(),
+            "input": { "model": "m", "stream": true,
+                       "messages": [{ "role": "user", "content": "tell me" }] },
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    browser
+        .go(&format!("{}/#/jobs/ui-stream", serve.base))
+        .await;
+    // Part of the answer, while the job is still running.
+    assert!(
+        browser
+            .wait_text("#job-output", |t| t.starts_with("w1.0 "))
+            .await,
+        "the first chunks show"
+    );
+    let job = env.store.job("ui-stream").await.unwrap().unwrap();
+    assert_eq!(
+        job.state,
+        onceflow_engine::JobState::Received,
+        "shown while the job still runs"
+    );
+    assert!(job.result.is_none());
+    browser
+        .screenshot(&shots().join("console-streaming.png"))
+        .await;
+    let acked = wait_until(Duration::from_secs(30), || async {
+        env.store
+            .job("ui-stream")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.state == onceflow_engine::JobState::Acked)
+    })
+    .await;
+    assert!(acked);
+    let content = env
+        .store
+        .job("ui-stream")
+        .await
+        .unwrap()
+        .unwrap()
+        .result
+        .unwrap()["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        browser
+            .wait_text("#job-output", |t| t.trim_end() == content.trim_end())
+            .await,
+        "the whole answer shows, once: {content:?}, shown {:?}",
+        browser.text("#job-output").await
     );
     browser.quit().await;
 }

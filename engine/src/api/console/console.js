@@ -1,7 +1,8 @@
 // The onceflow console: the same HTTP API as every client, in plain
 // JavaScript. The token (when the server wants one) is kept in this tab's
 // sessionStorage and sent as `Authorization: Bearer …`, never in a URL.
-// Job pages are refreshed with fetch (EventSource cannot send headers).
+// Job pages are refreshed with fetch; a streamed job's output is read from
+// its event stream with fetch too (EventSource cannot send headers).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -10,6 +11,64 @@ const LIVE = new Set(["received", "generated", "persisted", "claimed", "delivere
 let cursors = [];      // the cursor of each page shown, for "Newest"
 let nextCursor = null; // the page after this one
 let refresh = null;
+let watching = null;   // the streamed job whose output is being read: {id, controller}
+
+// Stops reading a job's event stream (the page left it).
+function stopWatching() {
+  if (watching) { watching.controller.abort(); watching = null; }
+}
+
+// Shows a streamed job's output as it is journaled: its event stream
+// (chunks, resets, tool calls) read until the server ends it after the
+// final state. What shows is what every watcher sees: the text since the
+// last reset, and each tool call's phases.
+async function watchOutput(id) {
+  if (watching && watching.id === id) return;
+  stopWatching();
+  const controller = new AbortController();
+  watching = { id, controller };
+  const out = $("job-output");
+  const activity = $("job-activity");
+  out.textContent = "";
+  activity.replaceChildren();
+  let text = "";
+  const headers = {};
+  if (token()) headers["Authorization"] = "Bearer " + token();
+  try {
+    const response = await fetch("/v1/jobs/" + encodeURIComponent(id) + "/events",
+      { headers, signal: controller.signal });
+    if (response.status !== 200) return;
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const frame = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const line = frame.split("\n").find((l) => l.startsWith("data: "));
+        if (!line) continue; // a keep-alive comment
+        const event = JSON.parse(line.slice("data: ".length));
+        if (event.kind === "chunk") {
+          text += event.text;
+        } else if (event.kind === "reset") {
+          text = "";
+        } else if (event.kind === "tool" && event.tool) {
+          const li = document.createElement("li");
+          li.textContent = `${event.tool.name} (${event.tool.tool_call_id}): ${event.text}`;
+          li.dataset.phase = event.text;
+          activity.appendChild(li);
+        }
+        out.textContent = text;
+      }
+    }
+  } catch (e) {
+    if (e.name !== "AbortError") say("the output stream stopped: " + e.message);
+  }
+}
 
 function token() { return sessionStorage.getItem("onceflow-token"); }
 
@@ -192,11 +251,32 @@ async function loadJob(id) {
   fact(facts, "finished", when(job.finished_at));
 
   $("job-input").textContent = JSON.stringify(job.input, null, 2);
+  const streamed = job.input && job.input.stream === true;
+  $("job-output-section").hidden = !streamed;
+  if (streamed) watchOutput(job.id); else stopWatching();
   $("job-result").textContent = job.result == null
     ? (LIVE.has(job.state) ? "not yet" : "none") : JSON.stringify(job.result, null, 2);
   const timeline = $("timeline");
   timeline.replaceChildren();
+  // The webhook's sends, as one row where they happened: before the job
+  // reached `delivered`, or last while it is still sending (or gave up).
+  const d = job.delivery;
+  const sends = d && d.attempts > 0 ? (() => {
+    const tr = document.createElement("tr");
+    tr.dataset.kind = "webhook";
+    cell(tr, "");
+    cell(tr, "webhook " + d.status);
+    cell(tr, "");
+    cell(tr, d.idempotency_key, "wrap");
+    cell(tr, when(d.delivered_at));
+    const last = d.last_status == null ? "no answer" : "last answer " + d.last_status;
+    cell(tr, `${d.attempts} ${d.attempts === 1 ? "send" : "sends"}, ${last}`
+      + (d.last_error ? ` (${d.last_error.code})` : ""), "wrap");
+    return tr;
+  })() : null;
+  let placed = false;
   job.history.forEach((h, i) => {
+    if (sends && !placed && h.state === "delivered") { timeline.appendChild(sends); placed = true; }
     const tr = document.createElement("tr");
     cell(tr, i + 1);
     stateCell(tr, h.state);
@@ -206,6 +286,7 @@ async function loadJob(id) {
     cell(tr, h.note || "", "wrap");
     timeline.appendChild(tr);
   });
+  if (sends && !placed) timeline.appendChild(sends);
   const calls = $("model-calls");
   calls.replaceChildren();
   for (const m of job.model_calls || []) {
@@ -333,6 +414,7 @@ async function act(kind) {
 
 async function route() {
   if (refresh) { clearInterval(refresh); refresh = null; }
+  stopWatching();
   const hash = location.hash || "#/";
   try {
     await loadCounts();
