@@ -807,3 +807,62 @@ async fn a_fresh_nodes_scrape_names_the_node_and_starts_its_series_at_zero() {
         assert_eq!(scraped.get(series), Some(&0.0), "{series} at zero:\n{text}");
     }
 }
+
+/// A tool call's span follows the GenAI conventions for a tool's
+/// execution (`gen_ai.operation.name` = `execute_tool`, the tool's name and
+/// call id) and carries the call's idempotency key; the `traceparent` the
+/// tool's endpoint received is that span's, in the job's trace.
+#[actix_rt::test]
+async fn a_tool_call_is_an_execute_tool_span_the_tool_saw() {
+    let env = TestEnv::new().await;
+    let receiver = Receiver::start();
+    let endpoint = receiver.endpoint();
+    let config = TelemetryConfig::from_lookup(|k| match k {
+        "OTEL_EXPORTER_OTLP_ENDPOINT" => Some(endpoint.clone()),
+        _ => None,
+    })
+    .unwrap();
+    let telemetry = Arc::new(Telemetry::new(config).unwrap());
+    let tools = FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_7", json!({ "ticket": 7 }))]);
+    let mut config = env.config();
+    config.telemetry = telemetry.clone();
+    let engine = env.start(
+        onceflow_workflows::registry_with(Some(&tools.url())),
+        config,
+    );
+    env.submit_job(onceflow_engine::intake::NewJob {
+        id: "otel-tool".into(),
+        workflow: "agent".into(),
+        workflow_version: 1,
+        input: json!({ "model": "m", "messages": [{ "role": "user", "content": "file it" }] }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let job = env.wait_for("otel-tool", JobState::Acked, WAIT).await;
+    engine.shutdown();
+    let tel = telemetry.clone();
+    tokio::task::spawn_blocking(move || tel.shutdown())
+        .await
+        .unwrap()
+        .expect("telemetry flushes");
+    let spans = receiver.spans();
+    let tool_spans: Vec<&Span> = spans.iter().filter(|s| s.name == SPAN_TOOL).collect();
+    assert_eq!(tool_spans.len(), 1, "one tool span: {tool_spans:?}");
+    let span = tool_spans[0];
+    assert_eq!(span.attr(GEN_AI_OPERATION), "execute_tool");
+    assert_eq!(span.attr(GEN_AI_TOOL_NAME), "http_post");
+    assert_eq!(span.attr(GEN_AI_TOOL_CALL_ID), "call_7");
+    assert_eq!(span.attr(IDEMPOTENCY_KEY), "job:otel-tool:tool:0:0");
+    assert_eq!(span.attr(OUTCOME), OUTCOME_PERFORMED);
+    assert_eq!(Some(&span.trace_id), job.trace_id.as_ref());
+    let seen = tools.deliveries();
+    assert_eq!(seen.len(), 1, "the tool ran once");
+    let tp = TraceParent::parse(seen[0].traceparent.as_deref().expect("a traceparent")).unwrap();
+    assert_eq!(
+        hex::encode(tp.span_id),
+        span.span_id,
+        "the tool saw its span"
+    );
+}
