@@ -1,5 +1,6 @@
 //! The Grafana dashboard asks only for series that onceflow produces: every
-//! `onceflow_*` name in its queries is one `/metrics` renders.
+//! `onceflow_*` name in its queries is one `/metrics` renders. The
+//! operations guide's metric table lists exactly the families rendered.
 
 use std::collections::BTreeSet;
 
@@ -27,6 +28,7 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
     m.lease_takeovers.add(1, &[]);
     m.actors_in_flight.add(1, &[]);
     m.jobs.record(1, &[KeyValue::new("onceflow.state", "dead")]);
+    m.jobs_unrunnable.record(1, &[]);
     m.step_duration.record(
         0.1,
         &[
@@ -60,8 +62,8 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
 #[test]
 fn every_dashboard_query_names_a_metric_onceflow_exports() {
     let (families, labels) = exported();
-    // 15 of onceflow's own, and `target_info` (the node's identity).
-    assert_eq!(families.len(), 16, "{families:?}");
+    // 16 of onceflow's own, and `target_info` (the node's identity).
+    assert_eq!(families.len(), 17, "{families:?}");
     assert!(families.contains("target_info"), "{families:?}");
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -181,4 +183,28 @@ fn a_fresh_node_exports_every_dashboard_series_at_zero() {
     ] {
         assert!(text.contains(series), "{series} missing:\n{text}");
     }
+}
+
+/// The guide's metric table (docs/guide/operations.md) names every family
+/// `/metrics` renders, and nothing else.
+#[test]
+fn the_guides_metric_table_matches_what_metrics_renders() {
+    let guide = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/guide/operations.md"
+    ))
+    .unwrap();
+    let listed: BTreeSet<String> = guide
+        .lines()
+        .filter(|l| l.starts_with("| `onceflow."))
+        .filter_map(|l| Some(l.split_once("→ `")?.1.split_once('`')?.0.to_owned()))
+        .chain(
+            guide
+                .lines()
+                .filter(|l| l.starts_with("| `target_info`"))
+                .map(|_| "target_info".to_owned()),
+        )
+        .collect();
+    let (families, _) = exported();
+    assert_eq!(listed, families);
 }
