@@ -671,3 +671,108 @@ async fn the_console_shows_a_streamed_jobs_output_as_it_comes() {
     );
     browser.quit().await;
 }
+
+/// A standard client, Chromium's own `EventSource`, with its automatic
+/// reconnect: it follows a job to `acked`, the server ends the stream, the
+/// client reconnects with the last id, gets `204` and stops for good. It
+/// opened once, saw every event once, and is closed.
+#[actix_rt::test]
+async fn a_browsers_event_source_follows_a_job_and_stops_after_it_ends() {
+    let env = TestEnv::new().await;
+    env.provider.set_stream_shape(6, Duration::from_millis(100));
+    let dir = tempfile::tempdir().unwrap();
+    // No token: development mode on loopback (EventSource sends no headers).
+    let serve = ServeProcess::start(
+        &[
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OPENAI_BASE_URL", env.provider.base_url()),
+            ("ONCEFLOW_POLL_MS", "200".to_owned()),
+        ],
+        &dir.path().join("serve.log"),
+    )
+    .await;
+    let r = client()
+        .post(format!("{}/v1/jobs", serve.base))
+        .json(&json!({
+            "id": "es-1", "workflow": "completion", "webhook_url": env.consumer.url(),
+            "input": { "model": "m", "stream": true,
+                       "messages": [{ "role": "user", "content": "tell me" }] },
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let browser = Browser::start().await;
+    browser.go(&format!("{}/", serve.base)).await;
+    browser
+        .call(
+            reqwest::Method::POST,
+            "/timeouts",
+            Some(json!({ "script": 40_000 })),
+        )
+        .await;
+    // Follows the job until the EventSource closes itself (after the 204),
+    // or 30 s pass.
+    let script = r#"
+        const done = arguments[arguments.length - 1];
+        const seen = { opens: 0, ids: [], states: [], chunks: 0 };
+        const source = new EventSource("/v1/jobs/es-1/events");
+        source.onopen = () => { seen.opens += 1; };
+        for (const kind of ["state", "chunk", "reset", "tool"]) {
+            source.addEventListener(kind, (e) => {
+                seen.ids.push(Number(e.lastEventId));
+                if (kind === "state") seen.states.push(JSON.parse(e.data).text);
+                if (kind === "chunk") seen.chunks += 1;
+            });
+        }
+        const started = Date.now();
+        const check = setInterval(() => {
+            if (source.readyState === EventSource.CLOSED || Date.now() - started > 30000) {
+                clearInterval(check);
+                seen.closed = source.readyState === EventSource.CLOSED;
+                source.close();
+                done(seen);
+            }
+        }, 100);
+    "#;
+    let answer = browser
+        .call(
+            reqwest::Method::POST,
+            "/execute/async",
+            Some(json!({ "script": script, "args": [] })),
+        )
+        .await;
+    let seen = &answer["value"];
+    assert_eq!(
+        seen["closed"], true,
+        "the EventSource stopped by itself: {seen}"
+    );
+    assert_eq!(
+        seen["opens"], 1,
+        "it did not come back after the 204: {seen}"
+    );
+    let ids: Vec<i64> = seen["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect();
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "each event once: {ids:?}"
+    );
+    assert_eq!(seen["chunks"], 6, "{seen}");
+    assert_eq!(
+        seen["states"],
+        json!([
+            "received",
+            "generated",
+            "persisted",
+            "claimed",
+            "delivered",
+            "acked"
+        ]),
+        "{seen}"
+    );
+    browser.quit().await;
+}
