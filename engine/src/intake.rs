@@ -94,8 +94,9 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
 /// `priority`, `run_at` and `delay_ms`, each optional; `run_at` and
 /// `delay_ms` not both.
 fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput> {
+    // `null` is the field's absence, as the OpenAPI document says.
     let priority = match obj.remove("priority") {
-        None => 0,
+        None | Some(Value::Null) => 0,
         Some(v) => v
             .as_i64()
             .and_then(|p| i32::try_from(p).ok())
@@ -104,7 +105,7 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
             })?,
     };
     let run_at = match obj.remove("run_at") {
-        None => None,
+        None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(
             chrono::DateTime::parse_from_rfc3339(&s)
                 .map_err(|_| {
@@ -116,7 +117,7 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
     };
 
     let delay_ms = match obj.remove("delay_ms") {
-        None => None,
+        None | Some(Value::Null) => None,
         Some(v) => Some(v.as_u64().filter(|ms| *ms <= MAX_DELAY_MS).ok_or_else(|| {
             InvalidInput::new(
                 "delay_ms",

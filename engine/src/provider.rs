@@ -527,12 +527,18 @@ pub mod sse {
                 Some("content_block_start") => {
                     let block = &event["content_block"];
                     if block["type"] == "tool_use" {
-                        // The same head an OpenAI stream's first piece has.
+                        // The same head an OpenAI stream's first piece has;
+                        // an input given whole here (not streamed as
+                        // pieces) is the call's arguments.
+                        let whole = block["input"]
+                            .as_object()
+                            .filter(|o| !o.is_empty())
+                            .map(|o| Value::Object(o.clone()).to_string());
                         self.tool_call(&json!({
                             "index": event["index"],
                             "id": block["id"],
                             "type": "function",
-                            "function": { "name": block["name"] },
+                            "function": { "name": block["name"], "arguments": whole },
                         }))?;
                     } else if let Some(text) = block["text"].as_str().filter(|t| !t.is_empty()) {
                         return Ok(Some(self.text(text)));
@@ -563,10 +569,16 @@ pub mod sse {
                     if let Some(reason) = event["delta"]["stop_reason"].as_str() {
                         self.finish_reason = Some(json!(super::anthropic::finish_reason(reason)));
                     }
-                    if let (Some(usage), Some(out)) =
-                        (self.usage.as_mut(), event["usage"].get("output_tokens"))
-                    {
-                        usage["completion_tokens"] = out.clone();
+                    // Counts here are cumulative: they replace message_start's.
+                    if let Some(usage) = self.usage.as_mut() {
+                        for (from, to) in [
+                            ("input_tokens", "prompt_tokens"),
+                            ("output_tokens", "completion_tokens"),
+                        ] {
+                            if let Some(n) = event["usage"].get(from).filter(|n| !n.is_null()) {
+                                usage[to] = n.clone();
+                            }
+                        }
                     }
                 }
                 Some("message_stop") => self.done = true,
@@ -752,6 +764,23 @@ pub mod sse {
                     r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#
                 )
                 .is_err());
+            // An input given whole in the block's start is its arguments.
+            let mut whole = Answer::anthropic();
+            for data in [
+                r#"{"type":"message_start","message":{"id":"m","model":"c","usage":{"input_tokens":3,"output_tokens":0}}}"#,
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"tool_use","id":"t","name":"lookup","input":{"order": "7"}}}"#,
+                r#"{"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"input_tokens":4,"output_tokens":9}}"#,
+                r#"{"type":"message_stop"}"#,
+            ] {
+                whole.take(data).unwrap();
+            }
+            let c = whole.completion(&json!({ "model": "m" }));
+            assert_eq!(
+                c["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"],
+                r#"{"order":"7"}"#
+            );
+            assert_eq!(c["usage"]["prompt_tokens"], 4, "message_delta's counts win");
+            assert_eq!(c["usage"]["completion_tokens"], 9);
             assert!(Answer::anthropic()
                 .take(r#"{"type":"content_block_delta","index":5,"delta":{"type":"input_json_delta","partial_json":"{}"}}"#)
                 .is_err());

@@ -207,4 +207,19 @@ fn the_guides_metric_table_matches_what_metrics_renders() {
         .collect();
     let (families, _) = exported();
     assert_eq!(listed, families);
+    // And `exported()` leaves no instrument out: the guide's OpenTelemetry
+    // names are every `METRIC_*` name onceflow defines.
+    let names =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/names.rs")).unwrap();
+    let defined: BTreeSet<String> = names
+        .lines()
+        .filter(|l| l.starts_with("pub const METRIC_"))
+        .filter_map(|l| Some(l.split_once("= \"")?.1.split_once('"')?.0.to_owned()))
+        .collect();
+    let in_guide: BTreeSet<String> = guide
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| Some(l.split_once("` → `")?.0.to_owned()))
+        .collect();
+    assert_eq!(in_guide, defined, "every instrument in the guide");
 }

@@ -292,6 +292,26 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
         .find("#job-facts dd[data-fact=\"last error\"]")
         .await
         .is_none());
+    // A job delayed by an hour reads as scheduled, not stuck.
+    let r = client()
+        .post(format!("{}/v1/jobs", serve.base))
+        .bearer_auth(&token)
+        .json(&json!({
+            "id": "ui-later", "workflow": "completion", "webhook_url": env.consumer.url(),
+            "delay_ms": 3_600_000,
+            "input": { "model": "m", "messages": [{ "role": "user", "content": "later" }] },
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    browser.go(&format!("{}/#/jobs/ui-later", serve.base)).await;
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"runs at\"]", |t| t.ends_with("(scheduled)"))
+            .await,
+        "a delayed job's page says it is scheduled"
+    );
 
     // Bulk redrive of the dead jobs of one workflow, from the list.
     browser.go(&format!("{}/", serve.base)).await;
@@ -303,6 +323,7 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
             .await,
         "the dead filter lists ui-dead-2"
     );
+    browser.type_into("#bulk-reason", "consumer back").await;
     browser.click("#redrive-dead").await;
     let acked = wait_until(Duration::from_secs(20), || async {
         env.store
@@ -315,6 +336,14 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
     .await;
     assert!(acked, "the bulk redrive brought ui-dead-2 to acked");
     assert_eq!(env.consumer.processed_for("ui-dead-2"), 1, "one delivery");
+    let job = env.store.job("ui-dead-2").await.unwrap().unwrap();
+    assert!(
+        job.history
+            .iter()
+            .any(|h| h.note.as_deref() == Some("redrive: consumer back")),
+        "the reason is in its history: {:?}",
+        job.history
+    );
     browser.go(&format!("{}/", serve.base)).await;
     assert!(
         browser
@@ -731,6 +760,10 @@ async fn a_browsers_event_source_follows_a_job_and_stops_after_it_ends() {
                 clearInterval(check);
                 seen.closed = source.readyState === EventSource.CLOSED;
                 source.close();
+                // The answers its connections got (Resource Timing).
+                seen.statuses = performance.getEntriesByType("resource")
+                    .filter((e) => e.name.endsWith("/v1/jobs/es-1/events"))
+                    .map((e) => e.responseStatus);
                 done(seen);
             }
         }, 100);
@@ -751,6 +784,12 @@ async fn a_browsers_event_source_follows_a_job_and_stops_after_it_ends() {
         seen["opens"], 1,
         "it did not come back after the 204: {seen}"
     );
+    // It connected twice (Resource Timing): the stream, then one reconnect
+    // that opened nothing. What the server answers that reconnect, the
+    // last id, is a 204 (an EventSource gets no status to show).
+    let statuses = seen["statuses"].as_array().unwrap();
+    assert_eq!(statuses.len(), 2, "one reconnect: {seen}");
+    assert_eq!(statuses[0], 200, "{seen}");
     let ids: Vec<i64> = seen["ids"]
         .as_array()
         .unwrap()
@@ -761,6 +800,13 @@ async fn a_browsers_event_source_follows_a_job_and_stops_after_it_ends() {
         ids.windows(2).all(|w| w[0] < w[1]),
         "each event once: {ids:?}"
     );
+    let again = client()
+        .get(format!("{}/v1/jobs/es-1/events", serve.base))
+        .header("last-event-id", ids.last().unwrap().to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status().as_u16(), 204);
     assert_eq!(seen["chunks"], 6, "{seen}");
     assert_eq!(
         seen["states"],

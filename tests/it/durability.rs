@@ -538,6 +538,13 @@ async fn retryable_webhook_failures_are_retried_honouring_retry_after() {
     env.wait_for("retry-1", JobState::Acked, WAIT).await;
     let deliveries = env.consumer.deliveries_for("retry-1");
     assert_eq!(deliveries.len(), 3, "{deliveries:#?}");
+    // Every resend is the same event: the same body, its timestamp the
+    // event's (fixed when it was claimed), not the attempt's.
+    assert!(
+        deliveries.iter().all(|d| d.body == deliveries[0].body),
+        "{deliveries:#?}"
+    );
+    assert!(deliveries[0].body["timestamp"].is_string());
     assert_one_delivery(&env, "retry-1");
     // Retry-After: 1 is honoured, measured on the consumer's own clock to
     // the millisecond (`webhook-timestamp` has whole seconds only).

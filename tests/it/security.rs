@@ -1447,3 +1447,49 @@ async fn the_openapi_document_is_served_open_and_is_the_engines() {
         "the API itself still needs a token"
     );
 }
+
+/// `GET /v1/openapi.json` stays open, but a caller without a token (where
+/// tokens exist) gets the API alone: the node's workflows and their input
+/// schemas name a deployment's own work, and only a caller the API would
+/// serve sees them.
+#[actix_rt::test]
+async fn the_open_openapi_document_names_no_workflow_without_a_token() {
+    let env = TestEnv::new().await;
+    let token = env.store.create_token("reader", false).await.unwrap();
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: false },
+    );
+    let url = format!("{base}/v1/openapi.json");
+    let anonymous = client().get(&url).send().await.unwrap();
+    assert_eq!(anonymous.status().as_u16(), 200, "the document is open");
+    let anonymous = anonymous.text().await.unwrap();
+    let with_token = client()
+        .get(&url)
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in registry().names() {
+        let named = format!("\"const\":\"{name}\"");
+        assert!(!anonymous.contains(&named), "{name} shown without a token");
+        assert!(with_token.contains(&named), "{name} not shown with a token");
+    }
+    let bad = client()
+        .get(&url)
+        .bearer_auth("not-a-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status().as_u16(), 200);
+    assert_eq!(
+        bad.text().await.unwrap(),
+        anonymous,
+        "a bad token is no token"
+    );
+}

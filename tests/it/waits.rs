@@ -354,7 +354,13 @@ async fn an_approved_tool_call_runs_once_after_its_approval() {
         "{}",
         event.body
     );
-    assert!(waiting["tool"]["name"].is_string(), "{}", event.body);
+    assert_eq!(waiting["tool"]["name"], "http_post", "{}", event.body);
+    assert_eq!(
+        waiting["tool"]["arguments"],
+        json!({ "refund": 7 }),
+        "{}",
+        event.body
+    );
 
     let (status, body) = signal(
         &base,

@@ -128,7 +128,7 @@ impl Workflow for Completion {
                 "messages": { "type": "array", "minItems": 1, "items": {
                     "type": "object",
                     "required": ["role", "content"],
-                    "additionalProperties": false,
+                    "description": "Other fields of a message are not sent.",
                     "properties": {
                         "role": { "enum": ["system", "user", "assistant"] },
                         "content": { "type": "string" },

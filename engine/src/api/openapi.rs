@@ -326,10 +326,20 @@ pub fn document() -> utoipa::openapi::OpenApi {
     doc
 }
 
-/// `GET /v1/openapi.json`: open, like `/healthz` (it holds nothing secret).
+/// `GET /v1/openapi.json`: open, like `/healthz`. Without a valid token
+/// (where tokens exist) it is the API alone, which holds nothing secret;
+/// a caller the API would serve also gets this node's workflows and their
+/// inputs ([`document_for`]), which name a deployment's own work.
 #[utoipa::path(get, path = "/v1/openapi.json", tag = "operate", security(()),
     responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
-pub(super) async fn openapi_json(state: web::Data<ApiState>) -> HttpResponse {
+pub(super) async fn openapi_json(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
+    if authenticate(&state, &req).await.is_err() {
+        static OPEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let body = OPEN.get_or_init(|| document().to_json().expect("the document serialises"));
+        return HttpResponse::Ok()
+            .content_type("application/json")
+            .body(body.clone());
+    }
     // Built once per registry (a node has one): keyed by its workflows.
     type Built = Option<(Vec<(&'static str, u32)>, std::sync::Arc<str>)>;
     static DOC: std::sync::Mutex<Built> = std::sync::Mutex::new(None);

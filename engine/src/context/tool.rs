@@ -278,6 +278,8 @@ impl Context {
             {
                 return Err(StepError::LeaseLost);
             }
+            self.tool_event(&key, FAILED, tool_name, tool_call_id)
+                .await?;
             return Err(StepError::Permanent {
                 reason: format!("invalid tool result ({tool_name})"),
                 error,

@@ -11,7 +11,7 @@ const LIVE = new Set(["received", "generated", "persisted", "claimed", "delivere
 let cursors = [];      // the cursor of each page shown, for "Newest"
 let nextCursor = null; // the page after this one
 let refresh = null;
-let watching = null;   // the streamed job whose output is being read: {id, controller}
+let watching = null;   // the streamed job whose output is read: {id, controller, ended}
 
 // Stops reading a job's event stream (the page left it).
 function stopWatching() {
@@ -26,7 +26,8 @@ async function watchOutput(id) {
   if (watching && watching.id === id) return;
   stopWatching();
   const controller = new AbortController();
-  watching = { id, controller };
+  const mine = { id, controller, ended: false };
+  watching = mine;
   const out = $("job-output");
   const activity = $("job-activity");
   out.textContent = "";
@@ -47,11 +48,13 @@ async function watchOutput(id) {
       buffer += decoder.decode(value, { stream: true });
       let end;
       while ((end = buffer.indexOf("\n\n")) >= 0) {
+        if (controller.signal.aborted) return; // the page moved on
         const frame = buffer.slice(0, end);
         buffer = buffer.slice(end + 2);
         const line = frame.split("\n").find((l) => l.startsWith("data: "));
         if (!line) continue; // a keep-alive comment
-        const event = JSON.parse(line.slice("data: ".length));
+        let event;
+        try { event = JSON.parse(line.slice("data: ".length)); } catch (e) { continue; }
         if (event.kind === "chunk") {
           text += event.text;
         } else if (event.kind === "reset") {
@@ -67,6 +70,10 @@ async function watchOutput(id) {
     }
   } catch (e) {
     if (e.name !== "AbortError") say("the output stream stopped: " + e.message);
+  } finally {
+    // Ended (the job finished, or the connection dropped): a later refresh
+    // that finds the job live again reads it anew.
+    mine.ended = true;
   }
 }
 
@@ -142,7 +149,7 @@ async function loadList(cursor) {
   const workflow = $("workflow-filter").value.trim();
   if (workflow) params.set("workflow", workflow);
   // Bulk redrive: the API's, for dead jobs (of this workflow, if one is named).
-  $("redrive-dead").hidden = state !== "dead";
+  $("bulk").hidden = state !== "dead";
   if (cursor) params.set("cursor", cursor);
   const page = await api("/v1/jobs?" + params);
   const needle = $("search").value.trim();
@@ -238,7 +245,11 @@ async function loadJob(id) {
     fact(facts, "arguments", JSON.stringify(waiting.tool.arguments));
   }
   // A job scheduled for later looks stuck unless its time is shown.
-  if (LIVE.has(job.state)) fact(facts, "runs at", when(job.run_at));
+  // A job whose time has not come is scheduled, not stuck.
+  if (LIVE.has(job.state)) {
+    const later = job.run_at && new Date(job.run_at) > new Date();
+    fact(facts, "runs at", when(job.run_at) + (later ? " (scheduled)" : ""));
+  }
   // An acked job's last error is history (a failure it recovered from).
   if (job.state !== "acked") {
     fact(facts, "last error", job.last_error ? job.last_error.code + ": " + job.last_error.message : null);
@@ -253,7 +264,14 @@ async function loadJob(id) {
   $("job-input").textContent = JSON.stringify(job.input, null, 2);
   const streamed = job.input && job.input.stream === true;
   $("job-output-section").hidden = !streamed;
-  if (streamed) watchOutput(job.id); else stopWatching();
+  const here = location.hash.startsWith("#/jobs/")
+    && decodeURIComponent(location.hash.slice("#/jobs/".length)) === job.id;
+  if (streamed && here) {
+    if (watching && watching.id === job.id && watching.ended && LIVE.has(job.state)) stopWatching();
+    watchOutput(job.id);
+  } else {
+    stopWatching();
+  }
   $("job-result").textContent = job.result == null
     ? (LIVE.has(job.state) ? "not yet" : "none") : JSON.stringify(job.result, null, 2);
   const timeline = $("timeline");
@@ -358,7 +376,7 @@ async function loadJob(id) {
 // skipped, as the API does without confirm_unknown.
 async function redriveDead() {
   const workflow = $("workflow-filter").value.trim();
-  const reason = "bulk redrive from the console";
+  const reason = $("bulk-reason").value.trim() || "bulk redrive from the console";
   try {
     const body = workflow ? { reason, workflow } : { reason };
     const answer = await api("/v1/jobs/redrive", { method: "POST", body: JSON.stringify(body) });
