@@ -800,7 +800,9 @@ async fn a_browsers_event_source_follows_a_job_and_stops_after_it_ends() {
         ids.windows(2).all(|w| w[0] < w[1]),
         "each event once: {ids:?}"
     );
-    let again = client()
+    // A fresh connection: the shared client's pooled one may be closed
+    // by the server's keep-alive timeout just as it is reused.
+    let again = reqwest::Client::new()
         .get(format!("{}/v1/jobs/es-1/events", serve.base))
         .header("last-event-id", ids.last().unwrap().to_string())
         .send()
