@@ -292,8 +292,9 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
         .find("#job-facts dd[data-fact=\"last error\"]")
         .await
         .is_none());
-    // A job delayed by an hour reads as scheduled, not stuck.
-    let r = client()
+    // A job delayed by an hour reads as scheduled, not stuck. (A fresh
+    // connection: a pooled one may have met serve's keep-alive timeout.)
+    let r = reqwest::Client::new()
         .post(format!("{}/v1/jobs", serve.base))
         .bearer_auth(&token)
         .json(&json!({
