@@ -36,6 +36,15 @@ pub struct ProviderConfig {
     pub anthropic_api_key: Option<String>,
 }
 
+/// Where a model request goes (see `Provider::target`).
+struct Target {
+    /// To Anthropic's Messages API (else OpenAI's chat completions).
+    anthropic: bool,
+    url: String,
+    /// The key, the trace and the provider's auth.
+    headers: Vec<(&'static str, String)>,
+}
+
 /// The `anthropic-version` header onceflow speaks.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 
@@ -103,21 +112,12 @@ impl Provider {
         self.config.timeout
     }
 
-    /// POSTs `request` (an OpenAI chat-completions request) with
-    /// `Idempotency-Key: key` and the job's `traceparent`: to
-    /// `/chat/completions`, or translated to Anthropic's `/v1/messages` when
-    /// it carries `"provider": "anthropic"`. The answer is a chat completion
-    /// either way.
-    pub async fn chat(
-        &self,
-        key: &str,
-        request: &Value,
-        traceparent: &str,
-        faults: &Faults,
-        job_id: &str,
-    ) -> Result<(Value, Usage, u16), PostError> {
-        let provider = request.get("provider").and_then(Value::as_str);
-        let anthropic = match provider {
+    /// Where `request` goes, by its `"provider"`: whether it is Anthropic,
+    /// the URL (`/chat/completions`, or Anthropic's `/v1/messages`), and the
+    /// headers every send carries (the key, the trace, the provider's auth).
+    /// An unknown provider is a permanent `400`.
+    fn target(&self, request: &Value, key: &str, traceparent: &str) -> Result<Target, PostError> {
+        let anthropic = match request.get("provider").and_then(Value::as_str) {
             None | Some("openai") => false,
             Some("anthropic") => true,
             Some(other) => {
@@ -132,26 +132,54 @@ impl Provider {
             ("idempotency-key", key.to_owned()),
             ("traceparent", traceparent.to_owned()),
         ];
-        let (url, body) = if anthropic {
+        let url = if anthropic {
             if let Some(api_key) = &self.config.anthropic_api_key {
                 headers.push(("x-api-key", api_key.clone()));
             }
             headers.push(("anthropic-version", ANTHROPIC_VERSION.to_owned()));
-            let url = format!(
+            format!(
                 "{}/v1/messages",
                 self.config.anthropic_base_url.trim_end_matches('/')
-            );
-            (url, std::borrow::Cow::Owned(anthropic::request(request)))
+            )
         } else {
             if let Some(api_key) = &self.config.api_key {
                 headers.push(("authorization", format!("Bearer {api_key}")));
             }
-            let url = format!(
+            format!(
                 "{}/chat/completions",
                 self.config.base_url.trim_end_matches('/')
-            );
+            )
+        };
+        Ok(Target {
+            anthropic,
+            url,
+            headers,
+        })
+    }
+
+    /// POSTs `request` (an OpenAI chat-completions request) with
+    /// `Idempotency-Key: key` and the job's `traceparent`: to
+    /// `/chat/completions`, or translated to Anthropic's `/v1/messages` when
+    /// it carries `"provider": "anthropic"`. The answer is a chat completion
+    /// either way.
+    pub async fn chat(
+        &self,
+        key: &str,
+        request: &Value,
+        traceparent: &str,
+        faults: &Faults,
+        job_id: &str,
+    ) -> Result<(Value, Usage, u16), PostError> {
+        let Target {
+            anthropic,
+            url,
+            headers,
+        } = self.target(request, key, traceparent)?;
+        let body = if anthropic {
+            std::borrow::Cow::Owned(anthropic::request(request))
+        } else {
             // `provider` is onceflow's own field: it is not sent.
-            let body = if request.get("provider").is_some() {
+            if request.get("provider").is_some() {
                 let mut request = request.clone();
                 if let Some(o) = request.as_object_mut() {
                     o.remove("provider");
@@ -159,8 +187,7 @@ impl Provider {
                 std::borrow::Cow::Owned(request)
             } else {
                 std::borrow::Cow::Borrowed(request)
-            };
-            (url, body)
+            }
         };
         let body = serde_json::to_vec(&*body).expect("a JSON value serialises");
         let request = Post {
@@ -228,44 +255,19 @@ impl Provider {
         job_id: &str,
         on_text: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(Value, Usage, u16), PostError> {
-        let anthropic = match request.get("provider").and_then(Value::as_str) {
-            None | Some("openai") => false,
-            Some("anthropic") => true,
-            Some(other) => {
-                return Err(PostError::Failed(Failure::Status {
-                    status: 400,
-                    retry_after: None,
-                    body: format!("unknown provider {other:?} (openai, anthropic)"),
-                }))
-            }
-        };
-        let mut headers = vec![
-            ("idempotency-key", key.to_owned()),
-            ("traceparent", traceparent.to_owned()),
-            ("accept", "text/event-stream".to_owned()),
-        ];
-        let (url, body) = if anthropic {
-            if let Some(api_key) = &self.config.anthropic_api_key {
-                headers.push(("x-api-key", api_key.clone()));
-            }
-            headers.push(("anthropic-version", ANTHROPIC_VERSION.to_owned()));
-            let url = format!(
-                "{}/v1/messages",
-                self.config.anthropic_base_url.trim_end_matches('/')
-            );
+        let Target {
+            anthropic,
+            url,
+            mut headers,
+        } = self.target(request, key, traceparent)?;
+        headers.push(("accept", "text/event-stream".to_owned()));
+        let body = if anthropic {
             let mut body = anthropic::request(request);
             if let Some(o) = body.as_object_mut() {
                 o.insert("stream".into(), Value::Bool(true));
             }
-            (url, body)
+            body
         } else {
-            if let Some(api_key) = &self.config.api_key {
-                headers.push(("authorization", format!("Bearer {api_key}")));
-            }
-            let url = format!(
-                "{}/chat/completions",
-                self.config.base_url.trim_end_matches('/')
-            );
             let mut body = request.clone();
             if let Some(o) = body.as_object_mut() {
                 o.remove("provider");
@@ -275,7 +277,7 @@ impl Provider {
                     serde_json::json!({ "include_usage": true }),
                 );
             }
-            (url, body)
+            body
         };
         let post = Post {
             url: &url,

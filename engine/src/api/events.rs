@@ -5,7 +5,8 @@ use super::*;
 
 /// `GET /v1/jobs/{id}/events`: the job's events as server-sent events —
 /// the chunks of its streamed answers (`chunk`), a restarted stream's
-/// `reset`, and its state changes (`state`) — each with the `id` of one
+/// `reset`, a streamed agent's tool calls (`tool`), and its state changes
+/// (`state`) — each with the `id` of one
 /// increasing sequence per job. Only journaled (durable) events are sent,
 /// so what a watcher saw is always a prefix of the journal. `Last-Event-ID`
 /// resumes after that event; the stream ends after the job's final state,
