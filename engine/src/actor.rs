@@ -48,7 +48,10 @@ pub enum Outcome {
     Drained,
     /// The body reached a wait that is not over: the job was released until
     /// it is due, in the wait's own commit.
-    Waiting,
+    Waiting {
+        /// When the job runs again at the latest (the database's clock).
+        until: chrono::DateTime<chrono::Utc>,
+    },
 }
 
 // ---- messages ---------------------------------------------------------------
@@ -206,7 +209,7 @@ impl JobRun {
             Outcome::Crashed => ("crashed", true),
             Outcome::Abandoned(_) => ("abandoned", true),
             Outcome::Drained => ("drained", false),
-            Outcome::Waiting => ("waiting", false),
+            Outcome::Waiting { .. } => ("waiting", false),
         };
         self.ctx.scope.end_job(name, error);
         outcome
@@ -552,7 +555,7 @@ impl JobRun {
                     StepError::Draining => Outcome::Drained,
                     StepError::Waiting { kind, name, until } => {
                         tracing::debug!(job.id = %job_id, kind, name, %until, "waiting");
-                        Outcome::Waiting
+                        Outcome::Waiting { until: *until }
                     }
                     _ => Outcome::LeaseLost,
                 };

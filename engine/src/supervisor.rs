@@ -6,8 +6,13 @@
 //! (its actor crashed, its process died, its node is gone) is runnable again,
 //! and the actor started for it continues at its last checkpoint, including a
 //! completion webhook that was claimed but never marked delivered.
+//!
+//! The acquire is also the timer poll: a wait whose time has come is fired
+//! by the acquire that leases its job. The poll runs each interval; a node
+//! also polls at the due time of each wait it released itself, so its own
+//! timers fire at their time, not at the next tick.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -45,6 +50,15 @@ struct Gauge;
 
 /// Jobs purged per statement: small, so a purge never holds many locks.
 const PURGE_BATCH: i64 = 100;
+
+/// A wait this node released is due: poll.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Wake;
+
+/// Due times a node keeps to poll at. The latest past this many are
+/// dropped; the regular poll still finds their jobs, within its interval.
+const MAX_WAKEUPS: usize = 100_000;
 
 /// Run a job intake has just created already leased to this node (see
 /// [`crate::handoff`]).
@@ -94,6 +108,12 @@ pub struct Supervisor {
     /// When to look for due schedules next (`None`: at the next poll).
     schedules_due: Option<std::time::Instant>,
     firing: bool,
+    /// Due times (Unix ms, the database's clock as the wait stored it) of
+    /// the waits this node released, earliest first; one entry per
+    /// millisecond, however many jobs fall due in it.
+    wakeups: BTreeSet<i64>,
+    /// The due time the armed wake-up is for, and its timer.
+    wake: Option<(i64, SpawnHandle)>,
 }
 
 /// Fire the due schedules (see [`crate::store::schedules`]).
@@ -123,6 +143,8 @@ impl Supervisor {
             reported_in_flight: 0,
             schedules_due: None,
             firing: false,
+            wakeups: BTreeSet::new(),
+            wake: None,
         }
     }
 }
@@ -359,9 +381,59 @@ impl Handler<Finished> for Supervisor {
             ctx.notify(SendEvents);
         }
         tracing::debug!(job.id = %msg.job_id, outcome = ?msg.outcome, "attempt ended");
+        if let Outcome::Waiting { until } = msg.outcome {
+            self.wake_at(until, ctx);
+        }
         if was_full {
             ctx.notify(Poll);
         }
+    }
+}
+
+impl Supervisor {
+    /// Polls at `until` (and the regular poll runs on as ever). The acquire
+    /// picks up jobs whose `run_at <= now()`, so the wake-up is set one
+    /// millisecond past the due time. Another node's clock may differ from
+    /// the database's: a wake-up that comes early finds nothing, and the
+    /// next regular poll fires the timer.
+    fn wake_at(&mut self, until: chrono::DateTime<chrono::Utc>, ctx: &mut Context<Self>) {
+        self.wakeups.insert(until.timestamp_millis() + 1);
+        if self.wakeups.len() > MAX_WAKEUPS {
+            self.wakeups.pop_last();
+        }
+        self.arm_wake(ctx);
+    }
+
+    /// Arms one timer, for the earliest due time kept.
+    fn arm_wake(&mut self, ctx: &mut Context<Self>) {
+        let Some(&next) = self.wakeups.first() else {
+            return;
+        };
+        if let Some((armed, handle)) = self.wake {
+            if armed <= next {
+                return;
+            }
+            ctx.cancel_future(handle);
+        }
+        let delay = (next - chrono::Utc::now().timestamp_millis()).max(0) as u64;
+        let handle = ctx.run_later(std::time::Duration::from_millis(delay), |_, ctx| {
+            ctx.notify(Wake)
+        });
+        self.wake = Some((next, handle));
+    }
+}
+
+impl Handler<Wake> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: Wake, ctx: &mut Self::Context) {
+        self.wake = None;
+        let now = chrono::Utc::now().timestamp_millis();
+        while self.wakeups.first().is_some_and(|at| *at <= now) {
+            self.wakeups.pop_first();
+        }
+        ctx.notify(Poll);
+        self.arm_wake(ctx);
     }
 }
 

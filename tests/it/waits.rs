@@ -9,7 +9,7 @@ use std::time::Duration;
 use onceflow_engine::intake::NewJob;
 use onceflow_engine::store::ListFilter;
 use onceflow_engine::testkit::{wait_until, TestEnv};
-use onceflow_engine::{Context, JobState, Registry, StepError, Workflow};
+use onceflow_engine::{Context, EngineConfig, JobState, Registry, StepError, Workflow};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -283,6 +283,39 @@ async fn a_node_stopped_during_a_wait_changes_nothing() {
         ])
     );
     assert_eq!(env.consumer.processed_for("w-4"), 1);
+}
+
+/// A node polls at the due time of each wait it released, not only at its
+/// poll ticks: with a poll interval of a minute, a job that naps 300 ms and
+/// then waits 300 ms for a signal nobody sends ends within seconds, and
+/// neither wait fired before its time.
+#[actix_rt::test]
+async fn a_node_fires_the_timers_it_released_at_their_time_not_at_its_next_poll() {
+    let env = TestEnv::new().await;
+    let acted = Arc::new(AtomicU32::new(0));
+    let config = EngineConfig {
+        poll_interval: Duration::from_secs(60),
+        ..env.config()
+    };
+    let _engine = env.start(registry(&acted), config);
+    submit(&env, "w-6", 300, 300).await;
+    let job = env.wait_for("w-6", JobState::Acked, WAIT).await;
+    assert_eq!(job.result.unwrap()["go"], Value::Null);
+    assert_eq!(acted.load(Ordering::SeqCst), 1);
+    let waits = env
+        .sql(
+            "SELECT wait_key, outcome, done_at >= until AS not_early FROM waits \
+             WHERE job_id = 'w-6' ORDER BY created_at",
+        )
+        .await;
+    assert_eq!(
+        waits,
+        json!([
+            { "wait_key": "job:w-6:sleep:nap", "outcome": { "slept": true }, "not_early": true },
+            { "wait_key": "job:w-6:signal:go", "outcome": { "timeout": true }, "not_early": true },
+        ])
+    );
+    assert_eq!(env.consumer.processed_for("w-6"), 1);
 }
 
 // ---- human approval of the agent's tool calls ----------------------------
