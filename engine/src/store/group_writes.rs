@@ -25,6 +25,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
 use super::group_commit::{Batcher, ForJob, Keyed};
+use super::ledger::journal_on;
 use super::rows::{lock_in_order, IdRow, INTAKE_WORKER, NEW_JOB_CHANNEL};
 use super::sql::sql;
 use super::streams::stream_on;
@@ -199,6 +200,8 @@ pub(crate) struct Batches {
     pub(crate) begin_call: Batcher<BeginCall, Option<CallRow>>,
     /// Chunks of streamed answers.
     pub(crate) stream: Batcher<super::streams::StreamWrite, super::streams::Written>,
+    /// Reruns' reads of their journals (a read, batched the same way).
+    pub(crate) journal: Batcher<super::ledger::JournalRead, Vec<super::ledger::Journaled>>,
 }
 
 /// A batch statement `f(conn, requests)` run on a connection of the pool.
@@ -223,6 +226,7 @@ impl Batches {
             commit_result: Batcher::start(db, pooled!(commit_result_on)),
             begin_call: Batcher::start(db, pooled!(begin_call_on)),
             stream: Batcher::start(db, pooled!(stream_on)),
+            journal: Batcher::start(db, pooled!(journal_on)),
         })
     }
 }
