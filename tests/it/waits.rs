@@ -318,6 +318,47 @@ async fn a_node_fires_the_timers_it_released_at_their_time_not_at_its_next_poll(
     assert_eq!(env.consumer.processed_for("w-6"), 1);
 }
 
+/// Jobs that wake together read their journals together: twelve jobs
+/// whose naps end at once queue their reads behind a held batch, which then
+/// runs as one statement, and each job gets its own journal. A job handed
+/// another's journal would fail as `journal_mismatch`, not ack; one handed
+/// none would still be kept from paying twice by its keys, so the model
+/// calls are counted too.
+#[actix_rt::test]
+async fn jobs_that_wake_together_read_their_own_journals_in_one_batch() {
+    let env = TestEnv::new().await;
+    let acted = Arc::new(AtomicU32::new(0));
+    let _engine = env.start(registry(&acted), env.config());
+    env.store.hold_journal_reads(true);
+    let ids: Vec<String> = (0..12).map(|i| format!("wj-{i:02}")).collect();
+    for id in &ids {
+        submit(&env, id, 500, 200).await;
+    }
+    let queued = wait_until(WAIT, || async { env.store.queued_journal_reads() == 12 }).await;
+    assert!(
+        queued,
+        "the reruns' journal reads queue behind the held batch: {}",
+        env.store.queued_journal_reads()
+    );
+    env.store.hold_journal_reads(false);
+    for id in &ids {
+        let job = env.wait_for(id, JobState::Acked, WAIT).await;
+        assert_eq!(job.result.unwrap()["go"], Value::Null, "{id}");
+        assert_eq!(
+            env.provider.requests_for(&format!("job:{id}:ask")),
+            1,
+            "{id} paid once"
+        );
+        assert_eq!(env.consumer.processed_for(id), 1, "{id}");
+    }
+    assert!(
+        env.store.largest_journal_batch() >= 12,
+        "the twelve reads ran as one statement: largest batch {}",
+        env.store.largest_journal_batch()
+    );
+    assert_eq!(acted.load(Ordering::SeqCst), 12);
+}
+
 // ---- human approval of the agent's tool calls ----------------------------
 
 fn agent_registry(tool_url: &str) -> Registry {

@@ -649,6 +649,25 @@ impl Store {
         self.batches.model_answer.largest()
     }
 
+    /// Test seam: while held, reruns' journal reads queue and no batch of
+    /// them starts; releasing runs everything queued as one batch.
+    #[doc(hidden)]
+    pub fn hold_journal_reads(&self, hold: bool) {
+        self.batches.journal.hold(hold);
+    }
+
+    /// Journal reads handed in and not yet taken into a batch.
+    #[doc(hidden)]
+    pub fn queued_journal_reads(&self) -> usize {
+        self.batches.journal.queued()
+    }
+
+    /// The most journal reads one batch has held.
+    #[doc(hidden)]
+    pub fn largest_journal_batch(&self) -> usize {
+        self.batches.journal.largest()
+    }
+
     /// Test seam: runs the group-commit statement `kind` over `fences`
     /// (nothing need move: the statement locks its job rows first, whatever
     /// their state) inside a transaction, keeps it open for `hold`, then
