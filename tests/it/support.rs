@@ -84,7 +84,15 @@ pub fn serve_api_for(make: impl FnOnce(std::net::SocketAddr) -> ApiState) -> Str
 /// One HTTP client for every test (building one loads the system's CA store, which is slow).
 pub fn client() -> &'static reqwest::Client {
     static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
-    CLIENT.get_or_init(reqwest::Client::new)
+    // A pooled connection idle for long is dropped well before the server's
+    // keep-alive (5 s) would close it: reusing one just as the server closes
+    // it fails the request (`IncompleteMessage`).
+    CLIENT.get_or_init(|| {
+        reqwest::Client::builder()
+            .pool_idle_timeout(std::time::Duration::from_millis(1500))
+            .build()
+            .expect("an HTTP client")
+    })
 }
 
 /// POSTs raw bytes to `/v1/jobs`; returns the status and the JSON answer.
