@@ -49,8 +49,9 @@ pub enum Outcome {
     /// The body reached a wait that is not over: the job was released until
     /// it is due, in the wait's own commit.
     Waiting {
-        /// When the job runs again at the latest (the database's clock).
-        until: chrono::DateTime<chrono::Utc>,
+        /// When the wait is due by the database's clock, on this process's
+        /// monotonic clock (`None`: beyond it); the supervisor polls then.
+        due: Option<std::time::Instant>,
     },
 }
 
@@ -170,6 +171,7 @@ impl JobRun {
             limiter: shared.limiter.clone(),
             priority: leased.request.priority,
             signal_waits: Default::default(),
+            wake: None,
             joins: 0,
             children: shared.child_rules.clone(),
             owner_token: leased.owner_token,
@@ -555,7 +557,9 @@ impl JobRun {
                     StepError::Draining => Outcome::Drained,
                     StepError::Waiting { kind, name, until } => {
                         tracing::debug!(job.id = %job_id, kind, name, %until, "waiting");
-                        Outcome::Waiting { until: *until }
+                        Outcome::Waiting {
+                            due: self.ctx.wake.take(),
+                        }
                     }
                     _ => Outcome::LeaseLost,
                 };

@@ -130,6 +130,15 @@ pub enum BatchError {
     /// A probe's transaction, rolled back on purpose.
     #[error("the probe rolled back")]
     ProbeRolledBack,
+    /// A batched read failed as a whole: each of its requests gets the
+    /// batch's error, as text, and whether it was transient.
+    #[error("{message}")]
+    Failed {
+        /// The batch's error.
+        message: String,
+        /// [`StoreError::is_retryable`] of the batch's error.
+        retryable: bool,
+    },
 }
 
 impl StoreError {
@@ -150,6 +159,7 @@ impl StoreError {
     pub fn is_retryable(&self) -> bool {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
         match self {
+            StoreError::Batch(BatchError::Failed { retryable, .. }) => *retryable,
             StoreError::Connect(_) | StoreError::Pool(_) | StoreError::Batch(_) => true,
             StoreError::Migrate(_) | StoreError::InvalidData(_) => false,
             StoreError::Query(e) => match e {

@@ -51,10 +51,12 @@ struct Gauge;
 /// Jobs purged per statement: small, so a purge never holds many locks.
 const PURGE_BATCH: i64 = 100;
 
-/// A wait this node released is due: poll.
+/// A wait this node released is due: poll. It carries the due time it
+/// was armed for; one that is no longer the armed one (a wake-up armed
+/// earlier since, while it sat in the mailbox) is ignored.
 #[derive(Message)]
 #[rtype(result = "()")]
-struct Wake;
+struct Wake(u64);
 
 /// Due times a node keeps to poll at. The latest past this many are
 /// dropped; the regular poll still finds their jobs, within its interval.
@@ -108,12 +110,15 @@ pub struct Supervisor {
     /// When to look for due schedules next (`None`: at the next poll).
     schedules_due: Option<std::time::Instant>,
     firing: bool,
-    /// Due times (Unix ms, the database's clock as the wait stored it) of
-    /// the waits this node released, earliest first; one entry per
-    /// millisecond, however many jobs fall due in it.
-    wakeups: BTreeSet<i64>,
+    /// Due times of the waits this node released, earliest first, in
+    /// milliseconds since `started` (this process's monotonic clock,
+    /// rounded up): one entry per millisecond, however many jobs fall due
+    /// in it.
+    wakeups: BTreeSet<u64>,
     /// The due time the armed wake-up is for, and its timer.
-    wake: Option<(i64, SpawnHandle)>,
+    wake: Option<(u64, SpawnHandle)>,
+    /// The origin of `wakeups`.
+    started: std::time::Instant,
 }
 
 /// Fire the due schedules (see [`crate::store::schedules`]).
@@ -145,6 +150,7 @@ impl Supervisor {
             firing: false,
             wakeups: BTreeSet::new(),
             wake: None,
+            started: std::time::Instant::now(),
         }
     }
 }
@@ -381,8 +387,8 @@ impl Handler<Finished> for Supervisor {
             ctx.notify(SendEvents);
         }
         tracing::debug!(job.id = %msg.job_id, outcome = ?msg.outcome, "attempt ended");
-        if let Outcome::Waiting { until } = msg.outcome {
-            self.wake_at(until, ctx);
+        if let Outcome::Waiting { due: Some(due) } = msg.outcome {
+            self.wake_at(due, ctx);
         }
         if was_full {
             ctx.notify(Poll);
@@ -391,13 +397,20 @@ impl Handler<Finished> for Supervisor {
 }
 
 impl Supervisor {
-    /// Polls at `until` (and the regular poll runs on as ever). The acquire
-    /// picks up jobs whose `run_at <= now()`, so the wake-up is set one
-    /// millisecond past the due time. Another node's clock may differ from
-    /// the database's: a wake-up that comes early finds nothing, and the
-    /// next regular poll fires the timer.
-    fn wake_at(&mut self, until: chrono::DateTime<chrono::Utc>, ctx: &mut Context<Self>) {
-        self.wakeups.insert(until.timestamp_millis() + 1);
+    /// Polls at `due`, besides the regular poll. `due` is when the wait is
+    /// due by the database's clock (the acquire takes jobs whose `run_at <=
+    /// now()`), read off this process's monotonic clock, so the node's own
+    /// clock may differ from the database's. A wake-up whose poll takes
+    /// nothing (the node is full, the acquire fails) is not repeated: the
+    /// regular poll fires the timer, within its interval.
+    fn wake_at(&mut self, due: std::time::Instant, ctx: &mut Context<Self>) {
+        if self.stopping {
+            return;
+        }
+        let since = due.saturating_duration_since(self.started);
+        // Rounded up to the millisecond: never before `due`.
+        let at = since.as_micros().div_ceil(1000) as u64;
+        self.wakeups.insert(at);
         if self.wakeups.len() > MAX_WAKEUPS {
             self.wakeups.pop_last();
         }
@@ -413,12 +426,12 @@ impl Supervisor {
             if armed <= next {
                 return;
             }
+            // If it has fired already, its `Wake` is ignored: see `Wake`.
             ctx.cancel_future(handle);
         }
-        let delay = (next - chrono::Utc::now().timestamp_millis()).max(0) as u64;
-        let handle = ctx.run_later(std::time::Duration::from_millis(delay), |_, ctx| {
-            ctx.notify(Wake)
-        });
+        let at = self.started + std::time::Duration::from_millis(next);
+        let delay = at.saturating_duration_since(std::time::Instant::now());
+        let handle = ctx.run_later(delay, move |_, ctx| ctx.notify(Wake(next)));
         self.wake = Some((next, handle));
     }
 }
@@ -426,10 +439,17 @@ impl Supervisor {
 impl Handler<Wake> for Supervisor {
     type Result = ();
 
-    fn handle(&mut self, _: Wake, ctx: &mut Self::Context) {
+    fn handle(&mut self, Wake(at): Wake, ctx: &mut Self::Context) {
+        if self.wake.is_none_or(|(armed, _)| armed != at) {
+            return;
+        }
         self.wake = None;
-        let now = chrono::Utc::now().timestamp_millis();
-        while self.wakeups.first().is_some_and(|at| *at <= now) {
+        if self.stopping {
+            self.wakeups.clear();
+            return;
+        }
+        let now = self.started.elapsed().as_millis() as u64;
+        while self.wakeups.first().is_some_and(|due| *due <= now) {
             self.wakeups.pop_first();
         }
         ctx.notify(Poll);

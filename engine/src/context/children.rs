@@ -236,12 +236,13 @@ impl Context {
                 }
                 match step {
                     WaitStep::Done(outcome) => outcome,
-                    WaitStep::Waiting { until } => {
+                    WaitStep::Waiting { until, due } => {
+                        self.wake = due;
                         return Err(StepError::Waiting {
                             kind: "children",
                             name,
                             until,
-                        })
+                        });
                     }
                     WaitStep::LeaseLost => return Err(StepError::LeaseLost),
                 }

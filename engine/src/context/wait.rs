@@ -189,11 +189,14 @@ impl Context {
         }
         match step {
             WaitStep::Done(outcome) => Ok(outcome),
-            WaitStep::Waiting { until } => Err(StepError::Waiting {
-                kind: kind.as_str(),
-                name: name.to_owned(),
-                until,
-            }),
+            WaitStep::Waiting { until, due } => {
+                self.wake = due;
+                Err(StepError::Waiting {
+                    kind: kind.as_str(),
+                    name: name.to_owned(),
+                    until,
+                })
+            }
             WaitStep::LeaseLost => Err(StepError::LeaseLost),
         }
     }

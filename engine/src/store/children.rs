@@ -111,6 +111,8 @@ impl Store {
             outcome: Option<Value>,
             #[diesel(sql_type = Bool)]
             due: bool,
+            #[diesel(sql_type = BigInt)]
+            left_ms: i64,
         }
         #[derive(QueryableByName)]
         struct ChildRow {
@@ -137,7 +139,8 @@ impl Store {
                     "INSERT INTO waits (job_id, wait_key, kind, name, until) \
                      VALUES ($1, $2, 'children', $3, clock_timestamp() + $4 * interval '1 millisecond') \
                      ON CONFLICT (job_id, wait_key) DO UPDATE SET kind = waits.kind \
-                     RETURNING until, outcome, clock_timestamp() >= until AS due",
+                     RETURNING until, outcome, clock_timestamp() >= until AS due, \
+                         greatest(0, ceil(extract(epoch FROM until - clock_timestamp()) * 1000))::bigint AS left_ms",
                 )
                 .bind::<Text, _>(&fence.job_id)
                 .bind::<Text, _>(key)
@@ -214,7 +217,10 @@ impl Store {
                 .bind::<Timestamptz, _>(wait.until)
                 .execute(conn)
                 .await?;
-                Ok(WaitStep::Waiting { until: wait.until })
+                Ok(WaitStep::Waiting {
+                    until: wait.until,
+                    due: super::waits::due_in(wait.left_ms),
+                })
             })
             .await
         })

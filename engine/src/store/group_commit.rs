@@ -19,6 +19,9 @@
 //!
 //! When a batch fails, its requests are written again one by one, so one
 //! row PostgreSQL refuses fails only its own request, never its batchmates.
+//! A batched read ([`Batcher::start_read`]) has no row to refuse: its
+//! failed batch fails each request with the batch's error, and each
+//! caller's retry decides.
 //!
 //! A job appears at most once per batch (a second request for it, from a
 //! concurrent attempt sharing the lease, waits for the next batch), and a
@@ -101,6 +104,18 @@ where
     /// Starts the task on the database runtime; it ends when the last
     /// handle is dropped.
     pub(crate) fn start(db: &crate::db::Db, run: RunBatch<R, O>) -> Self {
+        Self::start_with(db, run, true)
+    }
+
+    /// [`start`](Self::start) for a read: a failed batch fails each of its
+    /// requests with the batch's error (a read has no row to refuse, so
+    /// running them one by one would only wait out the outage once each),
+    /// and each caller's own retry decides.
+    pub(crate) fn start_read(db: &crate::db::Db, run: RunBatch<R, O>) -> Self {
+        Self::start_with(db, run, false)
+    }
+
+    fn start_with(db: &crate::db::Db, run: RunBatch<R, O>, split: bool) -> Self {
         let (tx, mut rx) = mpsc::unbounded_channel::<(R, Reply<O>)>();
         let pool = db.pool();
         let run = std::sync::Arc::new(run);
@@ -193,7 +208,7 @@ where
                         }
                         // One bad row must not fail its batchmates: run each
                         // request alone, so only its own error reaches it.
-                        Err(e) if n > 1 => {
+                        Err(e) if n > 1 && split => {
                             tracing::warn!(error = %e, batch = n, "a batched write failed; writing its rows one by one");
                             // The failed run has dropped its share by now.
                             let requests =
@@ -211,6 +226,18 @@ where
                                 });
                             }
                             each
+                        }
+                        Err(e) if n > 1 => {
+                            let (message, retryable) = (e.to_string(), e.is_retryable());
+                            (0..n)
+                                .map(|_| {
+                                    Err(BatchError::Failed {
+                                        message: message.clone(),
+                                        retryable,
+                                    }
+                                    .into())
+                                })
+                                .collect()
                         }
                         Err(e) => vec![Err(e)],
                     };

@@ -226,7 +226,7 @@ impl Batches {
             commit_result: Batcher::start(db, pooled!(commit_result_on)),
             begin_call: Batcher::start(db, pooled!(begin_call_on)),
             stream: Batcher::start(db, pooled!(stream_on)),
-            journal: Batcher::start(db, pooled!(journal_on)),
+            journal: Batcher::start_read(db, pooled!(journal_on)),
         })
     }
 }

@@ -85,6 +85,11 @@ pub enum WaitStep {
     Waiting {
         /// When it runs again at the latest.
         until: DateTime<Utc>,
+        /// When `until` has passed by the database's clock, on this
+        /// process's monotonic clock (what the node's wake-up is armed on:
+        /// never before the database would call the wait due); `None` past
+        /// what the clock can hold.
+        due: Option<std::time::Instant>,
     },
     /// The attempt no longer holds the job: nothing was written.
     LeaseLost,
@@ -134,6 +139,15 @@ struct WaitRow {
     outcome: Option<Value>,
     #[diesel(sql_type = Bool)]
     due: bool,
+    #[diesel(sql_type = BigInt)]
+    left_ms: i64,
+}
+
+/// The instant, on this process's monotonic clock, by which `left_ms` (the
+/// time to a due time, by the database's clock, read by a statement that
+/// has returned) has passed: the database cannot reach the due time sooner.
+pub(crate) fn due_in(left_ms: i64) -> Option<std::time::Instant> {
+    std::time::Instant::now().checked_add(std::time::Duration::from_millis(left_ms.max(0) as u64))
 }
 
 #[derive(QueryableByName)]
@@ -170,7 +184,8 @@ impl Store {
                     "INSERT INTO waits (job_id, wait_key, kind, name, until) \
                      VALUES ($1, $2, $3, $4, coalesce($6, clock_timestamp() + $5 * interval '1 millisecond')) \
                      ON CONFLICT (job_id, wait_key) DO UPDATE SET kind = waits.kind \
-                     RETURNING until, outcome, clock_timestamp() >= until AS due",
+                     RETURNING until, outcome, clock_timestamp() >= until AS due, \
+                         greatest(0, ceil(extract(epoch FROM until - clock_timestamp()) * 1000))::bigint AS left_ms",
                 )
                 .bind::<Text, _>(&fence.job_id)
                 .bind::<Text, _>(ask.key)
@@ -257,7 +272,10 @@ impl Store {
                         .bind::<Timestamptz, _>(row.until)
                         .execute(conn)
                         .await?;
-                        Ok(WaitStep::Waiting { until: row.until })
+                        Ok(WaitStep::Waiting {
+                            until: row.until,
+                            due: due_in(row.left_ms),
+                        })
                     }
                 }
             })
