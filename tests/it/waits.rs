@@ -371,7 +371,7 @@ async fn a_batched_journal_read_is_each_jobs_own_journal_in_order() {
     let acted = Arc::new(AtomicU32::new(0));
     let mut registry = registry(&acted);
     registry.register(
-        onceflow_workflows::Agent::new().with_tool(onceflow_workflows::HttpPost::new(&tools.url())),
+        onceflow_workflows::Agent::new().with_tool(onceflow_workflows::HttpPost::new(tools.url())),
     );
     let _engine = env.start(registry, env.config());
     submit(&env, "jb-p1", 0, 0).await;
