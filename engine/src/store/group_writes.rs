@@ -25,7 +25,6 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
 use super::group_commit::{Batcher, ForJob, Keyed};
-use super::ledger::journal_on;
 use super::rows::{lock_in_order, IdRow, INTAKE_WORKER, NEW_JOB_CHANNEL};
 use super::sql::sql;
 use super::streams::stream_on;
@@ -187,6 +186,76 @@ impl ForJob for ModelAnswer {
     }
 }
 
+/// One key of a job's journal and, for a wait that is over, its outcome.
+pub(crate) type JournalKey = (String, Option<Value>);
+
+/// A rerun's read of its job's journal, batched with other jobs' reads
+/// (see [`journal_on`]).
+#[derive(Clone)]
+pub(crate) struct JournalRead {
+    pub(crate) fence: Fence,
+}
+
+impl ForJob for JournalRead {
+    fn fence(&self) -> &Fence {
+        &self.fence
+    }
+}
+
+/// Each job's journal (model calls, tool calls, steps, waits) in the order
+/// its keys were first journaled, for many jobs in one statement; one list
+/// per request, in order. A read, so it locks nothing: it runs after the
+/// acquire that moved the epoch has committed, and no earlier attempt can
+/// journal anything after that.
+pub(crate) async fn journal_on(
+    conn: &mut AsyncPgConnection,
+    requests: &[JournalRead],
+) -> Result<Vec<Vec<JournalKey>>, StoreError> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        job_id: String,
+        #[diesel(sql_type = Text)]
+        key: String,
+        #[diesel(sql_type = Nullable<Jsonb>)]
+        outcome: Option<Value>,
+    }
+    let ids: Vec<&str> = requests.iter().map(|r| r.fence.job_id.as_str()).collect();
+    let prefixes: Vec<String> = requests
+        .iter()
+        .map(|r| r.fence.key().as_str().to_owned())
+        .collect();
+    let rows: Vec<Row> = sql(
+        "WITH input AS (SELECT * FROM unnest((SELECT $1::text[]), (SELECT $2::text[])) \
+             AS i(id, prefix)) \
+         SELECT job_id, key, outcome FROM ( \
+             SELECT m.job_id, m.idempotency_key AS key, m.created_at, m.id AS seq, \
+                     NULL::jsonb AS outcome \
+                 FROM model_calls m JOIN input i ON m.job_id = i.id \
+             UNION ALL SELECT t.job_id, i.prefix || ':tool:' || t.turn || ':' || t.call_index, \
+                     t.created_at, t.id, NULL \
+                 FROM tool_calls t JOIN input i ON t.job_id = i.id \
+             UNION ALL SELECT s.job_id, s.step_key, s.created_at, 0, NULL \
+                 FROM steps s JOIN input i ON s.job_id = i.id \
+             UNION ALL SELECT w.job_id, w.wait_key, w.created_at, 0, w.outcome \
+                 FROM waits w JOIN input i ON w.job_id = i.id) k \
+         ORDER BY job_id, created_at, seq",
+    )
+    .bind::<diesel::sql_types::Array<Text>, _>(&ids)
+    .bind::<diesel::sql_types::Array<Text>, _>(&prefixes)
+    .load(conn)
+    .await?;
+    let mut by_job: std::collections::HashMap<String, Vec<JournalKey>> =
+        std::collections::HashMap::with_capacity(requests.len());
+    for r in rows {
+        by_job.entry(r.job_id).or_default().push((r.key, r.outcome));
+    }
+    Ok(requests
+        .iter()
+        .map(|r| by_job.remove(&r.fence.job_id).unwrap_or_default())
+        .collect())
+}
+
 /// The batchers of one store.
 #[derive(Debug)]
 pub(crate) struct Batches {
@@ -201,7 +270,7 @@ pub(crate) struct Batches {
     /// Chunks of streamed answers.
     pub(crate) stream: Batcher<super::streams::StreamWrite, super::streams::Written>,
     /// Reruns' reads of their journals (a read, batched the same way).
-    pub(crate) journal: Batcher<super::ledger::JournalRead, Vec<super::ledger::Journaled>>,
+    pub(crate) journal: Batcher<JournalRead, Vec<JournalKey>>,
 }
 
 /// A batch statement `f(conn, requests)` run on a connection of the pool.

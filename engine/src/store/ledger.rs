@@ -109,76 +109,6 @@ pub struct Journaled {
     pub outcome: Option<Value>,
 }
 
-/// A rerun's read of its job's journal, batched with other jobs' reads
-/// (see [`journal_on`]).
-#[derive(Clone)]
-pub(crate) struct JournalRead {
-    pub(crate) fence: Fence,
-}
-
-impl super::group_commit::ForJob for JournalRead {
-    fn fence(&self) -> &Fence {
-        &self.fence
-    }
-}
-
-/// Each job's journal (model calls, tool calls, steps, waits) in the order
-/// its keys were first journaled, for many jobs in one statement; one list
-/// per request, in order. A read, so it locks nothing: it runs after the
-/// acquire that moved the epoch has committed, and no earlier attempt can
-/// journal anything after that.
-pub(crate) async fn journal_on(
-    conn: &mut AsyncPgConnection,
-    requests: &[JournalRead],
-) -> Result<Vec<Vec<Journaled>>, StoreError> {
-    #[derive(QueryableByName)]
-    struct Row {
-        #[diesel(sql_type = Text)]
-        job_id: String,
-        #[diesel(sql_type = Text)]
-        key: String,
-        #[diesel(sql_type = Nullable<Jsonb>)]
-        outcome: Option<Value>,
-    }
-    let ids: Vec<&str> = requests.iter().map(|r| r.fence.job_id.as_str()).collect();
-    let prefixes: Vec<String> = requests
-        .iter()
-        .map(|r| r.fence.key().as_str().to_owned())
-        .collect();
-    let rows: Vec<Row> = sql(
-        "WITH input AS (SELECT * FROM unnest((SELECT $1::text[]), (SELECT $2::text[])) \
-             AS i(id, prefix)) \
-         SELECT job_id, key, outcome FROM ( \
-             SELECT m.job_id, m.idempotency_key AS key, m.created_at, m.id AS seq, \
-                     NULL::jsonb AS outcome \
-                 FROM model_calls m JOIN input i ON m.job_id = i.id \
-             UNION ALL SELECT t.job_id, i.prefix || ':tool:' || t.turn || ':' || t.call_index, \
-                     t.created_at, t.id, NULL \
-                 FROM tool_calls t JOIN input i ON t.job_id = i.id \
-             UNION ALL SELECT s.job_id, s.step_key, s.created_at, 0, NULL \
-                 FROM steps s JOIN input i ON s.job_id = i.id \
-             UNION ALL SELECT w.job_id, w.wait_key, w.created_at, 0, w.outcome \
-                 FROM waits w JOIN input i ON w.job_id = i.id) k \
-         ORDER BY job_id, created_at, seq",
-    )
-    .bind::<diesel::sql_types::Array<Text>, _>(&ids)
-    .bind::<diesel::sql_types::Array<Text>, _>(&prefixes)
-    .load(conn)
-    .await?;
-    let mut by_job: std::collections::HashMap<String, Vec<Journaled>> =
-        std::collections::HashMap::with_capacity(requests.len());
-    for r in rows {
-        by_job.entry(r.job_id).or_default().push(Journaled {
-            key: r.key,
-            outcome: r.outcome,
-        });
-    }
-    Ok(requests
-        .iter()
-        .map(|r| by_job.remove(&r.fence.job_id).unwrap_or_default())
-        .collect())
-}
-
 impl Store {
     /// Records the intent to execute `call` (before any side effect) and
     /// decides whether this attempt executes it.
@@ -348,13 +278,17 @@ impl Store {
     pub async fn journal_keys(&self, fence: &Fence) -> Result<Vec<Journaled>, StoreError> {
         // Batched: a node that resumes many jobs at once (a timer burst, a
         // restart) reads their journals in a few statements, not one each.
-        let request = JournalRead {
+        let request = super::group_writes::JournalRead {
             fence: fence.clone(),
         };
-        retrying!(self, "journal_keys", async || {
+        let keys = retrying!(self, "journal_keys", async || {
             self.batches.journal.call(request.clone()).await
         })
-        .await
+        .await?;
+        Ok(keys
+            .into_iter()
+            .map(|(key, outcome)| Journaled { key, outcome })
+            .collect())
     }
 
     /// Begins step `key` under the attempt's fence, before its work runs:
