@@ -332,3 +332,30 @@ impl Default for Gate {
         }
     }
 }
+
+/// Reads the `onceflow.jobs` (live jobs by state, and the dead) and
+/// `onceflow.jobs.unrunnable` gauges from the database: two statements.
+/// They run when the metrics are collected — a `/metrics` scrape, and each
+/// OTLP push when OTLP metrics are on — never on an idle node's own clock.
+/// A failed read keeps the last values.
+pub async fn refresh_gauges(store: &Store, registry: &Registry, telemetry: &Telemetry) {
+    let metrics = telemetry.metrics();
+    match store.count_live_and_dead().await {
+        Ok(counts) => {
+            for (state, n) in counts {
+                metrics.jobs.record(
+                    n,
+                    &[opentelemetry::KeyValue::new(
+                        onceflow_observability::names::STATE,
+                        state.as_str(),
+                    )],
+                );
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "could not count jobs by state"),
+    }
+    match store.count_unrunnable(&registry.runnable()).await {
+        Ok(n) => metrics.jobs_unrunnable.record(n, &[]),
+        Err(e) => tracing::debug!(error = %e, "could not count unrunnable jobs"),
+    }
+}

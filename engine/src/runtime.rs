@@ -26,6 +26,7 @@ pub struct Engine {
     counters: Arc<Counters>,
     draining: Arc<std::sync::atomic::AtomicBool>,
     limiter: Arc<crate::limiter::Limiter>,
+    shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -55,7 +56,7 @@ impl Engine {
             }
         });
         let supervisor = Supervisor::new(shared.clone()).start();
-        let handoff = crate::handoff::Handoff::new(shared, supervisor.clone());
+        let handoff = crate::handoff::Handoff::new(shared.clone(), supervisor.clone());
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
         actix::spawn(listen(
             store.clone(),
@@ -72,6 +73,7 @@ impl Engine {
             stop_listener,
             counters,
             draining,
+            shared,
         }
     }
 
@@ -89,6 +91,16 @@ impl Engine {
     /// Look for work now.
     pub fn wake(&self) {
         self.supervisor.do_send(Poll);
+    }
+
+    /// Reads the job gauges (`onceflow.jobs`, `onceflow.jobs.unrunnable`)
+    /// into this node's telemetry now, as a `/metrics` scrape does: for an
+    /// embedder that renders [`Telemetry::prometheus`] itself.
+    ///
+    /// [`Telemetry::prometheus`]: onceflow_observability::Telemetry::prometheus
+    pub async fn refresh_gauges(&self) {
+        let shared = &self.shared;
+        crate::node::refresh_gauges(&shared.store, &shared.registry, &shared.config.telemetry).await
     }
 
     /// Jobs running on this node.

@@ -43,7 +43,7 @@ const EVENT_BATCH: i64 = 32;
 #[rtype(result = "()")]
 struct Purge;
 
-/// Refresh the jobs-by-state and unrunnable gauges.
+/// Refresh the jobs-by-state and unrunnable gauges (before an OTLP push).
 #[derive(Message)]
 #[rtype(result = "()")]
 struct Gauge;
@@ -168,17 +168,19 @@ impl Actor for Supervisor {
         // goes again at once while a backlog lasts; retention is counted in
         // hours, so once a minute (at the default interval) is plenty.
         ctx.run_interval(config.poll_interval * 60, |_, ctx| ctx.notify(Purge));
-        // The gauges every half minute: their statements read only live
-        // and dead jobs, never the retained finished ones.
-        ctx.run_interval(config.poll_interval * 30, |_, ctx| ctx.notify(Gauge));
+        // The gauges are read when the metrics are collected: at each
+        // `/metrics` scrape (see `api::metrics`), and here before each OTLP
+        // push when OTLP metrics are on. Without either, never.
+        if let Some(push) = config.telemetry.otlp().filter(|o| o.metrics.is_some()) {
+            ctx.run_interval(push.metric_interval, |_, ctx| ctx.notify(Gauge));
+            ctx.notify(Gauge);
+        }
         // Events are sent at once after an attempt of this node that may
         // have queued one (a death, an approval's wait); this sweep finds
         // those another node queued and could not send.
         ctx.run_interval(config.poll_interval * 60, |_, ctx| ctx.notify(SendEvents));
-        // On start, recover whatever this node's previous incarnation held,
-        // and fill the gauges.
+        // On start, recover whatever this node's previous incarnation held.
         ctx.notify(Poll);
-        ctx.notify(Gauge);
         ctx.notify(SendEvents);
     }
 }
@@ -620,34 +622,8 @@ impl Handler<Gauge> for Supervisor {
         self.gauging = true;
         let shared = self.shared.clone();
         let gauge = async move {
-            match shared.store.count_live_and_dead().await {
-                Ok(counts) => {
-                    let gauge = &shared.config.telemetry.metrics().jobs;
-                    for (state, n) in counts {
-                        gauge.record(
-                            n,
-                            &[opentelemetry::KeyValue::new(
-                                onceflow_observability::names::STATE,
-                                state.as_str(),
-                            )],
-                        );
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, "could not count jobs by state"),
-            }
-            match shared
-                .store
-                .count_unrunnable(&shared.registry.runnable())
+            crate::node::refresh_gauges(&shared.store, &shared.registry, &shared.config.telemetry)
                 .await
-            {
-                Ok(n) => shared
-                    .config
-                    .telemetry
-                    .metrics()
-                    .jobs_unrunnable
-                    .record(n, &[]),
-                Err(e) => tracing::debug!(error = %e, "could not count unrunnable jobs"),
-            }
         };
         ctx.spawn(gauge.into_actor(self).map(|(), act, _| act.gauging = false));
     }

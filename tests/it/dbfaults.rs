@@ -795,11 +795,12 @@ async fn a_job_of_an_unregistered_workflow_is_left_alone_and_counted() {
     let telemetry = Arc::new(onceflow_observability::Telemetry::disabled());
     let mut config = env.config();
     config.telemetry = telemetry.clone();
-    let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
+    let engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
     submit_unregistered(&env, "elsewhere-1").await;
     env.submit("here-1", "hello").await;
     env.wait_for("here-1", JobState::Acked, WAIT).await;
     let counted = wait_until(Duration::from_secs(10), || async {
+        engine.refresh_gauges().await;
         telemetry
             .prometheus()
             .lines()
@@ -840,13 +841,14 @@ async fn the_jobs_gauge_counts_live_and_dead_jobs_only() {
         .cancel("gauge-cancelled", "test", "not wanted")
         .await
         .expect("cancel");
-    let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
+    let engine = env.start(registry(DeliveryPolicy::AtLeastOnce), config);
     env.submit("gauge-acked-1", "hello").await;
     env.submit("gauge-acked-2", "hello").await;
     env.wait_for("gauge-acked-1", JobState::Acked, WAIT).await;
     env.wait_for("gauge-acked-2", JobState::Acked, WAIT).await;
     let line = |state: &str, n: u64| format!("onceflow_jobs{{onceflow_state=\"{state}\"}} {n}");
     let counted = wait_until(Duration::from_secs(10), || async {
+        engine.refresh_gauges().await;
         let text = telemetry.prometheus();
         text.lines().any(|l| l == line("received", 2))
             && text.lines().any(|l| l == line("dead", 1))
@@ -859,6 +861,47 @@ async fn the_jobs_gauge_counts_live_and_dead_jobs_only() {
         !text.contains("onceflow_jobs{onceflow_state=\"acked\"}")
             && !text.contains("onceflow_jobs{onceflow_state=\"cancelled\"}"),
         "finished jobs are not gauged: {text}"
+    );
+}
+
+/// A `/metrics` scrape reads the job gauges at that moment, as a Prometheus
+/// collector does: no node refreshes them on a timer of its own (an idle
+/// node issues no statements for them), and the scrape still shows a job
+/// submitted just before it. No engine runs here at all.
+#[actix_rt::test]
+async fn a_scrape_reads_the_job_gauges_when_it_is_made() {
+    let env = TestEnv::new().await;
+    let base = crate::support::serve_api(
+        env.store.clone(),
+        registry(DeliveryPolicy::AtLeastOnce),
+        None,
+    );
+    let gauge = |text: &str, prefix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .map(str::to_owned)
+    };
+    submit_unregistered(&env, "scraped-1").await;
+    submit_unregistered(&env, "scraped-2").await;
+    let text = crate::support::get_text(&format!("{base}/metrics")).await;
+    assert_eq!(
+        gauge(&text, "onceflow_jobs_unrunnable").as_deref(),
+        Some("2"),
+        "{text}"
+    );
+    assert_eq!(
+        gauge(&text, "onceflow_jobs{onceflow_state=\"received\"}").as_deref(),
+        Some("2"),
+        "{text}"
+    );
+    env.execute("UPDATE jobs SET state = 'dead', dead_reason = 'x', finished_at = now() WHERE id = 'scraped-1'")
+        .await;
+    let text = crate::support::get_text(&format!("{base}/metrics")).await;
+    assert_eq!(
+        gauge(&text, "onceflow_jobs{onceflow_state=\"dead\"}").as_deref(),
+        Some("1"),
+        "the next scrape reads again: {text}"
     );
 }
 

@@ -27,6 +27,10 @@ pub(super) async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
     }
 }
 
+/// How long a scrape waits for the gauges' read before it answers with
+/// the last values.
+const GAUGE_READ: std::time::Duration = std::time::Duration::from_secs(2);
+
 #[utoipa::path(get, path = "/metrics", tag = "operate",
     responses((status = 200, description = "Prometheus text", content_type = "text/plain", body = String), (status = 401, body = ErrorBody)))]
 pub(super) async fn metrics(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
@@ -36,6 +40,14 @@ pub(super) async fn metrics(state: web::Data<ApiState>, req: HttpRequest) -> Htt
     if let Err(refused) = authenticate(&state, &req).await {
         return refused;
     }
+    // The gauges are read now, as a Prometheus collector reads at scrape
+    // time: an idle node issues no statements of its own for them. Bounded:
+    // a slow database leaves the last values rather than a hung scrape.
+    let _ = tokio::time::timeout(
+        GAUGE_READ,
+        crate::node::refresh_gauges(&state.store, &state.registry, &state.telemetry),
+    )
+    .await;
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(state.telemetry.prometheus())
