@@ -93,6 +93,13 @@ impl Engine {
         self.supervisor.do_send(Poll);
     }
 
+    /// Purges the jobs past their retention now, rather than when the
+    /// oldest finished job's retention ends (the node's own timer): for an
+    /// operator, or a test, that changed `finished_at` behind its back.
+    pub fn purge_now(&self) {
+        self.supervisor.do_send(crate::supervisor::PurgeNow);
+    }
+
     /// Reads the job gauges (`onceflow.jobs`, `onceflow.jobs.unrunnable`)
     /// into this node's telemetry now, as a `/metrics` scrape does: for an
     /// embedder that renders [`Telemetry::prometheus`] itself.
@@ -220,14 +227,18 @@ async fn listen_on(
     supervisor: &Addr<Supervisor>,
     limiter: &crate::limiter::Limiter,
 ) -> Result<(), diesel::result::Error> {
+    use crate::store::events::EVENTS_CHANNEL;
     use crate::store::operate::CANCEL_CHANNEL;
     use crate::store::schedules::SCHEDULES_CHANNEL;
     use crate::store::slots::LIMITS_CHANNEL;
     use crate::store::streams::{STREAM_CHANNEL, TOKENS_CHANNEL};
     conn.batch_execute(&format!(
-        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}; LISTEN {STREAM_CHANNEL}; LISTEN {CANCEL_CHANNEL}; LISTEN {SCHEDULES_CHANNEL}; LISTEN {TOKENS_CHANNEL}"
+        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}; LISTEN {STREAM_CHANNEL}; LISTEN {CANCEL_CHANNEL}; LISTEN {SCHEDULES_CHANNEL}; LISTEN {TOKENS_CHANNEL}; LISTEN {EVENTS_CHANNEL}"
     ))
     .await?;
+    // Listening from here on: what was announced before (while this
+    // connection was down, or before the first) is looked for once.
+    supervisor.do_send(crate::supervisor::Listening);
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     while let Some(n) = notifications.next().await {
         let n = n?;
@@ -241,6 +252,8 @@ async fn listen_on(
             store.token_changed(&n.payload);
         } else if n.channel == SCHEDULES_CHANNEL {
             supervisor.do_send(crate::supervisor::SchedulesChanged);
+        } else if n.channel == EVENTS_CHANNEL {
+            supervisor.do_send(crate::supervisor::SendEvents);
         } else {
             supervisor.do_send(Poll);
         }

@@ -30,10 +30,12 @@ pub struct Poll;
 #[rtype(result = "()")]
 struct Heartbeat;
 
-/// Send the failure events that are due (any node may).
+/// Send the failure events that are due (any node may): after an attempt
+/// here that may have queued one, on a `NOTIFY` of one queued anywhere, and
+/// when the soonest pending one falls due.
 #[derive(Message)]
 #[rtype(result = "()")]
-struct SendEvents;
+pub struct SendEvents;
 
 /// Failure events one node sends per tick.
 const EVENT_BATCH: i64 = 32;
@@ -100,6 +102,15 @@ pub struct Supervisor {
     purging: bool,
     gauging: bool,
     sending_events: bool,
+    /// A `SendEvents` arrived during a sweep: sweep again after it.
+    events_again: bool,
+    /// The sweep armed for the soonest pending event (a retry, or another
+    /// node's send whose mark may lapse).
+    events_timer: Option<SpawnHandle>,
+    /// The purge armed for when the oldest finished job's retention ends.
+    purge_timer: Option<SpawnHandle>,
+    /// When that purge is due (`None`: nothing finished was seen).
+    purge_due: Option<std::time::Instant>,
     /// Reclaims of this node's own leases asked for (one at start, one per
     /// `ReclaimOwn`) and done: an acquire reclaims while any is pending.
     reclaim_wanted: u64,
@@ -107,8 +118,8 @@ pub struct Supervisor {
     stopping: bool,
     /// Actors in flight last reported to the up-down counter.
     reported_in_flight: i64,
-    /// When to look for due schedules next (`None`: at the next poll).
-    schedules_due: Option<std::time::Instant>,
+    /// When to look for due schedules next.
+    schedules_due: SchedulesDue,
     firing: bool,
     /// Due times of the waits this node released, earliest first, in
     /// milliseconds since `started` (this process's monotonic clock,
@@ -126,6 +137,29 @@ pub struct Supervisor {
 #[rtype(result = "()")]
 struct FireSchedules;
 
+/// When a node looks for due schedules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SchedulesDue {
+    /// At the next poll.
+    Now,
+    /// At the first poll from then on: the soonest schedule's due time.
+    At(std::time::Instant),
+    /// No schedule is active: when one is created or resumed (its `NOTIFY`),
+    /// or when `LISTEN` reconnects (a `NOTIFY` may have been missed).
+    WhenTold,
+}
+
+/// `LISTEN` is (re)connected: whatever was announced while it was not is
+/// looked for once — new work, schedules, failure events.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Listening;
+
+/// Purge now (see [`crate::runtime::Engine::purge_now`]).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct PurgeNow;
+
 /// A schedule was created or resumed somewhere: look at once.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -142,11 +176,15 @@ impl Supervisor {
             purging: false,
             gauging: false,
             sending_events: false,
+            events_again: false,
+            events_timer: None,
+            purge_timer: None,
+            purge_due: None,
             reclaim_wanted: 1,
             reclaimed: 0,
             stopping: false,
             reported_in_flight: 0,
-            schedules_due: None,
+            schedules_due: SchedulesDue::Now,
             firing: false,
             wakeups: BTreeSet::new(),
             wake: None,
@@ -162,12 +200,12 @@ impl Actor for Supervisor {
         let config = &self.shared.config;
         ctx.run_interval(config.poll_interval, |_, ctx| ctx.notify(Poll));
         ctx.run_interval(config.lease / 3, |_, ctx| ctx.notify(Heartbeat));
-        // Housekeeping is kept off the idle path: an idle node issues its
-        // acquire poll (the timer poll) each interval and little else.
-        // Purging is one indexed DELETE of at most PURGE_BATCH rows, and
-        // goes again at once while a backlog lasts; retention is counted in
-        // hours, so once a minute (at the default interval) is plenty.
-        ctx.run_interval(config.poll_interval * 60, |_, ctx| ctx.notify(Purge));
+        // Housekeeping runs when something is due, never on a clock of its
+        // own: an idle node issues its acquire poll (the timer poll) each
+        // interval and nothing else. The purge is armed for when the oldest
+        // finished job's retention ends (see `Purge`); schedules are looked
+        // at when the soonest is due (see `FireSchedules`); failure events
+        // are sent when queued and when a retry falls due (see `SendEvents`).
         // The gauges are read when the metrics are collected: at each
         // `/metrics` scrape (see `api::metrics`), and here before each OTLP
         // push when OTLP metrics are on. Without either, never.
@@ -175,13 +213,11 @@ impl Actor for Supervisor {
             ctx.run_interval(push.metric_interval, |_, ctx| ctx.notify(Gauge));
             ctx.notify(Gauge);
         }
-        // Events are sent at once after an attempt of this node that may
-        // have queued one (a death, an approval's wait); this sweep finds
-        // those another node queued and could not send.
-        ctx.run_interval(config.poll_interval * 60, |_, ctx| ctx.notify(SendEvents));
-        // On start, recover whatever this node's previous incarnation held.
+        // On start, recover whatever this node's previous incarnation held,
+        // send the events due, and find when the first purge is due.
         ctx.notify(Poll);
         ctx.notify(SendEvents);
+        ctx.notify(Purge);
     }
 }
 
@@ -193,10 +229,12 @@ impl Handler<Poll> for Supervisor {
         if self.stopping || self.frozen() {
             return;
         }
-        if self
-            .schedules_due
-            .is_none_or(|at| std::time::Instant::now() >= at)
-        {
+        let schedules_due = match self.schedules_due {
+            SchedulesDue::Now => true,
+            SchedulesDue::At(at) => std::time::Instant::now() >= at,
+            SchedulesDue::WhenTold => false,
+        };
+        if schedules_due {
             ctx.notify(FireSchedules);
         }
         if self.polling {
@@ -388,6 +426,12 @@ impl Handler<Finished> for Supervisor {
         ) {
             ctx.notify(SendEvents);
         }
+        // A finished job is purged when its retention ends.
+        match msg.outcome {
+            Outcome::Acked => self.purge_within(self.shared.config.retention, ctx),
+            Outcome::Dead => self.purge_within(self.shared.config.dead_retention, ctx),
+            _ => {}
+        }
         tracing::debug!(job.id = %msg.job_id, outcome = ?msg.outcome, "attempt ended");
         if let Outcome::Waiting { due: Some(due) } = msg.outcome {
             self.wake_at(due, ctx);
@@ -521,29 +565,82 @@ impl Handler<Purge> for Supervisor {
             return;
         }
         self.purging = true;
+        if let Some(armed) = self.purge_timer.take() {
+            ctx.cancel_future(armed);
+        }
+        self.purge_due = None;
         let shared = self.shared.clone();
         let purge = async move {
             let retention_ms = shared.config.retention.as_millis() as i64;
             let dead_retention_ms = shared.config.dead_retention.as_millis() as i64;
-            let purged = shared
-                .store
+            let store = &shared.store;
+            let n = store
                 .purge_finished_keeping_dead(retention_ms, dead_retention_ms, PURGE_BATCH)
-                .await;
-            purged
+                .await?;
+            if n as i64 == PURGE_BATCH {
+                return Ok((n, Some(std::time::Duration::ZERO)));
+            }
+            let next = store.next_purge_in(retention_ms, dead_retention_ms).await?;
+            Ok::<_, crate::error::StoreError>((n, next))
         };
         ctx.spawn(purge.into_actor(self).map(|result, act, ctx| {
             act.purging = false;
-            match result {
+            let config = &act.shared.config;
+            // Nothing finished yet (or nothing this node could see): looked
+            // at again within the retention at the latest, for a job another
+            // node finished and did not purge (it stopped); this node's own
+            // finished jobs arm their purge themselves (see `Finished`).
+            let longest = config.retention.min(config.dead_retention);
+            let delay = match result {
                 // A full batch: more may be waiting.
-                Ok(n) if n as i64 == PURGE_BATCH => ctx.notify(Purge),
-                Ok(n) => {
+                Ok((n, _)) if n as i64 == PURGE_BATCH => std::time::Duration::ZERO,
+                Ok((n, next)) => {
                     if n > 0 {
                         tracing::info!(purged = n, "purged jobs past their retention");
                     }
+                    match next {
+                        // Past due but not purged: kept (a child of a live
+                        // parent) or another node's purge has it. Again in
+                        // a minute of polls, while such rows are there.
+                        Some(next) if next.is_zero() => config.poll_interval * 60,
+                        Some(next) => next.min(longest),
+                        None => longest,
+                    }
                 }
-                Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
-            }
+                Err(e) => {
+                    tracing::warn!(error = %e, "purge failed; will retry");
+                    config.poll_interval * 60
+                }
+            };
+            act.purge_within(delay, ctx);
         }));
+    }
+}
+
+impl Supervisor {
+    /// Purges at `delay` from now at the latest (an earlier purge armed
+    /// stays).
+    fn purge_within(&mut self, delay: std::time::Duration, ctx: &mut Context<Self>) {
+        if self.stopping {
+            return;
+        }
+        let due = std::time::Instant::now() + delay;
+        if self.purge_due.is_some_and(|armed| armed <= due) {
+            return;
+        }
+        if let Some(armed) = self.purge_timer.take() {
+            ctx.cancel_future(armed);
+        }
+        self.purge_due = Some(due);
+        self.purge_timer = Some(ctx.run_later(delay, |_, ctx| ctx.notify(Purge)));
+    }
+}
+
+impl Handler<PurgeNow> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: PurgeNow, ctx: &mut Self::Context) {
+        ctx.notify(Purge);
     }
 }
 
@@ -567,16 +664,16 @@ impl Handler<FireSchedules> for Supervisor {
                 })
             })
             .collect();
-        // Looked at again when the next is due, or after a minute of polls
-        // at the latest (a NOTIFY lost while LISTEN reconnected).
-        let safety = self.shared.config.poll_interval * 60;
+        // Looked at again when the next is due; with none active, when
+        // one is created or resumed (its NOTIFY) or LISTEN reconnects (see
+        // `Listening`): an idle node never looks on a clock of its own.
         ctx.spawn(
             async move { shared.store.fire_schedules(&fireable).await }
                 .into_actor(self)
                 .map(move |result, act, ctx| {
                     act.firing = false;
                     let now = std::time::Instant::now();
-                    act.schedules_due = Some(match result {
+                    act.schedules_due = match result {
                         Ok(fired) => {
                             if fired.jobs > 0 {
                                 tracing::info!(
@@ -591,13 +688,16 @@ impl Handler<FireSchedules> for Supervisor {
                             {
                                 ctx.notify(FireSchedules); // a full batch: more are due
                             }
-                            now + fired.next_in.map_or(safety, |d| d.min(safety))
+                            match fired.next_in {
+                                Some(next) => SchedulesDue::At(now + next),
+                                None => SchedulesDue::WhenTold,
+                            }
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "could not fire schedules; will retry");
-                            now + act.shared.config.poll_interval
+                            SchedulesDue::At(now + act.shared.config.poll_interval)
                         }
-                    });
+                    };
                 }),
         );
     }
@@ -607,8 +707,19 @@ impl Handler<SchedulesChanged> for Supervisor {
     type Result = ();
 
     fn handle(&mut self, _: SchedulesChanged, ctx: &mut Self::Context) {
-        self.schedules_due = None;
+        self.schedules_due = SchedulesDue::Now;
         ctx.notify(FireSchedules);
+    }
+}
+
+impl Handler<Listening> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: Listening, ctx: &mut Self::Context) {
+        self.schedules_due = SchedulesDue::Now;
+        ctx.notify(FireSchedules);
+        ctx.notify(SendEvents);
+        ctx.notify(Poll);
     }
 }
 
@@ -633,40 +744,53 @@ impl Handler<SendEvents> for Supervisor {
     type Result = ();
 
     fn handle(&mut self, _: SendEvents, ctx: &mut Self::Context) {
-        if self.sending_events || self.stopping {
+        if self.stopping {
+            return;
+        }
+        if self.sending_events {
+            // Queued meanwhile, perhaps after this sweep's claim: again.
+            self.events_again = true;
             return;
         }
         self.sending_events = true;
+        if let Some(armed) = self.events_timer.take() {
+            ctx.cancel_future(armed);
+        }
         let shared = self.shared.clone();
-        ctx.spawn(
-            async move { send_events(&shared).await }
-                .into_actor(self)
-                .map(|result, act, ctx| {
-                    act.sending_events = false;
-                    match result {
-                        // A full batch: more may be due.
-                        Ok((n, _)) if n as i64 == EVENT_BATCH => ctx.notify(SendEvents),
-                        // A send to retry: looked for again when it is due.
-                        Ok((_, Some(retry_in))) => {
-                            ctx.notify_later(SendEvents, retry_in);
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not send failure events; will retry")
-                        }
-                    }
-                }),
-        );
+        let sweep = async move {
+            let n = send_events(&shared).await?;
+            if n as i64 == EVENT_BATCH {
+                // A full batch: more may be due.
+                return Ok(Some(std::time::Duration::ZERO));
+            }
+            shared.store.next_event_in().await
+        };
+        ctx.spawn(sweep.into_actor(self).map(|result, act, ctx| {
+            act.sending_events = false;
+            let poll = act.shared.config.poll_interval;
+            let next = match result {
+                Ok(next) => next,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not send failure events; will retry");
+                    Some(poll * 10)
+                }
+            };
+            if std::mem::take(&mut act.events_again) {
+                ctx.notify(SendEvents);
+            } else if let Some(next) = next {
+                // The soonest pending event: a retry's backoff, or another
+                // node's send whose mark lapses should that node die. Due
+                // now but not claimed (another node's claim locked it): a
+                // poll interval on, not a spin.
+                let delay = if next.is_zero() { poll } else { next };
+                act.events_timer = Some(ctx.run_later(delay, |_, ctx| ctx.notify(SendEvents)));
+            }
+        }));
     }
 }
 
-/// Sends one batch of due failure events; returns how many were claimed.
-/// Sends the failure events due; returns how many it claimed, and when the
-/// soonest of those it must retry is due again.
-async fn send_events(
-    shared: &Shared,
-) -> Result<(usize, Option<std::time::Duration>), crate::error::StoreError> {
-    let mut soonest: Option<std::time::Duration> = None;
+/// Sends the failure events due (one batch); returns how many it claimed.
+async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError> {
     let config = &shared.config;
     let in_flight_ms =
         (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
@@ -717,9 +841,6 @@ async fn send_events(
                 let policy = config.webhook_retry;
                 let retry_in = (failure.is_retryable() && !policy.exhausted(attempts))
                     .then(|| policy.delay(attempts, failure.retry_after()));
-                if let Some(delay) = retry_in {
-                    soonest = Some(soonest.map_or(delay, |s| s.min(delay)));
-                }
                 metrics.delivery(if retry_in.is_some() {
                     onceflow_observability::names::OUTCOME_RETRIED
                 } else {
@@ -737,7 +858,7 @@ async fn send_events(
             }
         }
     }
-    Ok((n, soonest))
+    Ok(n)
 }
 
 impl Handler<Adopt> for Supervisor {
@@ -809,8 +930,10 @@ impl Handler<Cancelled> for Supervisor {
                 ctx.notify(Poll);
             }
         }
-        // The cancel may have queued a job.cancelled event.
+        // The cancel may have queued a job.cancelled event, and the job is
+        // purged when its retention ends.
         ctx.notify(SendEvents);
+        self.purge_within(self.shared.config.retention, ctx);
     }
 }
 

@@ -822,3 +822,81 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
     assert_eq!(job.last_error.unwrap().code, "invalid_signal");
     assert_eq!(job.attempts, 2, "a permanent failure: no retries");
 }
+
+/// An idle node — a job waiting an hour, another finished, nothing due —
+/// issues no statement but its timer poll (the acquire), at most one per
+/// poll interval. Counted by the database itself (`pg_stat_statements`)
+/// over 100 poll intervals: longer than any housekeeping cadence a node
+/// ever kept (gauges every 30 polls; the purge, the failure-event sweep and
+/// the schedules check every 60), so a timer of its own would show.
+#[actix_rt::test]
+async fn an_idle_node_issues_only_its_timer_poll() {
+    use onceflow_engine::db::{self, Db};
+    use onceflow_engine::faults::Faults;
+    use onceflow_engine::pg::{Durability, EmbeddedPg};
+    use onceflow_engine::store::Store;
+    use onceflow_engine::testkit::{FakeConsumer, FakeProvider};
+    // A server of its own with pg_stat_statements loaded (the shared test
+    // server runs without it).
+    let pg = EmbeddedPg::throwaway().expect("start PostgreSQL");
+    pg.stop().expect("stop the fast server");
+    pg.restart(Durability::Durable)
+        .expect("start PostgreSQL with pg_stat_statements");
+    db::create_database(&pg.url("postgres"), "idle", None)
+        .await
+        .unwrap();
+    let conn = Db::connect(&pg.url("idle"), 8).await.unwrap();
+    conn.migrate().await.unwrap();
+    let env = TestEnv {
+        db_url: pg.url("idle"),
+        store: Store::new(conn),
+        provider: FakeProvider::start(),
+        consumer: FakeConsumer::start(),
+        faults: Faults::new(),
+    };
+    env.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await;
+
+    let acted = Arc::new(AtomicU32::new(0));
+    let config = env.config();
+    let poll = config.poll_interval;
+    let _engine = env.start(registry(&acted), config);
+    submit(&env, "idle-done", 0, 1).await;
+    env.wait_for("idle-done", JobState::Acked, WAIT).await;
+    submit(&env, "idle-sleeper", 3_600_000, 1).await;
+    wait_for_wait(&env, "idle-sleeper", "sleep").await;
+    // What the start and the two jobs set going settles, then the count
+    // starts from zero.
+    tokio::time::sleep(poll * 10).await;
+    env.execute(
+        "SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = current_database()), 0)",
+    )
+    .await;
+    let window = poll * 100;
+    tokio::time::sleep(window).await;
+    let ran = env
+        .sql(
+            "SELECT s.calls, s.query FROM pg_stat_statements s \
+             JOIN pg_database d ON d.oid = s.dbid \
+             WHERE d.datname = current_database() AND s.query NOT LIKE '%pg_stat_statements%' \
+             ORDER BY s.calls DESC",
+        )
+        .await;
+    let ran = ran.as_array().expect("rows");
+    let acquire = |q: &str| q.contains("UPDATE waits w SET outcome");
+    let others: Vec<&Value> = ran
+        .iter()
+        .filter(|r| !acquire(r["query"].as_str().unwrap_or_default()))
+        .collect();
+    assert!(
+        others.is_empty(),
+        "an idle node ran statements besides its timer poll: {others:#?}"
+    );
+    let polls: i64 = ran.iter().map(|r| r["calls"].as_i64().unwrap()).sum();
+    assert!(polls >= 1, "the timer poll ran over {window:?}: {ran:#?}");
+    // At most one per interval (a little slack for the window's edges).
+    assert!(polls <= 105, "{polls} timer polls in 100 poll intervals");
+    assert_eq!(acted.load(Ordering::SeqCst), 1, "only idle-done acted");
+    drop(_engine);
+    pg.stop().expect("stop PostgreSQL");
+}

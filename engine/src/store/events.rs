@@ -13,6 +13,11 @@ use super::sql::sql;
 use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
 
+/// Announces a failure event written by SQL (a death, an approval's wait):
+/// every node's supervisor sweeps for due events at once, so none waits on
+/// a timer. The payload is the job's id.
+pub const EVENTS_CHANNEL: &str = "onceflow_events";
+
 /// An event send this node claimed.
 #[derive(Debug, Clone, QueryableByName)]
 pub struct EventSend {
@@ -127,5 +132,29 @@ impl Store {
             Ok(())
         })
         .await
+    }
+
+    /// How long until the soonest event send is due by the database's
+    /// clock — a retry's backoff, or another node's send in flight whose
+    /// mark lapses if that node died — or `None` when none is pending.
+    /// Zero when one is due now. Read through `outbox_events_due`: closed
+    /// events sit at `run_at = infinity`, outside the range read.
+    pub async fn next_event_in(&self) -> Result<Option<std::time::Duration>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Next {
+            #[diesel(sql_type = Nullable<BigInt>)]
+            ms: Option<i64>,
+        }
+        let mut conn = self.db().conn().await?;
+        let next: Next = sql("SELECT ceil(extract(epoch FROM \
+                 min(greatest(run_at, coalesce(in_flight_until, run_at))) - clock_timestamp()) \
+                 * 1000)::bigint AS ms \
+             FROM outbox \
+             WHERE status = 'claimed' AND event <> 'job.completed' AND run_at < 'infinity'")
+        .get_result(&mut conn)
+        .await?;
+        Ok(next
+            .ms
+            .map(|ms| std::time::Duration::from_millis(ms.max(0) as u64)))
     }
 }

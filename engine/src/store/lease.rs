@@ -399,7 +399,8 @@ impl Store {
         reason: &str,
         error: &ErrorEnvelope,
     ) -> Result<Checkpoint, StoreError> {
-        // With its job.dead event, when the job asked for failure events.
+        // With its job.dead event, when the job asked for failure events,
+        // announced on EVENTS_CHANNEL so any node sends it at once.
         let moved = sql(
             "WITH moved AS ( \
                  UPDATE jobs SET state = 'dead', dead_reason = $3, last_error = $4, finished_at = now(), \
@@ -411,9 +412,10 @@ impl Store {
                  SELECT id, $7, $8, request->>'webhook_url', \
                      jsonb_build_object('type', $7, 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'reason', $3, 'error', $4)) \
                  FROM moved WHERE notify_failures \
-                 ON CONFLICT DO NOTHING) \
+                 ON CONFLICT DO NOTHING RETURNING job_id), \
+             told AS (SELECT pg_notify($9, job_id) FROM event) \
              INSERT INTO job_history (job_id, state, attempt, worker) \
-             SELECT id, 'dead', $5, $6 FROM moved",
+             SELECT id, 'dead', $5, $6 FROM moved WHERE (SELECT count(*) FROM told) >= 0",
         )
         .bind::<Text, _>(&fence.job_id)
         .bind::<BigInt, _>(fence.epoch)
@@ -423,6 +425,7 @@ impl Store {
         .bind::<Text, _>(&fence.worker)
         .bind::<Text, _>(crate::keys::DEAD_EVENT)
         .bind::<Text, _>(crate::keys::failure(&fence.key(), "dead"))
+        .bind::<Text, _>(super::events::EVENTS_CHANNEL)
         .execute(conn)
         .await?;
         if moved == 1 {

@@ -373,6 +373,39 @@ impl Store {
         Self::purge_in(&mut conn, retention_ms, dead_retention_ms, batch).await
     }
 
+    /// How long until the oldest finished job's retention ends (dead
+    /// letters are kept `dead_retention_ms`, the others `retention_ms`), by
+    /// the database's clock: when the next purge is due. Zero when one is
+    /// past due (a child kept for its parent, or a batch not yet run);
+    /// `None` when no job has finished. Two index reads: `jobs_finished`
+    /// from its oldest end, `jobs_dead`.
+    pub async fn next_purge_in(
+        &self,
+        retention_ms: i64,
+        dead_retention_ms: i64,
+    ) -> Result<Option<std::time::Duration>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Next {
+            #[diesel(sql_type = Nullable<BigInt>)]
+            ms: Option<i64>,
+        }
+        let mut conn = self.db().conn().await?;
+        let next: Next = sql(
+            "SELECT ceil(extract(epoch FROM least( \
+                 (SELECT min(finished_at) FROM jobs WHERE finished_at IS NOT NULL AND state <> 'dead') \
+                     + $1 * interval '1 millisecond', \
+                 (SELECT min(finished_at) FROM jobs WHERE dead_reason IS NOT NULL) \
+                     + $2 * interval '1 millisecond') - now()) * 1000)::bigint AS ms",
+        )
+        .bind::<BigInt, _>(retention_ms)
+        .bind::<BigInt, _>(dead_retention_ms)
+        .get_result(&mut conn)
+        .await?;
+        Ok(next
+            .ms
+            .map(|ms| std::time::Duration::from_millis(ms.max(0) as u64)))
+    }
+
     /// How many jobs are in each live state and how many are dead (zeros
     /// included): the `onceflow.jobs` gauge. Acked and cancelled jobs are
     /// not counted: they are most of a table that keeps a day of finished

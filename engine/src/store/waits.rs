@@ -247,17 +247,20 @@ impl Store {
                         }
                         if let Some(key) = ask.event_key {
                             // Once per wait: the key is the event's identity.
+                            // Announced on EVENTS_CHANNEL: any node sends it.
                             sql(
-                                "INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
+                                "WITH ev AS (INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
                                  SELECT id, 'job.waiting:' || $3, $2, request->>'webhook_url', \
                                      jsonb_build_object('type', 'job.waiting', 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'waiting', $4::jsonb)) \
                                  FROM jobs WHERE id = $1 AND request->>'webhook_url' <> '' \
-                                 ON CONFLICT DO NOTHING",
+                                 ON CONFLICT DO NOTHING RETURNING job_id) \
+                                 SELECT pg_notify($5, job_id) FROM ev",
                             )
                             .bind::<Text, _>(&fence.job_id)
                             .bind::<Text, _>(key)
                             .bind::<Text, _>(ask.name)
                             .bind::<Jsonb, _>(&waiting)
+                            .bind::<Text, _>(super::events::EVENTS_CHANNEL)
                             .execute(conn)
                             .await?;
                         }
