@@ -11,6 +11,12 @@
 //! by the acquire that leases its job. The poll runs each interval; a node
 //! also polls at the due time of each wait it released itself, so its own
 //! timers fire at their time, not at the next tick.
+//!
+//! Housekeeping runs when something is due, never on a clock of its own, so
+//! an idle node issues its timer poll and nothing else: the purge when the
+//! oldest finished job's retention ends, failure events when one is queued
+//! (a `NOTIFY`) and when a retry falls due, schedules at the soonest fire
+//! time, the job gauges when the metrics are collected.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -418,11 +424,13 @@ impl Handler<Finished> for Supervisor {
                 .lease_lost
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        // An attempt that may have queued an event (a death, an approval's
-        // wait) or that ended unsure (its kill may have committed).
+        // An attempt that may have queued an event (a death) or that ended
+        // unsure (its kill may have committed): sent from here at once,
+        // without waiting on the NOTIFY (an approval's `job.waiting` comes
+        // by its NOTIFY alone, so a burst of sleeps sweeps for nothing).
         if !matches!(
             msg.outcome,
-            Outcome::Acked | Outcome::Rescheduled | Outcome::Drained
+            Outcome::Acked | Outcome::Rescheduled | Outcome::Drained | Outcome::Waiting { .. }
         ) {
             ctx.notify(SendEvents);
         }
