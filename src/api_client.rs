@@ -273,7 +273,7 @@ impl Client {
     /// A job with its history, result and last error.
     pub async fn job<O: DeserializeOwned>(&self, id: &str) -> Result<Job<O>, ClientError> {
         let response = self
-            .request(reqwest::Method::GET, &format!("/v1/jobs/{id}"))
+            .request(reqwest::Method::GET, &format!("/v1/jobs/{}", encode(id)))
             .send()
             .await?;
         Ok(Self::answer(response).await?.1)
@@ -286,7 +286,7 @@ impl Client {
 
     async fn job_value(&self, id: &str) -> Result<Value, ClientError> {
         let response = self
-            .request(reqwest::Method::GET, &format!("/v1/jobs/{id}"))
+            .request(reqwest::Method::GET, &format!("/v1/jobs/{}", encode(id)))
             .send()
             .await?;
         Ok(Self::answer(response).await?.1)
@@ -322,7 +322,10 @@ impl Client {
     /// Cancels a live job.
     pub async fn cancel(&self, id: &str, reason: &str) -> Result<Job, ClientError> {
         let response = self
-            .request(reqwest::Method::POST, &format!("/v1/jobs/{id}/cancel"))
+            .request(
+                reqwest::Method::POST,
+                &format!("/v1/jobs/{}/cancel", encode(id)),
+            )
             .json(&json!({ "reason": reason }))
             .send()
             .await?;
@@ -344,7 +347,7 @@ impl Client {
         let response = self
             .request(
                 reqwest::Method::POST,
-                &format!("/v1/jobs/{id}/signals/{name}"),
+                &format!("/v1/jobs/{}/signals/{}", encode(id), encode(name)),
             )
             .json(&json!({ "id": signal_id, "payload": payload }))
             .send()
@@ -433,7 +436,7 @@ impl Client {
         let response = self
             .request(
                 reqwest::Method::POST,
-                &format!("/v1/jobs/{id}/redrive{confirm}"),
+                &format!("/v1/jobs/{}/redrive{confirm}", encode(id)),
             )
             .json(&json!({ "reason": reason }))
             .send()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import httpx
 import httpx_sse
@@ -92,16 +92,21 @@ class Client:
         *,
         state: Optional[str] = None,
         workflow: Optional[str] = None,
-        waiting: Optional[bool] = None,
+        waiting: Union[bool, str, None] = None,
         page_size: int = 50,
     ) -> Iterator[dict]:
-        """Every matching job, newest first, page after page (keyset cursor)."""
+        """Every matching job, newest first, page after page (keyset cursor).
+
+        ``waiting``: ``True`` for the jobs that wait, ``False`` for the others,
+        or a kind (``"sleep"``, ``"signal"``, ``"approval"``, ``"children"``)."""
         params: dict = {"limit": str(page_size)}
         if state:
             params["state"] = state
         if workflow:
             params["workflow"] = workflow
-        if waiting is not None:
+        if isinstance(waiting, str):
+            params["waiting"] = waiting
+        elif waiting is not None:
             params["waiting"] = "true" if waiting else "false"
         while True:
             page = self._call("GET", "/v1/jobs", params=params)

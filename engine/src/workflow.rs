@@ -57,6 +57,14 @@ pub trait Workflow: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Checks an input against this registered instance, after
+    /// [`validate`](Self::validate): what only the instance knows, such as
+    /// the tools it was given. Runs at intake on the node that takes the
+    /// job (default: accepts).
+    fn validate_here(&self, _input: &Self::Input) -> Result<(), InvalidInput> {
+        Ok(())
+    }
+
     /// The input's JSON Schema, shown in `GET /v1/openapi.json` as this
     /// workflow's `input` (default: none, any JSON object). Describe what
     /// [`validate`](Self::validate) accepts; intake still decides.
@@ -82,7 +90,8 @@ pub trait DynWorkflow: Send + Sync {
     fn delivery_policy(&self) -> DeliveryPolicy;
     /// [`Workflow::failure_events`].
     fn failure_events(&self) -> bool;
-    /// Decodes `input` into the workflow's input type and runs [`Workflow::validate`].
+    /// Decodes `input` into the workflow's input type and runs
+    /// [`Workflow::validate`], then [`Workflow::validate_here`].
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
     /// [`Workflow::input_schema`].
     fn input_schema(&self) -> Option<Value>;
@@ -115,7 +124,8 @@ impl<W: Workflow> DynWorkflow for W {
 
     fn validate(&self, input: &Value) -> Result<(), InvalidInput> {
         let typed = decode::<W::Input>(input)?;
-        W::validate(&typed)
+        W::validate(&typed)?;
+        W::validate_here(self, &typed)
     }
 
     fn input_schema(&self) -> Option<Value> {

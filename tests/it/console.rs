@@ -375,28 +375,30 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     )
     .await;
     let token = env.store.create_token("console", true).await.unwrap();
-    let r = client()
-        .post(format!("{}/v1/jobs", serve.base))
-        .bearer_auth(&token)
-        .json(&json!({
-            "id": "ui-approve", "workflow": "agent", "webhook_url": env.consumer.url(),
-            "input": { "model": "m", "messages": [{ "role": "user", "content": "refund 9" }],
-                       "approval": ["http_post"] },
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
-    let waiting = wait_until(Duration::from_secs(20), || async {
-        env.store
-            .job("ui-approve")
+    for id in ["ui-approve", "ui-reject"] {
+        let r = client()
+            .post(format!("{}/v1/jobs", serve.base))
+            .bearer_auth(&token)
+            .json(&json!({
+                "id": id, "workflow": "agent", "webhook_url": env.consumer.url(),
+                "input": { "model": "m", "messages": [{ "role": "user", "content": "refund 9" }],
+                           "approval": ["http_post"] },
+            }))
+            .send()
             .await
-            .ok()
-            .flatten()
-            .is_some_and(|j| j.waiting.is_some())
-    })
-    .await;
-    assert!(waiting, "the job waits for its approval");
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201);
+        let waiting = wait_until(Duration::from_secs(20), || async {
+            env.store
+                .job(id)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|j| j.waiting.is_some())
+        })
+        .await;
+        assert!(waiting, "{id} waits for its approval");
+    }
 
     let browser = Browser::start().await;
     browser.go(&format!("{}/", serve.base)).await;
@@ -407,6 +409,60 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     );
     browser.type_into("#token", &token).await;
     browser.click("#login-form button").await;
+
+    // The list of jobs waiting for approval: each with its tool call and
+    // the two buttons. Rejected from the list, the tool never runs.
+    browser
+        .go(&format!("{}/#/?state=approval", serve.base))
+        .await;
+    for id in ["ui-approve", "ui-reject"] {
+        assert!(
+            browser
+                .wait_text(
+                    &format!("tr[data-id=\"{id}\"] [data-fact=\"tool-call\"]"),
+                    |t| t.starts_with("http_post") && t.contains("\"refund\":9")
+                )
+                .await,
+            "{id} is listed with its tool call"
+        );
+    }
+    browser
+        .screenshot(&shots().join("console-approvals.png"))
+        .await;
+    browser.click("tr[data-id=\"ui-reject\"] .row-reject").await;
+    let rejected = wait_until(Duration::from_secs(20), || async {
+        env.store
+            .job("ui-reject")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.state == onceflow_engine::JobState::Acked)
+    })
+    .await;
+    assert!(rejected, "the list's Reject button let the job go on");
+    let job = env.store.job("ui-reject").await.unwrap().unwrap();
+    assert_eq!(job.result.unwrap()["tool_calls"], 0);
+    assert_eq!(job.signals.len(), 1, "{:?}", job.signals);
+    assert_eq!(job.signals[0].payload, json!({ "approved": false }));
+    assert!(
+        job.signals[0].id.starts_with("console-"),
+        "{:?}",
+        job.signals
+    );
+    assert_eq!(
+        tools.requests_with_key("job:ui-reject:tool:0:0"),
+        0,
+        "a rejected tool call never runs"
+    );
+    // Only the approved one is left in the list.
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            browser.find("tr[data-id=\"ui-reject\"]").await.is_none()
+        })
+        .await,
+        "the decided job left the list"
+    );
+
     browser
         .go(&format!("{}/#/jobs/ui-approve", serve.base))
         .await;

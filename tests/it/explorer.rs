@@ -128,10 +128,12 @@ async fn an_approval_arriving_during_a_crash_runs_the_tool_once() {
     .await;
     println!("{report}");
     let after_wait = onceflow_engine::FailPoint::AfterCommit("wait");
-    assert!(
-        report.rows.iter().any(|r| r.boundary == after_wait),
-        "{report}"
-    );
+    for wait in [onceflow_engine::FailPoint::BeforeCommit("wait"), after_wait] {
+        assert!(
+            report.rows.iter().any(|r| r.boundary == wait && r.fired),
+            "{wait}: {report}"
+        );
+    }
     assert!(report.rows.iter().all(|r| r.fired), "{report}");
     report.assert_ok();
     // In the rows crashed just after the wait was journaled, the approval
@@ -396,4 +398,66 @@ async fn the_explorer_catches_a_journaled_effect_sent_again() {
             && r.violations[0].contains(":step:notify was journaled before the crash")),
         "{report}"
     );
+}
+
+/// Naps, then acts once through a recorded service.
+struct Napper {
+    service: String,
+}
+
+impl Workflow for Napper {
+    const NAME: &'static str = "test.napper";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        ctx.sleep("nap", Duration::from_millis(300)).await?;
+        let url = self.service.clone();
+        ctx.step("act", |step| async move {
+            step.post_json(&url, &json!({ "act": true })).await
+        })
+        .await?;
+        Ok(json!({ "acted": true }))
+    }
+}
+
+/// A timer at every boundary: crashed or taken over before the sleep is
+/// journaled (it is asked again), after (the timer, already journaled,
+/// fires once and is not slept again), and at every boundary after it, the
+/// action after the timer is done once. The clean run's boundaries: the
+/// wait (2), the step's effect (1) and the 11 of the lifecycle.
+#[actix_rt::test]
+async fn a_timer_survives_a_crash_or_a_takeover_at_every_boundary() {
+    let env = TestEnv::new().await;
+    let service = FakeConsumer::start();
+    let url = service.url();
+    let report = Explorer::new(
+        &env,
+        move || {
+            let mut r = Registry::new();
+            r.register(Napper {
+                service: url.clone(),
+            });
+            r
+        },
+        Napper::NAME,
+        json!({}),
+    )
+    .recording(service)
+    .run()
+    .await;
+    println!("{report}");
+    assert_exploration(&report, 14);
+    for wait in ["before-commit:wait", "after-commit:wait"] {
+        assert!(
+            report.boundaries.iter().any(|(b, _)| b.to_string() == wait),
+            "{wait}: {report}"
+        );
+    }
+    let slept = env
+        .sql(
+            "SELECT count(*) AS n FROM waits WHERE wait_key LIKE '%:sleep:nap' AND outcome IS NULL",
+        )
+        .await;
+    assert_eq!(slept[0]["n"], 0, "every timer fired: {slept}");
 }

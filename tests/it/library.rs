@@ -290,3 +290,44 @@ fn a_workflow_under_a_built_in_name_is_refused() {
         "{message}"
     );
 }
+
+/// `onceflow::Client::signal`: recorded now (`true`), the identical signal
+/// again (`false`), and every refusal typed with the API's code or field.
+#[actix_rt::test]
+async fn the_typed_client_sends_a_signal_once_and_maps_its_refusals() {
+    use onceflow::{Client, ClientError};
+    let env = TestEnv::new().await;
+    let mut registry = onceflow_engine::Registry::new();
+    registry.register(onceflow_workflows::Completion::default());
+    let base = crate::support::serve_api(env.store.clone(), registry, None);
+    let client = Client::new(&base);
+    let job = json!({
+        "id": "sig-1", "workflow": "completion", "webhook_url": env.consumer.url(),
+        "input": { "model": "m", "messages": [{ "role": "user", "content": "hi" }] },
+        "delay_ms": 3_600_000,
+    });
+    let (status, body) = post_job(&base, &job).await;
+    assert_eq!(status, 201, "{body}");
+    let payload = json!({ "approved": true });
+    assert!(client.signal("sig-1", "go", "s-1", &payload).await.unwrap());
+    assert!(!client.signal("sig-1", "go", "s-1", &payload).await.unwrap());
+    match client.signal("sig-1", "go", "s-1", &json!(2)).await {
+        Err(ClientError::Conflict { code, .. }) => assert_eq!(code, "signal_conflict"),
+        other => panic!("another payload under the same id: {other:?}"),
+    }
+    match client.signal("sig-1", "g o", "s-2", &payload).await {
+        Err(ClientError::Invalid { field, .. }) => assert_eq!(field, "name"),
+        other => panic!("a bad name: {other:?}"),
+    }
+    match client.signal("nobody", "go", "s-1", &payload).await {
+        Err(ClientError::NotFound(_)) => {}
+        other => panic!("an unknown job: {other:?}"),
+    }
+    env.store.cancel("sig-1", "test", "done").await.unwrap();
+    match client.signal("sig-1", "go", "s-3", &payload).await {
+        Err(ClientError::Conflict { code, .. }) => assert_eq!(code, "job_finished"),
+        other => panic!("a finished job: {other:?}"),
+    }
+    let signals = env.job("sig-1").await.signals;
+    assert_eq!(signals.len(), 1, "recorded once: {signals:?}");
+}

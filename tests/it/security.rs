@@ -669,6 +669,87 @@ async fn tokens_scope_every_job_to_its_owner() {
     assert_eq!(status, 401);
 }
 
+/// A signal is a write to a job: it needs a token, another token's job is a
+/// 404 exactly like a missing one, and nothing is recorded for it; a bad
+/// name is a 422 naming `name`.
+#[actix_rt::test]
+async fn a_signal_reaches_only_its_own_tokens_job() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api_with(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: false },
+    );
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let bob = env.store.create_token("bob", false).await.unwrap();
+    let admin = env.store.create_token("ops", true).await.unwrap();
+    let mut job = job_body("sig-a", &env.consumer.url());
+    job["delay_ms"] = json!(3_600_000); // never runs while the test does
+    let (status, body, _) = call(
+        Method::POST,
+        &format!("{base}/v1/jobs"),
+        Some(&alice),
+        Some(&job),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let signal = json!({ "id": "s-1", "payload": { "approved": true } });
+    let url = |job: &str, name: &str| format!("{base}/v1/jobs/{job}/signals/{name}");
+
+    let (status, _, challenge) = call(Method::POST, &url("sig-a", "go"), None, Some(&signal)).await;
+    assert_eq!((status, challenge.as_deref()), (401, Some("Bearer")));
+    let (status, theirs, _) =
+        call(Method::POST, &url("sig-a", "go"), Some(&bob), Some(&signal)).await;
+    let (missing_status, missing, _) =
+        call(Method::POST, &url("sig-z", "go"), Some(&bob), Some(&signal)).await;
+    assert_eq!((status, missing_status), (404, 404));
+    assert_eq!(
+        theirs.to_string().replace("sig-a", "ID"),
+        missing.to_string().replace("sig-z", "ID"),
+        "another's job looks like no job"
+    );
+    let recorded = env.sql("SELECT count(*) AS n FROM signals").await;
+    assert_eq!(recorded[0]["n"], 0, "nothing recorded for bob: {recorded}");
+
+    for name in ["g%20o", &"n".repeat(201)] {
+        let (status, body, _) = call(
+            Method::POST,
+            &url("sig-a", name),
+            Some(&alice),
+            Some(&signal),
+        )
+        .await;
+        assert_eq!(
+            (status, body["error"]["field"].as_str()),
+            (422, Some("name")),
+            "{name}: {body}"
+        );
+    }
+    let (status, body, _) = call(
+        Method::POST,
+        &url("sig-a", "go"),
+        Some(&alice),
+        Some(&signal),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+    let (status, _, _) = call(
+        Method::POST,
+        &url("sig-a", "go"),
+        Some(&admin),
+        Some(&signal),
+    )
+    .await;
+    assert_eq!(
+        status, 200,
+        "the admin token sees it: the identical signal again"
+    );
+    let recorded = env.sql("SELECT signal_id, name FROM signals").await;
+    assert_eq!(recorded, json!([{ "signal_id": "s-1", "name": "go" }]));
+}
+
 /// Off loopback there is no development mode: no token means 401, before
 /// any token exists and after the last one is revoked.
 #[actix_rt::test]

@@ -337,3 +337,76 @@ async fn a_failed_step_the_body_went_past_is_not_a_journal_mismatch() {
     assert_eq!(env.provider.requests_for("job:tolerant-1:answer"), 1);
     assert_eq!(env.consumer.processed_for("tolerant-1"), 1);
 }
+
+/// Waits for the signal `go`, then ends.
+struct Gate;
+
+impl Workflow for Gate {
+    const NAME: &'static str = "test.gate";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let go: Option<Value> = ctx.wait_for_signal("go", WAIT * 6).await?;
+        Ok(json!({ "go": go }))
+    }
+}
+
+/// The same workflow and version, changed in place: it naps first, then
+/// waits for `proceed` instead.
+struct GateChangedInPlace;
+
+impl Workflow for GateChangedInPlace {
+    const NAME: &'static str = "test.gate";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        ctx.sleep("nap", Duration::from_millis(1)).await?;
+        let go: Option<Value> = ctx.wait_for_signal("proceed", WAIT * 6).await?;
+        Ok(json!({ "go": go }))
+    }
+}
+
+/// A job resumed from its wait by a body whose waits no longer match its
+/// journal ends as `journal_mismatch`, naming the wait it journaled; the
+/// new body's wait is never journaled.
+#[actix_rt::test]
+async fn a_wait_the_changed_body_no_longer_makes_is_a_journal_mismatch() {
+    let env = TestEnv::new().await;
+    let mut registry = Registry::new();
+    registry.register(Gate);
+    let first = env.start(registry, env.config());
+    env.submit_job(NewJob {
+        id: "gate-1".into(),
+        workflow: Gate::NAME.into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    assert!(
+        wait_until(WAIT, || async { env.job("gate-1").await.waiting.is_some() }).await,
+        "gate-1 never waited"
+    );
+    first.shutdown_gracefully().await.unwrap();
+    drop(first);
+
+    let mut changed = Registry::new();
+    changed.register(GateChangedInPlace);
+    let _second = env.start(changed, env.config());
+    env.store
+        .signal("gate-1", "go", "s-1", &json!(1))
+        .await
+        .unwrap();
+    let job = env.wait_for("gate-1", JobState::Dead, WAIT).await;
+    let error = job.last_error.as_ref().expect("an error");
+    assert_eq!(error.code, "journal_mismatch", "{error:?}");
+    let reason = job.dead_reason.as_deref().unwrap_or_default();
+    assert!(reason.contains("job:gate-1:signal:go"), "{reason:?}");
+    let waits = env
+        .sql("SELECT wait_key FROM waits WHERE job_id = 'gate-1' ORDER BY created_at")
+        .await;
+    assert_eq!(waits, json!([{ "wait_key": "job:gate-1:signal:go" }]));
+}

@@ -111,6 +111,7 @@ async fn a_waiting_job_holds_no_lease_and_a_signal_is_recorded_once() {
     assert_eq!(engine.in_flight().await, 0, "a sleeping job holds no actor");
     let filter = ListFilter {
         waiting: Some(true),
+        waiting_kind: Some("sleep".to_owned()),
         limit: 10,
         ..Default::default()
     };
@@ -285,6 +286,39 @@ async fn a_node_stopped_during_a_wait_changes_nothing() {
     assert_eq!(env.consumer.processed_for("w-4"), 1);
 }
 
+/// A timer interrupted by a restart keeps its due time: the node that
+/// resumes the job does not start the sleep over.
+#[actix_rt::test]
+async fn a_timer_keeps_its_due_time_across_a_restart() {
+    let env = TestEnv::new().await;
+    let acted = Arc::new(AtomicU32::new(0));
+    let first = env.start(registry(&acted), env.config());
+    submit(&env, "w-9", 2_000, 100).await;
+    wait_for_wait(&env, "w-9", "sleep").await;
+    let due = "SELECT until::text AS until FROM waits WHERE job_id = 'w-9' AND kind = 'sleep'";
+    let before = env.sql(due).await;
+    first.shutdown_gracefully().await.unwrap();
+    drop(first);
+    let _second = env.start(registry(&acted), env.config());
+    env.wait_for("w-9", JobState::Acked, WAIT).await;
+    assert_eq!(
+        env.sql(due).await,
+        before,
+        "the same timer, due when it was"
+    );
+    let waits = env
+        .sql("SELECT wait_key, outcome FROM waits WHERE job_id = 'w-9' ORDER BY created_at")
+        .await;
+    assert_eq!(
+        waits,
+        json!([
+            { "wait_key": "job:w-9:sleep:nap", "outcome": { "slept": true } },
+            { "wait_key": "job:w-9:signal:go", "outcome": { "timeout": true } },
+        ])
+    );
+    assert_eq!(acted.load(Ordering::SeqCst), 1);
+}
+
 /// A node polls at the due time of each wait it released, not only at its
 /// poll ticks: with a poll interval of a minute, a job that naps 300 ms and
 /// then waits 300 ms for a signal nobody sends ends within seconds.
@@ -316,6 +350,80 @@ async fn a_node_fires_the_timers_it_released_at_their_time_not_at_its_next_poll(
         ])
     );
     assert_eq!(env.consumer.processed_for("w-6"), 1);
+}
+
+/// A signal wakes its job through `NOTIFY`, not the poll: with a poll
+/// interval of a minute and the wait's own timeout two minutes away, a
+/// signal sent over the API resumes the job within seconds. While it
+/// waits, the job is `received` and `GET /v1/jobs?waiting=true` lists it.
+#[actix_rt::test]
+async fn a_signal_wakes_its_job_by_notify_not_by_the_poll() {
+    let env = TestEnv::new().await;
+    let acted = Arc::new(AtomicU32::new(0));
+    let config = EngineConfig {
+        poll_interval: Duration::from_secs(60),
+        ..env.config()
+    };
+    let _engine = env.start(registry(&acted), config);
+    let base = serve_api(env.store.clone(), registry(&acted), None);
+    submit(&env, "w-7", 0, 120_000).await;
+    submit(&env, "w-8", 3_600_000, 0).await;
+    wait_for_wait(&env, "w-7", "signal").await;
+    wait_for_wait(&env, "w-8", "sleep").await;
+    for id in ["w-7", "w-8"] {
+        assert_eq!(
+            env.job(id).await.state,
+            JobState::Received,
+            "{id} waits in received"
+        );
+    }
+    let list = |query: &'static str| {
+        let base = base.clone();
+        async move {
+            let page: Value = client()
+                .get(format!("{base}/v1/jobs?{query}"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let mut ids: Vec<String> = page["jobs"]
+                .as_array()
+                .unwrap_or_else(|| panic!("no jobs in {page}"))
+                .iter()
+                .map(|j| j["id"].as_str().unwrap().to_owned())
+                .collect();
+            ids.sort();
+            ids
+        }
+    };
+    assert_eq!(list("waiting=true").await, ["w-7", "w-8"]);
+    assert_eq!(list("waiting=signal").await, ["w-7"]);
+    assert_eq!(list("waiting=sleep").await, ["w-8"]);
+    assert!(list("waiting=approval").await.is_empty());
+    let response = client()
+        .get(format!("{base}/v1/jobs?waiting=maybe"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+
+    let sent = std::time::Instant::now();
+    let (status, _) = signal(&base, "w-7", "go", json!({ "id": "s-1", "payload": 1 })).await;
+    assert_eq!(status, 202);
+    let job = env.wait_for("w-7", JobState::Acked, WAIT).await;
+    eprintln!(
+        "the signalled job acked {:?} after the signal",
+        sent.elapsed()
+    );
+    assert_eq!(job.result.unwrap()["go"], 1);
+    assert_eq!(
+        list("waiting=true").await,
+        ["w-8"],
+        "the sleeper still waits"
+    );
+    assert_eq!(acted.load(Ordering::SeqCst), 1);
 }
 
 /// Jobs that wake together read their journals together: twelve jobs
@@ -585,6 +693,154 @@ async fn a_refused_or_unanswered_tool_call_never_runs() {
     );
 }
 
+/// Asks twice for the approval of one tool call id (a provider that reuses
+/// its ids across turns does this).
+struct AsksTwice;
+
+impl Workflow for AsksTwice {
+    const NAME: &'static str = "test.asks_twice";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let mut answers = Vec::new();
+        for _ in 0..2 {
+            let decision = ctx
+                .wait_for_approval("c-1", "refund", &json!({ "order": 7 }), WAIT * 3)
+                .await?;
+            answers.push(decision.map(|d| d.approved));
+        }
+        Ok(json!(answers))
+    }
+}
+
+/// Each approval wait sends its own `job.waiting` event once: the second
+/// wait for the same name is keyed `…#2`, like its wait.
+#[actix_rt::test]
+async fn each_approval_wait_of_one_name_sends_its_own_event_once() {
+    let env = TestEnv::new().await;
+    let mut registry = Registry::new();
+    registry.register(AsksTwice);
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let mut config = env.config();
+    config.webhook_secret = Some(secret.parse().unwrap());
+    let _engine = env.start(registry, config);
+    env.submit_job(NewJob {
+        id: "twice".to_owned(),
+        workflow: AsksTwice::NAME.to_owned(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let keys = [
+        "job:twice:waiting:approval:c-1",
+        "job:twice:waiting:approval:c-1#2",
+    ];
+    for (i, key) in keys.iter().enumerate() {
+        assert!(
+            wait_until(WAIT, || async { env.consumer.requests_with_key(key) >= 1 }).await,
+            "no job.waiting event under {key}: {} {:?}",
+            env.sql("SELECT event, idempotency_key, status FROM outbox")
+                .await,
+            env.sql("SELECT * FROM waits").await
+        );
+        let decision = json!({ "approved": i == 0 });
+        env.store
+            .signal("twice", "approval:c-1", &format!("d-{i}"), &decision)
+            .await
+            .unwrap();
+    }
+    let job = env.wait_for("twice", JobState::Acked, WAIT).await;
+    assert_eq!(job.result.unwrap(), json!([true, false]));
+    for key in keys {
+        assert_eq!(env.consumer.requests_with_key(key), 1, "{key}");
+    }
+    // Signed like every other event (Standard Webhooks, the node's secret).
+    let secret: onceflow_engine::webhook::WebhookSecret = secret.parse().unwrap();
+    let events: Vec<_> = env
+        .consumer
+        .deliveries_for("twice")
+        .into_iter()
+        .filter(|d| d.body["type"] == "job.waiting")
+        .collect();
+    assert_eq!(events.len(), 2);
+    for d in events {
+        let id = d.webhook_id.as_deref().unwrap();
+        let ts: i64 = d.timestamp.as_deref().unwrap().parse().unwrap();
+        assert_eq!(
+            d.signature.as_deref(),
+            Some(secret.sign(id, ts, &d.raw).as_str()),
+            "{id}"
+        );
+    }
+}
+
+/// A misspelt name in `"approval"` must not let the tool it meant run
+/// unasked: intake refuses it, naming the entry, and a job that got past
+/// intake anyway (a node with other tools took it) ends before any tool runs.
+#[actix_rt::test]
+async fn an_approval_list_naming_no_tool_is_refused_and_fails_closed() {
+    let env = TestEnv::new().await;
+    let tools = onceflow_engine::testkit::FakeConsumer::start();
+    crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "refund": 7 }))]);
+    let base = serve_api(env.store.clone(), agent_registry(&tools.url()), None);
+    let submit = |id: &str, approval: Value| {
+        client()
+            .post(format!("{base}/v1/jobs"))
+            .json(&json!({
+                "id": id,
+                "workflow": "agent",
+                "input": {
+                    "model": "m",
+                    "messages": [{ "role": "user", "content": "refund order 7" }],
+                    "approval": approval,
+                },
+                "webhook_url": env.consumer.url(),
+            }))
+            .send()
+    };
+    let response = submit("ap-typo", json!(["http_post", "http_psot"]))
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["field"], "input.approval[1]", "{body}");
+    assert!(
+        env.store.job("ap-typo").await.unwrap().is_none(),
+        "nothing stored"
+    );
+    let response = submit("ap-named", json!(["http_post"])).await.unwrap();
+    assert_eq!(
+        response.status().as_u16(),
+        201,
+        "a real tool's name is taken"
+    );
+
+    // Past intake (straight into the store): the pinned tool set decides.
+    submit_agent(&env, "ap-5", json!(["http_psot"])).await;
+    let _engine = env.start(agent_registry(&tools.url()), env.config());
+    let job = env.wait_for("ap-5", JobState::Dead, WAIT).await;
+    let error = job.last_error.expect("the job's error");
+    assert_eq!(error.code, "invalid_input");
+    assert!(
+        error.message.contains("input.approval[0]"),
+        "{}",
+        error.message
+    );
+    assert_eq!(
+        env.provider.requests_for("job:ap-5:turn:0"),
+        0,
+        "no model call"
+    );
+    assert_eq!(
+        tools.requests_with_key("job:ap-5:tool:0:0"),
+        0,
+        "no tool ran"
+    );
+}
+
 #[actix_rt::test]
 async fn a_cancel_of_a_waiting_job_is_at_once() {
     let env = TestEnv::new().await;
@@ -706,17 +962,13 @@ async fn an_approval_survives_kill_9_of_the_real_binary() {
         Duration::from_secs(5),
     ));
 
-    let r = client()
-        .post(format!(
-            "{}/v1/jobs/kill-ap/signals/approval:call_5",
-            serve.base
-        ))
-        .bearer_auth(&token)
-        .json(&json!({ "id": "d-1", "payload": { "approved": true } }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 202);
+    // The approval, through the command line.
+    let approve = signal_cli(&serve.base, &token, "d-1", r#"{"approved": true}"#).await;
+    assert!(approve.0, "{approve:?}");
+    assert!(
+        approve.1.contains("recorded for job kill-ap"),
+        "{approve:?}"
+    );
     // Killed again while the approved tool call is under way.
     assert!(
         wait_until(WAIT, || async {
@@ -724,6 +976,11 @@ async fn an_approval_survives_kill_9_of_the_real_binary() {
         })
         .await,
         "the approval did not wake the job"
+    );
+    assert_eq!(
+        actors_in_flight(&serve.base, &token).await,
+        1,
+        "the running job holds its actor (the gauge counts it)"
     );
     serve.sigkill();
     assert!(
@@ -755,6 +1012,42 @@ async fn an_approval_survives_kill_9_of_the_real_binary() {
         "the first model turn was paid once"
     );
     assert_eq!(actors_in_flight(&serve.base, &token).await, 0);
+
+    // The same approval again is the same signal; the same id with another
+    // payload, or a new signal for the finished job, is refused and says why.
+    let again = signal_cli(&serve.base, &token, "d-1", r#"{"approved": true}"#).await;
+    assert!(again.0 && again.1.contains("already recorded"), "{again:?}");
+    let changed = signal_cli(&serve.base, &token, "d-1", r#"{"approved": false}"#).await;
+    assert!(
+        !changed.0 && changed.1.contains("signal_conflict"),
+        "{changed:?}"
+    );
+    let late = signal_cli(&serve.base, &token, "d-2", r#"{"approved": true}"#).await;
+    assert!(!late.0 && late.1.contains("job_finished"), "{late:?}");
+    let bad = signal_cli(&serve.base, &token, "d-3", "{approved").await;
+    assert!(!bad.0 && bad.1.contains("--payload is not JSON"), "{bad:?}");
+    let signals = env.job("kill-ap").await.signals;
+    assert_eq!(signals.len(), 1, "recorded once: {signals:?}");
+    assert_eq!(signals[0].payload, json!({ "approved": true }));
+}
+
+/// `onceflow signal kill-ap approval:call_5 --id ID --payload JSON` against
+/// `base`, the token in `ONCEFLOW_TOKEN`: (exited 0, stdout and stderr).
+async fn signal_cli(base: &str, token: &str, id: &str, payload: &str) -> (bool, String) {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"));
+    command
+        .args(["signal", "kill-ap", "approval:call_5", "--id", id])
+        .args(["--payload", payload, "--server", base])
+        .env("ONCEFLOW_TOKEN", token);
+    let out = tokio::task::spawn_blocking(move || command.output().expect("onceflow signal"))
+        .await
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
 }
 
 // ---- bad input loses nothing ----------------------------------------------

@@ -129,6 +129,19 @@ impl Approval {
             Approval::Tools(names) => names.iter().any(|n| n == tool),
         }
     }
+
+    /// The first listed name that is not among `tools`, with its index: a
+    /// misspelt name would otherwise let the tool it meant run unasked.
+    fn unknown<'a>(&'a self, tools: &[&str]) -> Option<(usize, &'a str)> {
+        match self {
+            Approval::Every(EveryTool::All) => None,
+            Approval::Tools(names) => names
+                .iter()
+                .enumerate()
+                .find(|(_, n)| !tools.contains(&n.as_str()))
+                .map(|(i, n)| (i, n.as_str())),
+        }
+    }
 }
 
 /// How long an approval is waited for when the input does not say: a day.
@@ -219,6 +232,17 @@ impl Workflow for Agent {
         Ok(())
     }
 
+    fn validate_here(&self, input: &AgentInput) -> Result<(), InvalidInput> {
+        let tools: Vec<&str> = self.tools.keys().map(String::as_str).collect();
+        match input.approval.as_ref().and_then(|a| a.unknown(&tools)) {
+            Some((i, name)) => Err(InvalidInput::new(
+                format!("input.approval[{i}]"),
+                format!("names {name:?}, which is not one of this agent's tools {tools:?}"),
+            )),
+            None => Ok(()),
+        }
+    }
+
     async fn run(&self, ctx: &mut Context, input: AgentInput) -> Result<AgentOutput, StepError> {
         let max_turns = input.max_turns.unwrap_or(DEFAULT_MAX_TURNS);
         // A streamed agent's watchers see its tool calls too.
@@ -229,6 +253,22 @@ impl Workflow for Agent {
         // its key's hash.
         let here: Vec<Value> = self.tools.values().map(|t| t.definition()).collect();
         let definitions: Vec<Value> = ctx.step(TOOLS_STEP, |_| async move { Ok(here) }).await?;
+        // Intake checked the approval list against its node's tools; the
+        // pinned set decides here, so a name that matches none of them ends
+        // the job before any tool can run unasked (fails closed).
+        let pinned: Vec<&str> = definitions
+            .iter()
+            .filter_map(|d| d["function"]["name"].as_str())
+            .collect();
+        if let Some((i, name)) = input.approval.as_ref().and_then(|a| a.unknown(&pinned)) {
+            return Err(StepError::permanent(
+                "invalid_input",
+                "the approval list names a tool the job does not have",
+                format!(
+                    "input.approval[{i}] names {name:?}, which is not one of this job's tools {pinned:?}"
+                ),
+            ));
+        }
         let mut messages = input.messages.clone();
         let mut executed = 0;
         for turn in 0..max_turns {

@@ -124,18 +124,21 @@ async fn statements(db: &Db) -> anyhow::Result<i64> {
     .await
 }
 
-/// This database's statements since the last reset, most called first.
-async fn idle_statements(db: &Db) -> anyhow::Result<Vec<(i64, String)>> {
+/// This database's statements since the last reset, most called first:
+/// calls, mean execution time (ms) and the statement.
+async fn idle_statements(db: &Db) -> anyhow::Result<Vec<(i64, f64, String)>> {
     #[derive(diesel::QueryableByName)]
     struct Row {
         #[diesel(sql_type = BigInt)]
         calls: i64,
+        #[diesel(sql_type = Double)]
+        mean_ms: f64,
         #[diesel(sql_type = diesel::sql_types::Text)]
         query: String,
     }
     let mut conn = db.conn().await?;
     let rows: Vec<Row> = diesel::sql_query(
-        "/* bench */ SELECT s.calls, s.query FROM pg_stat_statements s \
+        "/* bench */ SELECT s.calls, s.mean_exec_time AS mean_ms, s.query FROM pg_stat_statements s \
          JOIN pg_database d ON d.oid = s.dbid \
          WHERE d.datname = current_database() AND s.query NOT LIKE '%/* bench */%' \
            AND s.query NOT LIKE '%pg_stat_statements%' \
@@ -143,7 +146,10 @@ async fn idle_statements(db: &Db) -> anyhow::Result<Vec<(i64, String)>> {
     )
     .load(&mut conn)
     .await?;
-    Ok(rows.into_iter().map(|r| (r.calls, r.query)).collect())
+    Ok(rows
+        .into_iter()
+        .map(|r| (r.calls, r.mean_ms, r.query))
+        .collect())
 }
 
 async fn submit(
@@ -272,11 +278,11 @@ pub(super) async fn run(
                 b - a,
                 (b - a) as f64 / idle as f64
             );
-            for (calls, query) in idle_statements(&db).await.unwrap_or_default() {
+            for (calls, mean_ms, query) in idle_statements(&db).await.unwrap_or_default() {
                 let query: String = query.split_whitespace().collect::<Vec<_>>().join(" ");
                 println!(
-                    "  {calls:>4}  {}",
-                    query.chars().take(110).collect::<String>()
+                    "  {calls:>4} × {mean_ms:>7.3} ms  {}",
+                    query.chars().take(100).collect::<String>()
                 );
             }
         }

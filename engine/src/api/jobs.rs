@@ -317,6 +317,9 @@ pub(super) struct ListQuery {
     waiting: Option<String>,
 }
 
+/// The kinds of wait `GET /v1/jobs?waiting=` filters by.
+const WAIT_KINDS: [&str; 4] = ["sleep", "signal", "approval", "children"];
+
 /// Largest page of `GET /v1/jobs`.
 pub const MAX_PAGE: i64 = 500;
 
@@ -346,7 +349,8 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
     params(
         ("state" = Option<crate::JobState>, Query, description = "Only jobs in this state"),
         ("workflow" = Option<String>, Query, description = "Only this workflow's jobs"),
-        ("waiting" = Option<bool>, Query, description = "Only waiting jobs (true) or the others (false)"),
+        ("waiting" = Option<String>, Query, pattern = "^(true|false|sleep|signal|approval|children)$",
+            description = "Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`)"),
         ("since" = Option<chrono::DateTime<chrono::Utc>>, Query, description = "Created at or after (RFC 3339)"),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "1–500, default 50"),
         ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before (opaque: any other value is a 422)"),
@@ -410,11 +414,17 @@ pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> H
         Some(Some(c)) => Some(c),
         Some(None) => return invalid("cursor", "is not a cursor this server gave out".into()),
     };
-    let waiting = match query.waiting.as_deref() {
-        None => None,
-        Some("true") => Some(true),
-        Some("false") => Some(false),
-        Some(_) => return invalid("waiting", "must be true or false".into()),
+    let (waiting, waiting_kind) = match query.waiting.as_deref() {
+        None => (None, None),
+        Some("true") => (Some(true), None),
+        Some("false") => (Some(false), None),
+        Some(kind) if WAIT_KINDS.contains(&kind) => (Some(true), Some(kind.to_owned())),
+        Some(_) => {
+            return invalid(
+                "waiting",
+                format!("must be true, false, or a kind: {}", WAIT_KINDS.join(", ")),
+            )
+        }
     };
     let filter = crate::store::ListFilter {
         state: job_state,
@@ -424,6 +434,7 @@ pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> H
         before,
         limit,
         waiting,
+        waiting_kind,
     };
     match state.store.list_jobs(&filter).await {
         Ok((jobs, more)) => {

@@ -45,7 +45,10 @@ impl Context {
     /// the database's clock), journaled under `job:{id}:sleep:{name}`. The
     /// job holds no actor, lease or connection meanwhile; a replay after
     /// the timer fired returns at once. Pass the error on with `?`: a timer
-    /// not yet due ends the attempt with [`StepError::Waiting`].
+    /// not yet due ends the attempt with [`StepError::Waiting`]. The name
+    /// is the timer: a second `sleep` of a name in one run is the same
+    /// timer and returns at once, so a loop names each one
+    /// (`format!("poll:{i}")`).
     pub async fn sleep(&mut self, name: &str, duration: Duration) -> Result<(), StepError> {
         self.wait(
             WaitKind::Sleep,
@@ -165,8 +168,15 @@ impl Context {
             return Ok(outcome);
         }
         self.not_draining()?;
-        let event_key = (kind == WaitKind::Approval)
-            .then(|| format!("{}:waiting:{name}", self.fence.key().as_str()));
+        // `job:{id}:waiting:{name}`, and `…:{name}#{n}` for the n-th wait of
+        // a name, as its wait key: each wait sends its own event, once.
+        let event_key = (kind == WaitKind::Approval).then(|| {
+            let job = self.fence.key();
+            let nth = key
+                .strip_prefix(&keys::signal(&job, name, 1))
+                .unwrap_or_default();
+            format!("{}:waiting:{name}{nth}", job.as_str())
+        });
         let ask = WaitAsk {
             key: &key,
             kind,

@@ -593,6 +593,9 @@ pub struct ListFilter {
     pub before: Option<(DateTime<Utc>, String)>,
     /// Only jobs that wait (`Some(true)`), or only those that do not.
     pub waiting: Option<bool>,
+    /// Only jobs waiting for this kind of thing (`sleep`, `signal`,
+    /// `approval`, `children`).
+    pub waiting_kind: Option<String>,
     /// The most jobs returned in one page.
     pub limit: i64,
 }
@@ -621,6 +624,7 @@ impl Store {
                AND ($4::bigint IS NULL OR owner_token = $4) \
                AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6::text)) \
                AND ($8::boolean IS NULL OR (waiting IS NOT NULL AND finished_at IS NULL) = $8) \
+               AND ($9::text IS NULL OR (finished_at IS NULL AND waiting->>'kind' = $9)) \
              ORDER BY created_at DESC, id DESC \
              LIMIT $7",
         )
@@ -632,6 +636,7 @@ impl Store {
         .bind::<Nullable<Text>, _>(before_id)
         .bind::<BigInt, _>(filter.limit + 1)
         .bind::<Nullable<diesel::sql_types::Bool>, _>(filter.waiting)
+        .bind::<Nullable<Text>, _>(filter.waiting_kind.as_deref())
         .load(&mut conn)
         .await?;
         let more = rows.len() as i64 > filter.limit;

@@ -246,8 +246,13 @@ impl Store {
                             }
                         }
                         if let Some(key) = ask.event_key {
-                            // Once per wait: the key is the event's identity.
-                            // Announced on EVENTS_CHANNEL: any node sends it.
+                            // Once per wait: the key is the event's identity,
+                            // and the event (one per job) is named after it:
+                            // `job.waiting:{name}`, `…:{name}#{n}` for the n-th
+                            // wait of a name. Announced on EVENTS_CHANNEL: any
+                            // node sends it.
+                            let prefix = format!("{}:waiting:", fence.key().as_str());
+                            let event = key.strip_prefix(&prefix).unwrap_or(ask.name);
                             sql(
                                 "WITH ev AS (INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
                                  SELECT id, 'job.waiting:' || $3, $2, request->>'webhook_url', \
@@ -258,7 +263,7 @@ impl Store {
                             )
                             .bind::<Text, _>(&fence.job_id)
                             .bind::<Text, _>(key)
-                            .bind::<Text, _>(ask.name)
+                            .bind::<Text, _>(event)
                             .bind::<Jsonb, _>(&waiting)
                             .bind::<Text, _>(super::events::EVENTS_CHANNEL)
                             .execute(conn)

@@ -26,9 +26,9 @@ async fn greet_survives_a_crash_or_a_takeover_at_every_boundary() {
 }
 
 /// The refund waits for a person's approval, then acts once: the explorer
-/// sends the approval with each job it submits, crashes and takes over at
-/// every boundary (before and after the wait is journaled among them), and
-/// counts the refunds the payment service received.
+/// crashes and takes over at every boundary (before and after the wait is
+/// journaled among them), sends the approval while the crashed job is down,
+/// and counts the refunds the payment service received.
 #[actix_rt::test]
 async fn a_refund_acts_once_after_its_approval_at_every_boundary() {
     let env = TestEnv::new().await;
@@ -41,11 +41,14 @@ async fn a_refund_acts_once_after_its_approval_at_every_boundary() {
     };
     let report = Explorer::new(&env, registry, "refund", input)
         .signal("approve", "d-1", serde_json::json!({ "approved": true }))
+        .signals_arrive_during_crashes()
         .recording(payments)
         .run()
         .await;
     println!("{report}");
     report.assert_ok();
+    let wait = report.boundaries.iter().filter(|(b, _)| b.to_string().ends_with(":wait"));
+    assert_eq!(wait.count(), 2, "before and after the wait is journaled: {report}");
 }
 
 /// The map-reduce digest: one model call per chunk, all at once, then one

@@ -145,6 +145,7 @@ async function loadList(cursor) {
   const state = $("state-filter").value;
   const params = new URLSearchParams({ limit: "50" });
   if (state === "waiting") params.set("waiting", "true");
+  else if (state === "approval") params.set("waiting", "approval");
   else if (state) params.set("state", state);
   const workflow = $("workflow-filter").value.trim();
   if (workflow) params.set("workflow", workflow);
@@ -170,7 +171,29 @@ async function loadList(cursor) {
     stateCell(tr, j.state);
     cell(tr, j.attempts);
     cell(tr, when(j.created_at));
-    cell(tr, j.dead_reason || (j.waiting ? "waiting for " + j.waiting.kind + " " + j.waiting.name : ""), "wrap");
+    const w = j.waiting;
+    if (w && w.kind === "approval" && w.tool && LIVE.has(j.state)) {
+      // A tool call waiting for a person: what it would do, and the decision.
+      const td = cell(tr, "", "wrap approval");
+      const what = document.createElement("span");
+      what.dataset.fact = "tool-call";
+      what.textContent = w.tool.name + " " + JSON.stringify(w.tool.arguments);
+      td.appendChild(what);
+      for (const approved of [true, false]) {
+        const b = document.createElement("button");
+        b.type = "button";
+        b.className = approved ? "row-approve" : "row-reject";
+        b.textContent = approved ? "Approve" : "Reject";
+        b.addEventListener("click", async () => {
+          b.disabled = true;
+          if (await decide(j.id, w, approved, "")) await loadList(cursors[cursors.length - 1] || null);
+          b.disabled = false;
+        });
+        td.appendChild(b);
+      }
+    } else {
+      cell(tr, j.dead_reason || (w ? "waiting for " + w.kind + " " + w.name : ""), "wrap");
+    }
     rows.appendChild(tr);
   }
   nextCursor = page.next_cursor;
@@ -367,7 +390,7 @@ async function loadJob(id) {
   for (const b of ["approve", "reject"]) {
     $(b).hidden = !approval;
     $(b).dataset.id = job.id;
-    $(b).dataset.name = approval ? waiting.name : "";
+    $(b).dataset.waiting = approval ? JSON.stringify(waiting) : "";
   }
 }
 
@@ -389,22 +412,33 @@ async function redriveDead() {
   }
 }
 
-// A person's decision on a waiting tool call: the signal its wait asks for.
-async function decide(approved) {
-  const button = $(approved ? "approve" : "reject");
-  const { id, name } = button.dataset;
-  const note = $("reason").value.trim();
+// A person's decision on a waiting tool call: the signal its wait asks for,
+// under an id of that wait (its name and due time), so a second click is
+// the same signal and a changed mind is refused as a conflict, not queued
+// for a later wait. Returns whether the server took it.
+async function decide(id, waiting, approved, note) {
   const payload = note ? { approved, note } : { approved };
+  const signalId = "console-" + ((waiting.until || "").replace(/[^0-9]/g, "") || "0");
   try {
-    await api("/v1/jobs/" + encodeURIComponent(id) + "/signals/" + encodeURIComponent(name), {
+    await api("/v1/jobs/" + encodeURIComponent(id) + "/signals/" + encodeURIComponent(waiting.name), {
       method: "POST",
-      body: JSON.stringify({ id: "console-" + Date.now(), payload }),
+      body: JSON.stringify({ id: signalId, payload }),
     });
-    say((approved ? "Approved " : "Rejected ") + name + ".");
-    await loadJob(id);
+    say((approved ? "Approved " : "Rejected ") + waiting.name + " of " + id + ".");
+    return true;
   } catch (e) {
     if (e.message !== "unauthorized") say("the decision failed: " + e.message);
+    return false;
   }
+}
+
+// The job page's Approve / Reject, with the reason field as the note.
+async function decideHere(approved) {
+  const button = $(approved ? "approve" : "reject");
+  const id = button.dataset.id;
+  const waiting = JSON.parse(button.dataset.waiting || "null");
+  if (!waiting) return;
+  if (await decide(id, waiting, approved, $("reason").value.trim())) await loadJob(id);
 }
 
 async function act(kind) {
@@ -490,8 +524,8 @@ document.addEventListener("DOMContentLoaded", () => {
   $("redrive").addEventListener("click", () => act("redrive"));
   $("redrive-dead").addEventListener("click", () => redriveDead());
   $("cancel").addEventListener("click", () => act("cancel"));
-  $("approve").addEventListener("click", () => decide(true));
-  $("reject").addEventListener("click", () => decide(false));
+  $("approve").addEventListener("click", () => decideHere(true));
+  $("reject").addEventListener("click", () => decideHere(false));
   window.addEventListener("hashchange", route);
   route();
 });
