@@ -344,12 +344,32 @@ impl Client {
         signal_id: &str,
         payload: &Value,
     ) -> Result<bool, ClientError> {
+        self.signal_for_wait(id, name, signal_id, payload, None)
+            .await
+    }
+
+    /// [`signal`](Self::signal) for one wait: with `until` (the wait's
+    /// `waiting.until`), recorded only while the job waits for `name` with
+    /// that due time, else `ClientError::Conflict` (`not_waiting`), so a
+    /// decision on a wait that is over is never kept for a later one.
+    pub async fn signal_for_wait(
+        &self,
+        id: &str,
+        name: &str,
+        signal_id: &str,
+        payload: &Value,
+        until: Option<&str>,
+    ) -> Result<bool, ClientError> {
+        let mut body = json!({ "id": signal_id, "payload": payload });
+        if let Some(until) = until {
+            body["until"] = json!(until);
+        }
         let response = self
             .request(
                 reqwest::Method::POST,
                 &format!("/v1/jobs/{}/signals/{}", encode(id), encode(name)),
             )
-            .json(&json!({ "id": signal_id, "payload": payload }))
+            .json(&body)
             .send()
             .await?;
         let (status, _): (u16, Value) = Self::answer(response).await?;

@@ -336,6 +336,10 @@ pub struct SignalArgs {
     /// The payload, as JSON.
     #[arg(long, default_value = "null")]
     pub payload: String,
+    /// Only for the wait due at this time (its `waiting.until`): refused
+    /// (`not_waiting`) once that wait is over.
+    #[arg(long)]
+    pub until: Option<String>,
     /// The onceflow server.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub server: String,
@@ -352,7 +356,13 @@ pub fn signal(args: SignalArgs) -> anyhow::Result<()> {
     let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
         let recorded = client
-            .signal(&args.job, &args.name, &args.id, &payload)
+            .signal_for_wait(
+                &args.job,
+                &args.name,
+                &args.id,
+                &payload,
+                args.until.as_deref(),
+            )
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         if recorded {

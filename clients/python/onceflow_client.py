@@ -124,11 +124,19 @@ class Client:
             "POST", f"/v1/jobs/{_segment(id)}/redrive", json=_reason(reason), params=params
         )
 
-    def signal(self, id: str, name: str, signal_id: str, payload: Any) -> dict:
+    def signal(self, id: str, name: str, signal_id: str, payload: Any, until: Optional[str] = None) -> dict:
+        """Sends job `id` the signal `name`, recorded once under `signal_id`.
+
+        With `until` (a wait's `waiting["until"]`), it is recorded only while
+        the job waits for `name` with that due time (else 409 `not_waiting`).
+        """
+        body: dict = {"id": signal_id, "payload": payload}
+        if until is not None:
+            body["until"] = until
         return self._call(
             "POST",
             f"/v1/jobs/{_segment(id)}/signals/{_segment(name)}",
-            json={"id": signal_id, "payload": payload},
+            json=body,
         )
 
     def events(self, id: str, last_event_id: Optional[int] = None, reconnects: int = 5) -> Iterator[Event]:

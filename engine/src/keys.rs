@@ -84,6 +84,21 @@ pub fn signal(job: &JobKey, name: &str, nth: u32) -> String {
     }
 }
 
+/// The key, and the outbox event, of the `job.waiting` event the `nth`
+/// approval wait for signal `name` sends: `job:{id}:waiting:{name}` and
+/// `job.waiting:{name}` for the first, `…:{name}#{n}` after it, like the
+/// wait's own key (the outbox holds one row per job and event).
+pub fn waiting(job: &JobKey, name: &str, nth: u32) -> (String, String) {
+    let name = match nth {
+        0 | 1 => name.to_owned(),
+        n => format!("{name}#{n}"),
+    };
+    (
+        format!("{}:waiting:{name}", job.0),
+        format!("job.waiting:{name}"),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +114,20 @@ mod tests {
         assert_eq!(sleep(&first, "s"), "job:a-1:sleep:s");
         assert_eq!(signal(&first, "go", 1), "job:a-1:signal:go");
         assert_eq!(signal(&first, "go", 2), "job:a-1:signal:go#2");
+        assert_eq!(
+            waiting(&first, "approval:c", 1),
+            (
+                "job:a-1:waiting:approval:c".to_owned(),
+                "job.waiting:approval:c".to_owned()
+            )
+        );
+        assert_eq!(
+            waiting(&JobKey::new("a-1", 2), "approval:c", 2),
+            (
+                "job:a-1#2:waiting:approval:c#2".to_owned(),
+                "job.waiting:approval:c#2".to_owned()
+            )
+        );
         let second = JobKey::new("a-1", 2);
         assert_eq!(completed(&second), "job:a-1#2:completed");
         assert_eq!(turn(&second, 3), "job:a-1#2:turn:3");

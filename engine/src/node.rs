@@ -122,7 +122,9 @@ impl crate::context::ChildRules for NodeChildRules {
                 "must be a JSON object",
             ));
         }
-        w.validate(input)?;
+        // Not `validate_here`: a replay on a node whose tools differ must
+        // still find the child it started (the body checks its own rules).
+        w.validate_input(input)?;
         if let Some(url) = webhook_url {
             crate::request::validate_webhook_url(url, &self.guard)?;
         }

@@ -59,8 +59,9 @@ pub trait Workflow: Send + Sync + 'static {
 
     /// Checks an input against this registered instance, after
     /// [`validate`](Self::validate): what only the instance knows, such as
-    /// the tools it was given. Runs at intake on the node that takes the
-    /// job (default: accepts).
+    /// the tools it was given. Runs at `POST /v1/jobs` on the node that
+    /// takes the job, not when a body starts it as a child (default:
+    /// accepts).
     fn validate_here(&self, _input: &Self::Input) -> Result<(), InvalidInput> {
         Ok(())
     }
@@ -91,8 +92,13 @@ pub trait DynWorkflow: Send + Sync {
     /// [`Workflow::failure_events`].
     fn failure_events(&self) -> bool;
     /// Decodes `input` into the workflow's input type and runs
-    /// [`Workflow::validate`], then [`Workflow::validate_here`].
+    /// [`Workflow::validate`], then [`Workflow::validate_here`]: intake's
+    /// check of a submitted job.
     fn validate(&self, input: &Value) -> Result<(), InvalidInput>;
+    /// Decodes `input` and runs [`Workflow::validate`] alone: what does not
+    /// depend on the node, checked again on every replay of a body that
+    /// starts the job as a child.
+    fn validate_input(&self, input: &Value) -> Result<(), InvalidInput>;
     /// [`Workflow::input_schema`].
     fn input_schema(&self) -> Option<Value>;
     /// Decodes `input`, runs the body and serialises its output. The input
@@ -126,6 +132,10 @@ impl<W: Workflow> DynWorkflow for W {
         let typed = decode::<W::Input>(input)?;
         W::validate(&typed)?;
         W::validate_here(self, &typed)
+    }
+
+    fn validate_input(&self, input: &Value) -> Result<(), InvalidInput> {
+        W::validate(&decode::<W::Input>(input)?)
     }
 
     fn input_schema(&self) -> Option<Value> {

@@ -429,6 +429,17 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     browser
         .screenshot(&shots().join("console-approvals.png"))
         .await;
+    let until = env
+        .store
+        .job("ui-reject")
+        .await
+        .unwrap()
+        .unwrap()
+        .waiting
+        .unwrap()["until"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     browser.click("tr[data-id=\"ui-reject\"] .row-reject").await;
     let rejected = wait_until(Duration::from_secs(20), || async {
         env.store
@@ -444,10 +455,11 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     assert_eq!(job.result.unwrap()["tool_calls"], 0);
     assert_eq!(job.signals.len(), 1, "{:?}", job.signals);
     assert_eq!(job.signals[0].payload, json!({ "approved": false }));
-    assert!(
-        job.signals[0].id.starts_with("console-"),
-        "{:?}",
-        job.signals
+    let digits: String = until.chars().filter(char::is_ascii_digit).collect();
+    assert_eq!(
+        job.signals[0].id,
+        format!("console-{digits}"),
+        "the decision's id is its wait's"
     );
     assert_eq!(
         tools.requests_with_key("job:ui-reject:tool:0:0"),

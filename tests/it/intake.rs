@@ -416,7 +416,9 @@ async fn the_document_shows_each_workflows_input_as_intake_takes_it() {
     use onceflow_workflows::agent::{AgentInput, Approval};
     use onceflow_workflows::completion::{CompletionInput, Message, ModelProvider, Role};
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    // The agent has `http_post`, which the approval list below names.
+    let registry = onceflow_workflows::registry_with(Some("http://127.0.0.1:9/tool"));
+    let base = serve_api(env.store.clone(), registry, None);
     let hook = env.consumer.url();
     let (status, doc) = get(&format!("{base}/v1/openapi.json")).await;
     assert_eq!(status, 200);

@@ -315,10 +315,16 @@ async fn the_typed_client_sends_a_signal_once_and_maps_its_refusals() {
         Err(ClientError::Conflict { code, .. }) => assert_eq!(code, "signal_conflict"),
         other => panic!("another payload under the same id: {other:?}"),
     }
-    match client.signal("sig-1", "g o", "s-2", &payload).await {
+    // Path segments are encoded: `a?b` is a bad name, not the name `a`
+    // with a query.
+    match client.signal("sig-1", "a?b", "s-2", &payload).await {
         Err(ClientError::Invalid { field, .. }) => assert_eq!(field, "name"),
         other => panic!("a bad name: {other:?}"),
     }
+    assert!(client
+        .signal("sig-1", "approval:c-1", "s-4", &payload)
+        .await
+        .unwrap());
     match client.signal("nobody", "go", "s-1", &payload).await {
         Err(ClientError::NotFound(_)) => {}
         other => panic!("an unknown job: {other:?}"),
@@ -329,5 +335,13 @@ async fn the_typed_client_sends_a_signal_once_and_maps_its_refusals() {
         other => panic!("a finished job: {other:?}"),
     }
     let signals = env.job("sig-1").await.signals;
-    assert_eq!(signals.len(), 1, "recorded once: {signals:?}");
+    let names: Vec<(&str, &str)> = signals
+        .iter()
+        .map(|s| (s.name.as_str(), s.id.as_str()))
+        .collect();
+    assert_eq!(
+        names,
+        [("go", "s-1"), ("approval:c-1", "s-4")],
+        "recorded once each"
+    );
 }

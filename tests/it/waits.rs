@@ -299,8 +299,21 @@ async fn a_timer_keeps_its_due_time_across_a_restart() {
     let before = env.sql(due).await;
     first.shutdown_gracefully().await.unwrap();
     drop(first);
+    let pending = env
+        .sql("SELECT done_at IS NULL AS pending FROM waits WHERE job_id = 'w-9' AND kind = 'sleep'")
+        .await;
+    assert_eq!(
+        pending[0]["pending"], true,
+        "stopped with time left on the timer"
+    );
     let _second = env.start(registry(&acted), env.config());
     env.wait_for("w-9", JobState::Acked, WAIT).await;
+    let fired = env
+        .sql(
+            "SELECT done_at >= until AS on_time FROM waits WHERE job_id = 'w-9' AND kind = 'sleep'",
+        )
+        .await;
+    assert_eq!(fired[0]["on_time"], true, "never before its due time");
     assert_eq!(
         env.sql(due).await,
         before,
@@ -734,26 +747,51 @@ async fn each_approval_wait_of_one_name_sends_its_own_event_once() {
         schedule: Default::default(),
     })
     .await;
+    let mut api = Registry::new();
+    api.register(AsksTwice);
+    let base = serve_api(env.store.clone(), api, None);
     let keys = [
         "job:twice:waiting:approval:c-1",
         "job:twice:waiting:approval:c-1#2",
     ];
+    let mut decided: Vec<Value> = Vec::new();
     for (i, key) in keys.iter().enumerate() {
         assert!(
             wait_until(WAIT, || async { env.consumer.requests_with_key(key) >= 1 }).await,
-            "no job.waiting event under {key}: {} {:?}",
+            "no job.waiting event under {key}: {}",
             env.sql("SELECT event, idempotency_key, status FROM outbox")
                 .await,
-            env.sql("SELECT * FROM waits").await
         );
-        let decision = json!({ "approved": i == 0 });
-        env.store
-            .signal("twice", "approval:c-1", &format!("d-{i}"), &decision)
-            .await
-            .unwrap();
+        // The wait the event announced (set in the same commit).
+        let until = env.job("twice").await.waiting.expect("waiting")["until"].clone();
+        if let Some(stale) = decided.last() {
+            // A decision for the first wait, sent again under a new id once
+            // that wait is over (a page left open): refused, not kept for
+            // the second wait of the same name.
+            let body = json!({ "id": "late", "payload": { "approved": true }, "until": stale });
+            let (status, answer) = signal(&base, "twice", "approval:c-1", body).await;
+            assert_eq!(
+                (status, answer["error"]["code"].as_str()),
+                (409, Some("not_waiting")),
+                "{answer}"
+            );
+        }
+        let bad = json!({ "id": "bad", "payload": { "approved": true }, "until": "soon" });
+        let (status, answer) = signal(&base, "twice", "approval:c-1", bad).await;
+        assert_eq!(
+            (status, answer["error"]["field"].as_str()),
+            (422, Some("until"))
+        );
+        let decision =
+            json!({ "id": format!("d-{i}"), "payload": { "approved": i == 0 }, "until": until });
+        let (status, answer) = signal(&base, "twice", "approval:c-1", decision).await;
+        assert_eq!(status, 202, "{answer}");
+        decided.push(until);
     }
     let job = env.wait_for("twice", JobState::Acked, WAIT).await;
     assert_eq!(job.result.unwrap(), json!([true, false]));
+    let ids: Vec<&str> = job.signals.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(ids, ["d-0", "d-1"], "nothing else recorded");
     for key in keys {
         assert_eq!(env.consumer.requests_with_key(key), 1, "{key}");
     }

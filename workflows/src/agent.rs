@@ -190,7 +190,7 @@ impl Workflow for Agent {
                 "stream": { "type": "boolean", "default": false,
                     "description": "Journal every turn's text as it arrives; watch it on GET /v1/jobs/{id}/events." },
                 "approval": {
-                    "description": "Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run.",
+                    "description": "Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run: \"all\", or names of the agent's tools (a name it does not have is refused).",
                     "oneOf": [
                         { "const": "all" },
                         { "type": "array", "items": { "type": "string" } },

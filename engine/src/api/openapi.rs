@@ -143,6 +143,12 @@ pub(super) struct SignalBody {
     /// What it carries (at most 64 KiB).
     #[schema(value_type = Object)]
     payload: serde_json::Value,
+    /// The `until` of the wait this decides, as `waiting` shows it: then the
+    /// signal is recorded only while the job waits for this name with this
+    /// due time (else `409 not_waiting`), so a decision on a wait that is
+    /// over is never kept for a later wait of the same name.
+    #[schema(format = DateTime)]
+    until: Option<String>,
 }
 
 /// `POST /v1/schedules`.

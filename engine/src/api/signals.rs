@@ -1,4 +1,4 @@
-//! `POST /v1/jobs/{id}/signals/{name}` `{"id", "payload"}`: a signal for a
+//! `POST /v1/jobs/{id}/signals/{name}` `{"id", "payload", "until"?}`: a signal for a
 //! job's `ctx.wait_for_signal` (or an approval), recorded once under its id.
 
 use super::*;
@@ -46,8 +46,10 @@ async fn signal_body(
 
 /// `202` the signal, recorded now · `200` the same id and payload again ·
 /// `409 signal_conflict` the same id with another payload · `409
-/// job_finished` · `404` an unknown job or another token's · `422` a bad
-/// name, id or payload (or a payload over 64 KiB).
+/// job_finished` · `409 not_waiting` (with `until`: the job does not wait
+/// for this name with that due time) · `404` an unknown job or another
+/// token's · `422` a bad name, id, payload or `until` (or a payload over
+/// 64 KiB).
 #[utoipa::path(post, path = "/v1/jobs/{id}/signals/{name}", tag = "jobs", request_body = SignalBody,
     params(("id" = String, Path), ("name" = String, Path, pattern = "^[A-Za-z0-9_.:-]{1,200}$", description = "1–200 characters of A-Z a-z 0-9 _ . : -")),
     responses(
@@ -55,7 +57,7 @@ async fn signal_body(
         (status = 200, description = "The identical signal again", body = SignalView),
         (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 409, description = "`signal_conflict` or `job_finished`", body = ErrorBody),
+        (status = 409, description = "`signal_conflict`, `job_finished` or `not_waiting`", body = ErrorBody),
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn signal(
@@ -103,6 +105,24 @@ pub(super) async fn signal(
     let Some(signal_payload) = body.remove("payload") else {
         return invalid("payload", "is required (any JSON value)".into());
     };
+    let for_wait = match body.remove("until") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(s)) => match chrono::DateTime::parse_from_rfc3339(&s) {
+            Ok(t) => Some(t.with_timezone(&chrono::Utc)),
+            Err(_) => {
+                return invalid(
+                    "until",
+                    "must be an RFC 3339 time, as `waiting.until` shows it".into(),
+                )
+            }
+        },
+        Some(_) => {
+            return invalid(
+                "until",
+                "must be an RFC 3339 time, as `waiting.until` shows it".into(),
+            )
+        }
+    };
     if let Some(extra) = body.keys().next() {
         return invalid(extra, "unknown field".into());
     }
@@ -124,7 +144,11 @@ pub(super) async fn signal(
     if let Err(refused) = own_job(&state, who, &id).await {
         return refused;
     }
-    match state.store.signal(&id, &name, &signal_id, &signal_payload).await {
+    match state
+        .store
+        .signal_for_wait(&id, &name, &signal_id, &signal_payload, for_wait)
+        .await
+    {
         Ok(SignalOutcome::Created(view)) => HttpResponse::Accepted().json(view),
         Ok(SignalOutcome::Existing(view)) => HttpResponse::Ok().json(view),
         Ok(SignalOutcome::Conflict) => error(
@@ -138,6 +162,12 @@ pub(super) async fn signal(
             "job_finished",
             format!("job {id:?} has finished; nothing waits for a signal any more"),
             None,
+        ),
+        Ok(SignalOutcome::NotWaiting) => error(
+            StatusCode::CONFLICT,
+            "not_waiting",
+            format!("job {id:?} is not waiting for {name:?} due at that `until`: that wait is over (or not reached); nothing was recorded"),
+            Some("until"),
         ),
         Ok(SignalOutcome::NotFound) => error(
             StatusCode::NOT_FOUND,

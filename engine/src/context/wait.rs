@@ -56,6 +56,7 @@ impl Context {
             keys::sleep(&self.fence.key(), name),
             Until::After(duration),
             None,
+            None,
         )
         .await
         .map(|_| ())
@@ -68,6 +69,7 @@ impl Context {
             name,
             keys::sleep(&self.fence.key(), name),
             Until::At(at),
+            None,
             None,
         )
         .await
@@ -94,8 +96,9 @@ impl Context {
     /// `approval:{tool_call_id}` with payload `{"approved": bool, "note"?}`
     /// for at most `timeout`, and returns the decision, or `None` on
     /// timeout. The job's `waiting` shows the tool call; when the job starts
-    /// waiting it sends a `job.waiting` event to its `webhook_url`, once,
-    /// under `job:{id}:waiting:approval:{tool_call_id}`.
+    /// waiting it sends a `job.waiting` event to its `webhook_url`, once per
+    /// wait, under `job:{id}:waiting:approval:{tool_call_id}` (the `n`-th
+    /// wait for one id in a run: `…#{n}`, like its wait's key).
     pub async fn wait_for_approval(
         &mut self,
         tool_call_id: &str,
@@ -125,8 +128,11 @@ impl Context {
             *n
         };
         let key = keys::signal(&self.fence.key(), name, nth);
+        // Each approval wait sends its own `job.waiting`, once.
+        let event =
+            (kind == WaitKind::Approval).then(|| keys::waiting(&self.fence.key(), name, nth));
         let outcome = self
-            .wait(kind, name, key, Until::After(timeout), detail)
+            .wait(kind, name, key, Until::After(timeout), detail, event)
             .await?;
         match outcome.get("signal") {
             Some(signal) => {
@@ -150,6 +156,7 @@ impl Context {
         key: String,
         until: Until,
         detail: Option<&Value>,
+        event: Option<(String, String)>,
     ) -> Result<Value, StepError> {
         if !valid_wait_name(name) {
             return Err(StepError::permanent(
@@ -168,22 +175,13 @@ impl Context {
             return Ok(outcome);
         }
         self.not_draining()?;
-        // `job:{id}:waiting:{name}`, and `…:{name}#{n}` for the n-th wait of
-        // a name, as its wait key: each wait sends its own event, once.
-        let event_key = (kind == WaitKind::Approval).then(|| {
-            let job = self.fence.key();
-            let nth = key
-                .strip_prefix(&keys::signal(&job, name, 1))
-                .unwrap_or_default();
-            format!("{}:waiting:{name}{nth}", job.as_str())
-        });
         let ask = WaitAsk {
             key: &key,
             kind,
             name,
             until,
             detail,
-            event_key: event_key.as_deref(),
+            event: event.as_ref().map(|(k, e)| (k.as_str(), e.as_str())),
         };
         // Boundaries for the crash-point explorer: before the wait is
         // journaled (nothing of it is durable), and after (the job is

@@ -71,8 +71,8 @@ pub struct WaitAsk<'a> {
     /// More to show in `waiting` (an approval's tool call).
     pub detail: Option<&'a Value>,
     /// An event to send once when the job starts waiting (an approval's
-    /// `job.waiting`): its key (`job:{id}:waiting:{name}`).
-    pub event_key: Option<&'a str>,
+    /// `job.waiting`): its key and its outbox event (`keys::waiting`).
+    pub event: Option<(&'a str, &'a str)>,
 }
 
 /// Where a wait stands.
@@ -127,6 +127,9 @@ pub enum SignalOutcome {
     Conflict,
     /// The job has finished: nothing was recorded (`409 job_finished`).
     Finished,
+    /// Sent for one wait (its `until`), and the job does not wait for the
+    /// name with that due time now: nothing was recorded (`409 not_waiting`).
+    NotWaiting,
     /// No such job (`404`).
     NotFound,
 }
@@ -245,17 +248,14 @@ impl Store {
                                 waiting[k] = v.clone();
                             }
                         }
-                        if let Some(key) = ask.event_key {
+                        if let Some((key, event)) = ask.event {
                             // Once per wait: the key is the event's identity,
-                            // and the event (one per job) is named after it:
-                            // `job.waiting:{name}`, `…:{name}#{n}` for the n-th
-                            // wait of a name. Announced on EVENTS_CHANNEL: any
-                            // node sends it.
-                            let prefix = format!("{}:waiting:", fence.key().as_str());
-                            let event = key.strip_prefix(&prefix).unwrap_or(ask.name);
+                            // and the event's name (one row per job and
+                            // event) is the wait's (`keys::waiting`).
+                            // Announced on EVENTS_CHANNEL: any node sends it.
                             sql(
                                 "WITH ev AS (INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
-                                 SELECT id, 'job.waiting:' || $3, $2, request->>'webhook_url', \
+                                 SELECT id, $3, $2, request->>'webhook_url', \
                                      jsonb_build_object('type', 'job.waiting', 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'waiting', $4::jsonb)) \
                                  FROM jobs WHERE id = $1 AND request->>'webhook_url' <> '' \
                                  ON CONFLICT DO NOTHING RETURNING job_id) \
@@ -305,6 +305,22 @@ impl Store {
         signal_id: &str,
         payload: &Value,
     ) -> Result<SignalOutcome, StoreError> {
+        self.signal_for_wait(job_id, name, signal_id, payload, None)
+            .await
+    }
+
+    /// [`signal`](Self::signal), for the wait due at `until` when given: a
+    /// new signal is recorded only while the job waits for `name` with that
+    /// due time, so a decision on a wait that is over (decided, timed out)
+    /// is never kept for a later wait of the same name.
+    pub async fn signal_for_wait(
+        &self,
+        job_id: &str,
+        name: &str,
+        signal_id: &str,
+        payload: &Value,
+        until: Option<DateTime<Utc>>,
+    ) -> Result<SignalOutcome, StoreError> {
         let hash = crate::request::canonical_hash(payload);
         retrying!(self, "signal", async || {
             let mut conn = self.db().conn().await?;
@@ -349,6 +365,26 @@ impl Store {
                 }
                 if job.finished {
                     return Ok(SignalOutcome::Finished);
+                }
+                if let Some(until) = until {
+                    #[derive(QueryableByName)]
+                    struct Waits {
+                        #[diesel(sql_type = Bool)]
+                        waits: bool,
+                    }
+                    let now: Waits = sql(
+                        "SELECT coalesce(waiting->>'name' = $2 \
+                             AND (waiting->>'until')::timestamptz = $3, false) AS waits \
+                         FROM jobs WHERE id = $1",
+                    )
+                    .bind::<Text, _>(job_id)
+                    .bind::<Text, _>(name)
+                    .bind::<Timestamptz, _>(until)
+                    .get_result(conn)
+                    .await?;
+                    if !now.waits {
+                        return Ok(SignalOutcome::NotWaiting);
+                    }
                 }
                 let view: SignalView = sql(
                     "INSERT INTO signals (job_id, name, signal_id, payload, payload_hash) \

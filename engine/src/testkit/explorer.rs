@@ -190,7 +190,8 @@ struct Counts {
     webhook_keys: HashSet<Option<String>>,
     webhook_processed: usize,
     webhook_requests: usize,
-    /// `job.waiting` events processed, and requested.
+    /// `job.waiting` events processed, and requested: the most for one
+    /// wait (one event key).
     waiting_processed: usize,
     waiting_requests: usize,
     /// Chunks and resets in the job's stream journal (what watchers saw).
@@ -389,7 +390,14 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             self.settle(&id, wait).await;
             // Ended while the attempt was still frozen: it went on without
             // it (taken over, or released into a wait it had journaled).
-            let ended_while_frozen = env.faults.is_frozen(&id);
+            let ended_while_frozen = env.faults.is_frozen(&id)
+                && env
+                    .store
+                    .job(&id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .is_some_and(|j| j.state.is_terminal());
             // What the attempt that took over journaled: the zombie must
             // send none of it again.
             let journaled = self.journaled(&id).await;
@@ -646,8 +654,14 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         c.webhook_requests = hooks.len();
         c.webhook_keys = hooks.iter().map(|d| d.webhook_id.clone()).collect();
         c.webhook_processed = hooks.iter().filter(processed).count();
-        c.waiting_processed = waiting.iter().filter(processed).count();
-        c.waiting_requests = waiting.len();
+        let mut per_wait: HashMap<Option<String>, (usize, usize)> = HashMap::new();
+        for d in &waiting {
+            let counts = per_wait.entry(d.webhook_id.clone()).or_default();
+            counts.0 += usize::from(processed(&d));
+            counts.1 += 1;
+        }
+        c.waiting_processed = per_wait.values().map(|n| n.0).max().unwrap_or(0);
+        c.waiting_requests = per_wait.values().map(|n| n.1).max().unwrap_or(0);
         c
     }
 }

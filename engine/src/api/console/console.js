@@ -413,16 +413,18 @@ async function redriveDead() {
 }
 
 // A person's decision on a waiting tool call: the signal its wait asks for,
-// under an id of that wait (its name and due time), so a second click is
-// the same signal and a changed mind is refused as a conflict, not queued
-// for a later wait. Returns whether the server took it.
+// under an id of that wait (its due time), so a second click is the same
+// signal and a changed mind is refused as a conflict; and sent for that
+// wait (`until`), so a page shown before the wait was over decides nothing
+// (409 not_waiting) rather than a later wait of the same name. Returns
+// whether the server took it.
 async function decide(id, waiting, approved, note) {
   const payload = note ? { approved, note } : { approved };
   const signalId = "console-" + ((waiting.until || "").replace(/[^0-9]/g, "") || "0");
   try {
     await api("/v1/jobs/" + encodeURIComponent(id) + "/signals/" + encodeURIComponent(waiting.name), {
       method: "POST",
-      body: JSON.stringify({ id: signalId, payload }),
+      body: JSON.stringify({ id: signalId, payload, until: waiting.until }),
     });
     say((approved ? "Approved " : "Rejected ") + waiting.name + " of " + id + ".");
     return true;
