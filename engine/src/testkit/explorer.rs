@@ -387,17 +387,11 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                     .ok()
                     .flatten()
                     .is_some_and(|j| !j.state.is_terminal());
-            self.settle(&id, wait).await;
+            let settled = self.settle(&id, wait).await;
             // Ended while the attempt was still frozen: it went on without
             // it (taken over, or released into a wait it had journaled).
-            let ended_while_frozen = env.faults.is_frozen(&id)
-                && env
-                    .store
-                    .job(&id)
-                    .await
-                    .ok()
-                    .flatten()
-                    .is_some_and(|j| j.state.is_terminal());
+            let ended_while_frozen =
+                env.faults.is_frozen(&id) && settled.state.is_some_and(|s| s.is_terminal());
             // What the attempt that took over journaled: the zombie must
             // send none of it again.
             let journaled = self.journaled(&id).await;
