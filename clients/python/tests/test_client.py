@@ -180,3 +180,21 @@ def test_list_pages_cancel_redrive_and_errors(node):
     with pytest.raises(OnceflowError) as missing:
         client.get("py-nobody")
     assert missing.value.status == 404
+
+
+def test_signals_are_recorded_once_and_a_stale_decision_decides_nothing(node):
+    client, hook = node
+    client.submit("py-sig", "completion", completion("later"), hook, delay_ms=3_600_000)
+    first = client.signal("py-sig", "go", "s-1", {"n": 1})
+    assert first["id"] == "s-1" and first["taken_by"] is None
+    assert client.signal("py-sig", "go", "s-1", {"n": 1})["id"] == "s-1"  # the same signal
+    with pytest.raises(OnceflowError) as conflict:
+        client.signal("py-sig", "go", "s-1", {"n": 2})
+    assert (conflict.value.status, conflict.value.code) == (409, "signal_conflict")
+    # For a wait the job is not in (it waits for nothing): refused, nothing kept.
+    with pytest.raises(OnceflowError) as stale:
+        client.signal("py-sig", "go", "s-2", {"n": 3}, until="2026-12-05T10:00:00.000000Z")
+    assert (stale.value.status, stale.value.code) == (409, "not_waiting")
+    waiting = [j["id"] for j in client.list(waiting=True) if j["id"] == "py-sig"]
+    assert waiting == []
+    assert [s["id"] for s in client.get("py-sig")["signals"]] == ["s-1"]
