@@ -332,6 +332,60 @@ async fn a_timer_keeps_its_due_time_across_a_restart() {
     assert_eq!(acted.load(Ordering::SeqCst), 1);
 }
 
+#[derive(Deserialize)]
+struct AlarmInput {
+    at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Sleeps until the instant its input names.
+struct Alarm;
+
+impl Workflow for Alarm {
+    const NAME: &'static str = "test.alarm";
+    type Input = AlarmInput;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, input: AlarmInput) -> Result<Value, StepError> {
+        ctx.sleep_until("alarm", input.at).await?;
+        Ok(json!({ "rang": true }))
+    }
+}
+
+/// `ctx.sleep_until` journals the instant it was given as its due time
+/// (not one computed from when the body reached it) and fires at or
+/// after it.
+#[actix_rt::test]
+async fn sleep_until_waits_for_the_instant_it_names() {
+    let env = TestEnv::new().await;
+    let mut registry = Registry::new();
+    registry.register(Alarm);
+    let _engine = env.start(registry, env.config());
+    let at = chrono::Utc::now() + chrono::Duration::milliseconds(1500);
+    let at = at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    env.submit_job(NewJob {
+        id: "alarm-1".to_owned(),
+        workflow: Alarm::NAME.to_owned(),
+        workflow_version: 1,
+        input: json!({ "at": at }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let waiting = wait_for_wait(&env, "alarm-1", "sleep").await;
+    assert_eq!(waiting["name"], "alarm");
+    env.wait_for("alarm-1", JobState::Acked, WAIT).await;
+    let rows = env
+        .sql(&format!(
+            "SELECT wait_key, until = '{at}'::timestamptz AS as_given, done_at >= until AS on_time \
+             FROM waits WHERE job_id = 'alarm-1'"
+        ))
+        .await;
+    assert_eq!(
+        rows,
+        json!([{ "wait_key": "job:alarm-1:sleep:alarm", "as_given": true, "on_time": true }])
+    );
+}
+
 /// A node polls at the due time of each wait it released, not only at its
 /// poll ticks: with a poll interval of a minute, a job that naps 300 ms and
 /// then waits 300 ms for a signal nobody sends ends within seconds.
