@@ -289,6 +289,28 @@ pub(super) async fn run(
         _ => println!("statements: pg_stat_statements is not loaded"),
     }
 
+    // What listing costs with them waiting: the console's "waiting for
+    // approval" (none here) and "waiting" pages, 20 reads each.
+    for (what, kind) in [
+        ("?waiting=approval", Some("approval")),
+        ("?waiting=true", None),
+    ] {
+        let filter = onceflow_engine::store::ListFilter {
+            waiting: Some(true),
+            waiting_kind: kind.map(str::to_owned),
+            limit: 50,
+            ..Default::default()
+        };
+        let started = Instant::now();
+        for _ in 0..20 {
+            store.list_jobs(&filter).await?;
+        }
+        println!(
+            "GET /v1/jobs{what} (a page of 50) with {n} waiting: {:.2} ms a read",
+            started.elapsed().as_secs_f64() * 1000.0 / 20.0
+        );
+    }
+
     if timers > 0 {
         // Due together, far enough ahead that every job reaches its wait first.
         let lead = Duration::from_secs(30 + (timers / 500) as u64);

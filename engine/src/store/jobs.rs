@@ -614,31 +614,45 @@ impl Store {
             Some((at, id)) => (Some(*at), Some(id.as_str())),
             None => (None, None),
         };
-        let mut rows: Vec<JobSummary> = sql(
-            "SELECT id, workflow, workflow_version, state::text AS state, attempts, incarnation, created_at, \
-                 updated_at, finished_at, dead_reason, CASE WHEN finished_at IS NULL THEN waiting END AS waiting \
-             FROM jobs \
-             WHERE ($1::text IS NULL OR state::text = $1) \
-               AND ($2::text IS NULL OR workflow = $2) \
-               AND ($3::timestamptz IS NULL OR created_at >= $3) \
-               AND ($4::bigint IS NULL OR owner_token = $4) \
-               AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6::text)) \
-               AND ($8::boolean IS NULL OR (waiting IS NOT NULL AND finished_at IS NULL) = $8) \
-               AND ($9::text IS NULL OR (finished_at IS NULL AND waiting->>'kind' = $9)) \
-             ORDER BY created_at DESC, id DESC \
-             LIMIT $7",
-        )
-        .bind::<Nullable<Text>, _>(filter.state.map(JobState::as_str))
-        .bind::<Nullable<Text>, _>(filter.workflow.as_deref())
-        .bind::<Nullable<Timestamptz>, _>(filter.since)
-        .bind::<Nullable<BigInt>, _>(filter.owner)
-        .bind::<Nullable<Timestamptz>, _>(before_at)
-        .bind::<Nullable<Text>, _>(before_id)
-        .bind::<BigInt, _>(filter.limit + 1)
-        .bind::<Nullable<diesel::sql_types::Bool>, _>(filter.waiting)
-        .bind::<Nullable<Text>, _>(filter.waiting_kind.as_deref())
-        .load(&mut conn)
-        .await?;
+        // One statement per shape: with a kind of wait named, the kind is a
+        // plain condition, so `jobs_waiting_kind` serves it in any plan
+        // (a `$9 IS NULL OR …` would keep a generic plan from the index).
+        macro_rules! list {
+            ($waiting_kind:literal) => {
+                concat!(
+                    "SELECT id, workflow, workflow_version, state::text AS state, attempts, incarnation, created_at, \
+                         updated_at, finished_at, dead_reason, CASE WHEN finished_at IS NULL THEN waiting END AS waiting \
+                     FROM jobs \
+                     WHERE ($1::text IS NULL OR state::text = $1) \
+                       AND ($2::text IS NULL OR workflow = $2) \
+                       AND ($3::timestamptz IS NULL OR created_at >= $3) \
+                       AND ($4::bigint IS NULL OR owner_token = $4) \
+                       AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6::text)) \
+                       AND ($8::boolean IS NULL OR (waiting IS NOT NULL AND finished_at IS NULL) = $8) \
+                       AND ",
+                    $waiting_kind,
+                    " ORDER BY created_at DESC, id DESC \
+                     LIMIT $7"
+                )
+            };
+        }
+        let text = if filter.waiting_kind.is_some() {
+            list!("waiting IS NOT NULL AND finished_at IS NULL AND waiting->>'kind' = $9")
+        } else {
+            list!("$9::text IS NULL")
+        };
+        let mut rows: Vec<JobSummary> = sql(text)
+            .bind::<Nullable<Text>, _>(filter.state.map(JobState::as_str))
+            .bind::<Nullable<Text>, _>(filter.workflow.as_deref())
+            .bind::<Nullable<Timestamptz>, _>(filter.since)
+            .bind::<Nullable<BigInt>, _>(filter.owner)
+            .bind::<Nullable<Timestamptz>, _>(before_at)
+            .bind::<Nullable<Text>, _>(before_id)
+            .bind::<BigInt, _>(filter.limit + 1)
+            .bind::<Nullable<diesel::sql_types::Bool>, _>(filter.waiting)
+            .bind::<Nullable<Text>, _>(filter.waiting_kind.as_deref())
+            .load(&mut conn)
+            .await?;
         let more = rows.len() as i64 > filter.limit;
         rows.truncate(filter.limit.max(0) as usize);
         Ok((rows, more))
