@@ -476,6 +476,17 @@ async fn a_signal_wakes_its_job_by_notify_not_by_the_poll() {
         .unwrap();
     assert_eq!(response.status().as_u16(), 422);
 
+    // A signal sent "for" a timer (the sleeper's name and due time) is no
+    // decision of a wait: refused, nothing recorded.
+    let nap = env.job("w-8").await.waiting.unwrap()["until"].clone();
+    let body = json!({ "id": "s-0", "payload": 0, "until": nap });
+    let (status, answer) = signal(&base, "w-8", "nap", body).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("not_waiting")),
+        "{answer}"
+    );
+    assert!(env.job("w-8").await.signals.is_empty());
     let sent = std::time::Instant::now();
     let (status, _) = signal(&base, "w-7", "go", json!({ "id": "s-1", "payload": 1 })).await;
     assert_eq!(status, 202);

@@ -310,8 +310,8 @@ impl Store {
     }
 
     /// [`signal`](Self::signal), for the wait due at `until` when given: a
-    /// new signal is recorded only while the job waits for `name` with that
-    /// due time, so a decision on a wait that is over (decided, timed out)
+    /// new signal is recorded only while the job waits for the signal (or
+    /// approval) `name` with that due time, so a decision on a wait that is over (decided, timed out)
     /// is never kept for a later wait of the same name.
     pub async fn signal_for_wait(
         &self,
@@ -373,7 +373,8 @@ impl Store {
                         waits: bool,
                     }
                     let now: Waits = sql(
-                        "SELECT coalesce(waiting->>'name' = $2 \
+                        "SELECT coalesce(waiting->>'kind' IN ('signal', 'approval') \
+                             AND waiting->>'name' = $2 \
                              AND (waiting->>'until')::timestamptz = $3, false) AS waits \
                          FROM jobs WHERE id = $1",
                     )
