@@ -24,6 +24,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 
 use crate::actor::{Abort, Finished, JobActor, JobRun, Outcome};
+use crate::faults::FailPoint;
 use crate::node::Shared;
 
 /// Look for work now (a job was submitted, an attempt ended, or the timer fired).
@@ -45,6 +46,11 @@ pub struct SendEvents;
 
 /// Failure events one node sends per tick.
 const EVENT_BATCH: i64 = 32;
+
+/// The name a firing of schedules passes its failpoint under
+/// (`after-commit:schedules`, hit after each firing, once it has read when
+/// the next schedule is due): a test holds a firing there.
+pub const SCHEDULES_FAULT_ID: &str = "*schedules";
 
 /// Purge one small batch of jobs past their retention.
 #[derive(Message)]
@@ -127,6 +133,9 @@ pub struct Supervisor {
     /// When to look for due schedules next.
     schedules_due: SchedulesDue,
     firing: bool,
+    /// A `FireSchedules` arrived during a firing (a schedule created or
+    /// resumed meanwhile): fire again after it, whatever it read.
+    fire_again: bool,
     /// Due times of the waits this node released, earliest first, in
     /// milliseconds since `started` (this process's monotonic clock,
     /// rounded up): one entry per millisecond, however many jobs fall due
@@ -192,6 +201,7 @@ impl Supervisor {
             reported_in_flight: 0,
             schedules_due: SchedulesDue::Now,
             firing: false,
+            fire_again: false,
             wakeups: BTreeSet::new(),
             wake: None,
             started: std::time::Instant::now(),
@@ -656,10 +666,19 @@ impl Handler<FireSchedules> for Supervisor {
     type Result = ();
 
     fn handle(&mut self, _: FireSchedules, ctx: &mut Self::Context) {
-        if self.firing || self.stopping {
+        if self.stopping {
+            return;
+        }
+        if self.firing {
+            // What this firing reads of the schedules may predate the
+            // request (a schedule created or resumed meanwhile): look again
+            // when it ends.
+            self.fire_again = true;
             return;
         }
         self.firing = true;
+        // Polls during the firing do not ask again; its result says when.
+        self.schedules_due = SchedulesDue::WhenTold;
         let shared = self.shared.clone();
         let fireable: Vec<crate::store::schedules::Fireable> = shared
             .registry
@@ -676,10 +695,21 @@ impl Handler<FireSchedules> for Supervisor {
         // one is created or resumed (its NOTIFY) or LISTEN reconnects (see
         // `Listening`): an idle node never looks on a clock of its own.
         ctx.spawn(
-            async move { shared.store.fire_schedules(&fireable).await }
+            async move {
+                let fired = shared.store.fire_schedules(&fireable).await;
+                // A seam for tests: a firing held after it read when the next is due.
+                let _ = shared
+                    .faults
+                    .hit(SCHEDULES_FAULT_ID, FailPoint::AfterCommit("schedules"))
+                    .await;
+                fired
+            }
                 .into_actor(self)
                 .map(move |result, act, ctx| {
                     act.firing = false;
+                    if std::mem::take(&mut act.fire_again) {
+                        ctx.notify(FireSchedules);
+                    }
                     let now = std::time::Instant::now();
                     act.schedules_due = match result {
                         Ok(fired) => {

@@ -181,6 +181,50 @@ async fn the_schedule_api_answers_each_case_with_its_status() {
     assert_eq!(status, 404);
 }
 
+/// A schedule created while a firing runs fires: the node's first firing
+/// is held after it read that no schedule is active, the schedule is
+/// created meanwhile (its `NOTIFY` arrives during the firing), and the
+/// firing's stale "none active" must not be the last word.
+#[actix_rt::test]
+async fn a_schedule_created_during_a_firing_fires() {
+    use onceflow_engine::faults::{Action, FailPoint};
+    use onceflow_engine::supervisor::SCHEDULES_FAULT_ID;
+    let env = TestEnv::new().await;
+    let base = api(&env, Auth::Off);
+    env.faults.arm(
+        Some(SCHEDULES_FAULT_ID),
+        FailPoint::AfterCommit("schedules"),
+        Action::Stall(Duration::from_secs(3)),
+        1,
+    );
+    let _node = env.start(registry(), env.config());
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            env.faults.fired(SCHEDULES_FAULT_ID)
+        })
+        .await,
+        "the firing was never held"
+    );
+    // LISTEN is connected by now: the NOTIFY reaches the held node.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let body = schedule("late", "* * * * * *", &env.consumer.url());
+    let (status, answer) = call(
+        reqwest::Method::POST,
+        &format!("{base}/v1/schedules"),
+        None,
+        Some(&body),
+    )
+    .await;
+    assert_eq!(status, 201, "{answer}");
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            fired(&env, "late").await.len() >= 2
+        })
+        .await,
+        "a schedule created during a firing never fired"
+    );
+}
+
 /// A schedule firing every second on two nodes: each fire time is one job,
 /// none is skipped, each job calls the model once and sends one webhook;
 /// nothing fires after a pause, or after a delete.

@@ -880,6 +880,67 @@ async fn each_approval_wait_of_one_name_sends_its_own_event_once() {
     }
 }
 
+/// Waits for `go` twice: the second wait is short.
+struct GoTwice;
+
+impl Workflow for GoTwice {
+    const NAME: &'static str = "test.go_twice";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let first: Option<Value> = ctx.wait_for_signal("go", WAIT * 3).await?;
+        let second: Option<Value> = ctx
+            .wait_for_signal("go", Duration::from_millis(1500))
+            .await?;
+        Ok(json!([first, second]))
+    }
+}
+
+/// Two decisions sent at once for one wait (its `until`), under different
+/// ids (two operators, a client retrying with a fresh id): one is recorded,
+/// the other is refused `409 wait_decided`, and the later wait of the same
+/// name never takes a decision meant for the first: it times out.
+#[actix_rt::test]
+async fn a_decision_for_one_wait_is_never_taken_by_a_later_wait() {
+    let env = TestEnv::new().await;
+    let mut registry = Registry::new();
+    registry.register(GoTwice);
+    let _engine = env.start(registry, env.config());
+    let mut api = Registry::new();
+    api.register(GoTwice);
+    let base = serve_api(env.store.clone(), api, None);
+    env.submit_job(NewJob {
+        id: "go2".to_owned(),
+        workflow: GoTwice::NAME.to_owned(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let until = wait_for_wait(&env, "go2", "signal").await["until"].clone();
+    let one = json!({ "id": "op-1", "payload": 1, "until": until });
+    let two = json!({ "id": "op-2", "payload": 2, "until": until });
+    let (a, b) = tokio::join!(
+        signal(&base, "go2", "go", one),
+        signal(&base, "go2", "go", two)
+    );
+    let mut statuses = [a.0, b.0];
+    statuses.sort();
+    assert_eq!(statuses, [202, 409], "{a:?} {b:?}");
+    let refused = if a.0 == 409 { &a.1 } else { &b.1 };
+    assert_eq!(refused["error"]["code"], "wait_decided", "{refused}");
+    let winner = if a.0 == 202 { 1 } else { 2 };
+    let job = env.wait_for("go2", JobState::Acked, WAIT).await;
+    assert_eq!(
+        job.result.unwrap(),
+        json!([winner, null]),
+        "the second wait took the first wait's other decision"
+    );
+    assert_eq!(job.signals.len(), 1, "nothing else recorded: {:?}", job.signals);
+}
+
 /// A misspelt name in `"approval"` must not let the tool it meant run
 /// unasked: intake refuses it, naming the entry, and a job that got past
 /// intake anyway (a node with other tools took it) ends before any tool runs.

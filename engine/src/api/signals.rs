@@ -47,7 +47,9 @@ async fn signal_body(
 /// `202` the signal, recorded now · `200` the same id and payload again ·
 /// `409 signal_conflict` the same id with another payload · `409
 /// job_finished` · `409 not_waiting` (with `until`: the job does not wait
-/// for this name with that due time) · `404` an unknown job or another
+/// for this name with that due time) · `409 wait_decided` (with `until`:
+/// that wait has its decision already) · `409 too_many_signals` (the job
+/// holds as many untaken signals as it may) · `404` an unknown job or another
 /// token's · `422` a bad name, id, payload or `until` (or a payload over
 /// 64 KiB).
 #[utoipa::path(post, path = "/v1/jobs/{id}/signals/{name}", tag = "jobs", request_body = SignalBody,
@@ -57,7 +59,7 @@ async fn signal_body(
         (status = 200, description = "The identical signal again", body = SignalView),
         (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 409, description = "`signal_conflict`, `job_finished` or `not_waiting`", body = ErrorBody),
+        (status = 409, description = "`signal_conflict`, `job_finished`, `not_waiting`, `wait_decided` or `too_many_signals`", body = ErrorBody),
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn signal(
@@ -168,6 +170,22 @@ pub(super) async fn signal(
             "not_waiting",
             format!("job {id:?} is not waiting for {name:?} due at that `until`: that wait is over (or not reached); nothing was recorded"),
             Some("until"),
+        ),
+        Ok(SignalOutcome::Decided) => error(
+            StatusCode::CONFLICT,
+            "wait_decided",
+            format!("the wait of job {id:?} for {name:?} due at that `until` has its decision already; nothing was recorded"),
+            Some("until"),
+        ),
+        Ok(SignalOutcome::TooMany) => error(
+            StatusCode::CONFLICT,
+            "too_many_signals",
+            format!(
+                "job {id:?} holds {} untaken signals (or {} bytes of them), as many as it may; nothing was recorded",
+                crate::store::waits::MAX_UNTAKEN_SIGNALS,
+                crate::store::waits::MAX_UNTAKEN_SIGNAL_BYTES
+            ),
+            None,
         ),
         Ok(SignalOutcome::NotFound) => error(
             StatusCode::NOT_FOUND,

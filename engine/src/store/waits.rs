@@ -130,8 +130,34 @@ pub enum SignalOutcome {
     /// Sent for one wait (its `until`), and the job does not wait for the
     /// name with that due time now: nothing was recorded (`409 not_waiting`).
     NotWaiting,
+    /// Sent for one wait (its `until`), and that wait has its decision
+    /// already (another signal sent for it, or one it will take first):
+    /// nothing was recorded (`409 wait_decided`).
+    Decided,
+    /// The job holds as many untaken signals (or bytes of them) as it may:
+    /// nothing was recorded (`409 too_many_signals`).
+    TooMany,
     /// No such job (`404`).
     NotFound,
+}
+
+/// Most untaken signals one job holds; past it a signal is refused.
+pub const MAX_UNTAKEN_SIGNALS: i64 = 100;
+
+/// Most bytes of untaken signals' payloads one job holds (as stored).
+pub const MAX_UNTAKEN_SIGNAL_BYTES: i64 = 1024 * 1024;
+
+/// Signals a job's view shows: the latest.
+pub const SIGNALS_SHOWN: i64 = 100;
+
+/// The wait a signal sent with `until` is for.
+enum OpenWait {
+    /// The job is not in a wait of that name and due time.
+    None,
+    /// It is, and that wait has its decision already.
+    Decided,
+    /// It is, undecided: the wait's key.
+    Open(String),
 }
 
 #[derive(QueryableByName)]
@@ -209,6 +235,7 @@ impl Store {
                              WHERE (job_id, name, signal_id) = ( \
                                  SELECT job_id, name, signal_id FROM signals \
                                  WHERE job_id = $1 AND name = $3 AND taken_by IS NULL \
+                                   AND (for_wait IS NULL OR for_wait = $2) \
                                  ORDER BY seq LIMIT 1 FOR UPDATE) \
                              RETURNING signal_id, payload",
                         )
@@ -366,30 +393,35 @@ impl Store {
                 if job.finished {
                     return Ok(SignalOutcome::Finished);
                 }
+                // The wait this signal is for: it alone may take it.
+                let mut for_wait = None;
                 if let Some(until) = until {
-                    #[derive(QueryableByName)]
-                    struct Waits {
-                        #[diesel(sql_type = Bool)]
-                        waits: bool,
-                    }
-                    let now: Waits = sql(
-                        "SELECT coalesce(waiting->>'kind' IN ('signal', 'approval') \
-                             AND waiting->>'name' = $2 \
-                             AND (waiting->>'until')::timestamptz = $3, false) AS waits \
-                         FROM jobs WHERE id = $1",
-                    )
-                    .bind::<Text, _>(job_id)
-                    .bind::<Text, _>(name)
-                    .bind::<Timestamptz, _>(until)
-                    .get_result(conn)
-                    .await?;
-                    if !now.waits {
-                        return Ok(SignalOutcome::NotWaiting);
+                    match Store::open_wait(conn, job_id, name, until).await? {
+                        OpenWait::None => return Ok(SignalOutcome::NotWaiting),
+                        OpenWait::Decided => return Ok(SignalOutcome::Decided),
+                        OpenWait::Open(key) => for_wait = Some(key),
                     }
                 }
+                #[derive(QueryableByName)]
+                struct Held {
+                    #[diesel(sql_type = BigInt)]
+                    n: i64,
+                    #[diesel(sql_type = BigInt)]
+                    bytes: i64,
+                }
+                let held: Held = sql(
+                    "SELECT count(*) AS n, coalesce(sum(pg_column_size(payload)), 0)::bigint AS bytes \
+                     FROM signals WHERE job_id = $1 AND taken_by IS NULL",
+                )
+                .bind::<Text, _>(job_id)
+                .get_result(conn)
+                .await?;
+                if held.n >= MAX_UNTAKEN_SIGNALS || held.bytes >= MAX_UNTAKEN_SIGNAL_BYTES {
+                    return Ok(SignalOutcome::TooMany);
+                }
                 let view: SignalView = sql(
-                    "INSERT INTO signals (job_id, name, signal_id, payload, payload_hash) \
-                     VALUES ($1, $2, $3, $4, $5) \
+                    "INSERT INTO signals (job_id, name, signal_id, payload, payload_hash, for_wait) \
+                     VALUES ($1, $2, $3, $4, $5, $6) \
                      RETURNING name, signal_id AS id, payload, received_at, taken_by",
                 )
                 .bind::<Text, _>(job_id)
@@ -397,6 +429,7 @@ impl Store {
                 .bind::<Text, _>(signal_id)
                 .bind::<Jsonb, _>(payload)
                 .bind::<Text, _>(hash)
+                .bind::<Nullable<Text>, _>(for_wait)
                 .get_result(conn)
                 .await?;
                 // A job waiting for this name (and released) is due now.
@@ -419,15 +452,57 @@ impl Store {
         .await
     }
 
-    /// The signals of job `job_id`, oldest first.
+    /// The latest [`SIGNALS_SHOWN`] signals of job `job_id`, oldest first
+    /// (a wait loop may take any number of them over a job's life).
     pub async fn signals_of(&self, job_id: &str) -> Result<Vec<SignalView>, StoreError> {
         let mut conn = self.db().conn().await?;
         Ok(sql(
-            "SELECT name, signal_id AS id, payload, received_at, taken_by FROM signals \
-             WHERE job_id = $1 ORDER BY seq",
+            "SELECT name, id, payload, received_at, taken_by FROM ( \
+                 SELECT name, signal_id AS id, payload, received_at, taken_by, seq FROM signals \
+                 WHERE job_id = $1 ORDER BY seq DESC LIMIT $2) latest ORDER BY seq",
         )
         .bind::<Text, _>(job_id)
+        .bind::<BigInt, _>(SIGNALS_SHOWN)
         .load(&mut conn)
         .await?)
+    }
+
+    /// The wait of `name` due at `until` that job `job_id` is in now (its
+    /// row locked by the caller), and whether it has its decision already:
+    /// a signal sent for it, or an untaken signal of its name sent for no
+    /// wait in particular, which it takes first.
+    async fn open_wait(
+        conn: &mut diesel_async::AsyncPgConnection,
+        job_id: &str,
+        name: &str,
+        until: DateTime<Utc>,
+    ) -> Result<OpenWait, StoreError> {
+        #[derive(QueryableByName)]
+        struct Open {
+            #[diesel(sql_type = Text)]
+            wait_key: String,
+            #[diesel(sql_type = Bool)]
+            decided: bool,
+        }
+        let open: Vec<Open> = sql(
+            "SELECT w.wait_key, EXISTS ( \
+                     SELECT 1 FROM signals s WHERE s.job_id = w.job_id AND s.name = w.name \
+                       AND (s.for_wait = w.wait_key OR (s.for_wait IS NULL AND s.taken_by IS NULL))) AS decided \
+             FROM jobs j JOIN waits w ON w.job_id = j.id \
+             WHERE j.id = $1 AND j.waiting->>'kind' IN ('signal', 'approval') \
+               AND j.waiting->>'name' = $2 AND (j.waiting->>'until')::timestamptz = $3 \
+               AND w.name = $2 AND w.until = $3 AND w.outcome IS NULL \
+               AND w.kind IN ('signal', 'approval')",
+        )
+        .bind::<Text, _>(job_id)
+        .bind::<Text, _>(name)
+        .bind::<Timestamptz, _>(until)
+        .load(conn)
+        .await?;
+        Ok(match open.into_iter().next() {
+            None => OpenWait::None,
+            Some(o) if o.decided => OpenWait::Decided,
+            Some(o) => OpenWait::Open(o.wait_key),
+        })
     }
 }
