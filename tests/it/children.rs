@@ -266,6 +266,76 @@ async fn cancelling_a_parent_cancels_its_live_children() {
     assert_eq!(env.consumer.deliveries().len(), 0, "nothing delivered");
 }
 
+/// A cascade cancel is one transaction: a database that fails on the
+/// second child's cancel leaves the parent and every child as they were
+/// (never the parent cancelled with children running on), and the cancel
+/// asked again cancels them all. A cancel of a parent cancelled already
+/// (a cascade an older node cut short) still cancels the children it left.
+#[actix_rt::test]
+async fn a_cascade_cancel_is_all_or_nothing_and_a_repeat_finishes_it() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_secs(30));
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(60);
+    // A fault for the cascade: the database refuses to cancel one child.
+    // (Installed first: DDL on `jobs` waits for every open transaction.)
+    env.execute(
+        "CREATE FUNCTION refuse_cancel() RETURNS trigger AS $$ BEGIN \
+             IF NEW.state = 'cancelled' AND NEW.id = 'fan-atomic:child:c1' THEN \
+                 RAISE EXCEPTION 'injected: the database fails mid-cascade' \
+                     USING ERRCODE = 'check_violation'; END IF; \
+             RETURN NEW; END $$ LANGUAGE plpgsql",
+    )
+    .await;
+    env.execute(
+        "CREATE TRIGGER refuse_cancel BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION refuse_cancel()",
+    )
+    .await;
+    let _engine = env.start(registry(), config);
+    for id in ["fan-atomic", "fan-cut"] {
+        env.submit_job(parent(&env, id, &["a", "b", "c"], None))
+            .await;
+    }
+    let started = wait_until(WAIT, || async {
+        count(&env, "SELECT id FROM jobs WHERE parent_id IS NOT NULL AND lease_owner IS NOT NULL")
+            .await
+            == 6
+            && env.job("fan-atomic").await.waiting.is_some()
+            && env.job("fan-cut").await.waiting.is_some()
+    })
+    .await;
+    assert!(started, "six children in flight, both parents waiting");
+    let failed = env.store.cancel("fan-atomic", "test", "stop").await;
+    assert!(failed.is_err(), "the injected fault fired: {failed:?}");
+    let live = "SELECT id FROM jobs WHERE (id = 'fan-atomic' OR parent_id = 'fan-atomic') \
+                AND finished_at IS NULL";
+    assert_eq!(count(&env, live).await, 4, "nothing was cancelled");
+    env.execute("DROP TRIGGER refuse_cancel ON jobs").await;
+    let cancelled = env.store.cancel("fan-atomic", "test", "stop").await.unwrap();
+    assert_eq!(cancelled, onceflow_engine::store::operate::Cancelled::Now);
+    assert_eq!(count(&env, live).await, 0, "the parent and its children");
+
+    // A cascade cut short after the parent's commit (as an older node's
+    // was): the repeat finds the parent cancelled and finishes the tree.
+    env.execute(
+        "UPDATE jobs SET state = 'cancelled', finished_at = now(), lease_owner = NULL, \
+             lease_expires_at = NULL, lease_epoch = lease_epoch + 1 WHERE id = 'fan-cut'",
+    )
+    .await;
+    let again = env.store.cancel("fan-cut", "test", "stop").await.unwrap();
+    assert_eq!(again, onceflow_engine::store::operate::Cancelled::Already);
+    for i in 0..3 {
+        assert_eq!(
+            env.job(&child("fan-cut", i)).await.state,
+            JobState::Cancelled,
+            "child {i}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(env.provider.requests().len(), 6, "each child called the model once, none again");
+    assert_eq!(env.consumer.deliveries().len(), 0, "nothing delivered");
+}
+
 /// A child given a `webhook_url` sends its own completion webhook, once.
 #[actix_rt::test]
 async fn a_child_given_a_webhook_sends_its_own_once() {

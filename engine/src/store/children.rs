@@ -226,20 +226,4 @@ impl Store {
         })
         .await
     }
-
-    /// The live children of job `id` (to cancel with it).
-    pub(crate) async fn live_children(&self, id: &str) -> Result<Vec<String>, StoreError> {
-        #[derive(QueryableByName)]
-        struct Row {
-            #[diesel(sql_type = Text)]
-            id: String,
-        }
-        let mut conn = self.db().conn().await?;
-        let rows: Vec<Row> =
-            sql("SELECT id FROM jobs WHERE parent_id = $1 AND finished_at IS NULL")
-                .bind::<Text, _>(id)
-                .load(&mut conn)
-                .await?;
-        Ok(rows.into_iter().map(|r| r.id).collect())
-    }
 }

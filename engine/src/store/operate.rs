@@ -2,7 +2,7 @@
 //! redrive (`dead` → the last live state the job reached), each one
 //! transaction with a history row saying who asked and why.
 
-use diesel::sql_types::{BigInt, Bool, Jsonb, Text};
+use diesel::sql_types::{BigInt, Jsonb, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, RunQueryDsl};
 
@@ -40,6 +40,16 @@ pub enum Redriven {
 }
 
 #[derive(QueryableByName)]
+struct TreeRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    incarnation: i32,
+    #[diesel(sql_type = Text)]
+    state: String,
+}
+
+#[derive(QueryableByName)]
 struct StateRow {
     #[diesel(sql_type = Text)]
     state: String,
@@ -52,42 +62,95 @@ struct StateRow {
 pub const CANCEL_CHANNEL: &str = "onceflow_cancelled";
 
 impl Store {
-    /// Cancels job `id`: any live state → `cancelled`, in one statement that
-    /// also bumps the lease epoch (an attempt still running is fenced out:
-    /// it records nothing more and starts no new side effect) and closes an
-    /// unsent webhook. Idempotent.
+    /// Cancels job `id` and its live descendants, in one transaction: any
+    /// live state → `cancelled`. Each job's statement also bumps its lease
+    /// epoch (an attempt still running is fenced out: it records nothing
+    /// more and starts no new side effect) and closes an unsent webhook. A
+    /// crash or a failed statement cancels nothing, and a cancel of a job
+    /// cancelled already still cancels any descendant left live (a cascade
+    /// cut short by an older node), so a repeat always finishes the tree.
+    ///
+    /// Rows are locked deepest first, the order in which a finishing child
+    /// locks its parent (the `onceflow_child_finished` trigger); a child
+    /// spawned before the parent's lock was taken is found by a second
+    /// read under it, and none can be spawned after (the spawn holds the
+    /// parent's fence, which the cancel bumps).
     pub async fn cancel(&self, id: &str, by: &str, reason: &str) -> Result<Cancelled, StoreError> {
-        #[derive(QueryableByName)]
-        struct Row {
-            #[diesel(sql_type = Bool)]
-            moved: bool,
-            #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
-            state: Option<String>,
+        retrying!(self, "cancel", async || {
+            let mut conn = self.db().conn().await?;
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                let tree = Store::job_tree(conn, id, true).await?;
+                let Some(root) = tree.iter().find(|j| j.id == id) else {
+                    return Ok(Cancelled::Missing);
+                };
+                let cancelled = match parse_state(&root.state)? {
+                    JobState::Cancelled => Cancelled::Already,
+                    s if s.is_terminal() => Cancelled::Finished(s),
+                    _ => {
+                        Store::cancel_one(conn, &root.id, root.incarnation, by, reason).await?;
+                        Cancelled::Now
+                    }
+                };
+                if matches!(cancelled, Cancelled::Now | Cancelled::Already) {
+                    let why = format!("its parent job {id} was cancelled");
+                    for job in Store::job_tree(conn, id, false).await? {
+                        if job.id != id && !parse_state(&job.state)?.is_terminal() {
+                            Store::cancel_one(conn, &job.id, job.incarnation, by, &why).await?;
+                        }
+                    }
+                }
+                Ok(cancelled)
+            })
+            .await
+        })
+        .await
+    }
+
+    /// Job `id` and its descendants (its children, theirs, …), deepest
+    /// first; `lock`: each row locked in that order.
+    async fn job_tree(
+        conn: &mut diesel_async::AsyncPgConnection,
+        id: &str,
+        lock: bool,
+    ) -> Result<Vec<TreeRow>, StoreError> {
+        // Depth bounded at 64: a bound against a runaway tree.
+        macro_rules! tree {
+            () => {
+                "WITH RECURSIVE tree (id, depth) AS ( \
+                     SELECT id, 0 FROM jobs WHERE id = $1 \
+                     UNION \
+                     SELECT j.id, t.depth + 1 FROM jobs j JOIN tree t ON j.parent_id = t.id \
+                     WHERE t.depth < 64) \
+                 SELECT j.id, j.incarnation, j.state::text AS state \
+                 FROM jobs j JOIN tree t ON t.id = j.id ORDER BY t.depth DESC, j.id"
+            };
         }
+        let query = if lock {
+            sql(concat!(tree!(), " FOR NO KEY UPDATE OF j"))
+        } else {
+            sql(tree!())
+        };
+        Ok(query.bind::<Text, _>(id).load(conn).await?)
+    }
+
+    /// Cancels live job `id` (see [`cancel`](Self::cancel)); a finished one
+    /// is left as it is.
+    async fn cancel_one(
+        conn: &mut diesel_async::AsyncPgConnection,
+        id: &str,
+        incarnation: i32,
+        by: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
         let error = serde_json::to_value(ErrorEnvelope {
             code: "cancelled".into(),
             message: format!("cancelled by {by}: {reason}"),
             retryable: false,
         })
         .expect("envelope serialises");
-        let mut conn = self.db().conn().await?;
-        #[derive(QueryableByName)]
-        struct Incarnation {
-            #[diesel(sql_type = diesel::sql_types::Integer)]
-            incarnation: i32,
-        }
-        let incarnation: Vec<Incarnation> = sql("SELECT incarnation FROM jobs WHERE id = $1")
-            .bind::<Text, _>(id)
-            .load(&mut conn)
-            .await?;
-        let Some(incarnation) = incarnation.into_iter().next() else {
-            return Ok(Cancelled::Missing);
-        };
-        let event_key = crate::keys::failure(
-            &crate::keys::JobKey::new(id, incarnation.incarnation),
-            "cancelled",
-        );
-        let row: Row = sql(
+        let event_key =
+            crate::keys::failure(&crate::keys::JobKey::new(id, incarnation), "cancelled");
+        sql(
             "WITH moved AS ( \
                  UPDATE jobs SET state = 'cancelled', finished_at = now(), updated_at = now(), \
                      lease_owner = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1, \
@@ -101,14 +164,13 @@ impl Store {
                  FROM moved WHERE notify_failures \
                  ON CONFLICT DO NOTHING), \
              closed AS ( \
-                 UPDATE outbox SET status = 'dead', in_flight_until = NULL, last_error = $3, updated_at = now() \
-                 WHERE job_id IN (SELECT id FROM moved) AND status = 'claimed' AND event = 'job.completed'), \
+                 UPDATE outbox SET status = 'dead', in_flight_until = NULL, last_error = $3, \
+                     run_at = 'infinity', updated_at = now() \
+                 WHERE job_id IN (SELECT id FROM moved) AND status = 'claimed' AND event <> $5), \
              history AS ( \
                  INSERT INTO job_history (job_id, state, attempt, worker, note) \
-                 SELECT id, 'cancelled', attempts, $2, $4 FROM moved), \
-             told AS (SELECT pg_notify($7, id) FROM moved) \
-             SELECT EXISTS (SELECT 1 FROM moved) AND (SELECT count(*) FROM told) >= 0 AS moved, \
-                 (SELECT state::text FROM jobs WHERE id = $1) AS state",
+                 SELECT id, 'cancelled', attempts, $2, $4 FROM moved) \
+             SELECT pg_notify($7, id) FROM moved",
         )
         .bind::<Text, _>(id)
         .bind::<Text, _>(by)
@@ -117,26 +179,9 @@ impl Store {
         .bind::<Text, _>(crate::keys::CANCELLED_EVENT)
         .bind::<Text, _>(&event_key)
         .bind::<Text, _>(CANCEL_CHANNEL)
-        .get_result(&mut conn)
+        .execute(conn)
         .await?;
-        let cancelled = match (row.moved, row.state) {
-            (true, _) => Cancelled::Now,
-            (false, None) => Cancelled::Missing,
-            (false, Some(s)) => match parse_state(&s)? {
-                JobState::Cancelled => Cancelled::Already,
-                other => Cancelled::Finished(other),
-            },
-        };
-        // Its live children go with it (after its own commit, one at a
-        // time, so no lock is held across jobs; a repeat finishes the job).
-        if matches!(cancelled, Cancelled::Now | Cancelled::Already) {
-            drop(conn);
-            let why = format!("its parent job {id} was cancelled");
-            for child in self.live_children(id).await? {
-                Box::pin(self.cancel(&child, by, &why)).await?;
-            }
-        }
-        Ok(cancelled)
+        Ok(())
     }
 
     /// Brings `dead` job `id` back to the last live state it reached, with
