@@ -868,7 +868,13 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
                 metrics.delivery(onceflow_observability::names::OUTCOME_DELIVERED);
                 shared
                     .store
-                    .event_outcome(&event.idempotency_key, Some(i32::from(status)), None, None)
+                    .event_outcome(
+                        &event.idempotency_key,
+                        event.attempts,
+                        Some(i32::from(status)),
+                        None,
+                        None,
+                    )
                     .await?;
             }
             Err(crate::outbound::PostError::Injected(_)) => {
@@ -888,6 +894,7 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
                     .store
                     .event_outcome(
                         &event.idempotency_key,
+                        event.attempts,
                         failure.status().map(i32::from),
                         Some(&failure.envelope()),
                         retry_in,

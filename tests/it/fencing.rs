@@ -252,6 +252,49 @@ async fn claimed_failure_events_are_not_claimed_twice() {
     );
 }
 
+/// A late outcome from a node whose claim lapsed (A) is not recorded over
+/// the claim that took the event since (B): B's in-flight mark stays, so a
+/// third node does not send while B's request is still open.
+#[actix_rt::test]
+async fn a_late_event_outcome_does_not_clear_a_newer_claim() {
+    let env = TestEnv::new().await;
+    dead_with_events(&env, "late", 1).await;
+    let a = env.store.claim_events(32, 1).await.unwrap();
+    assert_eq!(a.len(), 1);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let b = env.store.claim_events(32, 60_000).await.unwrap();
+    assert_eq!(b.len(), 1, "A's mark lapsed: B claims the event");
+    assert!(env.store.mark_event_sending(&b[0], 60_000).await.unwrap());
+    // A's send failed; its "retry now" arrives after B's claim.
+    let envelope = onceflow_engine::ErrorEnvelope {
+        code: "http_503".into(),
+        message: "503".into(),
+        retryable: true,
+    };
+    env.store
+        .event_outcome(
+            &a[0].idempotency_key,
+            a[0].attempts,
+            Some(503),
+            Some(&envelope),
+            Some(Duration::ZERO),
+        )
+        .await
+        .unwrap();
+    let c = env.store.claim_events(32, 60_000).await.unwrap();
+    assert_eq!(c.len(), 0, "B's send is still in flight: C must not send");
+    // B's own outcome is recorded.
+    env.store
+        .event_outcome(&b[0].idempotency_key, b[0].attempts, Some(200), None, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        env.sql("SELECT status::text AS s FROM outbox WHERE idempotency_key = 'job:late-0:dead'")
+            .await[0]["s"],
+        "delivered"
+    );
+}
+
 /// Two nodes, one slow consumer: node A claims ten events at once and sends
 /// them one by one, each taking a second, past the claim's single in-flight
 /// mark (webhook timeout + 5 s = 7 s). Each event's own send is marked, so

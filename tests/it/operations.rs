@@ -599,6 +599,55 @@ async fn submit_notifying(env: &TestEnv, id: &str, notify: bool) {
     ));
 }
 
+/// A `job.dead` whose job was redriven before the event got through is
+/// closed unsent (`event_moot`), never posted about a job that is alive.
+#[actix_rt::test]
+async fn a_dead_event_is_not_sent_after_a_redrive() {
+    use onceflow_engine::testkit::Behaviour;
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    env.provider.push(Behaviour::Status(400, None));
+    // The first send fails, and its retry waits two seconds.
+    env.consumer
+        .push_for("dead-again", Behaviour::Status(503, Some(2)));
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        env.config(),
+    );
+    submit_notifying(&env, "dead-again", true).await;
+    env.wait_for("dead-again", JobState::Dead, Duration::from_secs(20))
+        .await;
+    let key = "job:dead-again:dead";
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            env.consumer.requests_with_key(key) == 1
+        })
+        .await,
+        "the first send of job.dead"
+    );
+    env.store
+        .redrive("dead-again", "test", "fixed", false)
+        .await
+        .unwrap();
+    env.wait_for("dead-again", JobState::Acked, Duration::from_secs(20))
+        .await;
+    let closed = wait_until(Duration::from_secs(10), || async {
+        env.sql(&format!(
+            "SELECT status::text AS s, last_error->>'code' AS code FROM outbox WHERE idempotency_key = '{key}'"
+        ))
+        .await[0]
+            == json!({ "s": "dead", "code": "event_moot" })
+    })
+    .await;
+    assert!(
+        closed,
+        "{}",
+        env.sql("SELECT status::text, last_error FROM outbox").await
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(env.consumer.requests_with_key(key), 1, "nothing sent after the redrive");
+}
+
 /// Failure is an event too: a job that asked for it sends `job.dead` /
 /// `job.cancelled` under its own stable key, retried like any webhook; a job
 /// that did not ask sends nothing.

@@ -941,6 +941,88 @@ async fn a_decision_for_one_wait_is_never_taken_by_a_later_wait() {
     assert_eq!(job.signals.len(), 1, "nothing else recorded: {:?}", job.signals);
 }
 
+/// Asks for one approval and returns the decision.
+struct AsksOnce;
+
+impl Workflow for AsksOnce {
+    const NAME: &'static str = "test.asks_once";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let decision = ctx
+            .wait_for_approval("c-1", "refund", &json!({ "order": 7 }), WAIT * 3)
+            .await?;
+        Ok(json!(decision.map(|d| d.approved)))
+    }
+}
+
+/// "Please approve" is not posted again once the wait is over: a
+/// `job.waiting` whose first send failed is closed unsent when the approval
+/// is decided (`event_moot`) or the job cancelled before its retry.
+#[actix_rt::test]
+async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
+    use onceflow_engine::testkit::Behaviour;
+    let env = TestEnv::new().await;
+    let mut registry = Registry::new();
+    registry.register(AsksOnce);
+    let _engine = env.start(registry, env.config());
+    for id in ["moot-decided", "moot-cancelled"] {
+        // The first send fails, and its retry waits two seconds.
+        env.consumer.push_for(id, Behaviour::Status(503, Some(2)));
+        env.submit_job(NewJob {
+            id: id.to_owned(),
+            workflow: AsksOnce::NAME.to_owned(),
+            workflow_version: 1,
+            input: json!({}),
+            webhook_url: env.consumer.url(),
+            schedule: Default::default(),
+        })
+        .await;
+    }
+    let key = |id: &str| format!("job:{id}:waiting:approval:c-1");
+    for id in ["moot-decided", "moot-cancelled"] {
+        assert!(
+            wait_until(WAIT, || async {
+                env.consumer.requests_with_key(&key(id)) == 1
+            })
+            .await,
+            "the first send of {id}'s job.waiting"
+        );
+    }
+    env.store
+        .signal("moot-decided", "approval:c-1", "d-1", &json!({ "approved": true }))
+        .await
+        .unwrap();
+    env.store
+        .cancel("moot-cancelled", "test", "not needed")
+        .await
+        .unwrap();
+    env.wait_for("moot-decided", JobState::Acked, WAIT).await;
+    for (id, code) in [("moot-decided", "event_moot"), ("moot-cancelled", "cancelled")] {
+        let closed = wait_until(WAIT, || async {
+            env.sql(&format!(
+                "SELECT status::text AS s, last_error->>'code' AS code FROM outbox \
+                 WHERE idempotency_key = '{}'",
+                key(id)
+            ))
+            .await[0]
+                == json!({ "s": "dead", "code": code })
+        })
+        .await;
+        assert!(
+            closed,
+            "{id}: {}",
+            env.sql("SELECT idempotency_key, status::text, last_error FROM outbox")
+                .await
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for id in ["moot-decided", "moot-cancelled"] {
+        assert_eq!(env.consumer.requests_with_key(&key(id)), 1, "{id}: sent once, before its wait ended");
+    }
+}
+
 /// A misspelt name in `"approval"` must not let the tool it meant run
 /// unasked: intake refuses it, naming the entry, and a job that got past
 /// intake anyway (a node with other tools took it) ends before any tool runs.

@@ -18,6 +18,25 @@ use crate::error::{ErrorEnvelope, StoreError};
 /// a timer. The payload is the job's id.
 pub const EVENTS_CHANNEL: &str = "onceflow_events";
 
+/// Whether outbox row `o`'s moment has passed, so it is closed, never
+/// sent: a `job.dead` whose job is no longer dead (redriven), or a
+/// `job.waiting` whose wait is over (decided, timed out) or whose job has
+/// finished. A `job.cancelled` stays true once true.
+macro_rules! moot {
+    () => {
+        "((o.event = 'job.dead' AND NOT EXISTS ( \
+               SELECT 1 FROM jobs j WHERE j.id = o.job_id AND j.state = 'dead')) \
+          OR (o.event LIKE 'job.waiting:%' AND NOT EXISTS ( \
+               SELECT 1 FROM jobs j JOIN waits w ON w.job_id = j.id \
+               WHERE j.id = o.job_id AND j.finished_at IS NULL AND w.outcome IS NULL \
+                 AND w.name = o.body->'data'->'waiting'->>'name' \
+                 AND w.until = (o.body->'data'->'waiting'->>'until')::timestamptz)))"
+    };
+}
+
+/// The reason recorded on an event closed unsent because its moment passed.
+pub const MOOT_CODE: &str = "event_moot";
+
 /// An event send this node claimed.
 #[derive(Debug, Clone, QueryableByName)]
 pub struct EventSend {
@@ -51,6 +70,26 @@ impl Store {
         in_flight_ms: i64,
     ) -> Result<Vec<EventSend>, StoreError> {
         let mut conn = self.db().conn().await?;
+        // Those whose moment has passed are closed first, with the reason.
+        let moot = serde_json::to_value(ErrorEnvelope {
+            code: MOOT_CODE.into(),
+            message: "not sent: its moment passed (the job was redriven, or the wait it announced is over)".into(),
+            retryable: false,
+        })
+        .expect("envelope serialises");
+        let closed = sql(concat!(
+            "UPDATE outbox o SET status = 'dead', in_flight_until = NULL, run_at = 'infinity', \
+                 updated_at = now(), last_error = $1 \
+             WHERE o.status = 'claimed' AND o.event <> 'job.completed' AND o.run_at <= now() \
+               AND (o.in_flight_until IS NULL OR o.in_flight_until < clock_timestamp()) AND ",
+            moot!()
+        ))
+        .bind::<Jsonb, _>(&moot)
+        .execute(&mut conn)
+        .await?;
+        if closed > 0 {
+            tracing::info!(closed, "events whose moment passed closed unsent");
+        }
         Ok(sql(
             "UPDATE outbox o SET attempts = o.attempts + 1, updated_at = now(), \
                  in_flight_until = clock_timestamp() + $2 * interval '1 millisecond' \
@@ -73,7 +112,8 @@ impl Store {
     /// node claimed it since: its `attempts` is the one this claim set). A
     /// batch's single claim mark would lapse while earlier events of the
     /// batch are sent to a slow consumer; this one covers each send. False:
-    /// another node has it, do not send.
+    /// another node has it, or its moment passed since the claim (the next
+    /// claim closes it): do not send.
     pub async fn mark_event_sending(
         &self,
         event: &EventSend,
@@ -81,10 +121,11 @@ impl Store {
     ) -> Result<bool, StoreError> {
         retrying!(self, "mark_event_sending", async || {
             let mut conn = self.db().conn().await?;
-            let n = sql(
-                "UPDATE outbox SET in_flight_until = clock_timestamp() + $3 * interval '1 millisecond' \
-                 WHERE idempotency_key = $1 AND attempts = $2 AND status = 'claimed'",
-            )
+            let n = sql(concat!(
+                "UPDATE outbox o SET in_flight_until = clock_timestamp() + $3 * interval '1 millisecond' \
+                 WHERE o.idempotency_key = $1 AND o.attempts = $2 AND o.status = 'claimed' AND NOT ",
+                moot!()
+            ))
             .bind::<Text, _>(&event.idempotency_key)
             .bind::<Integer, _>(event.attempts)
             .bind::<BigInt, _>(in_flight_ms)
@@ -95,7 +136,9 @@ impl Store {
         .await
     }
 
-    /// Records an event's outcome: delivered (`status` set), retried
+    /// Records the outcome of send number `attempts` of an event, while no
+    /// later claim has taken it (a late outcome from a node whose mark
+    /// lapsed never clears the mark of the node sending it now): delivered (`status` set), retried
     /// `retry_in` from now by the database's clock, or closed `dead`
     /// (`retry_in` none). A closed event's
     /// `run_at` becomes `infinity`: the index of due events keeps closed ones
@@ -104,6 +147,7 @@ impl Store {
     pub async fn event_outcome(
         &self,
         key: &str,
+        attempts: i32,
         status: Option<i32>,
         error: Option<&ErrorEnvelope>,
         retry_in: Option<std::time::Duration>,
@@ -121,12 +165,13 @@ impl Store {
                      run_at = CASE WHEN $3 IS NOT NULL AND $4 IS NOT NULL \
                                    THEN clock_timestamp() + $4 * interval '1 millisecond' \
                                    ELSE 'infinity'::timestamptz END \
-                 WHERE idempotency_key = $1 AND status = 'claimed'",
+                 WHERE idempotency_key = $1 AND status = 'claimed' AND attempts = $5",
             )
             .bind::<Text, _>(key)
             .bind::<Nullable<Integer>, _>(status)
             .bind::<Nullable<Jsonb>, _>(&error)
             .bind::<Nullable<BigInt>, _>(retry_ms)
+            .bind::<Integer, _>(attempts)
             .execute(&mut conn)
             .await?;
             Ok(())

@@ -412,7 +412,11 @@ impl Store {
                  SELECT id, $7, $8, request->>'webhook_url', \
                      jsonb_build_object('type', $7, 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'reason', $3, 'error', $4)) \
                  FROM moved WHERE notify_failures \
-                 ON CONFLICT DO NOTHING RETURNING job_id), \
+                 ON CONFLICT (job_id, event) DO UPDATE SET status = 'claimed', body = EXCLUDED.body, \
+                     url = EXCLUDED.url, attempts = 0, run_at = now(), in_flight_until = NULL, \
+                     last_error = NULL, last_status = NULL, updated_at = now() \
+                 WHERE outbox.status = 'dead' AND outbox.last_error->>'code' = 'event_moot' \
+                 RETURNING job_id), \
              told AS (SELECT pg_notify($9, job_id) FROM event) \
              INSERT INTO job_history (job_id, state, attempt, worker) \
              SELECT id, 'dead', $5, $6 FROM moved WHERE (SELECT count(*) FROM told) >= 0",
