@@ -336,6 +336,76 @@ async fn a_cascade_cancel_is_all_or_nothing_and_a_repeat_finishes_it() {
     assert_eq!(env.consumer.deliveries().len(), 0, "nothing delivered");
 }
 
+/// A parent acked, purged and submitted again (incarnation 2) makes
+/// children of its own: it never finds its first life's child (still
+/// kept, finished later than the parent), so each life's model call is made.
+#[actix_rt::test]
+async fn a_new_incarnation_of_a_parent_makes_new_children() {
+    let env = TestEnv::new().await;
+    let _engine = env.start(registry(), env.config());
+    env.submit_job(parent(&env, "inc", &["a"], None)).await;
+    env.wait_for("inc", JobState::Acked, WAIT).await;
+    // The parent's retention has passed; its child's has not.
+    env.execute("UPDATE jobs SET finished_at = now() - interval '2 hours' WHERE id = 'inc'")
+        .await;
+    let purged = env.store.purge_finished(3_600_000, 100).await.unwrap();
+    assert_eq!(purged, 1, "the parent alone");
+    assert_eq!(env.job("inc:child:c0").await.state, JobState::Acked);
+    env.submit_job(parent(&env, "inc", &["a"], None)).await;
+    let view = env.wait_for("inc", JobState::Acked, WAIT).await;
+    assert_eq!(view.incarnation, 2);
+    let second = "inc:child.2:c0";
+    assert_eq!(env.job(second).await.state, JobState::Acked);
+    assert_eq!(env.provider.requests_for(&gen_key("inc:child:c0")), 1);
+    assert_eq!(env.provider.requests_for(&gen_key(second)), 1);
+    assert_eq!(
+        count(&env, "SELECT 1 FROM jobs WHERE parent_id = 'inc'").await,
+        2,
+        "one child per life"
+    );
+}
+
+/// The parent's attempt crashes after its child is made, and the replay
+/// runs on a node that lacks the child's workflow: it finds the child it
+/// made (never `invalid_child`), and a node that has it runs the child.
+#[actix_rt::test]
+async fn a_replay_finds_its_child_on_a_node_without_the_childs_workflow() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(300));
+    env.faults.arm(
+        Some("fan-away"),
+        FailPoint::AfterCommit("spawn"),
+        Action::Crash,
+        1,
+    );
+    let first = env.start(registry(), env.config());
+    env.submit_job(parent(&env, "fan-away", &["a"], None)).await;
+    assert!(
+        wait_until(WAIT, || async {
+            env.faults.fired_at("fan-away", FailPoint::AfterCommit("spawn"))
+        })
+        .await
+    );
+    first.shutdown();
+    let mut parents = Registry::new();
+    parents.register(FanOut);
+    let mut children = Registry::new();
+    children.register(Completion::default());
+    let _b = env.start(parents, env.config());
+    let _c = env.start(children, env.config());
+    let view = env.wait_for("fan-away", JobState::Acked, WAIT).await;
+    assert!(view.attempts >= 2, "taken over after the crash");
+    let id = child("fan-away", 0);
+    assert_eq!(env.job(&id).await.state, JobState::Acked);
+    // Its model call may be asked again after the crash, under its key:
+    // the work is done once.
+    assert_eq!(env.provider.work_done(&gen_key(&id)), 1);
+    assert_eq!(
+        count(&env, "SELECT 1 FROM jobs WHERE parent_id = 'fan-away'").await,
+        1
+    );
+}
+
 /// A child given a `webhook_url` sends its own completion webhook, once.
 #[actix_rt::test]
 async fn a_child_given_a_webhook_sends_its_own_once() {

@@ -1,7 +1,8 @@
 //! `ctx.spawn` and `ctx.join`: child jobs, fan-out and fan-in.
 //!
 //! A child is a job of any registered workflow, started by this job's body
-//! under a name: its id is `{parent id}:child:{name}`, so however often the
+//! under a name: its id is `{parent id}:child:{name}` (`{parent
+//! id}:child.{n}:{name}` in the parent's `n`-th incarnation), so however often the
 //! body runs (crashes, takeovers, replays) the name makes one child, which
 //! intake's idempotency finds again. It belongs to the parent's token,
 //! continues the parent's trace, and sends no webhook of its own unless
@@ -67,9 +68,16 @@ impl From<ChildFailed> for StepError {
     }
 }
 
-/// A child's id: `{parent id}:child:{name}`.
-pub fn child_id(parent: &str, name: &str) -> String {
-    format!("{parent}:child:{name}")
+/// A child's id: `{parent id}:child:{name}` for the parent's first
+/// incarnation, `{parent id}:child.{n}:{name}` for its `n`-th (an id
+/// submitted again after a purge): a new life of the parent makes children
+/// of its own and never finds the last one's.
+pub fn child_id(parent: &str, incarnation: i32, name: &str) -> String {
+    if incarnation <= 1 {
+        format!("{parent}:child:{name}")
+    } else {
+        format!("{parent}:child.{incarnation}:{name}")
+    }
 }
 
 impl Context {
@@ -118,7 +126,7 @@ impl Context {
                 "must be 1-200 characters of A-Z a-z 0-9 _ . : -",
             )));
         }
-        let id = child_id(self.job_id(), name);
+        let id = child_id(self.job_id(), self.fence.incarnation, name);
         if id.len() > crate::request::MAX_JOB_ID_LEN {
             return Err(refused(InvalidInput::new(
                 "name",
@@ -128,10 +136,24 @@ impl Context {
                 ),
             )));
         }
-        let (version, notify_failures) = self
-            .children
-            .check(workflow, input, webhook_url)
-            .map_err(refused)?;
+        let (version, notify_failures) = match self.children.check(workflow, input, webhook_url) {
+            Ok(checked) => checked,
+            // A replay on a node that lacks the child's workflow (or its
+            // tools) finds the child it made before it judges it again.
+            Err(e) => {
+                if self
+                    .store
+                    .is_child_of(&id, self.job_id(), workflow)
+                    .await?
+                {
+                    return Ok(Child {
+                        id,
+                        name: name.to_owned(),
+                    });
+                }
+                return Err(refused(e));
+            }
+        };
         self.not_draining()?;
         let job = NewJob {
             id: id.clone(),

@@ -226,4 +226,29 @@ impl Store {
         })
         .await
     }
+
+    /// Whether job `id` is a child of `parent` running `workflow`: a
+    /// replay finds the child it made, whatever this node has registered.
+    pub(crate) async fn is_child_of(
+        &self,
+        id: &str,
+        parent: &str,
+        workflow: &str,
+    ) -> Result<bool, StoreError> {
+        #[derive(QueryableByName)]
+        struct Found {
+            #[diesel(sql_type = Bool)]
+            found: bool,
+        }
+        let mut conn = self.db().conn().await?;
+        let found: Found = sql(
+            "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1 AND parent_id = $2 AND workflow = $3) AS found",
+        )
+        .bind::<Text, _>(id)
+        .bind::<Text, _>(parent)
+        .bind::<Text, _>(workflow)
+        .get_result(&mut conn)
+        .await?;
+        Ok(found.found)
+    }
 }
