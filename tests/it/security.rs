@@ -942,6 +942,42 @@ async fn a_full_backlog_is_refused_with_retry_after() {
     assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 3);
 }
 
+/// The per-token limit holds under a burst: 40 concurrent submits from one
+/// token with a limit of 5 store 5 jobs, not 40.
+#[actix_rt::test]
+async fn a_burst_of_submits_stops_at_the_backlog_limit() {
+    let env = TestEnv::new().await;
+    let base = api_limited(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: true },
+        Bounds::backlog(1_000, 5),
+    );
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let jobs = format!("{base}/v1/jobs");
+    let hook = env.consumer.url();
+    let sends = (0..40).map(|i| {
+        let (jobs, alice, hook) = (jobs.clone(), alice.clone(), hook.clone());
+        async move {
+            client()
+                .post(&jobs)
+                .bearer_auth(&alice)
+                .json(&job_body(&format!("burst-{i}"), &hook))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    });
+    let statuses = futures_util::future::join_all(sends).await;
+    let created = statuses.iter().filter(|s| **s == 201).count();
+    let refused = statuses.iter().filter(|s| **s == 429).count();
+    assert_eq!((created, refused), (5, 35), "{statuses:?}");
+    assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 5);
+}
+
 /// A client that dribbles its body is cut off (`408`), not waited for.
 #[actix_rt::test]
 async fn a_dribbled_body_times_out() {

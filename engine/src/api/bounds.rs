@@ -108,28 +108,45 @@ impl Bounds {
         })
     }
 
-    /// The backlog (in total, and of `owner`), at most a second old: one
-    /// indexed count per second per token, not one per request.
-    pub(super) async fn counts(
+    /// Takes a place in the backlog for one more job of `owner`, or says
+    /// why not. The counts are read at most once a second per token (one
+    /// indexed count, not one per request); each place taken since is
+    /// added to them under one lock, so a burst of concurrent submits
+    /// passes the limit by none on this node (a request refused later, or
+    /// an identical repeat, holds its place until the next read).
+    pub(super) async fn admit(
         &self,
         store: &Store,
         owner: Option<i64>,
-    ) -> Result<(u64, u64), crate::error::StoreError> {
-        let fresh = self
-            .seen
-            .lock()
-            .expect("limits lock")
-            .get(&owner)
-            .filter(|(at, _, _)| at.elapsed() < std::time::Duration::from_secs(1))
-            .map(|(_, total, mine)| (*total, *mine));
-        if let Some(counts) = fresh {
-            return Ok(counts);
+    ) -> Result<Result<(), String>, crate::error::StoreError> {
+        let fresh = |seen: &BacklogSeen| {
+            seen.get(&owner)
+                .is_some_and(|(at, _, _)| at.elapsed() < std::time::Duration::from_secs(1))
+        };
+        if !fresh(&self.seen.lock().expect("limits lock")) {
+            let (total, mine) = store.backlog(owner).await?;
+            let mut seen = self.seen.lock().expect("limits lock");
+            // A read that raced this one's may have taken places since.
+            if !fresh(&seen) {
+                seen.insert(owner, (std::time::Instant::now(), total, mine));
+            }
         }
-        let (total, mine) = store.backlog(owner).await?;
-        self.seen
-            .lock()
-            .expect("limits lock")
-            .insert(owner, (std::time::Instant::now(), total, mine));
-        Ok((total, mine))
+        let mut seen = self.seen.lock().expect("limits lock");
+        let (_, total, mine) = seen.get_mut(&owner).expect("read above");
+        if *total >= self.max_backlog {
+            return Ok(Err(format!(
+                "{total} unfinished jobs; the limit is {}",
+                self.max_backlog
+            )));
+        }
+        if owner.is_some() && *mine >= self.max_backlog_per_token {
+            return Ok(Err(format!(
+                "this token has {mine} unfinished jobs; the limit is {}",
+                self.max_backlog_per_token
+            )));
+        }
+        *total += 1;
+        *mine += 1;
+        Ok(Ok(()))
     }
 }

@@ -57,29 +57,15 @@ pub(super) async fn submit(
         );
     }
     // Refuse before reading the body when the backlog is full.
-    match state.limits.counts(&state.store, who.owner()).await {
-        Ok((total, mine)) => {
-            let over = if total >= state.limits.max_backlog {
-                Some(format!(
-                    "{total} unfinished jobs; the limit is {}",
-                    state.limits.max_backlog
-                ))
-            } else if who.owner().is_some() && mine >= state.limits.max_backlog_per_token {
-                Some(format!(
-                    "this token has {mine} unfinished jobs; the limit is {}",
-                    state.limits.max_backlog_per_token
-                ))
-            } else {
-                None
-            };
-            if let Some(message) = over {
-                let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
-                r.headers_mut().insert(
-                    actix_web::http::header::RETRY_AFTER,
-                    actix_web::http::header::HeaderValue::from_static("5"),
-                );
-                return r;
-            }
+    match state.limits.admit(&state.store, who.owner()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(message)) => {
+            let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
+            r.headers_mut().insert(
+                actix_web::http::header::RETRY_AFTER,
+                actix_web::http::header::HeaderValue::from_static("5"),
+            );
+            return r;
         }
         Err(e) => return unavailable(e),
     }
