@@ -880,6 +880,57 @@ async fn each_approval_wait_of_one_name_sends_its_own_event_once() {
     }
 }
 
+/// Untaken signals per job are bounded, in count and in bytes: past
+/// either, a signal is refused `409 too_many_signals` and nothing is
+/// recorded.
+#[actix_rt::test]
+async fn untaken_signals_per_job_are_bounded() {
+    let env = TestEnv::new().await;
+    let acted = Arc::new(AtomicU32::new(0));
+    let base = serve_api(env.store.clone(), registry(&acted), None);
+    // No node runs: the jobs wait at `received`, and take no signal.
+    submit(&env, "many", 0, 1_000).await;
+    submit(&env, "large", 0, 1_000).await;
+    for i in 0..100 {
+        let (status, answer) =
+            signal(&base, "many", "note", json!({ "id": format!("n-{i}"), "payload": i })).await;
+        assert_eq!(status, 202, "{i}: {answer}");
+    }
+    let (status, answer) =
+        signal(&base, "many", "note", json!({ "id": "n-100", "payload": 100 })).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("too_many_signals")),
+        "{answer}"
+    );
+    let big = "x".repeat(64_000);
+    let mut accepted = 0;
+    loop {
+        let (status, answer) = signal(
+            &base,
+            "large",
+            "note",
+            json!({ "id": format!("l-{accepted}"), "payload": big }),
+        )
+        .await;
+        if status != 202 {
+            assert_eq!(answer["error"]["code"], "too_many_signals", "{answer}");
+            break;
+        }
+        accepted += 1;
+        assert!(accepted < 100, "no byte bound");
+    }
+    // 1 MiB of them: 17 payloads of 64,002 bytes fit under it, not 18.
+    assert_eq!(accepted, 17);
+    for (job, n) in [("many", 100), ("large", 17)] {
+        assert_eq!(
+            env.sql(&format!("SELECT count(*) AS n FROM signals WHERE job_id = '{job}'"))
+                .await[0]["n"],
+            n
+        );
+    }
+}
+
 /// Waits for `go` twice: the second wait is short.
 struct GoTwice;
 

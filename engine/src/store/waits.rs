@@ -410,7 +410,7 @@ impl Store {
                     bytes: i64,
                 }
                 let held: Held = sql(
-                    "SELECT count(*) AS n, coalesce(sum(pg_column_size(payload)), 0)::bigint AS bytes \
+                    "SELECT count(*) AS n, coalesce(sum(octet_length(payload::text)), 0)::bigint AS bytes \
                      FROM signals WHERE job_id = $1 AND taken_by IS NULL",
                 )
                 .bind::<Text, _>(job_id)
