@@ -100,16 +100,14 @@ impl App {
 
     /// Parses the command line (and environment) and runs the command.
     pub fn run(self) -> anyhow::Result<()> {
-        let cli = Cli::parse();
-        onceflow_observability::init_logging();
-        if std::env::args_os().any(|a| {
-            a.to_str()
-                .is_some_and(|a| a == "--token" || a.starts_with("--token="))
-        }) {
-            eprintln!(
-                "warning: --token on the command line is visible to every user of this machine                  (ps, /proc/PID/cmdline); set ONCEFLOW_TOKEN instead"
-            );
+        use clap::{CommandFactory, FromArgMatches};
+        let matches = Cli::command().get_matches();
+        if let Some(refused) = secret_on_command_line(&matches) {
+            eprintln!("error: {refused}");
+            std::process::exit(2);
         }
+        let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        onceflow_observability::init_logging();
         self.run_command(cli.command)
     }
 
@@ -136,5 +134,81 @@ impl App {
             Command::Signal(args) => client::signal(args),
             Command::Schedule(args) => client::schedule(args),
         }
+    }
+}
+
+/// The flags that would carry a secret, by argument id, with the
+/// environment variable to use instead.
+const SECRET_FLAGS: [(&str, &str, &str); 5] = [
+    ("token", "--token", "ONCEFLOW_TOKEN"),
+    ("openai_api_key", "--openai-api-key", "OPENAI_API_KEY"),
+    (
+        "anthropic_api_key",
+        "--anthropic-api-key",
+        "ANTHROPIC_API_KEY",
+    ),
+    (
+        "webhook_secret",
+        "--webhook-secret",
+        "ONCEFLOW_WEBHOOK_SECRET",
+    ),
+    ("database_url", "--database-url", "DATABASE_URL"),
+];
+
+/// Why the command line is refused, when it carries a secret: a flag's
+/// value is visible to every user of the machine (`ps`,
+/// `/proc/PID/cmdline`). A database URL is refused only with a password in
+/// it. The value itself is never repeated.
+fn secret_on_command_line(matches: &clap::ArgMatches) -> Option<String> {
+    for (id, flag, env) in SECRET_FLAGS {
+        let given = matches.try_get_raw(id).is_ok_and(|v| v.is_some())
+            && matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        if !given {
+            continue;
+        }
+        if id == "database_url" {
+            let url = matches
+                .try_get_raw(id)
+                .ok()
+                .flatten()
+                .and_then(|mut v| v.next())
+                .and_then(|v| v.to_str())
+                .unwrap_or_default();
+            if !url_has_password(url) {
+                continue;
+            }
+        }
+        return Some(format!(
+            "{flag} is refused: a secret on the command line is visible to every user of this \
+             machine (ps, /proc/PID/cmdline); set {env} instead"
+        ));
+    }
+    matches
+        .subcommand()
+        .and_then(|(_, m)| secret_on_command_line(m))
+}
+
+/// Whether `url` (`scheme://user:password@host…`) holds a password.
+fn url_has_password(url: &str) -> bool {
+    let Some((_, rest)) = url.split_once("://") else {
+        return false;
+    };
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    authority
+        .rsplit_once('@')
+        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::url_has_password;
+
+    #[test]
+    fn a_password_in_a_database_url_is_found() {
+        assert!(url_has_password("postgres://u:p@h:5432/db"));
+        assert!(url_has_password("postgres://u:p@h1:1,h2:2/db?x=y"));
+        assert!(!url_has_password("postgres://u@h:5432/db"));
+        assert!(!url_has_password("postgres://h:5432/db"));
+        assert!(!url_has_password("postgres:///db?host=/run/pg&user=a:b"));
     }
 }

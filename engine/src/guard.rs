@@ -37,6 +37,14 @@ pub struct UrlGuard {
 #[error("{0}")]
 pub struct Refused(pub String);
 
+/// A host name that resolves only to addresses the guard refuses. The
+/// caller is told no more than for a name that does not resolve
+/// (`dns_failed`), or a tenant could list the internal host names by
+/// their answers; the node's log keeps which kinds of address it found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RefusedName(pub String);
+
 impl UrlGuard {
     /// The default: public addresses only.
     pub fn strict() -> Self {
@@ -300,7 +308,7 @@ impl reqwest::dns::Resolve for GuardedResolver {
                     .collect();
                 kinds.sort_unstable();
                 kinds.dedup();
-                let refused = Refused(format!(
+                let refused = RefusedName(format!(
                     "{host} resolves only to addresses onceflow does not send to ({})",
                     kinds.join(", ")
                 ));
@@ -406,7 +414,9 @@ mod tests {
             Ok(addrs) => panic!("resolved to {:?}", addrs.collect::<Vec<_>>()),
             Err(e) => e,
         };
-        let refused = refused.downcast_ref::<Refused>().expect("a Refused error");
+        let refused = refused
+            .downcast_ref::<RefusedName>()
+            .expect("a RefusedName error");
         assert!(refused.0.contains("loopback"), "{refused}");
         assert!(
             !refused.0.contains("127.0.0.1"),

@@ -436,8 +436,21 @@ fn for_tenant(e: &reqwest::Error) -> Failure {
         chain.push(' ');
         source = s.source();
     }
+    let refused_name = {
+        let mut source: Option<&dyn std::error::Error> = Some(e);
+        let mut found = false;
+        while let Some(s) = source {
+            found |= s.downcast_ref::<crate::guard::RefusedName>().is_some();
+            source = s.source();
+        }
+        found
+    };
     let class = if matches!(detail, Failure::Refused(_)) {
         return detail;
+    } else if refused_name {
+        // Told as a name that does not resolve, and retried as one.
+        tracing::warn!(error = ?detail, "a host name resolves only to refused addresses");
+        return Failure::NotSent("dns_failed: the host name did not resolve".to_owned());
     } else if e.is_timeout() {
         "timeout: no answer within the time allowed"
     } else if chain.contains("dns error") || chain.contains("failed to lookup") {
@@ -531,5 +544,35 @@ mod tests {
         let f = Failure::Refused("x".into());
         assert_eq!(f.envelope().code, "url_refused");
         assert!(!f.is_retryable() && f.never_sent());
+    }
+
+    /// A name that resolves only to refused addresses reads to the caller
+    /// exactly as a name that does not resolve (`dns_failed`, retried as
+    /// one): a tenant cannot list the internal host names by the answers.
+    #[tokio::test]
+    async fn an_internal_name_reads_as_a_name_that_does_not_resolve() {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .dns_resolver(crate::guard::GuardedResolver::new(
+                crate::guard::UrlGuard::strict(),
+            ))
+            .build()
+            .unwrap();
+        let mut seen = Vec::new();
+        // `localhost` through the resolver, past the intake's name rule.
+        for url in [
+            "http://localhost:9/hook",
+            "http://no-such-host.invalid/hook",
+        ] {
+            let e = client.post(url).send().await.expect_err("refused");
+            let failure = for_tenant(&e);
+            assert!(
+                failure.is_retryable() && failure.never_sent(),
+                "{failure:?}"
+            );
+            seen.push(failure.envelope());
+        }
+        assert_eq!(seen[0], seen[1]);
+        assert!(seen[0].message.starts_with("dns_failed"), "{:?}", seen[0]);
     }
 }

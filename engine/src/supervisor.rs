@@ -704,39 +704,37 @@ impl Handler<FireSchedules> for Supervisor {
                     .await;
                 fired
             }
-                .into_actor(self)
-                .map(move |result, act, ctx| {
-                    act.firing = false;
-                    if std::mem::take(&mut act.fire_again) {
-                        ctx.notify(FireSchedules);
+            .into_actor(self)
+            .map(move |result, act, ctx| {
+                act.firing = false;
+                if std::mem::take(&mut act.fire_again) {
+                    ctx.notify(FireSchedules);
+                }
+                let now = std::time::Instant::now();
+                act.schedules_due = match result {
+                    Ok(fired) => {
+                        if fired.jobs > 0 {
+                            tracing::info!(
+                                jobs = fired.jobs,
+                                schedules = fired.schedules,
+                                "schedules fired"
+                            );
+                            ctx.notify(Poll);
+                        }
+                        if fired.schedules > 0 && fired.next_in == Some(std::time::Duration::ZERO) {
+                            ctx.notify(FireSchedules); // a full batch: more are due
+                        }
+                        match fired.next_in {
+                            Some(next) => SchedulesDue::At(now + next),
+                            None => SchedulesDue::WhenTold,
+                        }
                     }
-                    let now = std::time::Instant::now();
-                    act.schedules_due = match result {
-                        Ok(fired) => {
-                            if fired.jobs > 0 {
-                                tracing::info!(
-                                    jobs = fired.jobs,
-                                    schedules = fired.schedules,
-                                    "schedules fired"
-                                );
-                                ctx.notify(Poll);
-                            }
-                            if fired.schedules > 0
-                                && fired.next_in == Some(std::time::Duration::ZERO)
-                            {
-                                ctx.notify(FireSchedules); // a full batch: more are due
-                            }
-                            match fired.next_in {
-                                Some(next) => SchedulesDue::At(now + next),
-                                None => SchedulesDue::WhenTold,
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not fire schedules; will retry");
-                            SchedulesDue::At(now + act.shared.config.poll_interval)
-                        }
-                    };
-                }),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not fire schedules; will retry");
+                        SchedulesDue::At(now + act.shared.config.poll_interval)
+                    }
+                };
+            }),
         );
     }
 }

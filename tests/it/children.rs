@@ -297,8 +297,11 @@ async fn a_cascade_cancel_is_all_or_nothing_and_a_repeat_finishes_it() {
             .await;
     }
     let started = wait_until(WAIT, || async {
-        count(&env, "SELECT id FROM jobs WHERE parent_id IS NOT NULL AND lease_owner IS NOT NULL")
-            .await
+        count(
+            &env,
+            "SELECT id FROM jobs WHERE parent_id IS NOT NULL AND lease_owner IS NOT NULL",
+        )
+        .await
             == 6
             && env.job("fan-atomic").await.waiting.is_some()
             && env.job("fan-cut").await.waiting.is_some()
@@ -311,7 +314,11 @@ async fn a_cascade_cancel_is_all_or_nothing_and_a_repeat_finishes_it() {
                 AND finished_at IS NULL";
     assert_eq!(count(&env, live).await, 4, "nothing was cancelled");
     env.execute("DROP TRIGGER refuse_cancel ON jobs").await;
-    let cancelled = env.store.cancel("fan-atomic", "test", "stop").await.unwrap();
+    let cancelled = env
+        .store
+        .cancel("fan-atomic", "test", "stop")
+        .await
+        .unwrap();
     assert_eq!(cancelled, onceflow_engine::store::operate::Cancelled::Now);
     assert_eq!(count(&env, live).await, 0, "the parent and its children");
 
@@ -332,7 +339,11 @@ async fn a_cascade_cancel_is_all_or_nothing_and_a_repeat_finishes_it() {
         );
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(env.provider.requests().len(), 6, "each child called the model once, none again");
+    assert_eq!(
+        env.provider.requests().len(),
+        6,
+        "each child called the model once, none again"
+    );
     assert_eq!(env.consumer.deliveries().len(), 0, "nothing delivered");
 }
 
@@ -382,7 +393,8 @@ async fn a_replay_finds_its_child_on_a_node_without_the_childs_workflow() {
     env.submit_job(parent(&env, "fan-away", &["a"], None)).await;
     assert!(
         wait_until(WAIT, || async {
-            env.faults.fired_at("fan-away", FailPoint::AfterCommit("spawn"))
+            env.faults
+                .fired_at("fan-away", FailPoint::AfterCommit("spawn"))
         })
         .await
     );

@@ -645,7 +645,11 @@ async fn a_dead_event_is_not_sent_after_a_redrive() {
         env.sql("SELECT status::text, last_error FROM outbox").await
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(env.consumer.requests_with_key(key), 1, "nothing sent after the redrive");
+    assert_eq!(
+        env.consumer.requests_with_key(key),
+        1,
+        "nothing sent after the redrive"
+    );
 }
 
 /// Failure is an event too: a job that asked for it sends `job.dead` /

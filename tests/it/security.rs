@@ -978,6 +978,85 @@ async fn a_burst_of_submits_stops_at_the_backlog_limit() {
     assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 5);
 }
 
+/// Small bounds answered the same way everywhere: the `Authorization`
+/// scheme is case-insensitive (RFC 9110); a `run_at` in the past means now,
+/// never ahead of the jobs already due; a number with a fraction where an
+/// integer is expected is a `422` naming the field, in a bulk redrive's
+/// `limit` as in a submit's `priority`.
+#[actix_rt::test]
+async fn small_bounds_are_answered_alike() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api_limited(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: false },
+        Bounds::default(),
+    );
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let jobs = format!("{base}/v1/jobs");
+    let hook = env.consumer.url();
+    for scheme in ["bearer", "BEARER", "Bearer"] {
+        let r = client()
+            .get(&jobs)
+            .header("authorization", format!("{scheme} {alice}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{scheme}");
+    }
+    let r = client()
+        .get(&jobs)
+        .header("authorization", format!("Basic {alice}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401, "another scheme");
+
+    let mut early = job_body("early", &hook);
+    early["run_at"] = json!("0001-01-01T00:00:00Z");
+    let (status, body, _) = call(Method::POST, &jobs, Some(&alice), Some(&early)).await;
+    assert_eq!(status, 201, "{body}");
+    let row = env
+        .sql("SELECT run_at >= created_at AS now_or_later FROM jobs WHERE id = 'early'")
+        .await;
+    assert_eq!(row[0]["now_or_later"], true, "a past run_at means now");
+
+    let mut priority = job_body("fraction", &hook);
+    priority["priority"] = json!(1.0);
+    let (status, body, _) = call(Method::POST, &jobs, Some(&alice), Some(&priority)).await;
+    assert_eq!(
+        (status, body["error"]["field"].as_str()),
+        (422, Some("priority")),
+        "{body}"
+    );
+    let (status, body, _) = call(
+        Method::POST,
+        &format!("{jobs}/redrive"),
+        Some(&alice),
+        Some(&json!({ "limit": 99.0 })),
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["field"].as_str()),
+        (422, Some("limit")),
+        "{body}"
+    );
+    let (status, body, _) = call(
+        Method::POST,
+        &format!("{jobs}/redrive"),
+        Some(&alice),
+        Some(&json!({ "limit": 5, "surprise": 1 })),
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["field"].as_str()),
+        (422, Some("surprise")),
+        "{body}"
+    );
+}
+
 /// A client that dribbles its body is cut off (`408`), not waited for.
 #[actix_rt::test]
 async fn a_dribbled_body_times_out() {
@@ -1118,25 +1197,64 @@ async fn nul_characters_are_refused_by_name_and_answers_say_nosniff() {
     }
 }
 
-/// A token given as `--token` is visible in `ps`: the CLI says so and
-/// names ONCEFLOW_TOKEN; given through the environment, it says nothing.
+/// A secret is never taken from a command-line flag (visible in `ps`):
+/// `--token`, a provider key, a signing secret and a database URL with a
+/// password are refused (exit 2, naming the variable to set, never
+/// repeating the value) before anything runs; from the environment they
+/// are taken as before.
 #[test]
-fn a_token_on_the_command_line_is_warned_about() {
-    let run = |flag: bool| {
+fn a_secret_on_the_command_line_is_refused() {
+    let run = |args: &[&str], envs: &[(&str, &str)]| {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"));
-        cmd.args(["status", "x", "--server", "http://127.0.0.1:9"]);
-        if flag {
-            cmd.args(["--token", "secret-token"]);
-        } else {
-            cmd.env("ONCEFLOW_TOKEN", "secret-token");
+        cmd.args(args);
+        for (k, v) in envs {
+            cmd.env(k, v);
         }
-        String::from_utf8_lossy(&cmd.output().unwrap().stderr).into_owned()
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
-    let flagged = run(true);
-    assert!(flagged.contains("set ONCEFLOW_TOKEN instead"), "{flagged}");
-    assert!(!flagged.contains("secret-token"), "{flagged}");
-    let quiet = run(false);
-    assert!(!quiet.contains("ONCEFLOW_TOKEN instead"), "{quiet}");
+    let status = ["status", "x", "--server", "http://127.0.0.1:9"];
+    for (extra, named) in [
+        (vec!["--token", "secret-token"], "ONCEFLOW_TOKEN"),
+        (vec!["--token=secret-token"], "ONCEFLOW_TOKEN"),
+    ] {
+        let args: Vec<&str> = status.iter().copied().chain(extra).collect();
+        let (code, stderr) = run(&args, &[]);
+        assert_eq!(code, Some(2), "{stderr}");
+        assert!(stderr.contains(&format!("set {named} instead")), "{stderr}");
+        assert!(!stderr.contains("secret-token"), "{stderr}");
+    }
+    for (args, named) in [
+        (
+            vec!["serve", "--openai-api-key", "sk-secret-token"],
+            "OPENAI_API_KEY",
+        ),
+        (
+            vec!["serve", "--webhook-secret", "whsec_secret-token"],
+            "ONCEFLOW_WEBHOOK_SECRET",
+        ),
+        (
+            vec![
+                "migrate",
+                "--database-url",
+                "postgres://u:secret-token@127.0.0.1:9/db",
+            ],
+            "DATABASE_URL",
+        ),
+    ] {
+        let (code, stderr) = run(&args, &[]);
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(&format!("set {named} instead")), "{stderr}");
+        assert!(!stderr.contains("secret-token"), "{stderr}");
+    }
+    // From the environment: taken, and the command runs (here it fails to
+    // connect, not to parse).
+    let (code, stderr) = run(&status, &[("ONCEFLOW_TOKEN", "secret-token")]);
+    assert_ne!(code, Some(2), "{stderr}");
+    assert!(!stderr.contains("instead"), "{stderr}");
 }
 
 /// A failed send to a caller's URL is stored as a fixed class

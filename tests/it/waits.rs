@@ -892,12 +892,22 @@ async fn untaken_signals_per_job_are_bounded() {
     submit(&env, "many", 0, 1_000).await;
     submit(&env, "large", 0, 1_000).await;
     for i in 0..100 {
-        let (status, answer) =
-            signal(&base, "many", "note", json!({ "id": format!("n-{i}"), "payload": i })).await;
+        let (status, answer) = signal(
+            &base,
+            "many",
+            "note",
+            json!({ "id": format!("n-{i}"), "payload": i }),
+        )
+        .await;
         assert_eq!(status, 202, "{i}: {answer}");
     }
-    let (status, answer) =
-        signal(&base, "many", "note", json!({ "id": "n-100", "payload": 100 })).await;
+    let (status, answer) = signal(
+        &base,
+        "many",
+        "note",
+        json!({ "id": "n-100", "payload": 100 }),
+    )
+    .await;
     assert_eq!(
         (status, answer["error"]["code"].as_str()),
         (409, Some("too_many_signals")),
@@ -924,8 +934,10 @@ async fn untaken_signals_per_job_are_bounded() {
     assert_eq!(accepted, 17);
     for (job, n) in [("many", 100), ("large", 17)] {
         assert_eq!(
-            env.sql(&format!("SELECT count(*) AS n FROM signals WHERE job_id = '{job}'"))
-                .await[0]["n"],
+            env.sql(&format!(
+                "SELECT count(*) AS n FROM signals WHERE job_id = '{job}'"
+            ))
+            .await[0]["n"],
             n
         );
     }
@@ -989,7 +1001,12 @@ async fn a_decision_for_one_wait_is_never_taken_by_a_later_wait() {
         json!([winner, null]),
         "the second wait took the first wait's other decision"
     );
-    assert_eq!(job.signals.len(), 1, "nothing else recorded: {:?}", job.signals);
+    assert_eq!(
+        job.signals.len(),
+        1,
+        "nothing else recorded: {:?}",
+        job.signals
+    );
 }
 
 /// Asks for one approval and returns the decision.
@@ -1042,7 +1059,12 @@ async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
         );
     }
     env.store
-        .signal("moot-decided", "approval:c-1", "d-1", &json!({ "approved": true }))
+        .signal(
+            "moot-decided",
+            "approval:c-1",
+            "d-1",
+            &json!({ "approved": true }),
+        )
         .await
         .unwrap();
     env.store
@@ -1050,7 +1072,10 @@ async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
         .await
         .unwrap();
     env.wait_for("moot-decided", JobState::Acked, WAIT).await;
-    for (id, code) in [("moot-decided", "event_moot"), ("moot-cancelled", "cancelled")] {
+    for (id, code) in [
+        ("moot-decided", "event_moot"),
+        ("moot-cancelled", "cancelled"),
+    ] {
         let closed = wait_until(WAIT, || async {
             env.sql(&format!(
                 "SELECT status::text AS s, last_error->>'code' AS code FROM outbox \
@@ -1070,7 +1095,11 @@ async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     for id in ["moot-decided", "moot-cancelled"] {
-        assert_eq!(env.consumer.requests_with_key(&key(id)), 1, "{id}: sent once, before its wait ended");
+        assert_eq!(
+            env.consumer.requests_with_key(&key(id)),
+            1,
+            "{id}: sent once, before its wait ended"
+        );
     }
 }
 

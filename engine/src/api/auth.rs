@@ -74,8 +74,10 @@ pub(super) async fn authenticate(state: &ApiState, req: &HttpRequest) -> Result<
             let token = value
                 .to_str()
                 .ok()
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(str::trim)
+                .and_then(|v| v.split_once(' '))
+                // The scheme is case-insensitive (RFC 9110 §11.1).
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .map(|(_, token)| token.trim())
                 .filter(|t| !t.is_empty());
             let Some(token) = token else {
                 return Err(unauthorized(

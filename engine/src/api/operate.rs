@@ -3,8 +3,7 @@
 use super::*;
 
 /// The body of an operator's action: why.
-#[derive(Debug, Default, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Default)]
 pub(super) struct ActionBody {
     reason: Option<String>,
     /// Bulk redrive: only this workflow's dead jobs.
@@ -35,27 +34,54 @@ pub(super) async fn action_body(
     if !is_json(req) {
         return Err(not_json());
     }
-    // `null` is no body, as an empty one is.
-    let parsed: ActionBody = serde_json::from_slice::<Option<ActionBody>>(&body)
-        .map_err(|e| {
-            error(
+    // `null` is no body, as an empty one is. A field of the wrong type is
+    // a `422` naming it, as at intake (`"limit": 99.0` as `"priority": 1.0`).
+    let invalid = |field: &str, message: &str| {
+        error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            format!("{field}: {message}"),
+            Some(field),
+        )
+    };
+    let mut fields = match crate::intake::parse_json(&body) {
+        Ok(serde_json::Value::Null) => return Ok(ActionBody::default()),
+        Ok(serde_json::Value::Object(map)) => map,
+        Ok(_) => return Err(invalid("body", "must be a JSON object")),
+        Err(e) => {
+            return Err(error(
                 StatusCode::BAD_REQUEST,
                 "malformed_json",
                 e.to_string(),
                 None,
-            )
-        })?
-        .unwrap_or_default();
-    for (field, text) in [("reason", &parsed.reason), ("workflow", &parsed.workflow)] {
-        if text.as_deref().is_some_and(|t| t.contains('\0')) {
-            return Err(error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request",
-                format!("{field} contains a NUL character"),
-                Some(field),
-            ));
+            ))
         }
+    };
+    let mut text = |field: &'static str| match fields.remove(field) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(t)) if t.contains('\0') => {
+            Err((field, "contains a NUL character"))
+        }
+        Some(serde_json::Value::String(t)) => Ok(Some(t)),
+        Some(_) => Err((field, "must be a string")),
+    };
+    let reason = text("reason").map_err(|(f, m)| invalid(f, m))?;
+    let workflow = text("workflow").map_err(|(f, m)| invalid(f, m))?;
+    let limit = match fields.remove("limit") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => Some(
+            v.as_i64()
+                .ok_or_else(|| invalid("limit", "must be an integer from 1 to 1000"))?,
+        ),
+    };
+    if let Some(extra) = fields.keys().next() {
+        return Err(invalid(extra, "unknown field"));
     }
+    let parsed = ActionBody {
+        reason,
+        workflow,
+        limit,
+    };
     Ok(parsed)
 }
 

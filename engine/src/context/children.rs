@@ -141,11 +141,7 @@ impl Context {
             // A replay on a node that lacks the child's workflow (or its
             // tools) finds the child it made before it judges it again.
             Err(e) => {
-                if self
-                    .store
-                    .is_child_of(&id, self.job_id(), workflow)
-                    .await?
-                {
+                if self.store.is_child_of(&id, self.job_id(), workflow).await? {
                     return Ok(Child {
                         id,
                         name: name.to_owned(),

@@ -587,7 +587,8 @@ pub(crate) async fn intake_on(
                  coalesce(t.incarnation + 1, 1), \
                  coalesce(t.last_epoch, 0) + (i.lease_owner IS NOT NULL)::int, \
                  i.owner_token, i.notify_failures, \
-                 i.priority, coalesce(i.run_at, now() + coalesce(i.delay_ms, 0) * interval '1 millisecond'), \
+                 i.priority, CASE WHEN i.run_at IS NOT NULL THEN greatest(i.run_at, now()) \
+                     ELSE now() + coalesce(i.delay_ms, 0) * interval '1 millisecond' END, \
                  i.lease_owner, clock_timestamp() + i.lease_ms * interval '1 millisecond', \
                  (i.lease_owner IS NOT NULL)::int, i.parent_id \
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \

@@ -456,15 +456,15 @@ impl Store {
     /// (a wait loop may take any number of them over a job's life).
     pub async fn signals_of(&self, job_id: &str) -> Result<Vec<SignalView>, StoreError> {
         let mut conn = self.db().conn().await?;
-        Ok(sql(
-            "SELECT name, id, payload, received_at, taken_by FROM ( \
+        Ok(
+            sql("SELECT name, id, payload, received_at, taken_by FROM ( \
                  SELECT name, signal_id AS id, payload, received_at, taken_by, seq FROM signals \
-                 WHERE job_id = $1 ORDER BY seq DESC LIMIT $2) latest ORDER BY seq",
+                 WHERE job_id = $1 ORDER BY seq DESC LIMIT $2) latest ORDER BY seq")
+            .bind::<Text, _>(job_id)
+            .bind::<BigInt, _>(SIGNALS_SHOWN)
+            .load(&mut conn)
+            .await?,
         )
-        .bind::<Text, _>(job_id)
-        .bind::<BigInt, _>(SIGNALS_SHOWN)
-        .load(&mut conn)
-        .await?)
     }
 
     /// The wait of `name` due at `until` that job `job_id` is in now (its
