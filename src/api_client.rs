@@ -391,14 +391,23 @@ impl Client {
         Ok((status == 201, view))
     }
 
-    /// The caller's schedules (an admin token: all), by id.
+    /// The caller's schedules (an admin token: all), by id, every page.
     pub async fn schedules(&self) -> Result<Vec<Value>, ClientError> {
-        let response = self
-            .request(reqwest::Method::GET, "/v1/schedules")
-            .send()
-            .await?;
-        let (_, page): (u16, Value) = Self::answer(response).await?;
-        Ok(page["schedules"].as_array().cloned().unwrap_or_default())
+        let mut all = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let path = match &cursor {
+                Some(c) => format!("/v1/schedules?cursor={}", encode(c)),
+                None => "/v1/schedules".to_owned(),
+            };
+            let response = self.request(reqwest::Method::GET, &path).send().await?;
+            let (_, page): (u16, Value) = Self::answer(response).await?;
+            all.extend(page["schedules"].as_array().cloned().unwrap_or_default());
+            match page["next_cursor"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => return Ok(all),
+            }
+        }
     }
 
     /// Schedule `id`, with `next_fire_at` and its latest jobs.

@@ -152,6 +152,10 @@ pub struct ServeArgs {
     /// The same bound per API token.
     #[arg(long, env = "ONCEFLOW_MAX_BACKLOG_PER_TOKEN", default_value_t = 10_000)]
     pub max_backlog_per_token: u64,
+    /// The shortest time between two fire times of a schedule a token (not
+    /// admin) creates (e.g. 60s, 1m).
+    #[arg(long, env = "ONCEFLOW_MIN_SCHEDULE_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub min_schedule_interval: Duration,
     /// Event streams (`GET /v1/jobs/{id}/events`) open at once on this node.
     #[arg(long, env = "ONCEFLOW_MAX_STREAMS", default_value_t = 1_000)]
     pub max_streams: usize,
@@ -170,6 +174,7 @@ impl ServeArgs {
             webhook_timeout: Duration::from_millis(self.webhook_timeout_ms),
             retention: self.retention,
             dead_retention: self.dead_retention,
+            max_backlog_per_token: Some(self.max_backlog_per_token),
             url_guard: if self.allow_private_urls {
                 onceflow_engine::UrlGuard::allow_private()
             } else {

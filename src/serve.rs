@@ -97,6 +97,7 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
                 let mut limits = api::Bounds::backlog(args.max_backlog, args.max_backlog_per_token);
                 limits.max_streams = args.max_streams;
                 limits.max_streams_per_token = args.max_streams_per_token;
+                limits.min_schedule_interval = args.min_schedule_interval;
                 limits
             },
             draining: draining.clone(),

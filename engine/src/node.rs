@@ -54,6 +54,10 @@ pub struct EngineConfig {
     pub url_guard: crate::guard::UrlGuard,
     /// Largest tool or step answer read (default 1 MiB).
     pub tool_response_limit: usize,
+    /// Unfinished jobs per API token above which a schedule's fire time
+    /// makes no job (recorded `skipped`), as a submit would be refused
+    /// (`ONCEFLOW_MAX_BACKLOG_PER_TOKEN`); `None`: no bound.
+    pub max_backlog_per_token: Option<u64>,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +79,7 @@ impl Default for EngineConfig {
             telemetry: Arc::new(Telemetry::disabled()),
             url_guard: crate::guard::UrlGuard::strict(),
             tool_response_limit: 1 << 20,
+            max_backlog_per_token: Some(10_000),
         }
     }
 }

@@ -97,6 +97,22 @@ impl Timetable {
         Ok(table)
     }
 
+    /// The shortest time between two of the next `times + 1` fire times
+    /// after `from` (`None`: it fires once at most).
+    pub fn shortest_gap(&self, from: DateTime<Utc>, times: usize) -> Option<chrono::Duration> {
+        let mut at = self.next_after(from)?;
+        let mut shortest: Option<chrono::Duration> = None;
+        for _ in 0..times {
+            let Some(next) = self.next_after(at) else {
+                break;
+            };
+            let gap = next - at;
+            shortest = Some(shortest.map_or(gap, |s| s.min(gap)));
+            at = next;
+        }
+        shortest
+    }
+
     /// The first fire time strictly after `t`, or `None` when there is none.
     pub fn next_after(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
         self.cron

@@ -696,7 +696,8 @@ impl Handler<FireSchedules> for Supervisor {
         // `Listening`): an idle node never looks on a clock of its own.
         ctx.spawn(
             async move {
-                let fired = shared.store.fire_schedules(&fireable).await;
+                let backlog = shared.config.max_backlog_per_token;
+                let fired = shared.store.fire_schedules(&fireable, backlog).await;
                 // A seam for tests: a firing held after it read when the next is due.
                 let _ = shared
                     .faults

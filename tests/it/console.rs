@@ -540,6 +540,8 @@ async fn the_console_lists_schedules_with_their_next_fire_time() {
             ("DATABASE_URL", env.db_url.clone()),
             ("OPENAI_BASE_URL", env.provider.base_url()),
             ("ONCEFLOW_POLL_MS", "200".to_owned()),
+            // A tenant's schedule every second (60 s at the least by default).
+            ("ONCEFLOW_MIN_SCHEDULE_INTERVAL", "1s".to_owned()),
         ],
         &dir.path().join("serve.log"),
     )

@@ -225,6 +225,173 @@ async fn a_schedule_created_during_a_firing_fires() {
     );
 }
 
+/// A tenant's schedules are bounded: the cron's length, how often it
+/// fires (an admin's may fire every second), and how many a token has;
+/// the list pages with a cursor and refuses an unknown parameter.
+#[actix_rt::test]
+async fn a_tenants_schedules_are_bounded() {
+    let env = TestEnv::new().await;
+    let base = api(&env, Auth::Tokens { loopback: false });
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let admin = env.store.create_token("root", true).await.unwrap();
+    let url = format!("{base}/v1/schedules");
+    let post = reqwest::Method::POST;
+    let hook = env.consumer.url();
+    let long = format!("0 2 * * {}", "1,".repeat(150_000));
+    for cron in [long.as_str(), "* * * * * *", "*/30 * * * * *"] {
+        let (status, answer) = call(
+            post.clone(),
+            &url,
+            Some(&alice),
+            Some(&schedule("fast", cron, &hook)),
+        )
+        .await;
+        assert_eq!(
+            (status, answer["error"]["field"].as_str()),
+            (422, Some("cron")),
+            "{answer}"
+        );
+    }
+    let (status, answer) = call(
+        post.clone(),
+        &url,
+        Some(&admin),
+        Some(&schedule("root-tick", "0 0 1 1 *", &hook)),
+    )
+    .await;
+    assert_eq!(status, 201, "{answer}");
+    let (status, answer) = call(
+        post.clone(),
+        &url,
+        Some(&admin),
+        Some(&schedule("root-fast", "* * * * * *", &hook)),
+    )
+    .await;
+    assert_eq!(status, 201, "an admin's may fire every second: {answer}");
+    call(
+        reqwest::Method::POST,
+        &format!("{url}/root-fast/pause"),
+        Some(&admin),
+        None,
+    )
+    .await;
+    for i in 0..100 {
+        let (status, answer) = call(
+            post.clone(),
+            &url,
+            Some(&alice),
+            Some(&schedule(&format!("s-{i:03}"), "0 2 * * *", &hook)),
+        )
+        .await;
+        assert_eq!(status, 201, "{i}: {answer}");
+    }
+    let (status, answer) = call(
+        post.clone(),
+        &url,
+        Some(&alice),
+        Some(&schedule("s-100", "0 2 * * *", &hook)),
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("too_many_schedules")),
+        "{answer}"
+    );
+    let (status, _) = call(
+        post.clone(),
+        &url,
+        Some(&alice),
+        Some(&schedule("s-007", "0 2 * * *", &hook)),
+    )
+    .await;
+    assert_eq!(status, 200, "the identical schedule again is still found");
+    let mut ids = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let page_url = match &cursor {
+            Some(c) => format!("{url}?limit=40&cursor={c}"),
+            None => format!("{url}?limit=40"),
+        };
+        let (status, page) = call(reqwest::Method::GET, &page_url, Some(&alice), None).await;
+        assert_eq!(status, 200, "{page}");
+        for s in page["schedules"].as_array().unwrap() {
+            ids.push(s["id"].as_str().unwrap().to_owned());
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => break,
+        }
+    }
+    let expected: Vec<String> = (0..100).map(|i| format!("s-{i:03}")).collect();
+    assert_eq!(
+        ids, expected,
+        "every schedule once, in order, none of the admin's"
+    );
+    for bad in ["?tag=x", "?limit=0", "?limit=1.5"] {
+        let (status, answer) = call(
+            reqwest::Method::GET,
+            &format!("{url}{bad}"),
+            Some(&alice),
+            None,
+        )
+        .await;
+        assert_eq!(status, 422, "{bad}: {answer}");
+    }
+}
+
+/// A schedule's fired jobs count against its token's backlog: with room
+/// for 3 unfinished jobs, a schedule firing every second makes 3 jobs while
+/// they run, and its other fire times are recorded `skipped`
+/// (`backlog_full`) and shown in its latest jobs.
+#[actix_rt::test]
+async fn a_fired_job_counts_against_its_tokens_backlog() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_secs(30));
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let owner = env.store.authenticate(&alice).await.unwrap().unwrap().token;
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(60);
+    config.max_backlog_per_token = Some(3);
+    let _node = env.start(registry(), config);
+    let table = onceflow_engine::schedule::Timetable::parse("* * * * * *", "UTC").unwrap();
+    let new = onceflow_engine::store::schedules::NewSchedule {
+        id: "busy".into(),
+        cron: "* * * * * *".into(),
+        timezone: "UTC".into(),
+        workflow: "completion".into(),
+        input: json!({ "model": "m", "messages": [{ "role": "user", "content": "tick" }] }),
+        webhook_url: env.consumer.url(),
+        catch_up: onceflow_engine::schedule::CatchUp::All,
+    };
+    env.store
+        .create_schedule(&new, &table, Some(owner))
+        .await
+        .unwrap();
+    let skipped = "SELECT count(*) AS n FROM schedule_fires WHERE skipped = 'backlog_full'";
+    assert!(
+        wait_until(Duration::from_secs(15), || async {
+            env.sql(skipped).await[0]["n"].as_i64().unwrap() >= 3
+        })
+        .await,
+        "no fire time was skipped: {}",
+        env.sql("SELECT * FROM schedule_fires").await
+    );
+    assert_eq!(
+        fired(&env, "busy").await.len(),
+        3,
+        "3 jobs, then none while they run"
+    );
+    let shown = env.store.schedule("busy").await.unwrap().unwrap();
+    assert!(
+        shown
+            .latest_jobs
+            .iter()
+            .any(|j| j.skipped.as_deref() == Some("backlog_full") && j.state.is_none()),
+        "{:?}",
+        shown.latest_jobs
+    );
+}
+
 /// A schedule firing every second on two nodes: each fire time is one job,
 /// none is skipped, each job calls the model once and sends one webhook;
 /// nothing fires after a pause, or after a delete.

@@ -26,6 +26,9 @@ pub struct Bounds {
     pub max_streams: usize,
     /// The same bound per API token.
     pub max_streams_per_token: usize,
+    /// The shortest time between two fire times of a schedule a token
+    /// (not admin) creates (`ONCEFLOW_MIN_SCHEDULE_INTERVAL`, default 60 s).
+    pub min_schedule_interval: std::time::Duration,
     /// The event streams open now: in all, and per token.
     streams: Arc<std::sync::Mutex<OpenStreams>>,
 }
@@ -67,6 +70,7 @@ impl Default for Bounds {
             seen: Default::default(),
             max_streams: 1_000,
             max_streams_per_token: 100,
+            min_schedule_interval: std::time::Duration::from_secs(60),
             streams: Default::default(),
         }
     }

@@ -179,6 +179,8 @@ pub(super) struct CreateSchedule {
 #[allow(dead_code)] // described, not built: the handler writes it
 pub(super) struct SchedulePage {
     schedules: Vec<ScheduleView>,
+    /// The `cursor` of the next page; `null` on the last.
+    next_cursor: Option<String>,
 }
 
 /// Bearer tokens (`onceflow token create`).

@@ -7,6 +7,15 @@ use crate::error::InvalidInput;
 use crate::schedule::{CatchUp, Timetable};
 use crate::store::schedules::{NewSchedule, ScheduleIntake};
 
+/// Longest cron a schedule may have.
+pub const MAX_CRON_LEN: usize = 200;
+
+/// Schedules one token (not admin) may have.
+pub const MAX_SCHEDULES_PER_TOKEN: i64 = 100;
+
+/// Schedules a page of `GET /v1/schedules` shows at most (and by default).
+const SCHEDULE_PAGE: i64 = 1000;
+
 fn invalid(e: InvalidInput) -> HttpResponse {
     error(
         StatusCode::UNPROCESSABLE_ENTITY,
@@ -35,6 +44,9 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
     let id = text("id", true)?.unwrap_or_default();
     crate::schedule::validate_id(&id)?;
     let cron = text("cron", true)?.unwrap_or_default();
+    if cron.len() > MAX_CRON_LEN {
+        return Err(InvalidInput::new("cron", format!("at most {MAX_CRON_LEN} characters")).into());
+    }
     let timezone = text("timezone", false)?.unwrap_or_else(|| "UTC".to_owned());
     let catch_up = match text("catch_up", false)? {
         None => CatchUp::Latest,
@@ -78,7 +90,7 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
         (status = 201, body = ScheduleView),
         (status = 200, description = "The identical schedule again", body = ScheduleView),
         (status = 401, body = ErrorBody),
-        (status = 409, description = "`schedule_conflict`", body = ErrorBody),
+        (status = 409, description = "`schedule_conflict`, or `too_many_schedules`", body = ErrorBody),
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn create_schedule(
@@ -117,6 +129,42 @@ pub(super) async fn create_schedule(
             return error(StatusCode::BAD_REQUEST, "malformed_json", m, None)
         }
     };
+    if who.scope().is_some() {
+        // A tenant's bounds: how often its schedule fires, and how many.
+        // (An admin token, and development mode without tokens, may ask for less.)
+        let shortest = state.limits.min_schedule_interval;
+        if let Some(gap) = table.shortest_gap(chrono::Utc::now(), 20) {
+            if gap.to_std().unwrap_or_default() < shortest {
+                return invalid(InvalidInput::new(
+                    "cron",
+                    format!(
+                        "fires every {} s; a token's schedule fires at most once every {} s",
+                        gap.num_seconds(),
+                        shortest.as_secs()
+                    ),
+                ));
+            }
+        }
+        if let Some(owner) = who.owner() {
+            match state.store.schedule_count(owner).await {
+                Ok(n) if n >= MAX_SCHEDULES_PER_TOKEN => {
+                    let exists = matches!(state.store.schedule(&schedule.id).await, Ok(Some(_)));
+                    if !exists {
+                        return error(
+                            StatusCode::CONFLICT,
+                            "too_many_schedules",
+                            format!(
+                                "this token has {n} schedules, as many as it may; delete one first"
+                            ),
+                            None,
+                        );
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => return unavailable(e),
+            }
+        }
+    }
     match state
         .store
         .create_schedule(&schedule, &table, who.owner())
@@ -137,9 +185,26 @@ pub(super) async fn create_schedule(
     }
 }
 
-/// `GET /v1/schedules`: the caller's schedules (an admin's: all), by id.
+/// The query of `GET /v1/schedules`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScheduleQuery {
+    cursor: Option<String>,
+    limit: Option<String>,
+}
+
+/// `GET /v1/schedules?cursor=&limit=`: the caller's schedules (an admin's:
+/// all), by id, a page at a time (`next_cursor`).
 #[utoipa::path(get, path = "/v1/schedules", tag = "schedules",
-    responses((status = 200, body = SchedulePage), (status = 401, body = ErrorBody)))]
+    params(
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1–1000, default 1000"),
+        ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before"),
+    ),
+    responses(
+        (status = 200, body = SchedulePage),
+        (status = 401, body = ErrorBody),
+        (status = 422, description = "A bad parameter (named)", body = ErrorBody),
+    ))]
 pub(super) async fn list_schedules(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if let Some(refused) = misdirected(&state, &req) {
         return refused;
@@ -148,9 +213,39 @@ pub(super) async fn list_schedules(state: web::Data<ApiState>, req: HttpRequest)
         Ok(who) => who,
         Err(refused) => return refused,
     };
+    let query = match web::Query::<ScheduleQuery>::from_query(req.query_string()) {
+        Ok(q) => q.into_inner(),
+        Err(e) => {
+            return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                format!("query: {e}"),
+                Some("query"),
+            )
+        }
+    };
+    let limit = match query.limit.as_deref().map(str::parse::<i64>) {
+        None => SCHEDULE_PAGE,
+        Some(Ok(n)) if (1..=SCHEDULE_PAGE).contains(&n) => n,
+        Some(_) => {
+            return invalid(InvalidInput::new(
+                "limit",
+                format!("must be an integer from 1 to {SCHEDULE_PAGE}"),
+            ))
+        }
+    };
     let scope = who.scope();
-    match state.store.schedules(scope.is_none(), scope).await {
-        Ok(list) => HttpResponse::Ok().json(serde_json::json!({ "schedules": list })),
+    match state
+        .store
+        .schedules(scope.is_none(), scope, query.cursor.as_deref(), limit)
+        .await
+    {
+        Ok(list) => {
+            let next = (list.len() as i64 == limit)
+                .then(|| list.last().map(|s| s.id.clone()))
+                .flatten();
+            HttpResponse::Ok().json(serde_json::json!({ "schedules": list, "next_cursor": next }))
+        }
         Err(e) => unavailable(e),
     }
 }

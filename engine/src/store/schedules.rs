@@ -56,9 +56,13 @@ pub struct ScheduledJob {
     /// The fire time it was created for.
     #[diesel(sql_type = Timestamptz)]
     pub fire_at: DateTime<Utc>,
-    /// Its state now (`None` once purged).
+    /// Its state now (`None` once purged, or when it was skipped).
     #[diesel(sql_type = Nullable<Text>)]
     pub state: Option<String>,
+    /// Why no job was made for this fire time (`backlog_full`: the
+    /// schedule's token had as many unfinished jobs as it may), or `None`.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub skipped: Option<String>,
 }
 
 /// A schedule as `GET /v1/schedules/{id}` shows it.
@@ -251,21 +255,42 @@ impl Store {
         }
     }
 
-    /// The schedules of token `owner` (every token's with `all`), by id.
+    /// A page of the schedules of token `owner` (every token's with
+    /// `all`), by id: up to `limit` after id `after`.
     pub async fn schedules(
         &self,
         all: bool,
         token: Option<i64>,
+        after: Option<&str>,
+        limit: i64,
     ) -> Result<Vec<ScheduleView>, StoreError> {
         let mut conn = self.db().conn().await?;
         Ok(sql(concat!(
             view!(),
-            " WHERE $1 OR owner_token IS NOT DISTINCT FROM $2 ORDER BY id LIMIT 1000"
+            " WHERE ($1 OR owner_token IS NOT DISTINCT FROM $2) AND ($3::text IS NULL OR id > $3) \
+             ORDER BY id LIMIT $4"
         ))
         .bind::<Bool, _>(all)
         .bind::<Nullable<BigInt>, _>(token)
+        .bind::<Nullable<Text>, _>(after)
+        .bind::<BigInt, _>(limit)
         .load(&mut conn)
         .await?)
+    }
+
+    /// How many schedules token `owner` has.
+    pub async fn schedule_count(&self, owner: i64) -> Result<i64, StoreError> {
+        #[derive(QueryableByName)]
+        struct Count {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let mut conn = self.db().conn().await?;
+        let c: Count = sql("SELECT count(*) AS n FROM schedules WHERE owner_token = $1")
+            .bind::<BigInt, _>(owner)
+            .get_result(&mut conn)
+            .await?;
+        Ok(c.n)
     }
 
     /// Schedule `id` with its latest jobs, or `None`.
@@ -279,7 +304,7 @@ impl Store {
             return Ok(None);
         };
         let jobs: Vec<ScheduledJob> = sql(
-            "SELECT f.job_id AS id, f.fire_at, j.state::text AS state FROM schedule_fires f \
+            "SELECT f.job_id AS id, f.fire_at, j.state::text AS state, f.skipped FROM schedule_fires f \
              JOIN schedules s ON s.id = f.schedule_id \
              LEFT JOIN jobs j ON j.id = f.job_id AND j.owner_token IS NOT DISTINCT FROM s.owner_token \
              WHERE f.schedule_id = $1 ORDER BY f.fire_at DESC LIMIT 10",
@@ -384,7 +409,17 @@ impl Store {
 
     /// Fires the due schedules of the workflows in `fireable` (see the
     /// module's documentation), at most a batch per call.
-    pub async fn fire_schedules(&self, fireable: &[Fireable]) -> Result<Fired, StoreError> {
+    ///
+    /// A schedule of a token with `backlog` unfinished jobs or more makes
+    /// no job for its fire time: the time is recorded `skipped`
+    /// (`backlog_full`), shown in the schedule's latest jobs, and the
+    /// schedule moves on, as a submit of that token would be refused.
+    pub async fn fire_schedules(
+        &self,
+        fireable: &[Fireable],
+        backlog: Option<u64>,
+    ) -> Result<Fired, StoreError> {
+        let backlog = backlog.map(|b| i64::try_from(b).unwrap_or(i64::MAX));
         let names: Vec<&str> = fireable.iter().map(|f| f.workflow.as_str()).collect();
         let mut conn = self.db().conn().await?;
         // One read when nothing is due (an idle node's case).
@@ -452,6 +487,43 @@ impl Store {
                             }
                         })
                         .collect();
+                    // The token's room: fire times past it are skipped.
+                    let room = match (row.owner_token, backlog) {
+                        (Some(owner), Some(limit)) => {
+                            #[derive(QueryableByName)]
+                            struct Open {
+                                #[diesel(sql_type = BigInt)]
+                                n: i64,
+                            }
+                            let open: Open = sql(
+                                "SELECT count(*) AS n FROM jobs WHERE owner_token = $1 AND finished_at IS NULL",
+                            )
+                            .bind::<BigInt, _>(owner)
+                            .get_result(conn)
+                            .await?;
+                            usize::try_from((limit - open.n).max(0)).unwrap_or(usize::MAX)
+                        }
+                        _ => usize::MAX,
+                    };
+                    let mut rows = rows;
+                    if rows.len() > room {
+                        let skipped: Vec<NewRow> = rows.split_off(room);
+                        let ids: Vec<&str> = skipped.iter().map(|r| r.id.as_str()).collect();
+                        let at: Vec<DateTime<Utc>> = times[room..].to_vec();
+                        tracing::warn!(schedule = row.id, skipped = ids.len(), "its token's backlog is full: fire times skipped");
+                        sql(
+                            "INSERT INTO schedule_fires (schedule_id, fire_at, job_id, skipped) \
+                             SELECT $1, f.at, f.id, 'backlog_full' \
+                             FROM unnest($2::timestamptz[], $3::text[]) AS f(at, id) \
+                             ON CONFLICT DO NOTHING",
+                        )
+                        .bind::<Text, _>(&row.id)
+                        .bind::<Array<Timestamptz>, _>(&at)
+                        .bind::<Array<Text>, _>(&ids)
+                        .execute(conn)
+                        .await?;
+                    }
+                    let times = &times[..rows.len()];
                     if !rows.is_empty() {
                         #[derive(QueryableByName)]
                         struct Recorded {
@@ -467,7 +539,7 @@ impl Store {
                              ON CONFLICT DO NOTHING RETURNING job_id",
                         )
                         .bind::<Text, _>(&row.id)
-                        .bind::<Array<Timestamptz>, _>(&times)
+                        .bind::<Array<Timestamptz>, _>(times)
                         .bind::<Array<Text>, _>(&ids)
                         .load(conn)
                         .await?;

@@ -1,0 +1,1 @@
+ALTER TABLE schedule_fires DROP COLUMN skipped;
