@@ -97,13 +97,9 @@ impl Handoff {
         self.shared.config.lease.as_millis() as i64
     }
 
-    fn handing(&self, job: &str, on: bool) {
-        let mut handing = self.shared.gate.handing.lock().expect("lock");
-        if on {
-            handing.insert(job.to_owned());
-        } else {
-            handing.remove(job);
-        }
+    /// `job` is no longer being handed to this node.
+    fn handed(&self, job: &str) {
+        self.shared.gate.handing.lock().expect("lock").remove(job);
     }
 
     /// Hand-offs this node would take now (the room its last acquire left).
@@ -131,14 +127,22 @@ impl Reservation {
     /// Where the store is to lease new job `job_id` in intake's commit.
     /// From now until its `Adopt` is handled (or the reservation is given
     /// back), the job is one this node is handing itself: no reclaim
-    /// takes it.
-    pub fn hand_to(&mut self, job_id: &str) -> HandTo {
-        self.handoff.handing(job_id, true);
+    /// takes it. `None` while an acquire that takes back this node's own
+    /// leases runs (it read the jobs being handed before this one): the
+    /// job goes through the queue instead.
+    pub fn hand_to(&mut self, job_id: &str) -> Option<HandTo> {
+        {
+            let mut handing = self.handoff.shared.gate.handing.lock().expect("lock");
+            if self.handoff.shared.gate.reclaiming.load(Ordering::Acquire) {
+                return None;
+            }
+            handing.insert(job_id.to_owned());
+        }
         self.job = Some(job_id.to_owned());
-        HandTo {
+        Some(HandTo {
             node: self.node().to_owned(),
             lease_ms: self.lease_ms(),
-        }
+        })
     }
 
     /// Hands the job, leased in intake's commit, to the supervisor, which
@@ -172,7 +176,7 @@ impl Reservation {
     pub fn orphaned(mut self) {
         // No longer being handed: the reclaim may take it.
         if let Some(job) = self.job.take() {
-            self.handoff.handing(&job, false);
+            self.handoff.handed(&job);
         }
         self.handoff.supervisor.do_send(ReclaimOwn);
     }
@@ -187,7 +191,7 @@ impl Drop for Reservation {
             gate.reserved.fetch_sub(1, Ordering::AcqRel);
             gate.budget.fetch_add(1, Ordering::AcqRel);
             if let Some(job) = self.job.take() {
-                self.handoff.handing(&job, false);
+                self.handoff.handed(&job);
             }
         }
     }

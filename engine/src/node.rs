@@ -326,6 +326,12 @@ pub(crate) struct Gate {
     /// their `Adopt` not yet handled. An acquire never takes these back as
     /// its own (`ReclaimOwn`), so one job never gets two actors here.
     pub(crate) handing: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// An acquire that takes back this node's own leases has read
+    /// `handing` and not yet answered: no hand-off starts meanwhile (its
+    /// lease, written after that read, would be taken back under a newer
+    /// epoch while its first actor runs). Read and written under the
+    /// `handing` lock.
+    pub(crate) reclaiming: AtomicBool,
 }
 
 impl Default for Gate {
@@ -335,6 +341,7 @@ impl Default for Gate {
             running: AtomicUsize::new(0),
             budget: AtomicUsize::new(0),
             handing: Default::default(),
+            reclaiming: AtomicBool::new(false),
             closed: AtomicBool::new(false),
         }
     }

@@ -47,6 +47,11 @@ pub struct SendEvents;
 /// Failure events one node sends per tick.
 const EVENT_BATCH: i64 = 32;
 
+/// The name an acquire passes its failpoint under
+/// (`before-commit:acquire`, hit after it read the jobs this node runs and
+/// is being handed, before its statement): a test holds an acquire there.
+pub const ACQUIRE_FAULT_ID: &str = "*acquire";
+
 /// The name a firing of schedules passes its failpoint under
 /// (`after-commit:schedules`, hit after each firing, once it has read when
 /// the next schedule is due): a test holds a firing there.
@@ -279,16 +284,25 @@ impl Handler<Poll> for Supervisor {
         // failed and its lease lapsed): one job, one actor per node.
         // Nor a job being handed to this node whose `Adopt` is on its way.
         let mut running: Vec<String> = self.in_flight.keys().cloned().collect();
-        running.extend(
-            self.shared
-                .gate
-                .handing
-                .lock()
-                .expect("lock")
-                .iter()
-                .cloned(),
-        );
+        {
+            // Read under the lock hand-offs start under: one that starts
+            // after this read waits for the reclaim to answer (see
+            // `Gate::reclaiming`).
+            let handing = self.shared.gate.handing.lock().expect("lock");
+            if reclaim_own {
+                self.shared
+                    .gate
+                    .reclaiming
+                    .store(true, std::sync::atomic::Ordering::Release);
+            }
+            running.extend(handing.iter().cloned());
+        }
         let acquire = async move {
+            // A seam for tests: an acquire held after it read what runs here.
+            let _ = shared
+                .faults
+                .hit(ACQUIRE_FAULT_ID, FailPoint::BeforeCommit("acquire"))
+                .await;
             let workflows = shared.registry.runnable();
             shared
                 .store
@@ -304,6 +318,12 @@ impl Handler<Poll> for Supervisor {
         };
         ctx.spawn(acquire.into_actor(self).map(move |result, act, ctx| {
             act.polling = false;
+            if reclaim_own {
+                act.shared
+                    .gate
+                    .reclaiming
+                    .store(false, std::sync::atomic::Ordering::Release);
+            }
             match result {
                 Ok(leased) => {
                     act.reclaimed = act.reclaimed.max(reclaim_upto);
@@ -939,8 +959,9 @@ impl Handler<ReclaimOwn> for Supervisor {
     type Result = ();
 
     fn handle(&mut self, _: ReclaimOwn, ctx: &mut Self::Context) {
-        // Safe against a hand-off still on its way to `Adopt`: the acquire
-        // leases it under a newer epoch and `Adopt` then finds it running.
+        // Safe against a hand-off still on its way to `Adopt` (it is in
+        // `handing`, which the acquire skips) and against one that starts
+        // while the acquire runs (it is not handed: `Gate::reclaiming`).
         self.reclaim_wanted += 1;
         ctx.notify(Poll);
     }

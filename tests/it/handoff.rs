@@ -207,3 +207,48 @@ async fn a_hand_off_whose_answer_is_lost_is_taken_back_at_once() {
     assert_eq!(status, 200, "the retry finds the job: {body}");
     assert_eq!(body["state"], "acked");
 }
+
+/// A hand-off that starts while an acquire takes back this node's own
+/// leases (`ReclaimOwn`) is not handed: that acquire read the jobs being
+/// handed before it, and would take the new lease back under a newer epoch
+/// while the first actor's model call is on its way. The job goes through
+/// the queue: one model request, one actor, attempt 1.
+#[actix_rt::test]
+async fn a_hand_off_during_a_reclaim_goes_through_the_queue() {
+    use onceflow_engine::supervisor::{ReclaimOwn, ACQUIRE_FAULT_ID};
+    let env = TestEnv::new().await;
+    // The model call outlasts the held acquire.
+    env.provider.set_latency(Duration::from_secs(4));
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(10);
+    // One poll at a time to hold: the next is seconds away.
+    config.poll_interval = Duration::from_secs(5);
+    let node = env.start(registry(), config);
+    let base = serve_node_api(env.store.clone(), registry(), &node);
+    // The first acquire has answered: hand-offs are open.
+    assert!(wait_until(WAIT, || async { node.handoff().budget() > 0 }).await);
+    env.faults.arm(
+        Some(ACQUIRE_FAULT_ID),
+        FailPoint::BeforeCommit("acquire"),
+        Action::Stall(Duration::from_secs(2)),
+        1,
+    );
+    node.supervisor().do_send(ReclaimOwn);
+    assert!(
+        wait_until(WAIT, || async {
+            env.faults
+                .fired_at(ACQUIRE_FAULT_ID, FailPoint::BeforeCommit("acquire"))
+        })
+        .await,
+        "the reclaim's acquire was held"
+    );
+    let (status, answer) = post_job(&base, &job("during-reclaim", &env.consumer.url())).await;
+    assert_eq!(status, 201, "{answer}");
+    let view = env.wait_for("during-reclaim", JobState::Acked, WAIT).await;
+    assert_eq!(
+        env.provider.requests_for("job:during-reclaim:generate"),
+        1,
+        "one model request: no second actor under a newer epoch"
+    );
+    assert_eq!(view.attempts, 1, "{view:?}");
+}

@@ -182,7 +182,7 @@ pub(super) async fn submit(
         let (store, job, owner) = (state.store.clone(), job.clone(), who.owner());
         actix_web::rt::spawn(async move {
             let mut reservation = reservation;
-            let hand_to = reservation.as_mut().map(|r| r.hand_to(&job.id));
+            let hand_to = reservation.as_mut().and_then(|r| r.hand_to(&job.id));
             let submitted = store
                 .submit_handed(&job, trace, owner, notify, hand_to)
                 .await;
