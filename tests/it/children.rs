@@ -418,6 +418,55 @@ async fn a_replay_finds_its_child_on_a_node_without_the_childs_workflow() {
     );
 }
 
+/// Joins one slow child with a one-second timeout.
+struct Impatient;
+
+impl Workflow for Impatient {
+    const NAME: &'static str = "test.impatient";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let input = json!({ "model": "m", "messages": [{ "role": "user", "content": "slow" }] });
+        let child = ctx.spawn("slow", "completion", &input).await?;
+        let outcome = ctx.join(&[child], Duration::from_secs(1)).await?;
+        Ok(match outcome.into_iter().next().expect("one child") {
+            Ok(_) => json!({ "joined": "acked" }),
+            Err(failed) => json!({ "joined": failed.state }),
+        })
+    }
+}
+
+/// A join times out at its time, as the guide promises: the parent goes
+/// on with the child's state then (`received`, still running), without
+/// waiting for the child to finish.
+#[actix_rt::test]
+async fn a_join_times_out_at_its_time() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_secs(8));
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(30);
+    let mut r = registry();
+    r.register(Impatient);
+    let _engine = env.start(r, config);
+    env.submit_job(NewJob {
+        id: "impatient".into(),
+        workflow: Impatient::NAME.into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let view = env.wait_for("impatient", JobState::Acked, Duration::from_secs(6)).await;
+    assert_eq!(view.result.unwrap(), json!({ "joined": "received" }));
+    assert_eq!(
+        env.job("impatient:child:slow").await.state,
+        JobState::Received,
+        "the child still runs"
+    );
+}
+
 /// A child given a `webhook_url` sends its own completion webhook, once.
 #[actix_rt::test]
 async fn a_child_given_a_webhook_sends_its_own_once() {
