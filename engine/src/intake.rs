@@ -278,10 +278,11 @@ pub fn validate_id(id: &str) -> Result<(), InvalidInput> {
             format!("may contain only A-Z a-z 0-9 _ . : - (found {bad:?})"),
         ));
     }
-    if id.contains(":child:") {
+    if id.contains(":child:") || id.contains(":child.") {
         return Err(InvalidInput::new(
             "id",
-            "ids containing :child: are reserved for the child jobs workflows start ({parent id}:child:{name})",
+            "ids containing :child: or :child. are reserved for the child jobs workflows start \
+             ({parent id}:child:{name}, {parent id}:child.{n}:{name})",
         ));
     }
     if crate::schedule::is_scheduled_job_id(id) {
