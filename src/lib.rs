@@ -62,16 +62,13 @@
 #![warn(missing_docs)]
 
 mod api_client;
-mod app;
-mod client;
-pub mod config;
-mod serve;
-mod token;
+mod cli;
 
 pub use api_client::{
     Client, ClientError, HistoryRow, Job, JobSummary, ListQuery, Page, Submitted,
 };
-pub use app::App;
+pub use cli::app::App;
+pub use cli::config;
 pub use onceflow_engine::{
     Context, DeliveryPolicy, InvalidInput, Registry, StepError, ToolInvocation, Workflow,
 };

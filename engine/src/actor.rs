@@ -171,7 +171,6 @@ impl JobRun {
             limiter: shared.limiter.clone(),
             priority: leased.request.priority,
             signal_waits: Default::default(),
-            wake: None,
             joins: 0,
             children: shared.child_rules.clone(),
             owner_token: leased.owner_token,
@@ -555,11 +554,14 @@ impl JobRun {
                         Outcome::Crashed
                     }
                     StepError::Draining => Outcome::Drained,
-                    StepError::Waiting { kind, name, until } => {
+                    StepError::Waiting {
+                        kind,
+                        name,
+                        until,
+                        due,
+                    } => {
                         tracing::debug!(job.id = %job_id, kind, name, %until, "waiting");
-                        Outcome::Waiting {
-                            due: self.ctx.wake.take(),
-                        }
+                        Outcome::Waiting { due: *due }
                     }
                     _ => Outcome::LeaseLost,
                 };

@@ -263,6 +263,10 @@ pub enum StepError {
         name: String,
         /// When the job runs again at the latest.
         until: chrono::DateTime<chrono::Utc>,
+        /// When `until` has passed by the database's clock, on this
+        /// process's monotonic clock: when the node that released the job
+        /// looks for it again (`None` past what the clock can hold).
+        due: Option<std::time::Instant>,
     },
 }
 

@@ -329,6 +329,10 @@ mod tests {
         assert!(validate_id("has space").is_err());
         assert!(validate_id("slash/no").is_err());
         assert!(validate_id("ünïcode").is_err());
+        // The child jobs' forms, of every incarnation of a parent.
+        assert!(validate_id("a:child:b").is_err());
+        assert!(validate_id("a:child.2:b").is_err());
+        assert!(validate_id("a:children").is_ok());
     }
 
     #[test]

@@ -66,6 +66,7 @@ pub mod store;
 pub mod supervisor;
 pub mod traceparent;
 pub mod verdict;
+pub mod wait_machine;
 pub mod webhook;
 pub mod workflow;
 

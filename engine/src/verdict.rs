@@ -661,6 +661,7 @@ mod tests {
                     kind: "sleep",
                     name: "x".into(),
                     until: chrono::Utc::now(),
+                    due: None,
                 },
                 CallVerdict::Permanent,
             ),

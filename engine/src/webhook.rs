@@ -106,9 +106,9 @@ pub fn new_secret() -> String {
 /// `{"type", "timestamp", "data"}`, `timestamp` the event's time (RFC 3339,
 /// UTC). Built once, when the event is claimed: every attempt resends the
 /// same bytes (only the `webhook-timestamp` header is the attempt's).
-/// The events written by SQL (`job.dead`, `job.cancelled`, `job.waiting`)
-/// build the same shape, their `timestamp` the database's `now()` in this
-/// same format (`security::tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation`
+/// The one place the envelope is built: the events the store queues in
+/// SQL (`job.dead`, `job.cancelled`, `job.waiting`) bind this body as a
+/// parameter (`security::tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation`
 /// checks both kinds).
 pub fn event_body(event: &str, data: Value) -> Value {
     let mut body = serde_json::Map::new();

@@ -418,7 +418,7 @@ async fn a_replay_finds_its_child_on_a_node_without_the_childs_workflow() {
     );
 }
 
-/// Joins one slow child with a one-second timeout.
+/// Joins one slow child, with the timeout its input names (`join_s`).
 struct Impatient;
 
 impl Workflow for Impatient {
@@ -426,10 +426,11 @@ impl Workflow for Impatient {
     type Input = Value;
     type Output = Value;
 
-    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+    async fn run(&self, ctx: &mut Context, input: Value) -> Result<Value, StepError> {
+        let join = Duration::from_secs(input["join_s"].as_u64().unwrap_or(1));
         let input = json!({ "model": "m", "messages": [{ "role": "user", "content": "slow" }] });
         let child = ctx.spawn("slow", "completion", &input).await?;
-        let outcome = ctx.join(&[child], Duration::from_secs(1)).await?;
+        let outcome = ctx.join(&[child], join).await?;
         Ok(match outcome.into_iter().next().expect("one child") {
             Ok(_) => json!({ "joined": "acked" }),
             Err(failed) => json!({ "joined": failed.state }),
@@ -453,18 +454,58 @@ async fn a_join_times_out_at_its_time() {
         id: "impatient".into(),
         workflow: Impatient::NAME.into(),
         workflow_version: 1,
-        input: json!({}),
+        input: json!({ "join_s": 1 }),
         webhook_url: env.consumer.url(),
         schedule: Default::default(),
     })
     .await;
-    let view = env.wait_for("impatient", JobState::Acked, Duration::from_secs(6)).await;
+    let view = env
+        .wait_for("impatient", JobState::Acked, Duration::from_secs(6))
+        .await;
     assert_eq!(view.result.unwrap(), json!({ "joined": "received" }));
     assert_eq!(
         env.job("impatient:child:slow").await.state,
         JobState::Received,
         "the child still runs"
     );
+}
+
+/// A child cancelled while its parent waits is an outcome the parent gets
+/// at once (`cancelled`), long before the join's timeout.
+#[actix_rt::test]
+async fn a_cancelled_child_ends_its_parents_join_at_once() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_secs(30));
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(60);
+    let mut r = registry();
+    r.register(Impatient);
+    let _engine = env.start(r, config);
+    env.submit_job(NewJob {
+        id: "patient".into(),
+        workflow: Impatient::NAME.into(),
+        workflow_version: 1,
+        input: json!({ "join_s": 300 }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let waiting = wait_until(WAIT, || async {
+        env.job("patient")
+            .await
+            .waiting
+            .is_some_and(|w| w["kind"] == "children")
+    })
+    .await;
+    assert!(waiting, "the parent waits for its child");
+    env.store
+        .cancel("patient:child:slow", "test", "not needed")
+        .await
+        .unwrap();
+    let view = env
+        .wait_for("patient", JobState::Acked, Duration::from_secs(10))
+        .await;
+    assert_eq!(view.result.unwrap(), json!({ "joined": "cancelled" }));
 }
 
 /// A child given a `webhook_url` sends its own completion webhook, once.

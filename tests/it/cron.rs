@@ -70,6 +70,25 @@ async fn fired(env: &TestEnv, id: &str) -> Vec<DateTime<Utc>> {
         .collect()
 }
 
+/// Creates schedule `id` for token `owner` through the store (past the
+/// API's bounds): every second, catching up every missed fire time.
+async fn every_second(env: &TestEnv, id: &str, owner: i64) {
+    let table = onceflow_engine::schedule::Timetable::parse("* * * * * *", "UTC").unwrap();
+    let new = onceflow_engine::store::schedules::NewSchedule {
+        id: id.into(),
+        cron: "* * * * * *".into(),
+        timezone: "UTC".into(),
+        workflow: "completion".into(),
+        input: json!({ "model": "m", "messages": [{ "role": "user", "content": "tick" }] }),
+        webhook_url: env.consumer.url(),
+        catch_up: onceflow_engine::schedule::CatchUp::All,
+    };
+    env.store
+        .create_schedule(&new, &table, Some(owner))
+        .await
+        .unwrap();
+}
+
 /// Job `id` was created once: its first incarnation, one `received` row.
 async fn assert_created_once(env: &TestEnv, id: &str) {
     let job = env.job(id).await;
@@ -327,6 +346,12 @@ async fn a_tenants_schedules_are_bounded() {
         ids, expected,
         "every schedule once, in order, none of the admin's"
     );
+    let (_, all) = call(reqwest::Method::GET, &url, Some(&admin), None).await;
+    assert_eq!(
+        all["schedules"].as_array().unwrap().len(),
+        102,
+        "an admin token lists every token's"
+    );
     for bad in ["?tag=x", "?limit=0", "?limit=1.5"] {
         let (status, answer) = call(
             reqwest::Method::GET,
@@ -353,20 +378,7 @@ async fn a_fired_job_counts_against_its_tokens_backlog() {
     config.provider.timeout = Duration::from_secs(60);
     config.max_backlog_per_token = Some(3);
     let _node = env.start(registry(), config);
-    let table = onceflow_engine::schedule::Timetable::parse("* * * * * *", "UTC").unwrap();
-    let new = onceflow_engine::store::schedules::NewSchedule {
-        id: "busy".into(),
-        cron: "* * * * * *".into(),
-        timezone: "UTC".into(),
-        workflow: "completion".into(),
-        input: json!({ "model": "m", "messages": [{ "role": "user", "content": "tick" }] }),
-        webhook_url: env.consumer.url(),
-        catch_up: onceflow_engine::schedule::CatchUp::All,
-    };
-    env.store
-        .create_schedule(&new, &table, Some(owner))
-        .await
-        .unwrap();
+    every_second(&env, "busy", owner).await;
     let skipped = "SELECT count(*) AS n FROM schedule_fires WHERE skipped = 'backlog_full'";
     assert!(
         wait_until(Duration::from_secs(15), || async {
@@ -390,6 +402,33 @@ async fn a_fired_job_counts_against_its_tokens_backlog() {
         "{:?}",
         shown.latest_jobs
     );
+}
+
+/// A revoked token's schedules stop firing: nothing fires more than a
+/// second after the revoke.
+#[actix_rt::test]
+async fn a_revoked_tokens_schedules_stop_firing() {
+    let env = TestEnv::new().await;
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let owner = env.store.authenticate(&alice).await.unwrap().unwrap().token;
+    let _node = env.start(registry(), env.config());
+    every_second(&env, "gone", owner).await;
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            fired(&env, "gone").await.len() >= 2
+        })
+        .await,
+        "the schedule fires"
+    );
+    assert!(env.store.revoke_token("alice").await.unwrap());
+    let revoked = Utc::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let late: Vec<_> = fired(&env, "gone")
+        .await
+        .into_iter()
+        .filter(|t| *t > revoked + chrono::Duration::seconds(1))
+        .collect();
+    assert!(late.is_empty(), "fired after the revoke: {late:?}");
 }
 
 /// A schedule firing every second on two nodes: each fire time is one job,
@@ -481,6 +520,10 @@ async fn each_fire_time_is_one_job_across_two_nodes_and_none_after_pause_or_dele
     let (status, _) = call(reqwest::Method::DELETE, &format!("{url}/tick"), None, None).await;
     assert_eq!(status, 204);
     let at_delete = fired(&env, "tick").await;
+    assert!(
+        at_delete.len() > times.len(),
+        "its jobs stay after the delete: {at_delete:?}"
+    );
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         fired(&env, "tick").await,
@@ -587,6 +630,8 @@ async fn no_fire_time_is_lost_or_doubled_through_kill_9() {
         ("OPENAI_BASE_URL", env.provider.base_url()),
         ("ONCEFLOW_POLL_MS", "100".to_owned()),
         ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+        // A tenant's schedule every second (60 s at the least by default).
+        ("ONCEFLOW_MIN_SCHEDULE_INTERVAL", "1s".to_owned()),
     ];
     let mut serve = ServeProcess::start(&vars, &log).await;
     let token = env.store.create_token("cron", false).await.unwrap();

@@ -1025,6 +1025,52 @@ impl Workflow for AsksOnce {
     }
 }
 
+async fn submit_asks_once(env: &TestEnv, id: &str) {
+    env.submit_job(NewJob {
+        id: id.to_owned(),
+        workflow: AsksOnce::NAME.to_owned(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+}
+
+/// A `job.waiting` the consumer refused is retried, under its key, while
+/// its wait lasts: 503 once, then delivered.
+#[actix_rt::test]
+async fn a_waiting_event_is_retried_while_its_wait_lasts() {
+    use onceflow_engine::testkit::Behaviour;
+    let env = TestEnv::new().await;
+    let mut registry = Registry::new();
+    registry.register(AsksOnce);
+    let _engine = env.start(registry, env.config());
+    env.consumer
+        .push_for("ask-retry", Behaviour::Status(503, Some(1)));
+    submit_asks_once(&env, "ask-retry").await;
+    let key = "job:ask-retry:waiting:approval:c-1";
+    let delivered = wait_until(WAIT, || async {
+        env.sql(&format!(
+            "SELECT status::text AS s FROM outbox WHERE idempotency_key = '{key}'"
+        ))
+        .await[0]["s"]
+            == "delivered"
+    })
+    .await;
+    assert!(
+        delivered,
+        "{}",
+        env.sql("SELECT status::text, last_error FROM outbox").await
+    );
+    assert_eq!(
+        env.consumer.requests_with_key(key),
+        2,
+        "503, then delivered"
+    );
+    assert_eq!(env.consumer.processed_with_key(key), 1);
+}
+
 /// "Please approve" is not posted again once the wait is over: a
 /// `job.waiting` whose first send failed is closed unsent when the approval
 /// is decided (`event_moot`) or the job cancelled before its retry.
@@ -1038,15 +1084,7 @@ async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
     for id in ["moot-decided", "moot-cancelled"] {
         // The first send fails, and its retry waits two seconds.
         env.consumer.push_for(id, Behaviour::Status(503, Some(2)));
-        env.submit_job(NewJob {
-            id: id.to_owned(),
-            workflow: AsksOnce::NAME.to_owned(),
-            workflow_version: 1,
-            input: json!({}),
-            webhook_url: env.consumer.url(),
-            schedule: Default::default(),
-        })
-        .await;
+        submit_asks_once(&env, id).await;
     }
     let key = |id: &str| format!("job:{id}:waiting:approval:c-1");
     for id in ["moot-decided", "moot-cancelled"] {

@@ -141,7 +141,11 @@ impl Context {
             // A replay on a node that lacks the child's workflow (or its
             // tools) finds the child it made before it judges it again.
             Err(e) => {
-                if self.store.is_child_of(&id, self.job_id(), workflow).await? {
+                if self
+                    .store
+                    .is_child_of(&id, self.job_id(), workflow, input)
+                    .await?
+                {
                     return Ok(Child {
                         id,
                         name: name.to_owned(),
@@ -255,11 +259,11 @@ impl Context {
                 match step {
                     WaitStep::Done(outcome) => outcome,
                     WaitStep::Waiting { until, due } => {
-                        self.wake = due;
                         return Err(StepError::Waiting {
                             kind: "children",
                             name,
                             until,
+                            due,
                         });
                     }
                     WaitStep::LeaseLost => return Err(StepError::LeaseLost),

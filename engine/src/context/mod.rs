@@ -60,9 +60,6 @@ pub struct Context {
     /// The job's priority: it orders the calls waiting for a provider limit.
     pub(crate) priority: i32,
     /// Waits for each signal name reached so far in this run of the body.
-    /// When the wait that ended this attempt is due, on this process's
-    /// monotonic clock: the node polls then (see [`crate::supervisor`]).
-    pub(crate) wake: Option<std::time::Instant>,
     pub(crate) signal_waits: std::collections::HashMap<String, u32>,
     /// Joins reached so far in this run of the body.
     pub(crate) joins: u32,

@@ -15,6 +15,7 @@ use crate::error::StepError;
 use crate::faults::FailPoint;
 use crate::keys;
 use crate::store::waits::{Until, WaitAsk, WaitKind, WaitStep};
+use crate::wait_machine::WaitOutcome;
 
 /// A person's decision on a tool call: the payload of an `approval:…` signal.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -134,17 +135,16 @@ impl Context {
         let outcome = self
             .wait(kind, name, key, Until::After(timeout), detail, event)
             .await?;
-        match outcome.get("signal") {
-            Some(signal) => {
-                let payload = signal.get("payload").cloned().unwrap_or(Value::Null);
-                serde_json::from_value(payload).map(Some).map_err(|e| {
+        match WaitOutcome::from_json(&outcome).and_then(WaitOutcome::into_signal) {
+            Some(signal) => serde_json::from_value(signal.payload)
+                .map(Some)
+                .map_err(|e| {
                     StepError::permanent(
                         "invalid_signal",
                         format!("the payload of signal {name:?} does not fit the workflow's type"),
                         e.to_string(),
                     )
-                })
-            }
+                }),
             None => Ok(None),
         }
     }
@@ -197,14 +197,12 @@ impl Context {
         }
         match step {
             WaitStep::Done(outcome) => Ok(outcome),
-            WaitStep::Waiting { until, due } => {
-                self.wake = due;
-                Err(StepError::Waiting {
-                    kind: kind.as_str(),
-                    name: name.to_owned(),
-                    until,
-                })
-            }
+            WaitStep::Waiting { until, due } => Err(StepError::Waiting {
+                kind: kind.as_str(),
+                name: name.to_owned(),
+                until,
+                due,
+            }),
             WaitStep::LeaseLost => Err(StepError::LeaseLost),
         }
     }

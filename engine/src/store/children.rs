@@ -227,13 +227,15 @@ impl Store {
         .await
     }
 
-    /// Whether job `id` is a child of `parent` running `workflow`: a
-    /// replay finds the child it made, whatever this node has registered.
+    /// Whether job `id` is a child of `parent` running `workflow` on
+    /// `input`: a replay finds the child it made, whatever this node has
+    /// registered (another input is no find: `child_conflict` stays).
     pub(crate) async fn is_child_of(
         &self,
         id: &str,
         parent: &str,
         workflow: &str,
+        input: &Value,
     ) -> Result<bool, StoreError> {
         #[derive(QueryableByName)]
         struct Found {
@@ -242,11 +244,13 @@ impl Store {
         }
         let mut conn = self.db().conn().await?;
         let found: Found = sql(
-            "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1 AND parent_id = $2 AND workflow = $3) AS found",
+            "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1 AND parent_id = $2 AND workflow = $3 \
+                 AND request->'input' = $4) AS found",
         )
         .bind::<Text, _>(id)
         .bind::<Text, _>(parent)
         .bind::<Text, _>(workflow)
+        .bind::<Jsonb, _>(input)
         .get_result(&mut conn)
         .await?;
         Ok(found.found)

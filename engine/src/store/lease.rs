@@ -401,6 +401,11 @@ impl Store {
     ) -> Result<Checkpoint, StoreError> {
         // With its job.dead event, when the job asked for failure events,
         // announced on EVENTS_CHANNEL so any node sends it at once.
+        let error = serde_json::to_value(error).expect("envelope serialises");
+        let body = crate::webhook::event_body(
+            crate::keys::DEAD_EVENT,
+            serde_json::json!({ "job_id": fence.job_id, "reason": reason, "error": error }),
+        );
         let moved = sql(
             "WITH moved AS ( \
                  UPDATE jobs SET state = 'dead', dead_reason = $3, last_error = $4, finished_at = now(), \
@@ -409,8 +414,7 @@ impl Store {
                  RETURNING id, request, notify_failures), \
              event AS ( \
                  INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
-                 SELECT id, $7, $8, request->>'webhook_url', \
-                     jsonb_build_object('type', $7, 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'reason', $3, 'error', $4)) \
+                 SELECT id, $7, $8, request->>'webhook_url', $10 \
                  FROM moved WHERE notify_failures \
                  ON CONFLICT (job_id, event) DO UPDATE SET status = 'claimed', body = EXCLUDED.body, \
                      url = EXCLUDED.url, attempts = 0, run_at = now(), in_flight_until = NULL, \
@@ -424,12 +428,13 @@ impl Store {
         .bind::<Text, _>(&fence.job_id)
         .bind::<BigInt, _>(fence.epoch)
         .bind::<Text, _>(reason)
-        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+        .bind::<Jsonb, _>(&error)
         .bind::<Integer, _>(fence.attempt)
         .bind::<Text, _>(&fence.worker)
         .bind::<Text, _>(crate::keys::DEAD_EVENT)
         .bind::<Text, _>(crate::keys::failure(&fence.key(), "dead"))
         .bind::<Text, _>(super::events::EVENTS_CHANNEL)
+        .bind::<Jsonb, _>(&body)
         .execute(conn)
         .await?;
         if moved == 1 {

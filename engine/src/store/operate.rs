@@ -150,8 +150,11 @@ impl Store {
         .expect("envelope serialises");
         let event_key =
             crate::keys::failure(&crate::keys::JobKey::new(id, incarnation), "cancelled");
-        sql(
-            "WITH moved AS ( \
+        let body = crate::webhook::event_body(
+            crate::keys::CANCELLED_EVENT,
+            serde_json::json!({ "job_id": id, "reason": reason, "by": by }),
+        );
+        sql("WITH moved AS ( \
                  UPDATE jobs SET state = 'cancelled', finished_at = now(), updated_at = now(), \
                      lease_owner = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1, \
                      last_error = $3 \
@@ -159,8 +162,7 @@ impl Store {
                  RETURNING id, attempts, request, notify_failures), \
              event AS ( \
                  INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
-                 SELECT id, $5, $6, request->>'webhook_url', \
-                     jsonb_build_object('type', $5, 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'reason', $4, 'by', $2)) \
+                 SELECT id, $5, $6, request->>'webhook_url', $8 \
                  FROM moved WHERE notify_failures \
                  ON CONFLICT DO NOTHING), \
              closed AS ( \
@@ -170,8 +172,7 @@ impl Store {
              history AS ( \
                  INSERT INTO job_history (job_id, state, attempt, worker, note) \
                  SELECT id, 'cancelled', attempts, $2, $4 FROM moved) \
-             SELECT pg_notify($7, id) FROM moved",
-        )
+             SELECT pg_notify($7, id) FROM moved")
         .bind::<Text, _>(id)
         .bind::<Text, _>(by)
         .bind::<Jsonb, _>(&error)
@@ -179,6 +180,7 @@ impl Store {
         .bind::<Text, _>(crate::keys::CANCELLED_EVENT)
         .bind::<Text, _>(&event_key)
         .bind::<Text, _>(CANCEL_CHANNEL)
+        .bind::<Jsonb, _>(&body)
         .execute(conn)
         .await?;
         Ok(())

@@ -26,27 +26,8 @@ use super::sql::sql;
 use super::{Fence, Store};
 use crate::error::StoreError;
 
-/// What a job waits for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WaitKind {
-    /// A timer (`ctx.sleep`, `ctx.sleep_until`).
-    Sleep,
-    /// A signal of a name, with a timeout (`ctx.wait_for_signal`).
-    Signal,
-    /// A person's decision on a tool call: a signal named `approval:{tool_call_id}`.
-    Approval,
-}
-
-impl WaitKind {
-    /// The name stored and shown (`"waiting": {"kind": …}`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WaitKind::Sleep => "sleep",
-            WaitKind::Signal => "signal",
-            WaitKind::Approval => "approval",
-        }
-    }
-}
+pub use crate::wait_machine::WaitKind;
+use crate::wait_machine::{decide, Decision, TakenSignal};
 
 /// When a wait is over at the latest.
 #[derive(Debug, Clone, Copy)]
@@ -224,12 +205,14 @@ impl Store {
                 .bind::<Nullable<Timestamptz>, _>(at)
                 .get_result(conn)
                 .await?;
-                if let Some(outcome) = row.outcome {
-                    return Ok(WaitStep::Done(outcome));
+                // Journaled before: a replay returns it as it is (the
+                // machine's first rule), byte for byte.
+                if let Some(raw) = row.outcome {
+                    return Ok(WaitStep::Done(raw));
                 }
-                let outcome = match ask.kind {
-                    WaitKind::Sleep => row.due.then(|| json!({ "slept": true })),
-                    WaitKind::Signal | WaitKind::Approval => {
+                // The oldest signal of its name it may take (taken in this
+                // transaction, kept only as the wait's outcome).
+                let signal = if ask.kind.takes_signals() {
                         let taken: Vec<Taken> = sql(
                             "UPDATE signals SET taken_by = $2 \
                              WHERE (job_id, name, signal_id) = ( \
@@ -244,14 +227,16 @@ impl Store {
                         .bind::<Text, _>(ask.name)
                         .load(conn)
                         .await?;
-                        match taken.into_iter().next() {
-                            Some(t) => Some(json!({ "signal": { "id": t.signal_id, "payload": t.payload } })),
-                            None => row.due.then(|| json!({ "timeout": true })),
-                        }
-                    }
+                        taken.into_iter().next().map(|t| TakenSignal {
+                            id: t.signal_id,
+                            payload: t.payload,
+                        })
+                } else {
+                    None
                 };
-                match outcome {
-                    Some(outcome) => {
+                match decide(ask.kind, None, signal, row.due) {
+                    Decision::Over(outcome) => {
+                        let outcome = outcome.to_json();
                         sql(
                             "WITH done AS (UPDATE waits SET outcome = $3, done_at = now() \
                                  WHERE job_id = $1 AND wait_key = $2) \
@@ -264,7 +249,7 @@ impl Store {
                         .await?;
                         Ok(WaitStep::Done(outcome))
                     }
-                    None => {
+                    Decision::Wait => {
                         let mut waiting = json!({
                             "kind": ask.kind.as_str(),
                             "name": ask.name,
@@ -282,8 +267,7 @@ impl Store {
                             // Announced on EVENTS_CHANNEL: any node sends it.
                             sql(
                                 "WITH ev AS (INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
-                                 SELECT id, $3, $2, request->>'webhook_url', \
-                                     jsonb_build_object('type', 'job.waiting', 'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), 'data', jsonb_build_object('job_id', id, 'waiting', $4::jsonb)) \
+                                 SELECT id, $3, $2, request->>'webhook_url', $4 \
                                  FROM jobs WHERE id = $1 AND request->>'webhook_url' <> '' \
                                  ON CONFLICT DO NOTHING RETURNING job_id) \
                                  SELECT pg_notify($5, job_id) FROM ev",
@@ -291,7 +275,10 @@ impl Store {
                             .bind::<Text, _>(&fence.job_id)
                             .bind::<Text, _>(key)
                             .bind::<Text, _>(event)
-                            .bind::<Jsonb, _>(&waiting)
+                            .bind::<Jsonb, _>(crate::webhook::event_body(
+                                "job.waiting",
+                                json!({ "job_id": fence.job_id, "waiting": waiting }),
+                            ))
                             .bind::<Text, _>(super::events::EVENTS_CHANNEL)
                             .execute(conn)
                             .await?;

@@ -2,7 +2,7 @@
 
 use onceflow_engine::Registry;
 
-use crate::{client, config, serve, token};
+use super::{client, config, serve, token};
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]

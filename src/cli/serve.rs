@@ -7,7 +7,7 @@ use onceflow_engine::api::{self, ApiState};
 use onceflow_engine::{Engine, Faults, Store};
 use onceflow_observability::Telemetry;
 
-use crate::config::{DbArgs, ServeArgs};
+use super::config::{DbArgs, ServeArgs};
 
 pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::Result<()> {
     let mut config = args.engine_config()?;

@@ -3,7 +3,7 @@
 
 use clap::{Args, Subcommand};
 
-use crate::config::DbArgs;
+use super::config::DbArgs;
 
 #[derive(Debug, Args)]
 pub struct TokenArgs {
