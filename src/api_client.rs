@@ -232,7 +232,9 @@ impl Client {
         })
     }
 
-    /// Submits a job of workflow `W` with its typed `input`.
+    /// Submits a job of workflow `W` with its typed `input`; its outcome is
+    /// POSTed to `webhook_url`, or nowhere when it is empty (follow the
+    /// job with [`job`](Self::job) instead).
     pub async fn submit<W>(
         &self,
         id: &str,
@@ -256,8 +258,11 @@ impl Client {
         input: &Value,
         webhook_url: &str,
     ) -> Result<Submitted<O>, ClientError> {
-        let body =
-            json!({ "id": id, "workflow": workflow, "input": input, "webhook_url": webhook_url });
+        let mut body = json!({ "id": id, "workflow": workflow, "input": input });
+        // An empty URL: a job without a webhook.
+        if !webhook_url.is_empty() {
+            body["webhook_url"] = json!(webhook_url);
+        }
         let response = self
             .request(reqwest::Method::POST, "/v1/jobs")
             .json(&body)

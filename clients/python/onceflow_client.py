@@ -71,14 +71,16 @@ class Client:
         id: str,
         workflow: str,
         input: dict,
-        webhook_url: str,
+        webhook_url: Optional[str] = None,
         *,
         priority: Optional[int] = None,
         run_at: Optional[str] = None,
         delay_ms: Optional[int] = None,
     ) -> dict:
         """Submits a job; the same job again returns the stored one (200)."""
-        body: dict = {"id": id, "workflow": workflow, "input": input, "webhook_url": webhook_url}
+        body: dict = {"id": id, "workflow": workflow, "input": input}
+        if webhook_url is not None:  # none: the job POSTs nothing
+            body["webhook_url"] = webhook_url
         for key, value in (("priority", priority), ("run_at", run_at), ("delay_ms", delay_ms)):
             if value is not None:
                 body[key] = value

@@ -355,8 +355,9 @@ impl JobRun {
         // Read before any send is marked begun: a failure here leaves no
         // send marked that was never made.
         if self.webhook_url.is_empty() {
-            // A child job given no webhook: delivered means recorded, with
-            // no send (the outbox row has no URL and status 0).
+            // A job given no webhook (submitted without one, or a child):
+            // delivered means recorded, with no send (the outbox row has no
+            // URL and status 0).
             self.first_send = None;
             let c = store
                 .mark_delivered(&self.fence, &key, 0, &self.shared.faults)

@@ -68,8 +68,16 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
         )
         .into());
     };
-    let webhook_url = take_string(&mut obj, "webhook_url")?;
-    validate_webhook_url(&webhook_url, guard)?;
+    // Optional: a job without one runs to `acked` with its result stored
+    // and sends nothing (it is followed by GET, its events, or a wait).
+    let webhook_url = match obj.remove("webhook_url") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(url)) => {
+            validate_webhook_url(&url, guard)?;
+            url
+        }
+        Some(_) => return Err(InvalidInput::new("webhook_url", "must be a string").into()),
+    };
     let input = obj
         .remove("input")
         .ok_or_else(|| InvalidInput::new("input", "is required"))?;

@@ -62,6 +62,7 @@ pub mod request;
 pub mod retry;
 pub mod runtime;
 pub mod schedule;
+pub mod signal;
 pub mod store;
 pub mod supervisor;
 pub mod traceparent;

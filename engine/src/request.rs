@@ -225,6 +225,21 @@ pub fn validate_webhook_url(
         .map_err(|r| crate::error::InvalidInput::new("webhook_url", r.0))
 }
 
+/// Whether `v` holds a NUL character anywhere (PostgreSQL's `jsonb` and
+/// `text` reject it).
+pub fn contains_nul(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(items) => items.iter().any(contains_nul),
+        serde_json::Value::Object(map) => {
+            map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v))
+        }
+        serde_json::Value::Null | serde_json::Value::Bool(_) | serde_json::Value::Number(_) => {
+            false
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

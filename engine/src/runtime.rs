@@ -11,7 +11,6 @@ use futures_util::StreamExt;
 
 use crate::faults::Faults;
 use crate::node::{Counters, EngineConfig, Shared};
-use crate::store::jobs::NEW_JOB_CHANNEL;
 use crate::store::Store;
 use crate::supervisor::{InFlight, Poll, Shutdown, Supervisor};
 use crate::workflow::Registry;
@@ -227,35 +226,26 @@ async fn listen_on(
     supervisor: &Addr<Supervisor>,
     limiter: &crate::limiter::Limiter,
 ) -> Result<(), diesel::result::Error> {
-    use crate::store::events::EVENTS_CHANNEL;
-    use crate::store::operate::CANCEL_CHANNEL;
-    use crate::store::schedules::SCHEDULES_CHANNEL;
-    use crate::store::slots::LIMITS_CHANNEL;
-    use crate::store::streams::{STREAM_CHANNEL, TOKENS_CHANNEL};
-    conn.batch_execute(&format!(
-        "LISTEN {NEW_JOB_CHANNEL}; LISTEN {LIMITS_CHANNEL}; LISTEN {STREAM_CHANNEL}; LISTEN {CANCEL_CHANNEL}; LISTEN {SCHEDULES_CHANNEL}; LISTEN {TOKENS_CHANNEL}; LISTEN {EVENTS_CHANNEL}"
-    ))
-    .await?;
+    use crate::store::Channel;
+    let listen: Vec<String> = Channel::ALL
+        .iter()
+        .map(|c| format!("LISTEN {}", c.name()))
+        .collect();
+    conn.batch_execute(&listen.join("; ")).await?;
     // Listening from here on: what was announced before (while this
     // connection was down, or before the first) is looked for once.
     supervisor.do_send(crate::supervisor::Listening);
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     while let Some(n) = notifications.next().await {
         let n = n?;
-        if n.channel == LIMITS_CHANNEL {
-            limiter.wake(&n.payload);
-        } else if n.channel == STREAM_CHANNEL {
-            store.stream_moved(&n.payload);
-        } else if n.channel == CANCEL_CHANNEL {
-            supervisor.do_send(crate::supervisor::Cancelled(n.payload));
-        } else if n.channel == TOKENS_CHANNEL {
-            store.token_changed(&n.payload);
-        } else if n.channel == SCHEDULES_CHANNEL {
-            supervisor.do_send(crate::supervisor::SchedulesChanged);
-        } else if n.channel == EVENTS_CHANNEL {
-            supervisor.do_send(crate::supervisor::SendEvents);
-        } else {
-            supervisor.do_send(Poll);
+        match Channel::parse(&n.channel) {
+            Some(Channel::Limits) => limiter.wake(&n.payload),
+            Some(Channel::Stream) => store.stream_moved(&n.payload),
+            Some(Channel::Cancelled) => supervisor.do_send(crate::supervisor::Cancelled(n.payload)),
+            Some(Channel::Tokens) => store.token_changed(&n.payload),
+            Some(Channel::Schedules) => supervisor.do_send(crate::supervisor::SchedulesChanged),
+            Some(Channel::Events) => supervisor.do_send(crate::supervisor::SendEvents),
+            Some(Channel::NewJob) | None => supervisor.do_send(Poll),
         }
     }
     Ok(())

@@ -25,8 +25,9 @@ pub struct SubmitArgs {
     /// (`--input '{"name": "Ada"}'`); `--model` is then not used.
     #[arg(long)]
     pub input: Option<String>,
-    /// Where the completion webhook goes.
-    #[arg(long)]
+    /// Where the completion webhook goes; without it the job POSTs
+    /// nothing (follow it with `status` or `watch`).
+    #[arg(long, default_value = "")]
     pub webhook_url: String,
     /// The model name sent to the provider.
     #[arg(long, default_value = "gpt-4o-mini")]

@@ -499,3 +499,56 @@ async fn the_document_shows_each_workflows_input_as_intake_takes_it() {
         assert_eq!(body["error"]["field"], "input.colour", "{workflow}: {body}");
     }
 }
+
+/// A job needs no webhook: submitted without `webhook_url` it runs to
+/// `acked` with its result stored, its model call paid once, and nothing
+/// is POSTed anywhere (the consumer, never named, counts no request; no
+/// outbox row has a URL). Its failure events have nowhere to go either:
+/// none is queued.
+#[actix_rt::test]
+async fn a_job_without_a_webhook_is_acked_with_its_result_and_posts_nothing() {
+    use onceflow_engine::{JobState, Registry};
+    let env = TestEnv::new().await;
+    let registry = || {
+        let mut r = Registry::new();
+        r.register(onceflow_workflows::Completion::default());
+        r.with_failure_events(true);
+        r
+    };
+    let _engine = env.start(registry(), env.config());
+    let base = serve_api(env.store.clone(), registry(), None);
+    let mut body = job("quiet-1", "m", "unused");
+    body.as_object_mut().unwrap().remove("webhook_url");
+    let (status, created) = post_job(&base, &body).await;
+    assert_eq!(status, 201, "{created}");
+    let mut null = job("quiet-2", "m", "unused");
+    null["webhook_url"] = Value::Null;
+    let (status, created) = post_job(&base, &null).await;
+    assert_eq!(status, 201, "null is no webhook: {created}");
+    let mut empty = job("quiet-3", "m", "unused");
+    empty["webhook_url"] = json!("");
+    let (status, refused) = post_job(&base, &empty).await;
+    assert_eq!((status, refused["error"]["field"].as_str()), (422, Some("webhook_url")));
+    for id in ["quiet-1", "quiet-2"] {
+        let view = env
+            .wait_for(id, JobState::Acked, std::time::Duration::from_secs(20))
+            .await;
+        assert!(view.result.is_some(), "{id}: its result is stored");
+        // Recorded delivered, with no answer from anyone: status 0.
+        let delivery = view.delivery.expect("the completion's row");
+        assert_eq!((delivery.status.as_str(), delivery.last_status), ("delivered", Some(0)));
+        assert_eq!(env.provider.requests_for(&format!("job:{id}:generate")), 1);
+    }
+    // A job that dies without a webhook queues no failure event.
+    env.provider.push(onceflow_engine::testkit::Behaviour::Status(400, None));
+    let mut dies = job("quiet-dead", "m", "unused");
+    dies.as_object_mut().unwrap().remove("webhook_url");
+    assert_eq!(post_job(&base, &dies).await.0, 201);
+    env.wait_for("quiet-dead", JobState::Dead, std::time::Duration::from_secs(20))
+        .await;
+    assert_eq!(env.consumer.delivery_count(), 0, "nothing was POSTed");
+    let sent = env
+        .sql("SELECT count(*) AS n FROM outbox WHERE url <> '' OR event <> 'job.completed'")
+        .await;
+    assert_eq!(sent[0]["n"], 0, "no event has anywhere to go");
+}

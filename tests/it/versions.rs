@@ -397,7 +397,11 @@ async fn a_wait_the_changed_body_no_longer_makes_is_a_journal_mismatch() {
     changed.register(GateChangedInPlace);
     let _second = env.start(changed, env.config());
     env.store
-        .signal("gate-1", "go", "s-1", &json!(1))
+        .signal(
+            "gate-1",
+            "go",
+            &onceflow_engine::signal::SignalBody::new("s-1", json!(1)),
+        )
         .await
         .unwrap();
     let job = env.wait_for("gate-1", JobState::Dead, WAIT).await;

@@ -213,7 +213,15 @@ async fn signals_sent_before_the_wait_are_kept_and_taken_oldest_first() {
     submit(&env, "w-2", 0, 60_000).await;
     // Sent before any node runs the job: kept.
     for (id, payload) in [("first", json!("a")), ("second", json!("b"))] {
-        let outcome = env.store.signal("w-2", "go", id, &payload).await.unwrap();
+        let outcome = env
+            .store
+            .signal(
+                "w-2",
+                "go",
+                &onceflow_engine::signal::SignalBody::new(id, payload.clone()),
+            )
+            .await
+            .unwrap();
         assert!(
             matches!(
                 outcome,
@@ -260,7 +268,11 @@ async fn a_node_stopped_during_a_wait_changes_nothing() {
 
     // The signal arrives while no node runs; a new node finishes the job.
     env.store
-        .signal("w-4", "go", "s-1", &json!(7))
+        .signal(
+            "w-4",
+            "go",
+            &onceflow_engine::signal::SignalBody::new("s-1", json!(7)),
+        )
         .await
         .unwrap();
     let _second = env.start(registry(&acted), env.config());
@@ -746,7 +758,11 @@ async fn a_refused_or_unanswered_tool_call_never_runs() {
     wait_for_wait(&env, "ap-2", "approval").await;
     let refusal = json!({ "approved": false, "note": "not this customer" });
     env.store
-        .signal("ap-2", "approval:call_1", "d-1", &refusal)
+        .signal(
+            "ap-2",
+            "approval:call_1",
+            &onceflow_engine::signal::SignalBody::new("d-1", refusal.clone()),
+        )
         .await
         .unwrap();
     let job = env.wait_for("ap-2", JobState::Acked, WAIT).await;
@@ -1100,8 +1116,7 @@ async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
         .signal(
             "moot-decided",
             "approval:c-1",
-            "d-1",
-            &json!({ "approved": true }),
+            &onceflow_engine::signal::SignalBody::new("d-1", json!({ "approved": true })),
         )
         .await
         .unwrap();
@@ -1224,7 +1239,11 @@ async fn a_cancel_of_a_waiting_job_is_at_once() {
     let approval = json!({ "approved": true });
     let outcome = env
         .store
-        .signal("ap-4", "approval:call_1", "d-1", &approval)
+        .signal(
+            "ap-4",
+            "approval:call_1",
+            &onceflow_engine::signal::SignalBody::new("d-1", approval.clone()),
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -1452,11 +1471,19 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
         wait_for_wait(&env, id, "signal").await;
     }
     env.store
-        .signal("ct-1", "stray", "s-0", &json!({ "kept": true }))
+        .signal(
+            "ct-1",
+            "stray",
+            &onceflow_engine::signal::SignalBody::new("s-0", json!({ "kept": true })),
+        )
         .await
         .unwrap();
     env.store
-        .signal("ct-1", "n", "s-1", &json!(7))
+        .signal(
+            "ct-1",
+            "n",
+            &onceflow_engine::signal::SignalBody::new("s-1", json!(7)),
+        )
         .await
         .unwrap();
     let job = env.wait_for("ct-1", JobState::Acked, WAIT).await;
@@ -1472,7 +1499,11 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
     );
 
     env.store
-        .signal("ct-2", "n", "s-1", &json!("seven"))
+        .signal(
+            "ct-2",
+            "n",
+            &onceflow_engine::signal::SignalBody::new("s-1", json!("seven")),
+        )
         .await
         .unwrap();
     let job = env.wait_for("ct-2", JobState::Dead, WAIT).await;

@@ -147,6 +147,17 @@ def test_submit_stream_and_one_verified_webhook(node):
     assert Provider.requests.count("job:py-1:generate") == 1
 
 
+def test_a_job_without_a_webhook_is_acked_and_posts_nothing(node):
+    client, _hook = node
+    created = client.submit("py-quiet", "completion", completion("hi"))
+    assert created["state"] == "received"
+    states = [e.data["text"] for e in client.events("py-quiet") if e.kind == "state"]
+    assert states[-1] == "acked", states
+    assert client.get("py-quiet")["result"] is not None
+    assert not any(e["data"]["job_id"] == "py-quiet" for e in Consumer.processed)
+    assert Provider.requests.count("job:py-quiet:generate") == 1
+
+
 def test_a_repeated_webhook_is_dropped_by_its_id():
     body = json.dumps({"type": "job.completed", "timestamp": "2026-12-03T00:00:00.000000Z", "data": {"job_id": "x"}}).encode()
     from standardwebhooks.webhooks import Webhook

@@ -168,7 +168,8 @@ pub(super) async fn submit(
             ],
         );
     };
-    let notify = state.registry.failure_events(&job.workflow);
+    // Failure events go where the completion would: nowhere without a webhook.
+    let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
     // A job scheduled for later goes through the queue: no room is held.
     let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
     let reservation = state

@@ -54,9 +54,10 @@ pub(super) struct SubmitJob {
     #[schema(value_type = Object)]
     input: serde_json::Value,
     /// Where the outcome is POSTed (Standard Webhooks): an http(s) URL of a
-    /// public address (a name is resolved and checked).
+    /// public address (a name is resolved and checked). Without it the job
+    /// runs to `acked` with its result stored and nothing is POSTed.
     #[schema(format = "uri", pattern = "^https?://")]
-    webhook_url: String,
+    webhook_url: Option<String>,
     /// Higher runs first among due jobs (0–100 for a tenant's token).
     priority: Option<i32>,
     /// Not before this time (RFC 3339, at most 30 days ahead).
@@ -167,8 +168,9 @@ pub(super) struct CreateSchedule {
     workflow: String,
     #[schema(value_type = Object)]
     input: serde_json::Value,
+    /// Each job's webhook; none: the jobs POST nothing.
     #[schema(format = "uri", pattern = "^https?://")]
-    webhook_url: String,
+    webhook_url: Option<String>,
     /// `latest` (default), `all` or `none`.
     #[schema(pattern = "^(latest|all|none)$")]
     catch_up: Option<String>,

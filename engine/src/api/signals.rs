@@ -2,19 +2,19 @@
 //! job's `ctx.wait_for_signal` (or an approval), recorded once under its id.
 
 use super::*;
-use crate::context::valid_wait_name;
+use crate::signal::SignalBody as CheckedSignal;
+pub use crate::signal::MAX_SIGNAL_PAYLOAD;
 use crate::store::waits::SignalOutcome;
 
-/// Largest signal payload, serialised.
-pub const MAX_SIGNAL_PAYLOAD: usize = 64 * 1024;
-
 /// Reads a signal's JSON body (within the intake's body timeout; at most
-/// the payload's bound plus room for the id).
+/// the payload's bound plus room for the id) and checks it
+/// ([`CheckedSignal::parse`]).
 async fn signal_body(
     state: &ApiState,
     req: &HttpRequest,
     payload: web::Payload,
-) -> Result<serde_json::Map<String, serde_json::Value>, HttpResponse> {
+    name: &str,
+) -> Result<CheckedSignal, HttpResponse> {
     if !is_json(req) {
         return Err(not_json());
     }
@@ -27,21 +27,22 @@ async fn signal_body(
         )
     })
     .await?;
-    match crate::intake::parse_json(&body) {
-        Ok(serde_json::Value::Object(map)) => Ok(map),
-        Ok(_) => Err(error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            "body: must be a JSON object {\"id\", \"payload\"}",
-            Some("body"),
-        )),
-        Err(e) => Err(error(
+    let value = crate::intake::parse_json(&body).map_err(|e| {
+        error(
             StatusCode::BAD_REQUEST,
             "malformed_json",
             e.to_string(),
             None,
-        )),
-    }
+        )
+    })?;
+    CheckedSignal::parse(name, value).map_err(|e| {
+        error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            e.message,
+            Some(&e.field),
+        )
+    })
 }
 
 /// `202` the signal, recorded now · `200` the same id and payload again ·
@@ -76,79 +77,17 @@ pub(super) async fn signal(
         Err(refused) => return refused,
     };
     let (id, name) = path.into_inner();
-    let invalid = |field: &str, message: String| {
-        error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            message,
-            Some(field),
-        )
-    };
-    if !valid_wait_name(&name) {
-        return invalid(
-            "name",
-            "must be 1-200 characters of A-Z a-z 0-9 _ . : -".into(),
-        );
-    }
-    let mut body = match signal_body(&state, &req, payload).await {
+    let body = match signal_body(&state, &req, payload, &name).await {
         Ok(b) => b,
         Err(refused) => return refused,
     };
-    let signal_id = match body.remove("id") {
-        Some(serde_json::Value::String(s)) if valid_wait_name(&s) => s,
-        Some(_) => {
-            return invalid(
-                "id",
-                "must be 1-200 characters of A-Z a-z 0-9 _ . : -".into(),
-            )
-        }
-        None => return invalid("id", "is required".into()),
-    };
-    let Some(signal_payload) = body.remove("payload") else {
-        return invalid("payload", "is required (any JSON value)".into());
-    };
-    let for_wait = match body.remove("until") {
-        None | Some(serde_json::Value::Null) => None,
-        Some(serde_json::Value::String(s)) => match chrono::DateTime::parse_from_rfc3339(&s) {
-            Ok(t) => Some(t.with_timezone(&chrono::Utc)),
-            Err(_) => {
-                return invalid(
-                    "until",
-                    "must be an RFC 3339 time, as `waiting.until` shows it".into(),
-                )
-            }
-        },
-        Some(_) => {
-            return invalid(
-                "until",
-                "must be an RFC 3339 time, as `waiting.until` shows it".into(),
-            )
-        }
-    };
-    if let Some(extra) = body.keys().next() {
-        return invalid(extra, "unknown field".into());
-    }
-    let size = serde_json::to_vec(&signal_payload).map_or(usize::MAX, |b| b.len());
-    if size > MAX_SIGNAL_PAYLOAD {
-        return invalid("payload", format!("at most {MAX_SIGNAL_PAYLOAD} bytes"));
-    }
-    if crate::store::journal::contains_nul(&signal_payload) {
-        return invalid("payload", "contains a NUL character".into());
-    }
-    if name.starts_with("approval:")
-        && serde_json::from_value::<crate::context::Decision>(signal_payload.clone()).is_err()
-    {
-        return invalid(
-            "payload",
-            "an approval is {\"approved\": true|false, \"note\"?: \"…\"}".into(),
-        );
-    }
+    let signal_id = body.id.clone();
     if let Err(refused) = own_job(&state, who, &id).await {
         return refused;
     }
     match state
         .store
-        .signal_for_wait(&id, &name, &signal_id, &signal_payload, for_wait)
+        .signal(&id, &name, &body)
         .await
     {
         Ok(SignalOutcome::Created(view)) => HttpResponse::Accepted().json(view),

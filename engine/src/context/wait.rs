@@ -17,29 +17,7 @@ use crate::keys;
 use crate::store::waits::{Until, WaitAsk, WaitKind, WaitStep};
 use crate::wait_machine::WaitOutcome;
 
-/// A person's decision on a tool call: the payload of an `approval:…` signal.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Decision {
-    /// Whether the tool may run.
-    pub approved: bool,
-    /// Why, for the model and the record.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub note: Option<String>,
-}
-
-/// Longest name of a timer or a signal.
-pub const MAX_WAIT_NAME: usize = 200;
-
-/// Whether `name` may name a timer or a signal: 1–200 characters of
-/// `A-Z a-z 0-9 _ . : -` (it becomes part of a key and of a URL path).
-pub fn valid_wait_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_WAIT_NAME
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
-}
+pub use crate::signal::{valid_wait_name, Decision, MAX_WAIT_NAME};
 
 impl Context {
     /// Waits `duration` (from when the body first reaches this timer, by

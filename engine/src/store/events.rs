@@ -16,7 +16,7 @@ use crate::error::{ErrorEnvelope, StoreError};
 /// Announces a failure event written by SQL (a death, an approval's wait):
 /// every node's supervisor sweeps for due events at once, so none waits on
 /// a timer. The payload is the job's id.
-pub const EVENTS_CHANNEL: &str = "onceflow_events";
+pub const EVENTS_CHANNEL: &str = super::rows::Channel::Events.name();
 
 /// Whether outbox row `o`'s moment has passed, so it is closed, never
 /// sent: a `job.dead` whose job is no longer dead (redriven), or a

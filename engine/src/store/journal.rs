@@ -213,16 +213,7 @@ struct OutputRow {
     output: Value,
 }
 
-/// Whether `v` holds a NUL character anywhere (PostgreSQL's `jsonb` and
-/// `text` reject it).
-pub(crate) fn contains_nul(v: &Value) -> bool {
-    match v {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(items) => items.iter().any(contains_nul),
-        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v)),
-        Value::Null | Value::Bool(_) | Value::Number(_) => false,
-    }
-}
+pub(crate) use crate::request::contains_nul;
 
 /// What a failed send does besides recording itself.
 #[derive(Debug, Clone, Copy)]

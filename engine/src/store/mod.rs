@@ -74,6 +74,7 @@ pub use group_writes::BatchKind;
 pub use jobs::{DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter};
 pub use lease::{Checkpoint, Fence, Leased, NodeIdHold, Renewal};
 pub use ledger::Journaled;
+pub use rows::Channel;
 
 /// The Postgres store.
 #[derive(Debug, Clone)]

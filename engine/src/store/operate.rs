@@ -59,7 +59,7 @@ struct StateRow {
 
 /// The channel a cancel is announced on (payload: the job id), so the node
 /// running the job stops its attempt at once, wherever the attempt waits.
-pub const CANCEL_CHANNEL: &str = "onceflow_cancelled";
+pub const CANCEL_CHANNEL: &str = super::rows::Channel::Cancelled.name();
 
 impl Store {
     /// Cancels job `id` and its live descendants, in one transaction: any

@@ -8,8 +8,60 @@ use diesel::QueryableByName;
 use crate::error::StoreError;
 use crate::lifecycle::JobState;
 
+/// The `NOTIFY` channels the store announces on, each with what a node
+/// does when it hears one (`runtime` listens to all and matches them
+/// exhaustively). The payload is a job id unless said otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Channel {
+    /// A job became runnable (new, due, woken by a signal): poll.
+    NewJob,
+    /// A provider limit's slot or tokens came free (payload: the limit).
+    Limits,
+    /// A stream moved (payload: the job id): wake its watchers.
+    Stream,
+    /// A job was cancelled: stop its attempt here, if any.
+    Cancelled,
+    /// A schedule was created or resumed: look for due schedules.
+    Schedules,
+    /// A token changed (payload: its id): drop what was cached of it.
+    Tokens,
+    /// An event was queued by SQL: send the due events.
+    Events,
+}
+
+impl Channel {
+    /// Every channel, as `LISTEN` takes them.
+    pub const ALL: [Channel; 7] = [
+        Channel::NewJob,
+        Channel::Limits,
+        Channel::Stream,
+        Channel::Cancelled,
+        Channel::Schedules,
+        Channel::Tokens,
+        Channel::Events,
+    ];
+
+    /// The channel's name in PostgreSQL.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Channel::NewJob => "onceflow_new_job",
+            Channel::Limits => "onceflow_limits",
+            Channel::Stream => "onceflow_stream",
+            Channel::Cancelled => "onceflow_cancelled",
+            Channel::Schedules => "onceflow_schedules",
+            Channel::Tokens => "onceflow_tokens",
+            Channel::Events => "onceflow_events",
+        }
+    }
+
+    /// The channel named `name`, if it is one of ours.
+    pub fn parse(name: &str) -> Option<Channel> {
+        Channel::ALL.into_iter().find(|c| c.name() == name)
+    }
+}
+
 /// The channel new jobs are announced on (payload: the job id).
-pub const NEW_JOB_CHANNEL: &str = "onceflow_new_job";
+pub const NEW_JOB_CHANNEL: &str = Channel::NewJob.name();
 
 /// The worker name recorded on the intake history row.
 pub const INTAKE_WORKER: &str = "intake";

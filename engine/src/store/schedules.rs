@@ -23,7 +23,7 @@ use crate::schedule::{job_id, CatchUp, Timetable};
 
 /// The `NOTIFY` channel a schedule created or resumed is announced on: the
 /// nodes look for due schedules at once.
-pub const SCHEDULES_CHANNEL: &str = "onceflow_schedules";
+pub const SCHEDULES_CHANNEL: &str = super::rows::Channel::Schedules.name();
 
 /// Schedules fired per statement.
 const FIRE_BATCH: i64 = 20;
@@ -478,7 +478,8 @@ impl Store {
                                 request: stored,
                                 trace: crate::traceparent::TraceParent::new_root().to_string(),
                                 owner: row.owner_token,
-                                notify_failures: target.notify_failures,
+                                notify_failures: target.notify_failures
+                                    && !row.webhook_url.is_empty(),
                                 priority: 0,
                                 run_at: None,
                                 delay_ms: None,

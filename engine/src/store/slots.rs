@@ -12,7 +12,7 @@ use crate::error::StoreError;
 use crate::quota::CallEnd;
 
 /// The channel a released slot is announced on.
-pub const LIMITS_CHANNEL: &str = "onceflow_limits";
+pub const LIMITS_CHANNEL: &str = super::rows::Channel::Limits.name();
 
 #[derive(QueryableByName)]
 struct Count {

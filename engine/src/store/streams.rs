@@ -19,7 +19,7 @@ use crate::error::StoreError;
 
 /// The channel a committed batch of chunks is announced on (the job id as
 /// payload), so watchers on other nodes read it at once.
-pub const STREAM_CHANNEL: &str = "onceflow_stream";
+pub const STREAM_CHANNEL: &str = super::rows::Channel::Stream.name();
 
 /// One row of a stream's journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -285,7 +285,7 @@ impl Default for Watchers {
 /// The channel a token's revocation or secret rotation is announced on
 /// (payload: its id), so its streams on every node end at once and its new
 /// secret signs at once.
-pub const TOKENS_CHANNEL: &str = "onceflow_tokens";
+pub const TOKENS_CHANNEL: &str = super::rows::Channel::Tokens.name();
 
 impl Watchers {
     fn subscribe(&self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {

@@ -26,6 +26,7 @@ use super::sql::sql;
 use super::{Fence, Store};
 use crate::error::StoreError;
 
+pub use crate::signal::{MAX_UNTAKEN_SIGNALS, MAX_UNTAKEN_SIGNAL_BYTES, SIGNALS_SHOWN};
 pub use crate::wait_machine::WaitKind;
 use crate::wait_machine::{decide, Decision, TakenSignal};
 
@@ -121,15 +122,6 @@ pub enum SignalOutcome {
     /// No such job (`404`).
     NotFound,
 }
-
-/// Most untaken signals one job holds; past it a signal is refused.
-pub const MAX_UNTAKEN_SIGNALS: i64 = 100;
-
-/// Most bytes of untaken signals' payloads one job holds (as stored).
-pub const MAX_UNTAKEN_SIGNAL_BYTES: i64 = 1024 * 1024;
-
-/// Signals a job's view shows: the latest.
-pub const SIGNALS_SHOWN: i64 = 100;
 
 /// The wait a signal sent with `until` is for.
 enum OpenWait {
@@ -306,35 +298,23 @@ impl Store {
         .await
     }
 
-    /// Records signal `signal_id` of `name` for job `job_id` (once: the
-    /// same id again is the same signal), and makes a job waiting for that
-    /// name due at once, waking the nodes. The job's row is locked first,
-    /// as a wait locks it, so a signal and a wait that reach the job at the
-    /// same moment are ordered: either the wait takes the signal, or the
-    /// signal finds the job waiting and wakes it.
+    /// Records `signal` of `name` for job `job_id` (once: the same id
+    /// again is the same signal), and makes a job waiting for that name
+    /// due at once, waking the nodes. The job's row is locked first, as a
+    /// wait locks it, so a signal and a wait that reach the job at the same
+    /// moment are ordered: either the wait takes the signal, or the signal
+    /// finds the job waiting and wakes it. With `until`, the signal is for
+    /// the wait due then alone: recorded only while the job waits for the
+    /// signal (or approval) `name` with that due time and that wait has no
+    /// decision yet, so a decision on a wait that is over is never kept for
+    /// a later wait of the same name, and no other wait takes it.
     pub async fn signal(
         &self,
         job_id: &str,
         name: &str,
-        signal_id: &str,
-        payload: &Value,
+        signal: &crate::signal::SignalBody,
     ) -> Result<SignalOutcome, StoreError> {
-        self.signal_for_wait(job_id, name, signal_id, payload, None)
-            .await
-    }
-
-    /// [`signal`](Self::signal), for the wait due at `until` when given: a
-    /// new signal is recorded only while the job waits for the signal (or
-    /// approval) `name` with that due time, so a decision on a wait that is over (decided, timed out)
-    /// is never kept for a later wait of the same name.
-    pub async fn signal_for_wait(
-        &self,
-        job_id: &str,
-        name: &str,
-        signal_id: &str,
-        payload: &Value,
-        until: Option<DateTime<Utc>>,
-    ) -> Result<SignalOutcome, StoreError> {
+        let (signal_id, payload, until) = (signal.id.as_str(), &signal.payload, signal.until);
         let hash = crate::request::canonical_hash(payload);
         retrying!(self, "signal", async || {
             let mut conn = self.db().conn().await?;

@@ -465,7 +465,11 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         for (name, signal_id, payload) in &self.signals {
             self.env
                 .store
-                .signal(id, name, signal_id, payload)
+                .signal(
+                    id,
+                    name,
+                    &crate::signal::SignalBody::new(signal_id, payload.clone()),
+                )
                 .await
                 .expect("send the explorer's signal");
         }
