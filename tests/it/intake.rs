@@ -528,7 +528,10 @@ async fn a_job_without_a_webhook_is_acked_with_its_result_and_posts_nothing() {
     let mut empty = job("quiet-3", "m", "unused");
     empty["webhook_url"] = json!("");
     let (status, refused) = post_job(&base, &empty).await;
-    assert_eq!((status, refused["error"]["field"].as_str()), (422, Some("webhook_url")));
+    assert_eq!(
+        (status, refused["error"]["field"].as_str()),
+        (422, Some("webhook_url"))
+    );
     for id in ["quiet-1", "quiet-2"] {
         let view = env
             .wait_for(id, JobState::Acked, std::time::Duration::from_secs(20))
@@ -536,16 +539,24 @@ async fn a_job_without_a_webhook_is_acked_with_its_result_and_posts_nothing() {
         assert!(view.result.is_some(), "{id}: its result is stored");
         // Recorded delivered, with no answer from anyone: status 0.
         let delivery = view.delivery.expect("the completion's row");
-        assert_eq!((delivery.status.as_str(), delivery.last_status), ("delivered", Some(0)));
+        assert_eq!(
+            (delivery.status.as_str(), delivery.last_status),
+            ("delivered", Some(0))
+        );
         assert_eq!(env.provider.requests_for(&format!("job:{id}:generate")), 1);
     }
     // A job that dies without a webhook queues no failure event.
-    env.provider.push(onceflow_engine::testkit::Behaviour::Status(400, None));
+    env.provider
+        .push(onceflow_engine::testkit::Behaviour::Status(400, None));
     let mut dies = job("quiet-dead", "m", "unused");
     dies.as_object_mut().unwrap().remove("webhook_url");
     assert_eq!(post_job(&base, &dies).await.0, 201);
-    env.wait_for("quiet-dead", JobState::Dead, std::time::Duration::from_secs(20))
-        .await;
+    env.wait_for(
+        "quiet-dead",
+        JobState::Dead,
+        std::time::Duration::from_secs(20),
+    )
+    .await;
     assert_eq!(env.consumer.delivery_count(), 0, "nothing was POSTed");
     let sent = env
         .sql("SELECT count(*) AS n FROM outbox WHERE url <> '' OR event <> 'job.completed'")
