@@ -816,3 +816,136 @@ async fn dead_letters_are_kept_longer_than_finished_jobs() {
         "a 2 h old dead letter stays"
     );
 }
+
+/// Bulk cancel: `POST /v1/jobs/cancel` cancels the caller's live jobs,
+/// oldest first, at most `limit`, each as a single cancel would (nothing of
+/// them runs after); a finished job is never touched; a bad filter is a
+/// `422` naming it.
+#[actix_rt::test]
+async fn live_jobs_are_cancelled_in_bulk() {
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        env.config(),
+    );
+    env.submit("done", "hello").await;
+    env.wait_for("done", JobState::Acked, Duration::from_secs(20))
+        .await;
+    for i in 0..4 {
+        let mut later = job(&format!("later-{i}"), &env.consumer.url());
+        later["delay_ms"] = json!(3_600_000);
+        assert_eq!(post_job(&base, &later).await.0, 201);
+    }
+    let url = format!("{base}/v1/jobs/cancel");
+    for (bad, field) in [
+        (json!({ "state": "acked" }), "state"),
+        (json!({ "limit": 0 }), "limit"),
+        (json!({ "limit": 2.5 }), "limit"),
+        (json!({ "tag": "x" }), "tag"),
+    ] {
+        let (status, body) = post_action(&url, bad.clone()).await;
+        assert_eq!(
+            (status, body["error"]["field"].as_str()),
+            (422, Some(field)),
+            "{bad}"
+        );
+    }
+    let (status, body) = post_action(&url, json!({ "reason": "tidy", "limit": 3 })).await;
+    assert_eq!((status, &body), (202, &json!({ "cancelled": 3 })));
+    let mut states = Vec::new();
+    for i in 0..4 {
+        states.push(env.job(&format!("later-{i}")).await.state);
+    }
+    assert_eq!(
+        states,
+        [
+            JobState::Cancelled,
+            JobState::Cancelled,
+            JobState::Cancelled,
+            JobState::Received
+        ],
+        "the oldest three"
+    );
+    let (_, body) = post_action(&url, json!({ "state": "received" })).await;
+    assert_eq!(body, json!({ "cancelled": 1 }));
+    let (_, body) = post_action(&url, json!({})).await;
+    assert_eq!(body, json!({ "cancelled": 0 }), "nothing live is left");
+    assert_eq!(
+        env.job("done").await.state,
+        JobState::Acked,
+        "a finished job is never touched"
+    );
+    let later = env.job("later-0").await;
+    assert!(later.history.iter().any(|h| h.state == JobState::Cancelled));
+    assert_eq!(
+        env.provider.requests().len(),
+        1,
+        "no cancelled job called the model"
+    );
+}
+
+/// Re-run: `POST /v1/jobs/{id}/rerun {"id": new}` makes a new job with the
+/// same workflow, input and webhook under the new id, idempotent by it; the
+/// original is untouched.
+#[actix_rt::test]
+async fn a_finished_job_is_rerun_under_a_new_id_once() {
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        env.config(),
+    );
+    env.submit("first", "hello").await;
+    env.submit("other", "something else").await;
+    for id in ["first", "other"] {
+        env.wait_for(id, JobState::Acked, Duration::from_secs(20))
+            .await;
+    }
+    let rerun = |id: &str| format!("{base}/v1/jobs/{id}/rerun");
+    let (status, created) = post_action(&rerun("first"), json!({ "id": "again" })).await;
+    assert_eq!(status, 201, "{created}");
+    let again = env
+        .wait_for("again", JobState::Acked, Duration::from_secs(20))
+        .await;
+    let first = env.job("first").await;
+    assert_eq!(
+        (again.workflow.as_str(), &again.input),
+        (first.workflow.as_str(), &first.input)
+    );
+    assert_eq!(again.webhook_url, first.webhook_url);
+    assert_eq!(env.provider.requests_for("job:again:generate"), 1);
+    assert_eq!(env.consumer.processed_for("again"), 1);
+    let (status, _) = post_action(&rerun("first"), json!({ "id": "again" })).await;
+    assert_eq!(status, 200, "the same rerun again");
+    let (status, body) = post_action(&rerun("other"), json!({ "id": "again" })).await;
+    assert_eq!(status, 409, "{body}");
+    let (status, _) = post_action(&rerun("nobody"), json!({ "id": "x" })).await;
+    assert_eq!(status, 404);
+    for bad in [
+        json!({ "id": "a b" }),
+        json!({}),
+        json!({ "id": "x", "more": 1 }),
+    ] {
+        let (status, body) = post_action(&rerun("first"), bad.clone()).await;
+        assert_eq!(status, 422, "{bad}: {body}");
+    }
+    assert_eq!(
+        env.provider.requests_for("job:again:generate"),
+        1,
+        "one new job"
+    );
+    assert_eq!(
+        env.job("first").await.attempts,
+        first.attempts,
+        "the original untouched"
+    );
+    let (status, body) = get_as(&format!("{base}/v1/jobs?tag=x"), None).await;
+    assert_eq!(
+        (status, body["error"]["field"].as_str()),
+        (422, Some("tag")),
+        "an unknown list parameter: {body}"
+    );
+}

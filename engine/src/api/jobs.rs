@@ -293,8 +293,9 @@ pub(super) async fn get_job(
     }
 }
 
-/// The query of `GET /v1/jobs`.
+/// The query of `GET /v1/jobs`: an unknown parameter is a `422` naming it.
 #[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(super) struct ListQuery {
     state: Option<String>,
     workflow: Option<String>,
@@ -357,7 +358,7 @@ pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> H
     };
     let query = match web::Query::<ListQuery>::from_query(req.query_string()) {
         Ok(q) => q.into_inner(),
-        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_query", e.to_string(), None),
+        Err(e) => return bad_query(&e),
     };
     let invalid = |field: &str, message: String| {
         error(

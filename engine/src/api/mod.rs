@@ -68,8 +68,8 @@ use crate::store::schedules::{ScheduleDetail, ScheduleView};
 use crate::store::waits::SignalView;
 #[allow(unused_imports)]
 use openapi::{
-    Action, BulkRedrive, BulkRedriven, CreateSchedule, ErrorBody, JobPage, SchedulePage,
-    SignalBody, SseEvent, Stats, SubmitJob,
+    Action, BulkCancel, BulkCancelled, BulkRedrive, BulkRedriven, CreateSchedule, ErrorBody,
+    JobPage, Rerun, SchedulePage, SignalBody, SseEvent, Stats, SubmitJob,
 };
 
 /// Default largest accepted request body (1 MiB).
@@ -168,10 +168,12 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
                 .route("/v1/jobs", web::get().to(list_jobs))
                 .route("/v1/stats", web::get().to(stats))
                 .route("/v1/jobs/redrive", web::post().to(redrive_bulk))
+                .route("/v1/jobs/cancel", web::post().to(cancel_bulk))
                 .route("/v1/jobs/{id}", web::get().to(get_job))
                 .route("/v1/jobs/{id}/events", web::get().to(job_events))
                 .route("/v1/jobs/{id}/cancel", web::post().to(cancel))
                 .route("/v1/jobs/{id}/redrive", web::post().to(redrive))
+                .route("/v1/jobs/{id}/rerun", web::post().to(rerun))
                 .route("/v1/jobs/{id}/signals/{name}", web::post().to(signal))
                 .route("/v1/schedules", web::post().to(create_schedule))
                 .route("/v1/schedules", web::get().to(list_schedules))
@@ -275,5 +277,22 @@ async fn not_found(req: HttpRequest) -> HttpResponse {
         "not_found",
         format!("no route for {} {}", req.method(), req.path()),
         None,
+    )
+}
+
+/// A query string that does not parse, or names a parameter the endpoint
+/// does not take: `422`, naming the parameter when the parser did.
+pub(crate) fn bad_query(e: &actix_web::error::QueryPayloadError) -> HttpResponse {
+    let message = e.to_string();
+    let field = message
+        .split_once("unknown field `")
+        .and_then(|(_, rest)| rest.split_once('`'))
+        .map_or("query", |(name, _)| name)
+        .to_owned();
+    error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid",
+        format!("{field}: {message}"),
+        Some(&field),
     )
 }

@@ -124,6 +124,40 @@ pub(super) struct BulkRedrive {
     limit: Option<i64>,
 }
 
+/// `POST /v1/jobs/cancel`: which live jobs to cancel.
+#[derive(ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct BulkCancel {
+    reason: Option<String>,
+    /// Only jobs in this live state.
+    #[schema(pattern = "^(received|generated|persisted|claimed|delivered)$")]
+    state: Option<String>,
+    /// Only this workflow's jobs.
+    workflow: Option<String>,
+    /// At most this many, oldest first (1–1,000, default 1,000).
+    #[schema(minimum = 1, maximum = 1000)]
+    limit: Option<i64>,
+}
+
+/// What a bulk cancel did.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct BulkCancelled {
+    /// Jobs cancelled now (their live children go with them, uncounted).
+    cancelled: i64,
+}
+
+/// `POST /v1/jobs/{id}/rerun`.
+#[derive(ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct Rerun {
+    /// The new job's id (1–200 characters of `A-Z a-z 0-9 _ . : -`).
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
+    id: String,
+}
+
 /// What a bulk redrive did.
 #[derive(ToSchema)]
 #[allow(dead_code)] // described, not built: the handler writes it
@@ -287,12 +321,12 @@ impl Modify for CommonErrors {
 #[openapi(
     info(title = "onceflow", description = "Durable LLM jobs: each model call, tool call and webhook once per job."),
     paths(
-        super::jobs::submit, super::jobs::list_jobs, super::console::stats, super::operate::redrive_bulk, super::jobs::get_job, super::events::job_events, super::operate::cancel, super::operate::redrive, super::signals::signal, super::schedules::create_schedule, super::schedules::list_schedules, super::schedules::get_schedule, super::schedules::delete_schedule, super::schedules::pause_schedule, super::schedules::resume_schedule, super::metrics::healthz, super::metrics::metrics, openapi_json
+        super::jobs::submit, super::jobs::list_jobs, super::console::stats, super::operate::redrive_bulk, super::operate::cancel_bulk, super::jobs::get_job, super::events::job_events, super::operate::cancel, super::operate::redrive, super::operate::rerun, super::signals::signal, super::schedules::create_schedule, super::schedules::list_schedules, super::schedules::get_schedule, super::schedules::delete_schedule, super::schedules::pause_schedule, super::schedules::resume_schedule, super::metrics::healthz, super::metrics::metrics, openapi_json
     ),
     components(schemas(
         JobView, JobSummary, HistoryEntry, DeliveryView, ModelCallView, ToolCallView, ChildView,
         SignalView, JobState, ErrorEnvelope, ScheduleView, ScheduleDetail, ScheduledJob,
-        ErrorBody, ErrorDetail, SubmitJob, SseEvent, JobPage, Stats, Action, BulkRedrive, BulkRedriven,
+        ErrorBody, ErrorDetail, SubmitJob, SseEvent, JobPage, Stats, Action, BulkRedrive, BulkRedriven, BulkCancel, BulkCancelled, Rerun,
         SignalBody, CreateSchedule, SchedulePage
     )),
     modifiers(&BearerAuth, &CommonErrors),

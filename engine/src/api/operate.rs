@@ -1,11 +1,14 @@
 //! An operator's actions: cancel, redrive, bulk redrive.
 
 use super::*;
+use crate::lifecycle::JobState;
 
 /// The body of an operator's action: why.
 #[derive(Debug, Default)]
 pub(super) struct ActionBody {
     reason: Option<String>,
+    /// Bulk cancel: only jobs in this live state.
+    state: Option<String>,
     /// Bulk redrive: only this workflow's dead jobs.
     workflow: Option<String>,
     /// Bulk redrive: at most this many (default and most 1,000).
@@ -66,6 +69,7 @@ pub(super) async fn action_body(
         Some(_) => Err((field, "must be a string")),
     };
     let reason = text("reason").map_err(|(f, m)| invalid(f, m))?;
+    let job_state = text("state").map_err(|(f, m)| invalid(f, m))?;
     let workflow = text("workflow").map_err(|(f, m)| invalid(f, m))?;
     let limit = match fields.remove("limit") {
         None | Some(serde_json::Value::Null) => None,
@@ -79,6 +83,7 @@ pub(super) async fn action_body(
     }
     let parsed = ActionBody {
         reason,
+        state: job_state,
         workflow,
         limit,
     };
@@ -340,4 +345,203 @@ pub(super) async fn redrive_bulk(
         }
     }
     HttpResponse::Accepted().json(json!({ "redriven": redriven, "skipped_unknown": skipped }))
+}
+
+/// `POST /v1/jobs/cancel` `{"reason", "state"?, "workflow"?, "limit"?}`:
+/// cancels the caller's live jobs (an admin token: everyone's), oldest
+/// first, each as `POST /v1/jobs/{id}/cancel` would (with its live
+/// children); answers `{"cancelled": n}`.
+#[utoipa::path(post, path = "/v1/jobs/cancel", tag = "operate", request_body = Option<BulkCancel>,
+    responses(
+        (status = 202, body = BulkCancelled),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+    ))]
+pub(super) async fn cancel_bulk(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    let body = match action_body(&state, &req, payload).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let limit = body.limit.unwrap_or(1000);
+    if !(1..=1000).contains(&limit) {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            "limit: must be from 1 to 1000",
+            Some("limit"),
+        );
+    }
+    let only =
+        match body.state.as_deref().map(str::parse::<JobState>) {
+            None => None,
+            Some(Ok(s)) if !s.is_terminal() => Some(s),
+            Some(_) => return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                "state: must be a live state (received, generated, persisted, claimed, delivered)",
+                Some("state"),
+            ),
+        };
+    let by = caller_name(&state, who).await;
+    let reason = body.reason.unwrap_or_else(|| "bulk cancel".into());
+    let ids = match state
+        .store
+        .live_ids(only, body.workflow.as_deref(), who.scope(), limit)
+        .await
+    {
+        Ok(ids) => ids,
+        Err(e) => return unavailable(e),
+    };
+    let mut cancelled = 0u64;
+    for id in ids {
+        use crate::store::operate::Cancelled;
+        match state.store.cancel(&id, &by, &reason).await {
+            Ok(Cancelled::Now) => {
+                cancelled += 1;
+                state
+                    .telemetry
+                    .metrics()
+                    .transition(JobState::Cancelled.as_str());
+            }
+            Ok(_) => {}
+            Err(e) => return unavailable(e),
+        }
+    }
+    HttpResponse::Accepted().json(json!({ "cancelled": cancelled }))
+}
+
+/// The body of `POST /v1/jobs/{id}/rerun`: the new job's id.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RerunBody {
+    id: String,
+}
+
+/// `POST /v1/jobs/{id}/rerun` `{"id": new id}`: a new job with the
+/// workflow, input and webhook of job `id` (any state), under the new id
+/// and the workflow's current version: `201` and the new job · `200` the
+/// same rerun again (idempotent by the new id) · `409` the new id holds
+/// another job · `404` · `422` a bad new id, or a workflow this node no
+/// longer runs.
+#[utoipa::path(post, path = "/v1/jobs/{id}/rerun", tag = "operate", request_body = Rerun,
+    params(("id" = String, Path)),
+    responses(
+        (status = 201, body = JobView),
+        (status = 200, description = "The same rerun again", body = JobView),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "The new id holds another job", body = ErrorBody),
+        (status = 422, body = ErrorBody),
+    ))]
+pub(super) async fn rerun(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+    payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    if !is_json(&req) {
+        return not_json();
+    }
+    let body = match read_body(&state, payload, 16 * 1024, || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            "a rerun's body is at most 16 KiB",
+            None,
+        )
+    })
+    .await
+    {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let new_id = match serde_json::from_slice::<RerunBody>(&body) {
+        Ok(b) => b.id,
+        Err(e) if e.is_data() => {
+            return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                format!("body: {e} (expected {{\"id\": \"<new job id>\"}})"),
+                Some("id"),
+            )
+        }
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                e.to_string(),
+                None,
+            )
+        }
+    };
+    if let Err(e) = crate::intake::validate_id(&new_id) {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            e.to_string(),
+            Some("id"),
+        );
+    }
+    let original = match own_job(&state, who, &id).await {
+        Ok(view) => view,
+        Err(refused) => return refused,
+    };
+    let Some(workflow) = state.registry.get(&original.workflow) else {
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            format!(
+                "workflow {:?} is not registered on this node any more",
+                original.workflow
+            ),
+            Some("workflow"),
+        );
+    };
+    let job = crate::intake::NewJob {
+        id: new_id,
+        workflow: original.workflow.clone(),
+        workflow_version: workflow.version() as i32,
+        input: original.input.clone(),
+        webhook_url: original.webhook_url.clone(),
+        schedule: Default::default(),
+    };
+    let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
+    let trace = crate::traceparent::TraceParent::new_root();
+    match state
+        .store
+        .submit_owned(&job, trace, who.owner(), notify)
+        .await
+    {
+        Ok(crate::store::Intake::Created(view)) => HttpResponse::Created().json(view),
+        Ok(crate::store::Intake::Existing(view)) if who.sees(view.owner_token) => {
+            HttpResponse::Ok().json(view)
+        }
+        Ok(_) => error(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("job id {:?} holds another job; nothing was created", job.id),
+            Some("id"),
+        ),
+        Err(e) => unavailable(e),
+    }
 }

@@ -215,14 +215,7 @@ pub(super) async fn list_schedules(state: web::Data<ApiState>, req: HttpRequest)
     };
     let query = match web::Query::<ScheduleQuery>::from_query(req.query_string()) {
         Ok(q) => q.into_inner(),
-        Err(e) => {
-            return error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid",
-                format!("query: {e}"),
-                Some("query"),
-            )
-        }
+        Err(e) => return bad_query(&e),
     };
     let limit = match query.limit.as_deref().map(str::parse::<i64>) {
         None => SCHEDULE_PAGE,

@@ -294,8 +294,33 @@ impl Store {
         .await
     }
 
-    /// The ids of dead jobs (of `owner`, or all), oldest death first, at
-    /// most `limit`: what a bulk redrive works through.
+    /// The live jobs of `owner` (every token's with `None`), oldest
+    /// first, in `state` and of `workflow` when given: at most `limit`.
+    pub async fn live_ids(
+        &self,
+        state: Option<JobState>,
+        workflow: Option<&str>,
+        owner: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let rows: Vec<super::rows::IdRow> = sql(
+            "SELECT id FROM jobs WHERE finished_at IS NULL \
+               AND ($1::text IS NULL OR state::text = $1) \
+               AND ($2::text IS NULL OR workflow = $2) AND ($3::bigint IS NULL OR owner_token = $3) \
+             ORDER BY created_at, id LIMIT $4",
+        )
+        .bind::<diesel::sql_types::Nullable<Text>, _>(state.map(JobState::as_str))
+        .bind::<diesel::sql_types::Nullable<Text>, _>(workflow)
+        .bind::<diesel::sql_types::Nullable<BigInt>, _>(owner)
+        .bind::<BigInt, _>(limit)
+        .load(&mut conn)
+        .await?;
+        Ok(rows.into_iter().map(|r| r.id).collect())
+    }
+
+    /// The dead jobs of `owner` (every token's with `None`), oldest death
+    /// first, of `workflow` when given: at most `limit`.
     pub async fn dead_ids(
         &self,
         workflow: Option<&str>,
