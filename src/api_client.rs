@@ -478,6 +478,51 @@ impl Client {
         Ok(Self::answer(response).await?.1)
     }
 
+    /// Cancels the caller's live jobs (an admin token: everyone's), oldest
+    /// first, in `state` and of `workflow` when given, at most `limit`
+    /// (1,000 by default), each as [`cancel`](Self::cancel) would: how many.
+    pub async fn cancel_all(
+        &self,
+        state: Option<&str>,
+        workflow: Option<&str>,
+        limit: Option<u32>,
+        reason: &str,
+    ) -> Result<u64, ClientError> {
+        let mut body = json!({ "reason": reason });
+        if let Some(s) = state {
+            body["state"] = json!(s);
+        }
+        if let Some(w) = workflow {
+            body["workflow"] = json!(w);
+        }
+        if let Some(l) = limit {
+            body["limit"] = json!(l);
+        }
+        let response = self
+            .request(reqwest::Method::POST, "/v1/jobs/cancel")
+            .json(&body)
+            .send()
+            .await?;
+        let (_, counts): (u16, Value) = Self::answer(response).await?;
+        Ok(counts["cancelled"].as_u64().unwrap_or(0))
+    }
+
+    /// Runs job `id`'s workflow again on its input (and webhook) as a new
+    /// job `new_id`: `true` when created now, `false` when that rerun was
+    /// made before. `new_id` holding another job is `ClientError::Conflict`.
+    pub async fn rerun(&self, id: &str, new_id: &str) -> Result<(bool, Job), ClientError> {
+        let response = self
+            .request(
+                reqwest::Method::POST,
+                &format!("/v1/jobs/{}/rerun", encode(id)),
+            )
+            .json(&json!({ "id": new_id }))
+            .send()
+            .await?;
+        let (status, job): (u16, Job) = Self::answer(response).await?;
+        Ok((status == 201, job))
+    }
+
     /// Redrives every dead job of the caller (an admin token: all), of
     /// `workflow` if given; returns how many resumed and how many were
     /// skipped for an unknown delivery.

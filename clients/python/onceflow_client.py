@@ -120,6 +120,25 @@ class Client:
     def cancel(self, id: str, reason: Optional[str] = None) -> dict:
         return self._call("POST", f"/v1/jobs/{_segment(id)}/cancel", json=_reason(reason))
 
+    def cancel_all(
+        self,
+        reason: Optional[str] = None,
+        *,
+        state: Optional[str] = None,
+        workflow: Optional[str] = None,
+        limit: Optional[int] = None,
+    ) -> int:
+        """Cancels the caller's live jobs, oldest first, by filter; returns how many."""
+        body: dict = _reason(reason) or {}
+        for key, value in (("state", state), ("workflow", workflow), ("limit", limit)):
+            if value is not None:
+                body[key] = value
+        return self._call("POST", "/v1/jobs/cancel", json=body)["cancelled"]
+
+    def rerun(self, id: str, new_id: str) -> dict:
+        """Runs job `id`'s workflow again on its input as job `new_id` (idempotent by it)."""
+        return self._call("POST", f"/v1/jobs/{_segment(id)}/rerun", json={"id": new_id})
+
     def redrive(self, id: str, reason: Optional[str] = None, confirm_unknown: bool = False) -> dict:
         params = {"confirm_unknown": "true"} if confirm_unknown else None
         return self._call(

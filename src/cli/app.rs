@@ -34,6 +34,8 @@ enum Command {
     Cancel(client::CancelArgs),
     /// Resume a dead job (or every dead job) from its last checkpoint, with the same keys.
     Redrive(client::RedriveArgs),
+    /// Run a job's workflow again on its input, as a new job under a new id.
+    Rerun(client::RerunArgs),
     /// Send a job a signal (what its wait asks for, or an approval).
     Signal(client::SignalArgs),
     /// Manage schedules: crons that create jobs (create, list, show, delete, pause, resume).
@@ -131,6 +133,7 @@ impl App {
             Command::Jobs(args) => client::jobs(args),
             Command::Cancel(args) => client::cancel(args),
             Command::Redrive(args) => client::redrive(args),
+            Command::Rerun(args) => client::rerun(args),
             Command::Signal(args) => client::signal(args),
             Command::Schedule(args) => client::schedule(args),
         }

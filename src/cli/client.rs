@@ -311,8 +311,21 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<()> {
 
 #[derive(Debug, Args)]
 pub struct CancelArgs {
-    /// The job id.
-    pub id: String,
+    /// The job to cancel (or --all).
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub id: Option<String>,
+    /// Every live job (yours; an admin token: everyone's), oldest first.
+    #[arg(long)]
+    pub all: bool,
+    /// With --all: only jobs in this live state.
+    #[arg(long, requires = "all")]
+    pub state: Option<String>,
+    /// With --all: only this workflow's.
+    #[arg(long, requires = "all")]
+    pub workflow: Option<String>,
+    /// With --all: at most this many (1–1,000, default 1,000).
+    #[arg(long, requires = "all")]
+    pub limit: Option<u32>,
     /// Why (kept in the job's history).
     #[arg(long, default_value = "cancelled from the CLI")]
     pub reason: String,
@@ -558,15 +571,68 @@ pub struct RedriveArgs {
     pub token: Option<String>,
 }
 
-/// `onceflow cancel ID`.
+/// `onceflow cancel ID | --all`.
 pub fn cancel(args: CancelArgs) -> anyhow::Result<()> {
     let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
-        let job = client
-            .cancel(&args.id, &args.reason)
+        match &args.id {
+            Some(id) => {
+                let job = client
+                    .cancel(id, &args.reason)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                println!("job {} is {}", job.id, job.state);
+            }
+            None => {
+                let n = client
+                    .cancel_all(
+                        args.state.as_deref(),
+                        args.workflow.as_deref(),
+                        args.limit,
+                        &args.reason,
+                    )
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                println!("cancelled: {n}");
+            }
+        }
+        Ok(())
+    })
+}
+
+#[derive(Debug, Args)]
+pub struct RerunArgs {
+    /// The job whose workflow and input run again.
+    pub id: String,
+    /// The new job's id (running this again with the same id is the same rerun).
+    #[arg(long = "as")]
+    pub new_id: String,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// `onceflow rerun ID --as NEW_ID`.
+pub fn rerun(args: RerunArgs) -> anyhow::Result<()> {
+    let client = api(&args.server, args.token.as_deref());
+    runtime()?.block_on(async {
+        let (created, job) = client
+            .rerun(&args.id, &args.new_id)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        println!("job {} is {}", job.id, job.state);
+        let verb = if created {
+            "created"
+        } else {
+            "already existed"
+        };
+        println!(
+            "job {} {verb} ({}), a rerun of {}",
+            job.id, job.state, args.id
+        );
         Ok(())
     })
 }

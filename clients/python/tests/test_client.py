@@ -158,6 +158,24 @@ def test_a_job_without_a_webhook_is_acked_and_posts_nothing(node):
     assert Provider.requests.count("job:py-quiet:generate") == 1
 
 
+def test_rerun_and_bulk_cancel(node):
+    client, hook = node
+    client.submit("py-orig", "completion", completion("again"), hook)
+    states = [e.data["text"] for e in client.events("py-orig") if e.kind == "state"]
+    assert states[-1] == "acked", states
+    rerun = client.rerun("py-orig", "py-rerun")
+    assert rerun["id"] == "py-rerun" and rerun["input"] == client.get("py-orig")["input"]
+    assert client.rerun("py-orig", "py-rerun")["id"] == "py-rerun"  # the same rerun again
+    for i in range(2):
+        client.submit(f"py-bulk-{i}", "completion", completion("later"), hook, delay_ms=3_600_000)
+    assert client.cancel_all("tidy", state="received", limit=1) == 1
+    assert client.get("py-bulk-0")["state"] == "cancelled"
+    assert client.get("py-bulk-1")["state"] == "received"
+    with pytest.raises(OnceflowError) as bad:
+        client.cancel_all(state="acked")
+    assert bad.value.status == 422
+
+
 def test_a_repeated_webhook_is_dropped_by_its_id():
     body = json.dumps({"type": "job.completed", "timestamp": "2026-12-03T00:00:00.000000Z", "data": {"job_id": "x"}}).encode()
     from standardwebhooks.webhooks import Webhook
