@@ -120,6 +120,14 @@ class Client:
     def cancel(self, id: str, reason: Optional[str] = None) -> dict:
         return self._call("POST", f"/v1/jobs/{_segment(id)}/cancel", json=_reason(reason))
 
+    def submit_batch(self, jobs: list) -> list:
+        """Submits up to 1,000 jobs (each a `POST /v1/jobs` body) in one request.
+
+        Returns one answer per job, in order: `{"status", "job"}` or
+        `{"status", "error"}`, as a single submit would have answered it.
+        """
+        return self._call("POST", "/v1/jobs/batch", json={"jobs": jobs})["jobs"]
+
     def cancel_all(
         self,
         reason: Optional[str] = None,

@@ -563,3 +563,92 @@ async fn a_job_without_a_webhook_is_acked_with_its_result_and_posts_nothing() {
         .await;
     assert_eq!(sent[0]["n"], 0, "no event has anywhere to go");
 }
+
+/// Batch submit: each job of `POST /v1/jobs/batch` is answered, in order,
+/// as a single submit would be (201, 200 for the same job again, 409 for
+/// its id with another request, 422 naming the field), one refusal never
+/// fails the others, and each created job runs once.
+#[actix_rt::test]
+async fn a_batch_answers_each_job_as_a_single_submit_would() {
+    use onceflow_engine::{JobState, Registry};
+    let env = TestEnv::new().await;
+    let registry = || {
+        let mut r = Registry::new();
+        r.register(onceflow_workflows::Completion::default());
+        r
+    };
+    let _engine = env.start(registry(), env.config());
+    let base = serve_api(env.store.clone(), registry(), None);
+    let url = format!("{base}/v1/jobs/batch");
+    let hook = env.consumer.url();
+    let mut no_workflow = job("b-2", "m", &hook);
+    no_workflow.as_object_mut().unwrap().remove("workflow");
+    let (status, answer) = post_raw_to(
+        &url,
+        json!({ "jobs": [job("b-1", "m", &hook), no_workflow, job("b-3", "m", &hook)] }),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let statuses: Vec<u64> = answer["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["status"].as_u64().unwrap())
+        .collect();
+    assert_eq!(statuses, [201, 422, 201], "{answer}");
+    assert_eq!(answer["jobs"][1]["error"]["field"], "workflow");
+    assert_eq!(answer["jobs"][0]["job"]["id"], "b-1");
+    let (_, again) = post_raw_to(
+        &url,
+        json!({ "jobs": [job("b-1", "m", &hook), job("b-1", "other-model", &hook), job("b-4", "m", &hook)] }),
+    )
+    .await;
+    let statuses: Vec<u64> = again["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["status"].as_u64().unwrap())
+        .collect();
+    assert_eq!(statuses, [200, 409, 201], "{again}");
+    for id in ["b-1", "b-3", "b-4"] {
+        env.wait_for(id, JobState::Acked, std::time::Duration::from_secs(20))
+            .await;
+        assert_eq!(
+            env.provider.requests_for(&format!("job:{id}:generate")),
+            1,
+            "{id}"
+        );
+    }
+    let too_many: Vec<Value> = (0..1001)
+        .map(|i| job(&format!("x-{i}"), "m", &hook))
+        .collect();
+    for (bad, field) in [
+        (json!({ "jobs": [] }), "jobs"),
+        (json!({ "jobs": too_many }), "jobs"),
+        (json!({ "jobs": {} }), "jobs"),
+        (
+            json!({ "jobs": [job("b-9", "m", &hook)], "more": 1 }),
+            "more",
+        ),
+    ] {
+        let (status, body) = post_raw_to(&url, bad).await;
+        assert_eq!(
+            (status, body["error"]["field"].as_str()),
+            (422, Some(field)),
+            "{body}"
+        );
+    }
+    assert_eq!(counts(&env).await.0, 3, "b-1, b-3 and b-4 alone");
+}
+
+async fn post_raw_to(url: &str, body: Value) -> (u16, Value) {
+    let r = crate::support::client()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&body).unwrap())
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}

@@ -168,6 +168,14 @@ def test_rerun_and_bulk_cancel(node):
     assert client.rerun("py-orig", "py-rerun")["id"] == "py-rerun"  # the same rerun again
     for i in range(2):
         client.submit(f"py-bulk-{i}", "completion", completion("later"), hook, delay_ms=3_600_000)
+    answers = client.submit_batch([
+        {"id": "py-batch-1", "workflow": "completion", "input": completion("one")},
+        {"id": "py-batch-2", "workflow": "nope", "input": completion("two")},
+    ])
+    assert [a["status"] for a in answers] == [201, 422], answers
+    assert answers[1]["error"]["field"] == "workflow"
+    states = [e.data["text"] for e in client.events("py-batch-1") if e.kind == "state"]
+    assert states[-1] == "acked", states
     assert client.cancel_all("tidy", state="received", limit=1) == 1
     assert client.get("py-bulk-0")["state"] == "cancelled"
     assert client.get("py-bulk-1")["state"] == "received"

@@ -37,6 +37,7 @@ use crate::traceparent::TraceParent;
 use crate::workflow::Registry;
 
 mod auth;
+mod batch;
 mod bounds;
 mod console;
 mod events;
@@ -49,6 +50,8 @@ mod signals;
 
 use auth::*;
 pub use auth::{Auth, Hosts};
+pub use batch::MAX_BATCH;
+use batch::*;
 pub use bounds::Bounds;
 use console::*;
 use events::*;
@@ -68,8 +71,8 @@ use crate::store::schedules::{ScheduleDetail, ScheduleView};
 use crate::store::waits::SignalView;
 #[allow(unused_imports)]
 use openapi::{
-    Action, BulkCancel, BulkCancelled, BulkRedrive, BulkRedriven, CreateSchedule, ErrorBody,
-    JobPage, Rerun, SchedulePage, SignalBody, SseEvent, Stats, SubmitJob,
+    Action, BatchAnswer, BulkCancel, BulkCancelled, BulkRedrive, BulkRedriven, CreateSchedule,
+    ErrorBody, JobPage, Rerun, SchedulePage, SignalBody, SseEvent, Stats, SubmitBatch, SubmitJob,
 };
 
 /// Default largest accepted request body (1 MiB).
@@ -169,6 +172,7 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
                 .route("/v1/stats", web::get().to(stats))
                 .route("/v1/jobs/redrive", web::post().to(redrive_bulk))
                 .route("/v1/jobs/cancel", web::post().to(cancel_bulk))
+                .route("/v1/jobs/batch", web::post().to(submit_batch))
                 .route("/v1/jobs/{id}", web::get().to(get_job))
                 .route("/v1/jobs/{id}/events", web::get().to(job_events))
                 .route("/v1/jobs/{id}/cancel", web::post().to(cancel))

@@ -124,6 +124,35 @@ pub(super) struct BulkRedrive {
     limit: Option<i64>,
 }
 
+/// `POST /v1/jobs/batch`: up to 1,000 jobs, each a `POST /v1/jobs` body.
+#[derive(ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)] // described, not built: the handler reads it
+pub(super) struct SubmitBatch {
+    /// The jobs (1–1,000), each as `POST /v1/jobs` takes it.
+    #[schema(value_type = Vec<Object>, min_items = 1, max_items = 1000)]
+    jobs: Vec<serde_json::Value>,
+}
+
+/// One job's answer in a batch: its status, and the job or the error.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct BatchItem {
+    /// What `POST /v1/jobs` would have answered (201, 200, 409, 422, 429, …).
+    status: u16,
+    /// The job (201, 200).
+    job: Option<JobView>,
+    /// Why not (any other status).
+    error: Option<ErrorDetail>,
+}
+
+/// `POST /v1/jobs/batch`'s answer: one per job, in the order sent.
+#[derive(ToSchema)]
+#[allow(dead_code)] // described, not built: the handler writes it
+pub(super) struct BatchAnswer {
+    jobs: Vec<BatchItem>,
+}
+
 /// `POST /v1/jobs/cancel`: which live jobs to cancel.
 #[derive(ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -321,12 +350,12 @@ impl Modify for CommonErrors {
 #[openapi(
     info(title = "onceflow", description = "Durable LLM jobs: each model call, tool call and webhook once per job."),
     paths(
-        super::jobs::submit, super::jobs::list_jobs, super::console::stats, super::operate::redrive_bulk, super::operate::cancel_bulk, super::jobs::get_job, super::events::job_events, super::operate::cancel, super::operate::redrive, super::operate::rerun, super::signals::signal, super::schedules::create_schedule, super::schedules::list_schedules, super::schedules::get_schedule, super::schedules::delete_schedule, super::schedules::pause_schedule, super::schedules::resume_schedule, super::metrics::healthz, super::metrics::metrics, openapi_json
+        super::jobs::submit, super::batch::submit_batch, super::jobs::list_jobs, super::console::stats, super::operate::redrive_bulk, super::operate::cancel_bulk, super::jobs::get_job, super::events::job_events, super::operate::cancel, super::operate::redrive, super::operate::rerun, super::signals::signal, super::schedules::create_schedule, super::schedules::list_schedules, super::schedules::get_schedule, super::schedules::delete_schedule, super::schedules::pause_schedule, super::schedules::resume_schedule, super::metrics::healthz, super::metrics::metrics, openapi_json
     ),
     components(schemas(
         JobView, JobSummary, HistoryEntry, DeliveryView, ModelCallView, ToolCallView, ChildView,
         SignalView, JobState, ErrorEnvelope, ScheduleView, ScheduleDetail, ScheduledJob,
-        ErrorBody, ErrorDetail, SubmitJob, SseEvent, JobPage, Stats, Action, BulkRedrive, BulkRedriven, BulkCancel, BulkCancelled, Rerun,
+        ErrorBody, ErrorDetail, SubmitJob, SseEvent, JobPage, Stats, Action, BulkRedrive, BulkRedriven, BulkCancel, BulkCancelled, Rerun, SubmitBatch, BatchItem, BatchAnswer,
         SignalBody, CreateSchedule, SchedulePage
     )),
     modifiers(&BearerAuth, &CommonErrors),

@@ -1,0 +1,197 @@
+//! `POST /v1/jobs/batch` `{"jobs": [job, …]}`: up to 1,000 submits in one
+//! request, each checked, bounded and stored as `POST /v1/jobs` would, and
+//! answered in order with the status and body a single submit would get.
+//! One job's refusal never fails the others; each is idempotent by its id.
+
+use super::*;
+use crate::intake::{self, IntakeError};
+use crate::store::Intake;
+use crate::traceparent::TraceParent;
+
+/// Most jobs one batch submits.
+pub const MAX_BATCH: usize = 1_000;
+
+/// `200` `{"jobs": [{"status", "job"} | {"status", "error"}, …]}`, one
+/// answer per job in the order sent · `400` malformed JSON · `413` a body
+/// over 16 times the node's body limit · `415` · `422` not `{"jobs": […]}`
+/// of 1 to 1,000 jobs.
+#[utoipa::path(post, path = "/v1/jobs/batch", tag = "jobs", request_body = SubmitBatch,
+    responses(
+        (status = 200, description = "One answer per job, in order", body = BatchAnswer),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 413, body = ErrorBody),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+    ))]
+pub(super) async fn submit_batch(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> HttpResponse {
+    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
+        return refused;
+    }
+    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "this node is shutting down and takes no new jobs; retry",
+            None,
+        );
+    }
+    let who = match authenticate(&state, &req).await {
+        Ok(who) => who,
+        Err(refused) => return refused,
+    };
+    if !is_json(&req) {
+        return not_json();
+    }
+    let limit = state.body_limit.saturating_mul(16);
+    let body = match read_body(&state, payload, limit, || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("a batch's body is at most {limit} bytes"),
+            None,
+        )
+    })
+    .await
+    {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let jobs = match intake::parse_json(&body) {
+        Ok(serde_json::Value::Object(mut obj)) => match (obj.remove("jobs"), obj.keys().next()) {
+            (_, Some(extra)) => {
+                return error(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid",
+                    format!("{extra}: unknown field"),
+                    Some(extra),
+                )
+            }
+            (Some(serde_json::Value::Array(jobs)), None)
+                if (1..=MAX_BATCH).contains(&jobs.len()) =>
+            {
+                jobs
+            }
+            _ => {
+                return error(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid",
+                    format!("jobs: must be an array of 1 to {MAX_BATCH} jobs"),
+                    Some("jobs"),
+                )
+            }
+        },
+        Ok(_) => {
+            return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                "body: must be {\"jobs\": [...]}",
+                Some("body"),
+            )
+        }
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                e.to_string(),
+                None,
+            )
+        }
+    };
+    let answers =
+        futures_util::future::join_all(jobs.into_iter().map(|job| submit_one(&state, who, job)))
+            .await;
+    HttpResponse::Ok().json(json!({ "jobs": answers }))
+}
+
+/// One job of a batch, answered as `POST /v1/jobs` would answer it.
+async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde_json::Value {
+    let refused = |status: StatusCode, code: &str, message: String, field: Option<&str>| {
+        json!({
+            "status": status.as_u16(),
+            "error": { "code": code, "message": message, "field": field },
+        })
+    };
+    let bytes = serde_json::to_vec(&job).expect("a JSON value serialises");
+    let job = match intake::parse(&bytes, &state.registry, &state.url_guard) {
+        Ok(job) => job,
+        Err(IntakeError::Malformed(m)) => {
+            return refused(StatusCode::BAD_REQUEST, "malformed_json", m, None)
+        }
+        Err(IntakeError::Invalid(e)) => {
+            return refused(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                e.to_string(),
+                Some(&e.field),
+            )
+        }
+    };
+    if matches!(who, Who::Token(c) if !c.admin)
+        && job.schedule.priority.abs() > intake::MAX_TENANT_PRIORITY
+    {
+        return refused(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+            format!(
+                "priority: must be from -{m} to {m} for a token that is not admin",
+                m = intake::MAX_TENANT_PRIORITY
+            ),
+            Some("priority"),
+        );
+    }
+    match state.limits.admit(&state.store, who.owner()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(message)) => {
+            return refused(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None)
+        }
+        Err(_) => {
+            return refused(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the database is unavailable; retry".into(),
+                None,
+            )
+        }
+    }
+    let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
+    let answer = |status: StatusCode, view: &crate::store::JobView| json!({ "status": status.as_u16(), "job": view });
+    match state
+        .store
+        .submit_owned(&job, TraceParent::new_root(), who.owner(), notify)
+        .await
+    {
+        Ok(Intake::Created(view)) => answer(StatusCode::CREATED, &view),
+        Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {
+            refused(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!("job id {:?} is not available", job.id),
+                Some("id"),
+            )
+        }
+        Ok(Intake::Existing(view)) => answer(StatusCode::OK, &view),
+        Ok(Intake::Conflict(_)) => refused(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!(
+                "job {:?} already exists with a different request; the stored job is unchanged",
+                job.id
+            ),
+            Some("id"),
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, job.id = %job.id, "a batch's job could not be stored");
+            refused(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the database is unavailable; retry".into(),
+                None,
+            )
+        }
+    }
+}
