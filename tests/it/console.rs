@@ -274,6 +274,10 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
             .wait_text("dd[data-fact=\"state\"]", |t| t == "acked")
             .await
     );
+    assert!(
+        browser.find("#reason[hidden]").await.is_some(),
+        "an acked job shows no reason box without a button"
+    );
     // The acked job's page shows its input and result, and no stale error.
     browser.go(&format!("{}/#/jobs/ui-ok", serve.base)).await;
     assert!(
@@ -489,6 +493,41 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
         browser
             .wait_text("dd[data-fact=\"tool\"]", |t| t == "http_post")
             .await
+    );
+    // A waiting job reads as waiting, its wait's end as a timeout (not a
+    // scheduled run), and the call waiting for approval is a tool call.
+    assert!(
+        browser
+            .wait_text("dd[data-fact=\"state\"]", |t| t == "waiting for approval")
+            .await,
+        "the page says the job waits"
+    );
+    assert!(
+        browser
+            .find("dd[data-fact=\"times out at\"]")
+            .await
+            .is_some(),
+        "the approval's timeout is labelled a timeout"
+    );
+    assert!(
+        browser.find("dd[data-fact=\"runs at\"]").await.is_none(),
+        "no scheduled run for a wait"
+    );
+    assert!(
+        browser
+            .wait_text(
+                "#tool-calls tr[data-waiting=\"true\"] td[data-status=\"waiting\"]",
+                |t| t == "waiting for approval"
+            )
+            .await,
+        "the call waiting for approval is listed under Tool calls"
+    );
+    assert!(
+        browser
+            .wait_text("#children tr[data-empty=\"true\"] td", |t| t
+                == "No child jobs.")
+            .await,
+        "an empty table says so"
     );
     assert!(
         browser

@@ -106,11 +106,35 @@ function cell(row, text, cls) {
   return td;
 }
 
-function stateCell(row, state) {
-  const td = cell(row, state, "state state-" + state);
-  td.dataset.state = state;
+// A live job that waits (a timer, a signal, an approval, children) reads
+// as waiting, not as the state it waits in.
+function shownState(state, waiting) {
+  return waiting && LIVE.has(state) ? "waiting" : state;
+}
+
+function stateCell(row, state, waiting) {
+  const shown = shownState(state, waiting);
+  const td = cell(row, shown, "state state-" + shown);
+  td.dataset.state = shown;
+  if (shown === "waiting") td.title = "waiting for " + waiting.kind + " (" + state + ")";
   return td;
 }
+
+// An empty table says so, in one cell across its columns.
+function emptyRow(tbody, columns, text) {
+  if (tbody.children.length > 0) return;
+  const tr = document.createElement("tr");
+  tr.dataset.empty = "true";
+  const td = document.createElement("td");
+  td.colSpan = columns;
+  td.className = "empty";
+  td.textContent = text;
+  tr.appendChild(td);
+  tbody.appendChild(tr);
+}
+
+// What a wait's `until` means, by its kind.
+const UNTIL_LABEL = { sleep: "wakes at", signal: "times out at", approval: "times out at", children: "join times out at" };
 
 function when(t) { return t ? new Date(t).toLocaleString() : ""; }
 
@@ -168,7 +192,7 @@ async function loadList(cursor) {
     td.className = "wrap";
     tr.appendChild(td);
     cell(tr, j.workflow);
-    stateCell(tr, j.state);
+    stateCell(tr, j.state, j.waiting);
     cell(tr, j.attempts);
     cell(tr, when(j.created_at));
     const w = j.waiting;
@@ -255,7 +279,8 @@ async function loadJob(id) {
   $("job-title").textContent = "Job " + job.id;
   const facts = $("job-facts");
   facts.replaceChildren();
-  fact(facts, "state", job.state);
+  fact(facts, "state", job.waiting && LIVE.has(job.state)
+    ? "waiting for " + job.waiting.kind : job.state);
   fact(facts, "workflow", `${job.workflow} v${job.workflow_version}`);
   fact(facts, "attempts", job.attempts);
   fact(facts, "incarnation", job.incarnation);
@@ -268,8 +293,11 @@ async function loadJob(id) {
     fact(facts, "arguments", JSON.stringify(waiting.tool.arguments));
   }
   // A job scheduled for later looks stuck unless its time is shown.
-  // A job whose time has not come is scheduled, not stuck.
-  if (LIVE.has(job.state)) {
+  // A job whose time has not come is scheduled, not stuck. A waiting job's
+  // time is its wait's: when the timer fires, or when the wait times out.
+  if (waiting && LIVE.has(job.state)) {
+    fact(facts, UNTIL_LABEL[waiting.kind] || "until", when(waiting.until));
+  } else if (LIVE.has(job.state)) {
     const later = job.run_at && new Date(job.run_at) > new Date();
     fact(facts, "runs at", when(job.run_at) + (later ? " (scheduled)" : ""));
   }
@@ -342,6 +370,7 @@ async function loadJob(id) {
     cell(tr, m.last_error ? m.last_error.code : "", "wrap");
     calls.appendChild(tr);
   }
+  emptyRow(calls, 5, "No model calls.");
   const tools = $("tool-calls");
   tools.replaceChildren();
   for (const t of job.tool_calls || []) {
@@ -353,6 +382,19 @@ async function loadJob(id) {
     cell(tr, t.attempts);
     tools.appendChild(tr);
   }
+  // The call waiting for a person has no ledger row yet: listed all the same.
+  if (waiting && waiting.kind === "approval" && waiting.tool && LIVE.has(job.state)
+      && !(job.tool_calls || []).some((t) => t.tool_call_id === waiting.tool.tool_call_id)) {
+    const tr = document.createElement("tr");
+    tr.dataset.waiting = "true";
+    cell(tr, "—");
+    cell(tr, waiting.tool.name);
+    cell(tr, waiting.tool.tool_call_id, "wrap");
+    cell(tr, "waiting for approval").dataset.status = "waiting";
+    cell(tr, 0);
+    tools.appendChild(tr);
+  }
+  emptyRow(tools, 5, "No tool calls.");
   const children = $("children");
   children.replaceChildren();
   for (const c of job.children || []) {
@@ -368,6 +410,7 @@ async function loadJob(id) {
     stateCell(tr, c.state);
     children.appendChild(tr);
   }
+  emptyRow(children, 3, "No child jobs.");
   const delivery = $("delivery");
   delivery.replaceChildren();
   if (job.delivery) {
@@ -392,6 +435,10 @@ async function loadJob(id) {
     $(b).dataset.id = job.id;
     $(b).dataset.waiting = approval ? JSON.stringify(waiting) : "";
   }
+  // A reason box only beside a button that takes it.
+  const acts = ["redrive", "cancel", "approve", "reject"].some((b) => !$(b).hidden);
+  $("reason").hidden = !acts;
+  document.querySelector('label[for="reason"]').hidden = !acts;
 }
 
 // Every dead job of the filter's workflow (or all, for an empty filter),
