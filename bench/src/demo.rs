@@ -134,6 +134,7 @@ async fn demo(args: &DemoArgs, database: &onceflow::config::Database) -> anyhow:
             (group.inject)(&faults, &consumer, &id);
             store
                 .submit(&NewJob {
+                    tags: Default::default(),
                     id: id.clone(),
                     workflow: "completion".to_owned(),
                     workflow_version: 1,

@@ -76,11 +76,14 @@ class Client:
         priority: Optional[int] = None,
         run_at: Optional[str] = None,
         delay_ms: Optional[int] = None,
+        tags: Optional[dict] = None,
     ) -> dict:
         """Submits a job; the same job again returns the stored one (200)."""
         body: dict = {"id": id, "workflow": workflow, "input": input}
         if webhook_url is not None:  # none: the job POSTs nothing
             body["webhook_url"] = webhook_url
+        if tags:
+            body["tags"] = tags
         for key, value in (("priority", priority), ("run_at", run_at), ("delay_ms", delay_ms)):
             if value is not None:
                 body[key] = value

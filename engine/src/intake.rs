@@ -86,10 +86,12 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
     }
     workflow.validate(&input)?;
     let schedule = take_schedule(&mut obj)?;
+    let tags = take_tags(&mut obj)?;
     if let Some(extra) = obj.keys().next() {
         return Err(InvalidInput::new(extra.clone(), "unknown field").into());
     }
     Ok(NewJob {
+        tags,
         id,
         workflow_version: workflow.version() as i32,
         workflow: workflow_name,
@@ -97,6 +99,44 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
         webhook_url,
         schedule,
     })
+}
+
+/// `tags`, optional: an object of at most 20 labels (1–64 characters of
+/// `A-Z a-z 0-9 _ . -`), each a string of at most 256 characters.
+fn take_tags(obj: &mut Map<String, Value>) -> Result<crate::request::Tags, InvalidInput> {
+    use crate::request::{valid_tag_key, MAX_TAGS, MAX_TAG_VALUE};
+    let tags = match obj.remove("tags") {
+        None | Some(Value::Null) => return Ok(Default::default()),
+        Some(Value::Object(tags)) => tags,
+        Some(_) => return Err(InvalidInput::new("tags", "must be an object of strings")),
+    };
+    if tags.len() > MAX_TAGS {
+        return Err(InvalidInput::new(
+            "tags",
+            format!("at most {MAX_TAGS} tags"),
+        ));
+    }
+    let mut out = crate::request::Tags::new();
+    for (key, value) in tags {
+        if !valid_tag_key(&key) {
+            return Err(InvalidInput::new(
+                "tags",
+                format!("label {key:?}: must be 1-64 characters of A-Z a-z 0-9 _ . -"),
+            ));
+        }
+        match value {
+            Value::String(v) if v.chars().count() <= MAX_TAG_VALUE => {
+                out.insert(key, v);
+            }
+            _ => {
+                return Err(InvalidInput::new(
+                    format!("tags.{key}"),
+                    format!("must be a string of at most {MAX_TAG_VALUE} characters"),
+                ))
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `priority`, `run_at` and `delay_ms`, each optional; `run_at` and

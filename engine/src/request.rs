@@ -32,6 +32,31 @@ pub struct NewJob {
     pub webhook_url: String,
     /// When and in what order it runs.
     pub schedule: Schedule,
+    /// Labels to list and act on jobs by (`?tag=k:v`), at most
+    /// [`MAX_TAGS`]; part of the request.
+    pub tags: Tags,
+}
+
+/// A job's tags: label → value.
+pub type Tags = std::collections::BTreeMap<String, String>;
+
+/// Most tags on one job.
+pub const MAX_TAGS: usize = 20;
+
+/// Longest tag label (1–64 characters of `A-Z a-z 0-9 _ . -`).
+pub const MAX_TAG_KEY: usize = 64;
+
+/// Longest tag value.
+pub const MAX_TAG_VALUE: usize = 256;
+
+/// Whether `key` may label a tag: 1–64 characters of `A-Z a-z 0-9 _ . -`
+/// (no `:`, which separates label and value in `?tag=k:v`).
+pub fn valid_tag_key(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= MAX_TAG_KEY
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
 }
 
 /// When a job may start, and which goes first when jobs wait.
@@ -68,6 +93,9 @@ pub struct JobRequest {
     /// Not before this long after intake.
     #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "lenient")]
     pub delay_ms: Option<u64>,
+    /// Its tags; stored only when there are some.
+    #[serde(skip_serializing_if = "Tags::is_empty", deserialize_with = "lenient")]
+    pub tags: Tags,
 }
 
 /// A stored field read as its type, or its default when a hand-edited row
@@ -140,6 +168,7 @@ impl NewJob {
             priority: self.schedule.priority,
             run_at: self.schedule.run_at,
             delay_ms: self.schedule.delay_ms,
+            tags: self.tags.clone(),
         }
     }
 
@@ -283,6 +312,7 @@ mod tests {
             },
         ] {
             let job = NewJob {
+                tags: Default::default(),
                 id: "j".into(),
                 workflow: "completion".into(),
                 workflow_version: 1,

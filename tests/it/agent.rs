@@ -49,6 +49,7 @@ fn agent_registry(tool_url: &str) -> Registry {
 
 fn agent_job(env: &TestEnv, id: &str) -> NewJob {
     NewJob {
+        tags: Default::default(),
         id: id.to_owned(),
         workflow: "agent".to_owned(),
         workflow_version: 1,
@@ -296,6 +297,7 @@ async fn a_user_workflow_step_has_one_side_effect_across_a_crash_at_every_bounda
         let id = format!("onboard-{i}");
         env.faults.arm_once(&id, point, Action::Crash);
         env.submit_job(NewJob {
+            tags: Default::default(),
             id: id.clone(),
             workflow: "example.onboarding".to_owned(),
             workflow_version: 1,
@@ -367,6 +369,7 @@ async fn retention_purges_expired_jobs_so_their_ids_are_new_again() {
         .await;
     assert_eq!(leftovers[0]["n"], 0, "keys and ledgers went with it");
     let different = |id: &str| NewJob {
+        tags: Default::default(),
         id: id.to_owned(),
         workflow: "completion".to_owned(),
         workflow_version: 1,

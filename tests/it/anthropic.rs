@@ -24,6 +24,7 @@ fn config(env: &TestEnv) -> EngineConfig {
 
 fn job(env: &TestEnv, id: &str, workflow: &str, input: Value) -> NewJob {
     NewJob {
+        tags: Default::default(),
         id: id.into(),
         workflow: workflow.into(),
         workflow_version: 1,

@@ -84,6 +84,7 @@ fn registry() -> Registry {
 
 fn parent(env: &TestEnv, id: &str, prompts: &[&str], child_webhook: Option<&str>) -> NewJob {
     NewJob {
+        tags: Default::default(),
         id: id.to_owned(),
         workflow: FanOut::NAME.to_owned(),
         workflow_version: 1,
@@ -451,6 +452,7 @@ async fn a_join_times_out_at_its_time() {
     r.register(Impatient);
     let _engine = env.start(r, config);
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "impatient".into(),
         workflow: Impatient::NAME.into(),
         workflow_version: 1,
@@ -482,6 +484,7 @@ async fn a_cancelled_child_ends_its_parents_join_at_once() {
     r.register(Impatient);
     let _engine = env.start(r, config);
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "patient".into(),
         workflow: Impatient::NAME.into(),
         workflow_version: 1,

@@ -664,6 +664,7 @@ async fn the_console_links_a_parent_and_its_children() {
         registry.register(crate::children::FanOut);
         let engine = env.start(registry, env.config());
         env.submit_job(onceflow_engine::intake::NewJob {
+            tags: Default::default(),
             id: "ui-parent".into(),
             workflow: "test.fan_out".into(),
             workflow_version: 1,

@@ -777,6 +777,7 @@ async fn a_heartbeat_failing_past_the_lease_does_not_start_a_second_actor() {
 /// Submits job `id` of a workflow no node registers (`not.here`): it stays live.
 async fn submit_unregistered(env: &TestEnv, id: &str) {
     env.submit_job(onceflow_engine::intake::NewJob {
+        tags: Default::default(),
         id: id.into(),
         workflow: "not.here".into(),
         workflow_version: 1,
@@ -926,6 +927,7 @@ async fn a_2xx_with_an_unreadable_body_is_delivered() {
     });
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), long_lease(&env));
     env.submit_job(onceflow_engine::intake::NewJob {
+        tags: Default::default(),
         id: "body-1".into(),
         workflow: "completion".into(),
         workflow_version: 1,

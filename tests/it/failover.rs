@@ -200,6 +200,7 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
     for id in &ids {
         store
             .submit(&NewJob {
+                tags: Default::default(),
                 id: id.clone(),
                 workflow: "completion".into(),
                 workflow_version: 1,

@@ -185,6 +185,7 @@ async fn a_step_of_a_taken_over_attempt_does_not_run() {
     let mut registry = Registry::new();
     registry.register(gated.clone());
     env.submit_job(onceflow_engine::intake::NewJob {
+        tags: Default::default(),
         id: "step-zombie".into(),
         workflow: "test.gated".into(),
         workflow_version: 1,

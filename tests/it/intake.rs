@@ -652,3 +652,73 @@ async fn post_raw_to(url: &str, body: Value) -> (u16, Value) {
     let status = r.status().as_u16();
     (status, r.json().await.unwrap_or(Value::Null))
 }
+
+/// Tags: a job carries `"tags": {"label": "value"}` (bounded, part of the
+/// request), shown in its view and its list row; `?tag=label:value` lists
+/// the jobs that have it; a bulk cancel takes the same filter.
+#[actix_rt::test]
+async fn jobs_carry_tags_and_are_listed_and_cancelled_by_them() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let hook = env.consumer.url();
+    for (id, team) in [("t-1", "a"), ("t-2", "b"), ("t-3", "a")] {
+        let mut body = job(id, "m", &hook);
+        body["tags"] = json!({ "team": team, "env": "prod" });
+        body["delay_ms"] = json!(3_600_000);
+        let (status, created) = post_job(&base, &body).await;
+        assert_eq!(status, 201, "{created}");
+        assert_eq!(created["tags"], json!({ "team": team, "env": "prod" }));
+    }
+    let mut other = job("t-1", "m", &hook);
+    other["tags"] = json!({ "team": "c", "env": "prod" });
+    other["delay_ms"] = json!(3_600_000);
+    assert_eq!(
+        post_job(&base, &other).await.0,
+        409,
+        "tags are part of the request"
+    );
+    let many: serde_json::Map<String, Value> =
+        (0..21).map(|i| (format!("k{i}"), json!("v"))).collect();
+    for (tags, field) in [
+        (json!({ "a:b": "v" }), "tags"),
+        (json!({ "k": 7 }), "tags.k"),
+        (json!({ "k": "v".repeat(257) }), "tags.k"),
+        (Value::Object(many), "tags"),
+        (json!(["team"]), "tags"),
+    ] {
+        let mut bad = job("t-bad", "m", &hook);
+        bad["tags"] = tags;
+        let (status, body) = post_job(&base, &bad).await;
+        assert_eq!(
+            (status, body["error"]["field"].as_str()),
+            (422, Some(field)),
+            "{body}"
+        );
+    }
+    let (status, page) = get(&format!("{base}/v1/jobs?tag=team:a")).await;
+    assert_eq!(status, 200, "{page}");
+    let ids: Vec<&str> = page["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["t-3", "t-1"], "newest first, team a only");
+    assert_eq!(page["jobs"][0]["tags"]["team"], "a");
+    let (status, _) = get(&format!("{base}/v1/jobs?tag=nocolon")).await;
+    assert_eq!(status, 422);
+    let (status, answer) = post_raw_to(
+        &format!("{base}/v1/jobs/cancel"),
+        json!({ "tag": "team:b" }),
+    )
+    .await;
+    assert_eq!((status, &answer), (202, &json!({ "cancelled": 1 })));
+    assert_eq!(
+        env.job("t-2").await.state,
+        onceflow_engine::JobState::Cancelled
+    );
+    assert_eq!(
+        env.job("t-1").await.state,
+        onceflow_engine::JobState::Received
+    );
+}

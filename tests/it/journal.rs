@@ -104,6 +104,7 @@ fn setup() -> (Registry, Arc<AtomicU32>) {
 
 async fn submit(env: &TestEnv, id: &str, mode: &str) {
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: id.into(),
         workflow: "test.changing".into(),
         workflow_version: 1,

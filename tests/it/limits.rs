@@ -211,6 +211,7 @@ async fn a_configured_tpm_holds_and_learns_each_calls_real_cost() {
     let _b = env.start(registry(), node(&env, "node-b", limits));
     for i in 0..40 {
         env.submit_job(onceflow_engine::intake::NewJob {
+            tags: Default::default(),
             id: format!("tpm-{i}"),
             workflow: "completion".into(),
             workflow_version: 1,
@@ -275,6 +276,7 @@ async fn a_higher_priority_call_takes_the_next_free_slot() {
         .await
     );
     let job = |id: &str, priority: i32| onceflow_engine::intake::NewJob {
+        tags: Default::default(),
         id: id.into(),
         workflow: "completion".into(),
         workflow_version: 1,
@@ -322,6 +324,7 @@ async fn a_long_stream_keeps_its_slot_past_the_timeout() {
     let _node = env.start(registry(), config);
     for id in ["long-1", "long-2"] {
         env.submit_job(onceflow_engine::intake::NewJob {
+            tags: Default::default(),
             id: id.into(),
             workflow: "completion".into(),
             workflow_version: 1,

@@ -42,6 +42,7 @@ fn registry() -> Registry {
 
 async fn submit(env: &TestEnv, id: &str) {
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: id.to_owned(),
         workflow: Panel::NAME.to_owned(),
         workflow_version: 1,
@@ -169,6 +170,7 @@ async fn parallel_steps_run_at_once_and_each_acts_once() {
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(3));
     let _engine = env.start(notify_registry(&effects.url(), &barrier), env.config());
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "notify-1".into(),
         workflow: Notify::NAME.into(),
         workflow_version: 1,

@@ -190,6 +190,7 @@ async fn a_redirect_is_not_followed() {
     });
     let _engine = env.start(registry(), env.config());
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "redirect-1".into(),
         workflow: "completion".into(),
         workflow_version: 1,
@@ -230,6 +231,7 @@ async fn a_tool_request_to_an_internal_address_is_refused() {
     config.url_guard = UrlGuard::strict().allowing_url(&env.consumer.url());
     let _engine = env.start(r, config);
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "tool-ssrf".into(),
         workflow: "agent".into(),
         workflow_version: 1,
@@ -1278,6 +1280,7 @@ async fn a_failed_send_stores_a_class_not_the_systems_words() {
         ),
     ] {
         env.submit_job(onceflow_engine::intake::NewJob {
+            tags: Default::default(),
             id: id.into(),
             workflow: "completion".into(),
             workflow_version: 1,
@@ -1617,6 +1620,7 @@ async fn a_tenant_token_created_over_development_mode_jobs_says_it_will_not_see_
     let env = TestEnv::new().await;
     env.store
         .submit(&NewJob {
+            tags: Default::default(),
             id: "dev-1".into(),
             workflow: "completion".into(),
             workflow_version: 1,

@@ -693,6 +693,7 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     .unwrap();
     let telemetry = Arc::new(Telemetry::new(config).unwrap());
     env.submit_job(onceflow_engine::intake::NewJob {
+        tags: Default::default(),
         id: "otel-stream".into(),
         workflow: "completion".into(),
         workflow_version: 1,
@@ -707,6 +708,7 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     .await;
     let odd_model = format!("odd-{}", "x".repeat(300));
     env.submit_job(onceflow_engine::intake::NewJob {
+        tags: Default::default(),
         id: "otel-stream-odd".into(),
         workflow: "completion".into(),
         workflow_version: 1,
@@ -832,6 +834,7 @@ async fn a_tool_call_is_an_execute_tool_span_the_tool_saw() {
         config,
     );
     env.submit_job(onceflow_engine::intake::NewJob {
+        tags: Default::default(),
         id: "otel-tool".into(),
         workflow: "agent".into(),
         workflow_version: 1,

@@ -207,6 +207,7 @@ async fn a_node_without_a_jobs_version_leaves_the_job_to_nodes_that_have_it() {
     let published = Arc::new(AtomicU32::new(0));
     // A v2 job (submitted through a node that has v2), first in line...
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "needs-v2".into(),
         workflow: "test.essay".into(),
         workflow_version: 2,
@@ -217,6 +218,7 @@ async fn a_node_without_a_jobs_version_leaves_the_job_to_nodes_that_have_it() {
     .await;
     // ...and a v1 job behind it, on a node that has only v1.
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "has-v1".into(),
         workflow: "test.essay".into(),
         workflow_version: 1,
@@ -323,6 +325,7 @@ async fn a_failed_step_the_body_went_past_is_not_a_journal_mismatch() {
     registry.register(Tolerant);
     let _engine = env.start(registry, env.config());
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "tolerant-1".into(),
         workflow: "test.tolerant".into(),
         workflow_version: 1,
@@ -378,6 +381,7 @@ async fn a_wait_the_changed_body_no_longer_makes_is_a_journal_mismatch() {
     registry.register(Gate);
     let first = env.start(registry, env.config());
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "gate-1".into(),
         workflow: Gate::NAME.into(),
         workflow_version: 1,

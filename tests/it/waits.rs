@@ -60,6 +60,7 @@ fn registry(acted: &Arc<AtomicU32>) -> Registry {
 
 async fn submit(env: &TestEnv, id: &str, sleep_ms: u64, timeout_ms: u64) {
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: id.to_owned(),
         workflow: Patient::NAME.to_owned(),
         workflow_version: 1,
@@ -375,6 +376,7 @@ async fn sleep_until_waits_for_the_instant_it_names() {
     let at = chrono::Utc::now() + chrono::Duration::milliseconds(1500);
     let at = at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "alarm-1".to_owned(),
         workflow: Alarm::NAME.to_owned(),
         workflow_version: 1,
@@ -650,6 +652,7 @@ fn agent_registry(tool_url: &str) -> Registry {
 
 async fn submit_agent(env: &TestEnv, id: &str, approval: Value) {
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: id.to_owned(),
         workflow: "agent".to_owned(),
         workflow_version: 1,
@@ -820,6 +823,7 @@ async fn each_approval_wait_of_one_name_sends_its_own_event_once() {
     config.webhook_secret = Some(secret.parse().unwrap());
     let _engine = env.start(registry, config);
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "twice".to_owned(),
         workflow: AsksTwice::NAME.to_owned(),
         workflow_version: 1,
@@ -990,6 +994,7 @@ async fn a_decision_for_one_wait_is_never_taken_by_a_later_wait() {
     api.register(GoTwice);
     let base = serve_api(env.store.clone(), api, None);
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: "go2".to_owned(),
         workflow: GoTwice::NAME.to_owned(),
         workflow_version: 1,
@@ -1043,6 +1048,7 @@ impl Workflow for AsksOnce {
 
 async fn submit_asks_once(env: &TestEnv, id: &str) {
     env.submit_job(NewJob {
+        tags: Default::default(),
         id: id.to_owned(),
         workflow: AsksOnce::NAME.to_owned(),
         workflow_version: 1,
@@ -1460,6 +1466,7 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
     let _engine = env.start(registry, env.config());
     for id in ["ct-1", "ct-2"] {
         env.submit_job(NewJob {
+            tags: Default::default(),
             id: id.to_owned(),
             workflow: Counter::NAME.to_owned(),
             workflow_version: 1,

@@ -68,6 +68,7 @@ pub(super) async fn run(
             .map(|i| {
                 let store = store.clone();
                 let job = onceflow_engine::intake::NewJob {
+                    tags: Default::default(),
                     id: format!("bench-{run_id}-curve-{i}"),
                     workflow: "completion".to_owned(),
                     workflow_version: 1,

@@ -1208,6 +1208,7 @@ async fn hold(
             .map(|i| {
                 let store = store.clone();
                 let job = onceflow_engine::intake::NewJob {
+                    tags: Default::default(),
                     id: format!("bench-{prefix}-{i}"),
                     workflow: "completion".to_owned(),
                     workflow_version: 1,

@@ -112,6 +112,7 @@ pub(super) async fn run(
     for (i, id) in ids.iter().enumerate() {
         store
             .submit(&onceflow_engine::intake::NewJob {
+                tags: Default::default(),
                 id: id.clone(),
                 workflow: "completion".to_owned(),
                 workflow_version: 1,

@@ -166,6 +166,7 @@ async fn submit(
             .map(|i| {
                 let store = store.clone();
                 let job = NewJob {
+                    tags: Default::default(),
                     id: format!("{prefix}-{i}"),
                     workflow: Sleeper::NAME.to_owned(),
                     workflow_version: 1,

@@ -303,6 +303,15 @@ pub(super) struct ListQuery {
     limit: Option<String>,
     cursor: Option<String>,
     waiting: Option<String>,
+    tag: Option<String>,
+}
+
+/// `label:value`, as `?tag=` and a bulk cancel's `tag` take it.
+pub(super) fn parse_tag(tag: &str) -> Result<(String, String), String> {
+    match tag.split_once(':') {
+        Some((k, v)) if crate::request::valid_tag_key(k) => Ok((k.to_owned(), v.to_owned())),
+        _ => Err("must be label:value (a label of 1-64 characters of A-Z a-z 0-9 _ . -)".into()),
+    }
 }
 
 /// The kinds of wait `GET /v1/jobs?waiting=` filters by.
@@ -342,6 +351,7 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
         ("since" = Option<chrono::DateTime<chrono::Utc>>, Query, description = "Created at or after (RFC 3339)"),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "1–500, default 50"),
         ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before (opaque: any other value is a 422)"),
+        ("tag" = Option<String>, Query, description = "Only jobs with this tag, `label:value`"),
     ),
     responses(
         (status = 200, description = "Newest first", body = JobPage),
@@ -414,7 +424,13 @@ pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> H
             )
         }
     };
+    let tag = match query.tag.as_deref().map(parse_tag) {
+        None => None,
+        Some(Ok(tag)) => Some(tag),
+        Some(Err(message)) => return invalid("tag", message),
+    };
     let filter = crate::store::ListFilter {
+        tag,
         state: job_state,
         workflow: query.workflow,
         since,

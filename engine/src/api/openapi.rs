@@ -60,6 +60,11 @@ pub(super) struct SubmitJob {
     webhook_url: Option<String>,
     /// Higher runs first among due jobs (0–100 for a tenant's token).
     priority: Option<i32>,
+    /// Labels to list and cancel jobs by (`?tag=label:value`): at most 20,
+    /// each label 1–64 characters of `A-Z a-z 0-9 _ . -`, each value a
+    /// string of at most 256 characters.
+    #[schema(value_type = Option<HashMap<String, String>>)]
+    tags: Option<std::collections::HashMap<String, String>>,
     /// Not before this time (RFC 3339, at most 30 days ahead).
     run_at: Option<chrono::DateTime<chrono::Utc>>,
     /// Not before this many milliseconds (at most 30 days); not with `run_at`.

@@ -9,6 +9,8 @@ pub(super) struct ActionBody {
     reason: Option<String>,
     /// Bulk cancel: only jobs in this live state.
     state: Option<String>,
+    /// Bulk cancel: only jobs with this tag (`label:value`).
+    tag: Option<String>,
     /// Bulk redrive: only this workflow's dead jobs.
     workflow: Option<String>,
     /// Bulk redrive: at most this many (default and most 1,000).
@@ -70,6 +72,7 @@ pub(super) async fn action_body(
     };
     let reason = text("reason").map_err(|(f, m)| invalid(f, m))?;
     let job_state = text("state").map_err(|(f, m)| invalid(f, m))?;
+    let tag = text("tag").map_err(|(f, m)| invalid(f, m))?;
     let workflow = text("workflow").map_err(|(f, m)| invalid(f, m))?;
     let limit = match fields.remove("limit") {
         None | Some(serde_json::Value::Null) => None,
@@ -84,6 +87,7 @@ pub(super) async fn action_body(
     let parsed = ActionBody {
         reason,
         state: job_state,
+        tag,
         workflow,
         limit,
     };
@@ -394,11 +398,23 @@ pub(super) async fn cancel_bulk(
                 Some("state"),
             ),
         };
+    let tag = match body.tag.as_deref().map(super::jobs::parse_tag) {
+        None => None,
+        Some(Ok(tag)) => Some(tag),
+        Some(Err(message)) => {
+            return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                format!("tag: {message}"),
+                Some("tag"),
+            )
+        }
+    };
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "bulk cancel".into());
     let ids = match state
         .store
-        .live_ids(only, body.workflow.as_deref(), who.scope(), limit)
+        .live_ids(only, body.workflow.as_deref(), tag, who.scope(), limit)
         .await
     {
         Ok(ids) => ids,
@@ -518,6 +534,7 @@ pub(super) async fn rerun(
         );
     };
     let job = crate::intake::NewJob {
+        tags: original.tags.clone(),
         id: new_id,
         workflow: original.workflow.clone(),
         workflow_version: workflow.version() as i32,

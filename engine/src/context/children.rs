@@ -156,6 +156,7 @@ impl Context {
         };
         self.not_draining()?;
         let job = NewJob {
+            tags: Default::default(),
             id: id.clone(),
             workflow: workflow.to_owned(),
             workflow_version: version,

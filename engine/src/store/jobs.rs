@@ -59,8 +59,10 @@ pub struct JobView {
     /// The workflow's input, as submitted.
     #[schema(value_type = Object)]
     pub input: Value,
-    /// Where the outcome is delivered by webhook.
+    /// Where the outcome is delivered by webhook (empty: nowhere).
     pub webhook_url: String,
+    /// Its tags (label → value).
+    pub tags: crate::request::Tags,
     /// The workflow's output, once persisted.
     #[schema(value_type = Option<Object>)]
     pub result: Option<Value>,
@@ -373,6 +375,7 @@ impl Store {
                 incarnation: row.incarnation,
                 input: job.input.clone(),
                 webhook_url: job.webhook_url.clone(),
+                tags: job.tags.clone(),
                 result: None,
                 history: vec![HistoryEntry {
                     state: JobState::Received,
@@ -511,6 +514,7 @@ impl Store {
             incarnation: row.incarnation,
             input: request.input,
             webhook_url: request.webhook_url,
+            tags: request.tags,
             result: row.result,
             history,
             delivery,
@@ -576,6 +580,10 @@ pub struct JobSummary {
     #[diesel(sql_type = Nullable<Jsonb>)]
     #[schema(value_type = Option<Object>)]
     pub waiting: Option<Value>,
+    /// Its tags (label → value).
+    #[diesel(sql_type = Jsonb)]
+    #[schema(value_type = Object)]
+    pub tags: Value,
 }
 
 /// Which jobs to list.
@@ -596,6 +604,8 @@ pub struct ListFilter {
     /// Only jobs waiting for this kind of thing (`sleep`, `signal`,
     /// `approval`, `children`).
     pub waiting_kind: Option<String>,
+    /// Only jobs with this tag (label, value).
+    pub tag: Option<(String, String)>,
     /// The most jobs returned in one page.
     pub limit: i64,
 }
@@ -621,7 +631,8 @@ impl Store {
             ($waiting_kind:literal) => {
                 concat!(
                     "SELECT id, workflow, workflow_version, state::text AS state, attempts, incarnation, created_at, \
-                         updated_at, finished_at, dead_reason, CASE WHEN finished_at IS NULL THEN waiting END AS waiting \
+                         updated_at, finished_at, dead_reason, CASE WHEN finished_at IS NULL THEN waiting END AS waiting, \
+                         coalesce(request->'tags', '{}'::jsonb) AS tags \
                      FROM jobs \
                      WHERE ($1::text IS NULL OR state::text = $1) \
                        AND ($2::text IS NULL OR workflow = $2) \
@@ -629,6 +640,7 @@ impl Store {
                        AND ($4::bigint IS NULL OR owner_token = $4) \
                        AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6::text)) \
                        AND ($8::boolean IS NULL OR (waiting IS NOT NULL AND finished_at IS NULL) = $8) \
+                       AND ($10::jsonb IS NULL OR request->'tags' @> $10) \
                        AND ",
                     $waiting_kind,
                     " ORDER BY created_at DESC, id DESC \
@@ -651,6 +663,12 @@ impl Store {
             .bind::<BigInt, _>(filter.limit + 1)
             .bind::<Nullable<diesel::sql_types::Bool>, _>(filter.waiting)
             .bind::<Nullable<Text>, _>(filter.waiting_kind.as_deref())
+            .bind::<Nullable<Jsonb>, _>(
+                filter
+                    .tag
+                    .as_ref()
+                    .map(|(k, v)| serde_json::json!({ k: v })),
+            )
             .load(&mut conn)
             .await?;
         let more = rows.len() as i64 > filter.limit;

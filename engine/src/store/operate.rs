@@ -295,11 +295,13 @@ impl Store {
     }
 
     /// The live jobs of `owner` (every token's with `None`), oldest
-    /// first, in `state` and of `workflow` when given: at most `limit`.
+    /// first, in `state`, of `workflow` and with `tag` when given: at most
+    /// `limit`.
     pub async fn live_ids(
         &self,
         state: Option<JobState>,
         workflow: Option<&str>,
+        tag: Option<(String, String)>,
         owner: Option<i64>,
         limit: i64,
     ) -> Result<Vec<String>, StoreError> {
@@ -308,12 +310,14 @@ impl Store {
             "SELECT id FROM jobs WHERE finished_at IS NULL \
                AND ($1::text IS NULL OR state::text = $1) \
                AND ($2::text IS NULL OR workflow = $2) AND ($3::bigint IS NULL OR owner_token = $3) \
+               AND ($5::jsonb IS NULL OR request->'tags' @> $5) \
              ORDER BY created_at, id LIMIT $4",
         )
         .bind::<diesel::sql_types::Nullable<Text>, _>(state.map(JobState::as_str))
         .bind::<diesel::sql_types::Nullable<Text>, _>(workflow)
         .bind::<diesel::sql_types::Nullable<BigInt>, _>(owner)
         .bind::<BigInt, _>(limit)
+        .bind::<diesel::sql_types::Nullable<Jsonb>, _>(tag.map(|(k, v)| serde_json::json!({ k: v })))
         .load(&mut conn)
         .await?;
         Ok(rows.into_iter().map(|r| r.id).collect())

@@ -95,6 +95,7 @@ impl TestEnv {
     /// Submits a `completion` job with one user message, as the API would.
     pub async fn submit(&self, id: &str, prompt: &str) -> JobView {
         self.submit_job(NewJob {
+            tags: Default::default(),
             id: id.to_owned(),
             workflow: "completion".to_owned(),
             workflow_version: 1,

@@ -442,6 +442,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             .map_or(1, |w| w.version() as i32);
         self.env
             .submit_job(NewJob {
+                tags: Default::default(),
                 id: id.to_owned(),
                 workflow: self.workflow.clone(),
                 workflow_version: version,

@@ -284,6 +284,8 @@ async function loadJob(id) {
   fact(facts, "workflow", `${job.workflow} v${job.workflow_version}`);
   fact(facts, "attempts", job.attempts);
   fact(facts, "incarnation", job.incarnation);
+  const tags = Object.entries(job.tags || {}).map(([k, v]) => k + "=" + v).join(", ");
+  fact(facts, "tags", tags || null);
   fact(facts, "dead reason", job.dead_reason);
   if (job.parent) fact(facts, "parent", job.parent, "#/jobs/" + encodeURIComponent(job.parent));
   const waiting = job.waiting;
