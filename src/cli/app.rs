@@ -191,8 +191,12 @@ fn secret_on_command_line(matches: &clap::ArgMatches) -> Option<String> {
         .and_then(|(_, m)| secret_on_command_line(m))
 }
 
-/// Whether `url` (`scheme://user:password@host…`) holds a password.
+/// Whether `url` holds a password: `scheme://user:password@host…`, a
+/// `password=` query parameter, or a `password=` keyword (`host=h password=p`).
 fn url_has_password(url: &str) -> bool {
+    if url.to_ascii_lowercase().contains("password=") {
+        return true;
+    }
     let Some((_, rest)) = url.split_once("://") else {
         return false;
     };
@@ -213,5 +217,7 @@ mod tests {
         assert!(!url_has_password("postgres://u@h:5432/db"));
         assert!(!url_has_password("postgres://h:5432/db"));
         assert!(!url_has_password("postgres:///db?host=/run/pg&user=a:b"));
+        assert!(url_has_password("postgres://u@h/db?password=p"));
+        assert!(url_has_password("host=h user=u password=p dbname=d"));
     }
 }

@@ -627,6 +627,10 @@ async fn a_batch_answers_each_job_as_a_single_submit_would() {
         (json!({ "jobs": too_many }), "jobs"),
         (json!({ "jobs": {} }), "jobs"),
         (
+            json!({ "jobs": [job("b-8", "m", &hook), [null]] }),
+            "jobs[1]",
+        ),
+        (
             json!({ "jobs": [job("b-9", "m", &hook)], "more": 1 }),
             "more",
         ),

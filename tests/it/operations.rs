@@ -943,10 +943,10 @@ async fn a_finished_job_is_rerun_under_a_new_id_once() {
         first.attempts,
         "the original untouched"
     );
-    let (status, body) = get_as(&format!("{base}/v1/jobs?tag=x"), None).await;
+    let (status, body) = get_as(&format!("{base}/v1/jobs?surprise=1"), None).await;
     assert_eq!(
         (status, body["error"]["field"].as_str()),
-        (422, Some("tag")),
+        (422, Some("surprise")),
         "an unknown list parameter: {body}"
     );
 }

@@ -1059,6 +1059,73 @@ async fn small_bounds_are_answered_alike() {
     );
 }
 
+/// The day-one operations keep to the caller's token: another token's job
+/// cannot be rerun (404), a bulk cancel and a tag filter never reach it,
+/// and a batch naming its id is told only that the id is not available.
+#[actix_rt::test]
+async fn bulk_rerun_batch_and_tags_keep_to_the_callers_token() {
+    use reqwest::Method;
+    let env = TestEnv::new().await;
+    let base = api_limited(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: false },
+        Bounds::default(),
+    );
+    let alice = env.store.create_token("alice", false).await.unwrap();
+    let bob = env.store.create_token("bob", false).await.unwrap();
+    let jobs = format!("{base}/v1/jobs");
+    let mut body = job_body("a-1", &env.consumer.url());
+    body["tags"] = json!({ "team": "a" });
+    body["delay_ms"] = json!(3_600_000);
+    let (status, _, _) = call(Method::POST, &jobs, Some(&alice), Some(&body)).await;
+    assert_eq!(status, 201);
+    let (status, _, _) = call(
+        Method::POST,
+        &format!("{jobs}/a-1/rerun"),
+        Some(&bob),
+        Some(&json!({ "id": "b-copy" })),
+    )
+    .await;
+    assert_eq!(status, 404, "another token's job is not there to rerun");
+    let (status, answer, _) = call(
+        Method::POST,
+        &format!("{jobs}/cancel"),
+        Some(&bob),
+        Some(&json!({ "tag": "team:a" })),
+    )
+    .await;
+    assert_eq!((status, &answer), (202, &json!({ "cancelled": 0 })));
+    let (_, page, _) = call(Method::GET, &format!("{jobs}?tag=team:a"), Some(&bob), None).await;
+    assert_eq!(page["jobs"], json!([]), "bob lists none of alice's");
+    let (status, answer, _) = call(
+        Method::POST,
+        &format!("{jobs}/batch"),
+        Some(&bob),
+        Some(&json!({ "jobs": [body] })),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["jobs"][0]["status"], 409);
+    assert!(
+        answer["jobs"][0].get("job").is_none(),
+        "nothing of alice's job is shown"
+    );
+    assert_eq!(
+        env.job("a-1").await.state,
+        onceflow_engine::JobState::Received
+    );
+    let (_, page, _) = call(
+        Method::GET,
+        &format!("{jobs}?tag=team:a"),
+        Some(&alice),
+        None,
+    )
+    .await;
+    assert_eq!(page["jobs"][0]["id"], "a-1", "alice lists her own");
+}
+
 /// A client that dribbles its body is cut off (`408`), not waited for.
 #[actix_rt::test]
 async fn a_dribbled_body_times_out() {

@@ -74,6 +74,15 @@ pub(super) async fn submit_batch(
             (Some(serde_json::Value::Array(jobs)), None)
                 if (1..=MAX_BATCH).contains(&jobs.len()) =>
             {
+                if let Some(i) = jobs.iter().position(|j| !j.is_object()) {
+                    let field = format!("jobs[{i}]");
+                    return error(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "invalid",
+                        format!("{field}: must be a job, a JSON object"),
+                        Some(&field),
+                    );
+                }
                 jobs
             }
             _ => {
@@ -102,9 +111,14 @@ pub(super) async fn submit_batch(
             )
         }
     };
-    let answers =
-        futures_util::future::join_all(jobs.into_iter().map(|job| submit_one(&state, who, job)))
-            .await;
+    // A few at a time, in order: the store batches concurrent inserts, and
+    // the backlog count is read once, not once per job.
+    use futures_util::StreamExt as _;
+    let answers: Vec<serde_json::Value> = futures_util::stream::iter(jobs)
+        .map(|job| submit_one(&state, who, job))
+        .buffered(16)
+        .collect()
+        .await;
     HttpResponse::Ok().json(json!({ "jobs": answers }))
 }
 
@@ -117,6 +131,14 @@ async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde
         })
     };
     let bytes = serde_json::to_vec(&job).expect("a JSON value serialises");
+    if bytes.len() > state.body_limit {
+        return refused(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the job exceeds {} bytes", state.body_limit),
+            None,
+        );
+    }
     let job = match intake::parse(&bytes, &state.registry, &state.url_guard) {
         Ok(job) => job,
         Err(IntakeError::Malformed(m)) => {

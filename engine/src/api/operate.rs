@@ -19,10 +19,12 @@ pub(super) struct ActionBody {
 
 /// Reads an action's optional JSON body (at most 16 KiB, within the
 /// intake's body timeout, so a dribbled body cannot hold a connection).
+/// A field the action does not take (`takes`) is a `422` naming it.
 pub(super) async fn action_body(
     state: &ApiState,
     req: &HttpRequest,
     payload: web::Payload,
+    takes: &[&str],
 ) -> Result<ActionBody, HttpResponse> {
     let body = read_body(state, payload, 16 * 1024, || {
         error(
@@ -51,7 +53,12 @@ pub(super) async fn action_body(
     };
     let mut fields = match crate::intake::parse_json(&body) {
         Ok(serde_json::Value::Null) => return Ok(ActionBody::default()),
-        Ok(serde_json::Value::Object(map)) => map,
+        Ok(serde_json::Value::Object(map)) => {
+            if let Some(extra) = map.keys().find(|k| !takes.contains(&k.as_str())) {
+                return Err(invalid(extra, "unknown field"));
+            }
+            map
+        }
         Ok(_) => return Err(invalid("body", "must be a JSON object")),
         Err(e) => {
             return Err(error(
@@ -146,7 +153,7 @@ pub(super) async fn cancel(
         Ok(who) => who,
         Err(refused) => return refused,
     };
-    let body = match action_body(&state, &req, payload).await {
+    let body = match action_body(&state, &req, payload, &["reason"]).await {
         Ok(b) => b,
         Err(refused) => return refused,
     };
@@ -233,7 +240,7 @@ pub(super) async fn redrive(
             )
         }
     };
-    let body = match action_body(&state, &req, payload).await {
+    let body = match action_body(&state, &req, payload, &["reason"]).await {
         Ok(b) => b,
         Err(refused) => return refused,
     };
@@ -315,7 +322,7 @@ pub(super) async fn redrive_bulk(
             )
         }
     };
-    let body = match action_body(&state, &req, payload).await {
+    let body = match action_body(&state, &req, payload, &["reason", "workflow", "limit"]).await {
         Ok(b) => b,
         Err(refused) => return refused,
     };
@@ -374,7 +381,14 @@ pub(super) async fn cancel_bulk(
         Ok(who) => who,
         Err(refused) => return refused,
     };
-    let body = match action_body(&state, &req, payload).await {
+    let body = match action_body(
+        &state,
+        &req,
+        payload,
+        &["reason", "state", "workflow", "tag", "limit"],
+    )
+    .await
+    {
         Ok(b) => b,
         Err(refused) => return refused,
     };
@@ -461,6 +475,7 @@ struct RerunBody {
         (status = 404, body = ErrorBody),
         (status = 409, description = "The new id holds another job", body = ErrorBody),
         (status = 422, body = ErrorBody),
+        (status = 429, description = "The backlog is full (`Retry-After`)", body = ErrorBody),
     ))]
 pub(super) async fn rerun(
     state: web::Data<ApiState>,
@@ -542,6 +557,27 @@ pub(super) async fn rerun(
         webhook_url: original.webhook_url.clone(),
         schedule: Default::default(),
     };
+    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "this node is shutting down and takes no new jobs; retry",
+            None,
+        );
+    }
+    // A rerun is a new job: it takes a place in the backlog as a submit does.
+    match state.limits.admit(&state.store, who.owner()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(message)) => {
+            let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
+            r.headers_mut().insert(
+                actix_web::http::header::RETRY_AFTER,
+                actix_web::http::header::HeaderValue::from_static("5"),
+            );
+            return r;
+        }
+        Err(e) => return unavailable(e),
+    }
     let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
     let trace = crate::traceparent::TraceParent::new_root();
     match state

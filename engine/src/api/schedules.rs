@@ -148,7 +148,12 @@ pub(super) async fn create_schedule(
         if let Some(owner) = who.owner() {
             match state.store.schedule_count(owner).await {
                 Ok(n) if n >= MAX_SCHEDULES_PER_TOKEN => {
-                    let exists = matches!(state.store.schedule(&schedule.id).await, Ok(Some(_)));
+                    // Its own schedule again is still found; another
+                    // token's id says nothing more here.
+                    let exists = matches!(
+                        state.store.schedule(&schedule.id).await,
+                        Ok(Some(s)) if s.schedule.owner_token == Some(owner)
+                    );
                     if !exists {
                         return error(
                             StatusCode::CONFLICT,

@@ -640,7 +640,7 @@ impl Store {
                        AND ($4::bigint IS NULL OR owner_token = $4) \
                        AND ($5::timestamptz IS NULL OR (created_at, id) < ($5, $6::text)) \
                        AND ($8::boolean IS NULL OR (waiting IS NOT NULL AND finished_at IS NULL) = $8) \
-                       AND ($10::jsonb IS NULL OR request->'tags' @> $10) \
+                       AND ($10::jsonb IS NULL OR (request ? 'tags' AND request->'tags' @> $10)) \
                        AND ",
                     $waiting_kind,
                     " ORDER BY created_at DESC, id DESC \

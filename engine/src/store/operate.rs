@@ -310,7 +310,7 @@ impl Store {
             "SELECT id FROM jobs WHERE finished_at IS NULL \
                AND ($1::text IS NULL OR state::text = $1) \
                AND ($2::text IS NULL OR workflow = $2) AND ($3::bigint IS NULL OR owner_token = $3) \
-               AND ($5::jsonb IS NULL OR request->'tags' @> $5) \
+               AND ($5::jsonb IS NULL OR (request ? 'tags' AND request->'tags' @> $5)) \
              ORDER BY created_at, id LIMIT $4",
         )
         .bind::<diesel::sql_types::Nullable<Text>, _>(state.map(JobState::as_str))

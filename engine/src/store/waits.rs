@@ -383,7 +383,10 @@ impl Store {
                 .bind::<Text, _>(job_id)
                 .get_result(conn)
                 .await?;
-                if held.n >= MAX_UNTAKEN_SIGNALS || held.bytes >= MAX_UNTAKEN_SIGNAL_BYTES {
+                let adding = i64::try_from(payload.to_string().len()).unwrap_or(i64::MAX);
+                if held.n >= MAX_UNTAKEN_SIGNALS
+                    || held.bytes.saturating_add(adding) > MAX_UNTAKEN_SIGNAL_BYTES
+                {
                     return Ok(SignalOutcome::TooMany);
                 }
                 let view: SignalView = sql(
