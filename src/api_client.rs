@@ -263,9 +263,18 @@ impl Client {
         if !webhook_url.is_empty() {
             body["webhook_url"] = json!(webhook_url);
         }
+        self.submit_body(&body).await
+    }
+
+    /// Submits `body`, a whole `POST /v1/jobs` body (with `tags`,
+    /// `priority`, `run_at`, … as the HTTP guide gives them).
+    pub async fn submit_body<O: DeserializeOwned>(
+        &self,
+        body: &Value,
+    ) -> Result<Submitted<O>, ClientError> {
         let response = self
             .request(reqwest::Method::POST, "/v1/jobs")
-            .json(&body)
+            .json(body)
             .send()
             .await?;
         let (status, job) = Self::answer(response).await?;
@@ -273,6 +282,19 @@ impl Client {
             created: status == 201,
             job,
         })
+    }
+
+    /// Submits up to 1,000 `POST /v1/jobs` bodies in one request: one
+    /// answer per job, in order (`{"status", "job"}` or `{"status", "error"}`),
+    /// each what a single submit would have answered.
+    pub async fn submit_batch(&self, jobs: &[Value]) -> Result<Vec<Value>, ClientError> {
+        let response = self
+            .request(reqwest::Method::POST, "/v1/jobs/batch")
+            .json(&json!({ "jobs": jobs }))
+            .send()
+            .await?;
+        let (_, answer): (u16, Value) = Self::answer(response).await?;
+        Ok(answer["jobs"].as_array().cloned().unwrap_or_default())
     }
 
     /// A job with its history, result and last error.

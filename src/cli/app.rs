@@ -36,6 +36,8 @@ enum Command {
     Redrive(client::RedriveArgs),
     /// Run a job's workflow again on its input, as a new job under a new id.
     Rerun(client::RerunArgs),
+    /// Submit up to 1,000 jobs from a JSON file in one request.
+    Batch(client::BatchArgs),
     /// Send a job a signal (what its wait asks for, or an approval).
     Signal(client::SignalArgs),
     /// Manage schedules: crons that create jobs (create, list, show, delete, pause, resume).
@@ -134,6 +136,7 @@ impl App {
             Command::Cancel(args) => client::cancel(args),
             Command::Redrive(args) => client::redrive(args),
             Command::Rerun(args) => client::rerun(args),
+            Command::Batch(args) => client::batch(args),
             Command::Signal(args) => client::signal(args),
             Command::Schedule(args) => client::schedule(args),
         }

@@ -25,6 +25,9 @@ pub struct SubmitArgs {
     /// (`--input '{"name": "Ada"}'`); `--model` is then not used.
     #[arg(long)]
     pub input: Option<String>,
+    /// A tag, `label=value` (repeat for more): list and cancel jobs by it.
+    #[arg(long = "tag", value_name = "LABEL=VALUE")]
+    pub tags: Vec<String>,
     /// Where the completion webhook goes; without it the job POSTs
     /// nothing (follow it with `status` or `watch`).
     #[arg(long, default_value = "")]
@@ -113,10 +116,24 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
         }
         None => json!({ "model": args.model, "messages": messages }),
     };
+    let mut body = json!({ "id": args.id, "workflow": args.workflow, "input": input });
+    if !args.webhook_url.is_empty() {
+        body["webhook_url"] = json!(args.webhook_url);
+    }
+    if !args.tags.is_empty() {
+        let mut tags = serde_json::Map::new();
+        for tag in &args.tags {
+            let Some((label, value)) = tag.split_once('=') else {
+                bail!("--tag {tag:?} must be label=value");
+            };
+            tags.insert(label.to_owned(), json!(value));
+        }
+        body["tags"] = Value::Object(tags);
+    }
     let client = api(&args.server, args.token.as_deref());
     runtime()?.block_on(async {
         let submitted = client
-            .submit_raw::<Value>(&args.workflow, &args.id, &input, &args.webhook_url)
+            .submit_body::<Value>(&body)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let verb = if submitted.created {
@@ -569,6 +586,57 @@ pub struct RedriveArgs {
     /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
     #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct BatchArgs {
+    /// A JSON file holding an array of `POST /v1/jobs` bodies (at most 1,000).
+    pub file: PathBuf,
+    /// The onceflow server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// The API token (sent as `Authorization: Bearer …`, never in a URL).
+    /// Prefer ONCEFLOW_TOKEN: a flag's value is visible in `ps`.
+    #[arg(long, env = "ONCEFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+/// `onceflow batch FILE`: one line per job, in order, with what the server
+/// answered it; exits non-zero when any job was refused.
+pub fn batch(args: BatchArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
+    let jobs: Vec<Value> = serde_json::from_str(&text)
+        .with_context(|| format!("{} must hold a JSON array of jobs", args.file.display()))?;
+    let client = api(&args.server, args.token.as_deref());
+    runtime()?.block_on(async {
+        let answers = client
+            .submit_batch(&jobs)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut refused = 0;
+        for (job, answer) in jobs.iter().zip(&answers) {
+            let id = job["id"].as_str().unwrap_or("?");
+            let status = answer["status"].as_u64().unwrap_or(0);
+            match answer["error"]["code"].as_str() {
+                Some(code) => {
+                    refused += 1;
+                    println!(
+                        "{id}: {status} {code}: {}",
+                        answer["error"]["message"].as_str().unwrap_or("")
+                    );
+                }
+                None => println!(
+                    "{id}: {status} {}",
+                    answer["job"]["state"].as_str().unwrap_or("")
+                ),
+            }
+        }
+        if refused > 0 {
+            bail!("{refused} of {} jobs were refused", answers.len());
+        }
+        Ok(())
+    })
 }
 
 /// `onceflow cancel ID | --all`.

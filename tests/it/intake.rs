@@ -175,8 +175,10 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
             Some("workflow"),
         ),
         (
-            "missing webhook",
-            serde_json::to_vec(&without("webhook_url")).unwrap(),
+            // (A missing webhook is a job without one: see
+            // `a_job_without_a_webhook_is_acked_with_its_result_and_posts_nothing`.)
+            "a webhook that is not a string",
+            serde_json::to_vec(&with(&["webhook_url"], json!(7))).unwrap(),
             422,
             Some("webhook_url"),
         ),

@@ -950,3 +950,91 @@ async fn a_finished_job_is_rerun_under_a_new_id_once() {
         "an unknown list parameter: {body}"
     );
 }
+
+/// Runs the real binary with `args` (off the runtime), returning whether it
+/// succeeded and what it printed.
+async fn cli(args: Vec<String>) -> (bool, String) {
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"))
+            .args(&args)
+            .env_remove("ONCEFLOW_TOKEN")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// The day-one operations from the command line: `submit --tag`, `batch
+/// FILE`, `rerun ID --as NEW`, `cancel --all --tag`-free filters.
+#[actix_rt::test]
+async fn the_cli_tags_batches_reruns_and_cancels_in_bulk() {
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    let s = |v: &str| v.to_owned();
+    let (ok, out) = cli(vec![
+        s("submit"),
+        s("--id"),
+        s("cli-tagged"),
+        s("--prompt"),
+        s("hi"),
+        s("--tag"),
+        s("team=a"),
+        s("--tag"),
+        s("env=prod"),
+        s("--server"),
+        base.clone(),
+    ])
+    .await;
+    assert!(ok, "{out}");
+    assert_eq!(
+        serde_json::to_value(env.job("cli-tagged").await.tags).unwrap(),
+        json!({ "team": "a", "env": "prod" })
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("jobs.json");
+    let mut later = job("cli-b-1", &env.consumer.url());
+    later["delay_ms"] = json!(3_600_000);
+    let mut bad = job("cli-b-2", &env.consumer.url());
+    bad["workflow"] = json!("nope");
+    std::fs::write(&file, serde_json::to_vec(&json!([later, bad])).unwrap()).unwrap();
+    let (ok, out) = cli(vec![
+        s("batch"),
+        file.display().to_string(),
+        s("--server"),
+        base.clone(),
+    ])
+    .await;
+    assert!(!ok, "one job was refused: {out}");
+    assert!(
+        out.contains("cli-b-1: 201") && out.contains("cli-b-2: 422 invalid"),
+        "{out}"
+    );
+    let (ok, out) = cli(vec![
+        s("rerun"),
+        s("cli-tagged"),
+        s("--as"),
+        s("cli-again"),
+        s("--server"),
+        base.clone(),
+    ])
+    .await;
+    assert!(ok && out.contains("cli-again created"), "{out}");
+    let (ok, out) = cli(vec![
+        s("cancel"),
+        s("--all"),
+        s("--state"),
+        s("received"),
+        s("--reason"),
+        s("tidy"),
+        s("--server"),
+        base.clone(),
+    ])
+    .await;
+    assert!(ok && out.contains("cancelled: 3"), "{out}");
+    assert_eq!(env.job("cli-b-1").await.state, JobState::Cancelled);
+}

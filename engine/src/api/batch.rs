@@ -4,7 +4,6 @@
 //! One job's refusal never fails the others; each is idempotent by its id.
 
 use super::*;
-use crate::intake::{self, IntakeError};
 use crate::store::Intake;
 use crate::traceparent::TraceParent;
 
@@ -139,33 +138,13 @@ async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde
             None,
         );
     }
-    let job = match intake::parse(&bytes, &state.registry, &state.url_guard) {
+    let job = match super::jobs::parse_job(state, who, &bytes) {
         Ok(job) => job,
-        Err(IntakeError::Malformed(m)) => {
-            return refused(StatusCode::BAD_REQUEST, "malformed_json", m, None)
-        }
-        Err(IntakeError::Invalid(e)) => {
-            return refused(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid",
-                e.to_string(),
-                Some(&e.field),
-            )
+        Err(refusal) => {
+            let (status, code, message, field) = refusal.parts();
+            return refused(status, code, message, field.as_deref());
         }
     };
-    if matches!(who, Who::Token(c) if !c.admin)
-        && job.schedule.priority.abs() > intake::MAX_TENANT_PRIORITY
-    {
-        return refused(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            format!(
-                "priority: must be from -{m} to {m} for a token that is not admin",
-                m = intake::MAX_TENANT_PRIORITY
-            ),
-            Some("priority"),
-        );
-    }
     match state.limits.admit(&state.store, who.owner()).await {
         Ok(Ok(())) => {}
         Ok(Err(message)) => {

@@ -59,14 +59,7 @@ pub(super) async fn submit(
     // Refuse before reading the body when the backlog is full.
     match state.limits.admit(&state.store, who.owner()).await {
         Ok(Ok(())) => {}
-        Ok(Err(message)) => {
-            let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
-            r.headers_mut().insert(
-                actix_web::http::header::RETRY_AFTER,
-                actix_web::http::header::HeaderValue::from_static("5"),
-            );
-            return r;
-        }
+        Ok(Err(message)) => return backlog_full(message),
         Err(e) => return unavailable(e),
     }
     let limit = state.body_limit;
@@ -109,33 +102,13 @@ pub(super) async fn submit(
         Ok(Err(refused)) => return refused,
         Err(_) => return body_timed_out(&state.limits),
     }
-    let job = match intake::parse(&body, &state.registry, &state.url_guard) {
+    let job = match parse_job(&state, who, &body) {
         Ok(job) => job,
-        Err(IntakeError::Malformed(m)) => {
-            return error(StatusCode::BAD_REQUEST, "malformed_json", m, None)
-        }
-        Err(IntakeError::Invalid(e)) => {
-            return error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid",
-                e.to_string(),
-                Some(&e.field),
-            )
+        Err(refused) => {
+            let (status, code, message, field) = refused.parts();
+            return error(status, code, message, field.as_deref());
         }
     };
-    if matches!(who, Who::Token(c) if !c.admin)
-        && job.schedule.priority.abs() > intake::MAX_TENANT_PRIORITY
-    {
-        return error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            format!(
-                "priority: must be from -{m} to {m} for a token that is not admin",
-                m = intake::MAX_TENANT_PRIORITY
-            ),
-            Some("priority"),
-        );
-    }
     // The `submit` span continues the caller's trace when it sent one; its
     // context is stored with the job, so every attempt is its child.
     let caller = req
@@ -449,4 +422,59 @@ pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> H
         }
         Err(e) => unavailable(e),
     }
+}
+
+/// Why a submission is refused, as `POST /v1/jobs` answers it.
+pub(super) struct Refusal(IntakeError);
+
+impl Refusal {
+    /// The status, code, message and field of the answer.
+    pub(super) fn parts(&self) -> (StatusCode, &'static str, String, Option<String>) {
+        match &self.0 {
+            IntakeError::Malformed(m) => {
+                (StatusCode::BAD_REQUEST, "malformed_json", m.clone(), None)
+            }
+            IntakeError::Invalid(e) => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid",
+                e.to_string(),
+                Some(e.field.clone()),
+            ),
+        }
+    }
+}
+
+/// A `POST /v1/jobs` body checked as intake checks it, and a tenant's
+/// priority within its bounds (an admin token's cuts across).
+pub(super) fn parse_job(
+    state: &ApiState,
+    who: Who,
+    body: &[u8],
+) -> Result<crate::request::NewJob, Refusal> {
+    let job = intake::parse(body, &state.registry, &state.url_guard).map_err(Refusal)?;
+    if matches!(who, Who::Token(c) if !c.admin)
+        && job.schedule.priority.abs() > intake::MAX_TENANT_PRIORITY
+    {
+        return Err(Refusal(
+            crate::error::InvalidInput::new(
+                "priority",
+                format!(
+                    "must be from -{m} to {m} for a token that is not admin",
+                    m = intake::MAX_TENANT_PRIORITY
+                ),
+            )
+            .into(),
+        ));
+    }
+    Ok(job)
+}
+
+/// `429 backlog_full` with `Retry-After`.
+pub(super) fn backlog_full(message: String) -> HttpResponse {
+    let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
+    r.headers_mut().insert(
+        actix_web::http::header::RETRY_AFTER,
+        actix_web::http::header::HeaderValue::from_static("5"),
+    );
+    r
 }

@@ -101,6 +101,21 @@ pub(super) async fn action_body(
     Ok(parsed)
 }
 
+/// A bulk action's `limit`: 1–1,000, 1,000 when not given; `None` out of it.
+fn bulk_limit(limit: Option<i64>) -> Option<i64> {
+    Some(limit.unwrap_or(1000)).filter(|l| (1..=1000).contains(l))
+}
+
+/// The answer to a bulk action's `limit` out of its range.
+fn bad_bulk_limit() -> HttpResponse {
+    error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid",
+        "limit: must be from 1 to 1000",
+        Some("limit"),
+    )
+}
+
 /// How a caller is named in history rows.
 pub(super) async fn caller_name(state: &ApiState, who: Who) -> String {
     match who {
@@ -326,15 +341,9 @@ pub(super) async fn redrive_bulk(
         Ok(b) => b,
         Err(refused) => return refused,
     };
-    let limit = body.limit.unwrap_or(1000);
-    if !(1..=1000).contains(&limit) {
-        return error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            "must be from 1 to 1000",
-            Some("limit"),
-        );
-    }
+    let Some(limit) = bulk_limit(body.limit) else {
+        return bad_bulk_limit();
+    };
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "bulk redrive".into());
     let ids = match state
@@ -392,15 +401,9 @@ pub(super) async fn cancel_bulk(
         Ok(b) => b,
         Err(refused) => return refused,
     };
-    let limit = body.limit.unwrap_or(1000);
-    if !(1..=1000).contains(&limit) {
-        return error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            "limit: must be from 1 to 1000",
-            Some("limit"),
-        );
-    }
+    let Some(limit) = bulk_limit(body.limit) else {
+        return bad_bulk_limit();
+    };
     let only =
         match body.state.as_deref().map(str::parse::<JobState>) {
             None => None,
@@ -568,14 +571,7 @@ pub(super) async fn rerun(
     // A rerun is a new job: it takes a place in the backlog as a submit does.
     match state.limits.admit(&state.store, who.owner()).await {
         Ok(Ok(())) => {}
-        Ok(Err(message)) => {
-            let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
-            r.headers_mut().insert(
-                actix_web::http::header::RETRY_AFTER,
-                actix_web::http::header::HeaderValue::from_static("5"),
-            );
-            return r;
-        }
+        Ok(Err(message)) => return super::jobs::backlog_full(message),
         Err(e) => return unavailable(e),
     }
     let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
