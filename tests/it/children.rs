@@ -570,3 +570,136 @@ async fn children_are_created_once_through_crashes_of_the_parent() {
     );
     assert_eq!(env.consumer.deliveries_for("fan-crash").len(), 1);
 }
+
+/// Spawns child `c0` and joins it, passing a failed child on with `?`.
+struct Strict;
+
+impl Workflow for Strict {
+    const NAME: &'static str = "test.strict";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let input = json!({ "model": "m", "messages": [{ "role": "user", "content": "strict" }] });
+        let child = ctx.spawn("c0", "completion", &input).await?;
+        let out = ctx.join(&[child], Duration::from_secs(300)).await?;
+        Ok(out.into_iter().next().expect("one child")?)
+    }
+}
+
+/// Spawns child `c0` with the input it reads from a counter that changes on
+/// every run of the body.
+struct Fickle {
+    runs: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl Workflow for Fickle {
+    const NAME: &'static str = "test.fickle";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let n = self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let input = json!({ "model": "m", "messages": [{ "role": "user", "content": format!("run {n}") }] });
+        ctx.spawn("c0", "completion", &input).await?;
+        Ok(json!(n))
+    }
+}
+
+/// Joins a child that does not exist.
+struct JoinsNobody;
+
+impl Workflow for JoinsNobody {
+    const NAME: &'static str = "test.joins_nobody";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let nobody = onceflow_engine::context::Child {
+            id: "nobody".into(),
+            name: "nobody".into(),
+        };
+        let out = ctx.join(&[nobody], Duration::from_secs(300)).await?;
+        Ok(match out.into_iter().next().expect("one outcome") {
+            Ok(_) => json!("acked"),
+            Err(failed) => json!(failed.state),
+        })
+    }
+}
+
+fn promise_registry(runs: &std::sync::Arc<std::sync::atomic::AtomicU32>) -> Registry {
+    let mut r = registry();
+    r.register(Fickle { runs: runs.clone() });
+    r.register(Strict);
+    r.register(JoinsNobody);
+    r
+}
+
+async fn submit_plain(env: &TestEnv, id: &str, workflow: &str, priority: i32) {
+    env.submit_job(NewJob {
+        tags: Default::default(),
+        id: id.into(),
+        workflow: workflow.into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: onceflow_engine::request::Schedule {
+            priority,
+            ..Default::default()
+        },
+    })
+    .await;
+}
+
+/// A replay that starts a name's child again with another input fails the
+/// parent (`child_conflict`) and makes no second child; the guide promises
+/// it.
+#[actix_rt::test]
+async fn a_child_started_again_with_another_input_is_child_conflict() {
+    let env = TestEnv::new().await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    env.faults.arm(
+        Some("fickle"),
+        FailPoint::AfterCommit("spawn"),
+        Action::Crash,
+        1,
+    );
+    let _engine = env.start(promise_registry(&runs), env.config());
+    submit_plain(&env, "fickle", "test.fickle", 0).await;
+    let view = env.wait_for("fickle", JobState::Dead, WAIT).await;
+    assert!(env
+        .faults
+        .fired_at("fickle", FailPoint::AfterCommit("spawn")));
+    assert_eq!(view.last_error.unwrap().code, "child_conflict");
+    assert_eq!(
+        count(&env, "SELECT 1 FROM jobs WHERE parent_id = 'fickle'").await,
+        1,
+        "no second child"
+    );
+}
+
+/// A child runs at its parent's priority; a child that is not there is
+/// `missing` to the join; a failed child passed on with `?` fails the
+/// parent as `child_failed`, naming the child.
+#[actix_rt::test]
+async fn children_keep_their_parents_priority_and_a_failed_one_fails_the_parent_by_question_mark() {
+    let env = TestEnv::new().await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    env.provider.push(Behaviour::Status(400, None));
+    let _engine = env.start(promise_registry(&runs), env.config());
+    submit_plain(&env, "urgent", "test.strict", 7).await;
+    let view = env.wait_for("urgent", JobState::Dead, WAIT).await;
+    let child = env.job("urgent:child:c0").await;
+    assert_eq!(child.priority, 7, "the parent's priority");
+    assert_eq!(child.state, JobState::Dead);
+    let error = view.last_error.unwrap();
+    assert_eq!(error.code, "child_failed");
+    assert!(
+        error.message.contains("urgent:child:c0"),
+        "{}",
+        error.message
+    );
+    submit_plain(&env, "lonely", "test.joins_nobody", 0).await;
+    let view = env.wait_for("lonely", JobState::Acked, WAIT).await;
+    assert_eq!(view.result.unwrap(), json!("missing"));
+}
