@@ -85,7 +85,8 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
         return Err(InvalidInput::new("input", "must be a JSON object").into());
     }
     workflow.validate(&input)?;
-    let schedule = take_schedule(&mut obj)?;
+    let mut schedule = take_schedule(&mut obj)?;
+    schedule.concurrency_limit = workflow.concurrency_per_key();
     let tags = take_tags(&mut obj)?;
     if let Some(extra) = obj.keys().next() {
         return Err(InvalidInput::new(extra.clone(), "unknown field").into());
@@ -186,10 +187,29 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
             "must be at most 30 days ahead (as delay_ms)",
         ));
     }
+    let concurrency_key = match obj.remove("concurrency_key") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(k))
+            if !k.is_empty() && k.chars().count() <= crate::request::MAX_CONCURRENCY_KEY =>
+        {
+            Some(k)
+        }
+        Some(_) => {
+            return Err(InvalidInput::new(
+                "concurrency_key",
+                format!(
+                    "must be a string of 1 to {} characters",
+                    crate::request::MAX_CONCURRENCY_KEY
+                ),
+            ))
+        }
+    };
     Ok(Schedule {
         priority,
         run_at,
         delay_ms,
+        concurrency_key,
+        concurrency_limit: None,
     })
 }
 

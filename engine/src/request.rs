@@ -68,7 +68,16 @@ pub struct Schedule {
     pub run_at: Option<chrono::DateTime<chrono::Utc>>,
     /// Not before this long after intake (`delay_ms`).
     pub delay_ms: Option<u64>,
+    /// The caller's key (a customer, a conversation): at most
+    /// `concurrency_limit` jobs of one key of one tenant run at once.
+    pub concurrency_key: Option<String>,
+    /// The workflow's limit per key ([`Workflow::concurrency_per_key`](crate::Workflow::concurrency_per_key)),
+    /// filled in by intake; not part of the request.
+    pub concurrency_limit: Option<u32>,
 }
+
+/// Longest `concurrency_key`, in characters.
+pub const MAX_CONCURRENCY_KEY: usize = 200;
 
 /// The request as stored in `jobs.request` (everything but the id, which is
 /// the key). The schedule's fields appear only when given, so a request
@@ -96,6 +105,9 @@ pub struct JobRequest {
     /// Its tags; stored only when there are some.
     #[serde(skip_serializing_if = "Tags::is_empty", deserialize_with = "lenient")]
     pub tags: Tags,
+    /// Its concurrency key; stored only when given.
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "lenient")]
+    pub concurrency_key: Option<String>,
 }
 
 /// A stored field read as its type, or its default when a hand-edited row
@@ -169,6 +181,7 @@ impl NewJob {
             run_at: self.schedule.run_at,
             delay_ms: self.schedule.delay_ms,
             tags: self.tags.clone(),
+            concurrency_key: self.schedule.concurrency_key.clone(),
         }
     }
 
@@ -304,11 +317,13 @@ mod tests {
                 priority: -3,
                 run_at: Some(at),
                 delay_ms: None,
+                ..Default::default()
             },
             Schedule {
                 priority: 0,
                 run_at: None,
                 delay_ms: Some(1500),
+                ..Default::default()
             },
         ] {
             let job = NewJob {

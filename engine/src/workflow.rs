@@ -52,6 +52,15 @@ pub trait Workflow: Send + Sync + 'static {
         false
     }
 
+    /// The most jobs of this workflow that run at once per
+    /// `concurrency_key` of one tenant, across every node (default: none
+    /// set; a token's own limit, or 1). When both this and the token set
+    /// one, the smaller holds. Taken at intake: a change applies to jobs
+    /// submitted after it.
+    fn concurrency_per_key(&self) -> Option<u32> {
+        None
+    }
+
     /// Checks an input beyond its type (non-empty lists, ranges). Runs at intake.
     fn validate(_input: &Self::Input) -> Result<(), InvalidInput> {
         Ok(())
@@ -91,6 +100,8 @@ pub trait DynWorkflow: Send + Sync {
     fn delivery_policy(&self) -> DeliveryPolicy;
     /// [`Workflow::failure_events`].
     fn failure_events(&self) -> bool;
+    /// [`Workflow::concurrency_per_key`].
+    fn concurrency_per_key(&self) -> Option<u32>;
     /// Decodes `input` into the workflow's input type and runs
     /// [`Workflow::validate`], then [`Workflow::validate_here`]: intake's
     /// check of a submitted job.
@@ -126,6 +137,10 @@ impl<W: Workflow> DynWorkflow for W {
 
     fn failure_events(&self) -> bool {
         Workflow::failure_events(self)
+    }
+
+    fn concurrency_per_key(&self) -> Option<u32> {
+        Workflow::concurrency_per_key(self).map(|n| n.clamp(1, 1000))
     }
 
     fn validate(&self, input: &Value) -> Result<(), InvalidInput> {

@@ -1,4 +1,4 @@
-//! `onceflow token create|list|revoke`: API tokens, managed against the
+//! `onceflow token create|list|set|revoke`: API tokens, managed against the
 //! database directly (like `migrate`), never over the API.
 
 use clap::{Args, Subcommand};
@@ -26,6 +26,15 @@ pub enum TokenCommand {
         /// An operator token: sees and acts on every job.
         #[arg(long)]
         admin: bool,
+        #[command(flatten)]
+        share: ShareArgs,
+    },
+    /// Change how token NAME shares the nodes with other tenants.
+    Set {
+        /// The token's name.
+        name: String,
+        #[command(flatten)]
+        share: ShareArgs,
     },
     /// List the tokens (names, never the tokens themselves).
     List,
@@ -51,6 +60,29 @@ pub enum TokenCommand {
     },
 }
 
+/// A token's share of the nodes.
+#[derive(Debug, Args)]
+pub struct ShareArgs {
+    /// Its share of the nodes' turns when several tenants' jobs wait
+    /// (1–1000, default 1): weights 3 and 1 start three of the first's
+    /// jobs for one of the second's.
+    #[arg(long)]
+    weight: Option<i32>,
+    /// The most jobs of one of its `concurrency_key`s that run at once,
+    /// across every node (1–1000; default: the workflow's limit, or 1).
+    #[arg(long)]
+    key_concurrency: Option<i32>,
+}
+
+impl ShareArgs {
+    fn share(&self) -> onceflow_engine::store::tokens::Share {
+        onceflow_engine::store::tokens::Share {
+            weight: self.weight,
+            key_concurrency: self.key_concurrency,
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 pub enum SecretCommand {
     /// Print the signing secret(s) of token NAME (newest first).
@@ -72,9 +104,14 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
         let db = database.open(1).await?;
         let store = onceflow_engine::Store::new(db);
         match args.command {
-            TokenCommand::Create { name, admin } => {
+            TokenCommand::Create { name, admin, share } => {
+                let share = share.share();
+                share.check()?;
                 let first = !store.tokens_exist().await?;
                 let token = store.create_token(&name, admin).await?;
+                if share != Default::default() {
+                    store.set_token_share(&name, share).await?;
+                }
                 if first {
                     eprintln!(
                         "warning: this is the first token, so the API now requires one: every \
@@ -111,15 +148,37 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                 }
                 for t in tokens {
                     println!(
-                        "{:<30} {:<6} created {}{}",
+                        "{:<30} {:<6} weight {:<4} key-concurrency {:<7} created {}{}",
                         t.name,
                         if t.admin { "admin" } else { "" },
+                        t.weight,
+                        t.key_concurrency
+                            .map_or_else(|| "-".to_owned(), |k| k.to_string()),
                         t.created_at.format("%Y-%m-%d %H:%M:%S"),
                         t.revoked_at
                             .map(|r| format!(", revoked {}", r.format("%Y-%m-%d %H:%M:%S")))
                             .unwrap_or_default()
                     );
                 }
+            }
+            TokenCommand::Set { name, share } => {
+                let share = share.share();
+                if share == Default::default() {
+                    anyhow::bail!("nothing to change: give --weight N, --key-concurrency N, or both");
+                }
+                store.set_token_share(&name, share).await?;
+                let now = store
+                    .list_tokens()
+                    .await?
+                    .into_iter()
+                    .find(|t| t.name == name)
+                    .ok_or_else(|| anyhow::anyhow!("no token named {name:?}"))?;
+                println!(
+                    "token {name:?}: weight {}, key concurrency {}",
+                    now.weight,
+                    now.key_concurrency
+                        .map_or_else(|| "the workflow's (or 1)".to_owned(), |k| k.to_string())
+                );
             }
             TokenCommand::Revoke { name } => {
                 if store.revoke_token(&name).await? {

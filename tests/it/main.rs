@@ -14,6 +14,7 @@ mod durability;
 mod embedded;
 mod explorer;
 mod failover;
+mod fairness;
 mod fencing;
 mod handoff;
 mod intake;

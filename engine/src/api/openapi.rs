@@ -58,8 +58,16 @@ pub(super) struct SubmitJob {
     /// runs to `acked` with its result stored and nothing is POSTed.
     #[schema(format = "uri", pattern = "^https?://")]
     webhook_url: Option<String>,
-    /// Higher runs first among due jobs (0–100 for a tenant's token).
+    /// Higher runs first among the due jobs of its tenant (-100 to 100 for
+    /// a tenant's token). Between tenants, weighted turns decide; only an
+    /// admin token's priority cuts across them.
     priority: Option<i32>,
+    /// A key of yours (a customer, a conversation): at most the limit
+    /// (the token's `--key-concurrency`, else the workflow's, else 1) of
+    /// this token's jobs with the same key run at once, across every node.
+    /// The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
+    #[schema(min_length = 1, max_length = 200)]
+    concurrency_key: Option<String>,
     /// Labels to list and cancel jobs by (`?tag=label:value`): at most 20,
     /// each label 1–64 characters of `A-Z a-z 0-9 _ . -`, each value a
     /// string of at most 256 characters.

@@ -194,6 +194,7 @@ impl Context {
             delay_ms: None,
             lease: None,
             parent: Some(self.job_id().to_owned()),
+            key_limit: None,
         };
         self.faults
             .hit(self.job_id(), FailPoint::BeforeCommit("spawn"))

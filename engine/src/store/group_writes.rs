@@ -141,6 +141,9 @@ pub(crate) struct NewRow {
     pub(crate) lease: Option<(String, i64)>,
     /// The job whose workflow started it (`ctx.spawn`).
     pub(crate) parent: Option<String>,
+    /// The workflow's limit per concurrency key, if it sets one (the key
+    /// itself is in `request`).
+    pub(crate) key_limit: Option<i32>,
 }
 
 impl Keyed for NewRow {
@@ -551,7 +554,9 @@ pub(crate) async fn intake_on(
     let mut lease_owners = Vec::with_capacity(n);
     let mut lease_ms = Vec::with_capacity(n);
     let mut parents = Vec::with_capacity(n);
+    let mut key_limits = Vec::with_capacity(n);
     for r in requests {
+        key_limits.push(r.key_limit);
         parents.push(r.parent.as_deref());
         lease_owners.push(r.lease.as_ref().map(|(node, _)| node.as_str()));
         lease_ms.push(r.lease.as_ref().map(|(_, ms)| *ms));
@@ -576,13 +581,14 @@ pub(crate) async fn intake_on(
                  (SELECT $4::jsonb[]), (SELECT $5::text[]), (SELECT $6::text[]), \
                  (SELECT $7::bigint[]), (SELECT $8::bool[]), (SELECT $11::int[]), \
                  (SELECT $12::timestamptz[]), (SELECT $13::bigint[]), (SELECT $14::text[]), \
-                 (SELECT $15::bigint[]), (SELECT $16::text[])) \
+                 (SELECT $15::bigint[]), (SELECT $16::text[]), (SELECT $17::int[])) \
              AS i(id, workflow, workflow_version, request, request_hash, trace_context, owner_token, \
-                  notify_failures, priority, run_at, delay_ms, lease_owner, lease_ms, parent_id)), \
+                  notify_failures, priority, run_at, delay_ms, lease_owner, lease_ms, parent_id, key_limit)), \
          job AS ( \
              INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, trace_context, \
                  incarnation, lease_epoch, owner_token, notify_failures, priority, run_at, \
-                 lease_owner, lease_expires_at, attempts, parent_id) \
+                 lease_owner, lease_expires_at, attempts, parent_id, \
+                 tenant, concurrency_key, concurrency_limit) \
              SELECT i.id, i.workflow, i.workflow_version, i.request, i.request_hash, i.trace_context, \
                  coalesce(t.incarnation + 1, 1), \
                  coalesce(t.last_epoch, 0) + (i.lease_owner IS NOT NULL)::int, \
@@ -590,8 +596,14 @@ pub(crate) async fn intake_on(
                  i.priority, CASE WHEN i.run_at IS NOT NULL THEN greatest(i.run_at, now()) \
                      ELSE now() + coalesce(i.delay_ms, 0) * interval '1 millisecond' END, \
                  i.lease_owner, clock_timestamp() + i.lease_ms * interval '1 millisecond', \
-                 (i.lease_owner IS NOT NULL)::int, i.parent_id \
+                 (i.lease_owner IS NOT NULL)::int, i.parent_id, \
+                 CASE WHEN k.admin IS false THEN k.id ELSE 0 END, \
+                 i.request->>'concurrency_key', \
+                 CASE WHEN i.request ? 'concurrency_key' THEN \
+                     least(coalesce(k.key_concurrency, i.key_limit, 1), \
+                           coalesce(i.key_limit, k.key_concurrency, 1)) END \
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
+                 LEFT JOIN api_tokens k ON k.id = i.owner_token \
              ORDER BY i.id \
              ON CONFLICT (id) DO NOTHING \
              RETURNING id, created_at, incarnation, run_at, lease_epoch, attempts, \
@@ -621,6 +633,7 @@ pub(crate) async fn intake_on(
     .bind::<Array<Nullable<Text>>, _>(&lease_owners)
     .bind::<Array<Nullable<BigInt>>, _>(&lease_ms)
     .bind::<Array<Nullable<Text>>, _>(&parents)
+    .bind::<Array<Nullable<Integer>>, _>(&key_limits)
     .load(conn)
     .await?;
     let mut by_id: std::collections::HashMap<String, Inserted> =

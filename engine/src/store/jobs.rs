@@ -63,6 +63,8 @@ pub struct JobView {
     pub webhook_url: String,
     /// Its tags (label → value).
     pub tags: crate::request::Tags,
+    /// Its concurrency key, if it has one.
+    pub concurrency_key: Option<String>,
     /// The workflow's output, once persisted.
     #[schema(value_type = Option<Object>)]
     pub result: Option<Value>,
@@ -90,7 +92,8 @@ pub struct JobView {
     /// The tool ledger: position, tool, call id, status, executions.
     pub tool_calls: Vec<ToolCallView>,
     /// What the job waits for: `{"kind": "sleep"|"signal"|"approval",
-    /// "name", "until"}`, or `null` (it holds no lease meanwhile).
+    /// "name", "until"}`, `{"kind": "concurrency", "key"}` (every slot of
+    /// its key is held), or `null`. It holds no lease meanwhile.
     #[schema(value_type = Option<Object>)]
     pub waiting: Option<Value>,
     /// The signals sent to the job, oldest first, each with the wait that
@@ -270,10 +273,27 @@ struct OutboxRow {
     delivered_at: Option<DateTime<Utc>>,
 }
 
-const SELECT_JOB: &str = "SELECT j.id, j.workflow, j.workflow_version, j.priority, j.run_at, j.request, j.request_hash, j.state::text AS state, \
-     j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context, \
-     CASE WHEN j.finished_at IS NULL THEN j.waiting END AS waiting, j.parent_id \
-     FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
+/// What job `j` waits for now: its durable wait, or — due, unleased, with
+/// every slot of its concurrency key held — `{"kind": "concurrency",
+/// "key"}` (read, never stored: it ends the moment a slot frees).
+macro_rules! waiting_now {
+    () => {
+        "CASE WHEN j.finished_at IS NOT NULL THEN NULL \
+              WHEN j.waiting IS NOT NULL THEN j.waiting \
+              WHEN j.concurrency_key IS NOT NULL AND j.run_at <= now() \
+                AND (j.lease_owner IS NULL OR j.lease_expires_at < now()) \
+                AND (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
+                       AND k.concurrency_key = j.concurrency_key \
+                       AND k.key_slot IS NOT NULL AND k.lease_owner IS NOT NULL) \
+                    >= coalesce(j.concurrency_limit, 1) \
+              THEN jsonb_build_object('kind', 'concurrency', 'key', j.concurrency_key) END"
+    };
+}
+
+const SELECT_JOB: &str = concat!("SELECT j.id, j.workflow, j.workflow_version, j.priority, j.run_at, j.request, j.request_hash, j.state::text AS state, \
+     j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context, ",
+     waiting_now!(), " AS waiting, j.parent_id \
+     FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1");
 
 impl Store {
     /// Records a new job in `received` with its first history row, or reports
@@ -323,7 +343,9 @@ impl Store {
         hand_to: Option<HandTo>,
     ) -> Result<(Intake, Option<Leased>), StoreError> {
         let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
-        let hand_to = hand_to.filter(|_| !later);
+        // A job with a concurrency key takes a slot of its key when an
+        // acquire leases it; it is never born leased.
+        let hand_to = hand_to.filter(|_| !later && job.schedule.concurrency_key.is_none());
         let request = job.request();
         let stored = request.to_value();
         let hash = crate::request::canonical_hash(&stored);
@@ -344,6 +366,7 @@ impl Store {
                 delay_ms: job.schedule.delay_ms.map(|ms| ms as i64),
                 lease: hand_to.as_ref().map(|h| (h.node.clone(), h.lease_ms)),
                 parent: None,
+                key_limit: job.schedule.concurrency_limit.map(|n| n.min(1000) as i32),
             })
             .await?;
         if let Some(row) = inserted {
@@ -376,6 +399,7 @@ impl Store {
                 input: job.input.clone(),
                 webhook_url: job.webhook_url.clone(),
                 tags: job.tags.clone(),
+                concurrency_key: job.schedule.concurrency_key.clone(),
                 result: None,
                 history: vec![HistoryEntry {
                     state: JobState::Received,
@@ -515,6 +539,7 @@ impl Store {
             input: request.input,
             webhook_url: request.webhook_url,
             tags: request.tags,
+            concurrency_key: request.concurrency_key,
             result: row.result,
             history,
             delivery,
@@ -631,9 +656,11 @@ impl Store {
             ($waiting_kind:literal) => {
                 concat!(
                     "SELECT id, workflow, workflow_version, state::text AS state, attempts, incarnation, created_at, \
-                         updated_at, finished_at, dead_reason, CASE WHEN finished_at IS NULL THEN waiting END AS waiting, \
+                         updated_at, finished_at, dead_reason, ",
+                    waiting_now!(),
+                    " AS waiting, \
                          coalesce(request->'tags', '{}'::jsonb) AS tags \
-                     FROM jobs \
+                     FROM jobs j \
                      WHERE ($1::text IS NULL OR state::text = $1) \
                        AND ($2::text IS NULL OR workflow = $2) \
                        AND ($3::timestamptz IS NULL OR created_at >= $3) \

@@ -113,6 +113,100 @@ struct StateRow {
     lease_epoch: i64,
 }
 
+/// How often an acquire that lost a key slot to another node is run again
+/// at once (each loss means another node leased a job: progress).
+const KEY_SLOT_RETRIES: usize = 8;
+
+/// The acquire: fair between tenants, bounded per concurrency key.
+///
+/// - `tenants`: every tenant with a live job, by a skip scan of `jobs_fair`
+///   (one index probe per tenant, however deep its backlog).
+/// - `running`: each tenant's jobs whose lease is live, on any node.
+/// - `heads`: each tenant's first `limit` runnable jobs in its own order
+///   (priority, then due time), skipping jobs whose key has no free slot
+///   (so one busy key never holds back its tenant's other jobs). `rn` is a
+///   job's place in its tenant's line.
+/// - `ranked`: a job's turn is `(running + rn) / weight`: a tenant with
+///   fewer jobs running, for its weight, goes first, so turns alternate
+///   and no tenant starves. Only tenant 0 (admin tokens, development mode)
+///   cuts in by priority. `krn` numbers the jobs of one key that need a
+///   new slot.
+/// - `slotted`: the `krn`-th free slot of its key, or none (the job waits).
+/// - `picked`: the first `limit` by turn, locked; the lease is checked
+///   again on each row's latest version, so a job another node leased
+///   meanwhile is skipped.
+/// - `fired`, then the update: as before, a due timer's outcome and the
+///   lease with its slot.
+const ACQUIRE: &str = "WITH RECURSIVE tenants(tenant) AS ( \
+         (SELECT tenant FROM jobs WHERE finished_at IS NULL ORDER BY tenant LIMIT 1) \
+         UNION ALL \
+         SELECT (SELECT j.tenant FROM jobs j WHERE j.finished_at IS NULL AND j.tenant > t.tenant \
+                 ORDER BY j.tenant LIMIT 1) \
+         FROM tenants t WHERE t.tenant IS NOT NULL), \
+     running AS ( \
+         SELECT tenant, count(*) AS n FROM jobs \
+         WHERE lease_owner IS NOT NULL AND lease_expires_at >= clock_timestamp() \
+         GROUP BY tenant), \
+     heads AS ( \
+         SELECT c.*, row_number() OVER (PARTITION BY c.tenant ORDER BY c.priority DESC, c.run_at, c.id) AS rn \
+         FROM tenants t CROSS JOIN LATERAL ( \
+             SELECT j.id, j.tenant, j.priority, j.run_at, j.lease_epoch, j.concurrency_key, \
+                 coalesce(j.concurrency_limit, 1) AS key_limit, \
+                 CASE WHEN j.lease_owner IS NOT NULL THEN j.key_slot END AS own_slot \
+             FROM jobs j \
+             WHERE j.tenant = t.tenant AND j.finished_at IS NULL AND j.run_at <= now() \
+               AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
+                    OR ($4 AND j.lease_owner = $1)) \
+               AND ($5::text[] IS NULL OR j.workflow || '@' || j.workflow_version = ANY($5)) \
+               AND NOT (j.id = ANY($6)) \
+               AND (j.concurrency_key IS NULL \
+                    OR (j.key_slot IS NOT NULL AND j.lease_owner IS NOT NULL) \
+                    OR (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
+                          AND k.concurrency_key = j.concurrency_key \
+                          AND k.key_slot IS NOT NULL AND k.lease_owner IS NOT NULL) \
+                       < coalesce(j.concurrency_limit, 1)) \
+             ORDER BY j.priority DESC, j.run_at LIMIT $2) c \
+         WHERE t.tenant IS NOT NULL), \
+     ranked AS ( \
+         SELECT h.*, \
+             (coalesce(r.n, 0) + h.rn)::float8 / coalesce(w.weight, 1) AS turn, \
+             CASE WHEN h.tenant = 0 THEN h.priority ELSE 0 END AS cut, \
+             CASE WHEN h.concurrency_key IS NOT NULL AND h.own_slot IS NULL THEN \
+                 row_number() OVER (PARTITION BY h.tenant, h.concurrency_key, h.own_slot IS NULL \
+                                    ORDER BY h.rn) END AS krn \
+         FROM heads h LEFT JOIN running r ON r.tenant = h.tenant \
+             LEFT JOIN api_tokens w ON w.id = h.tenant AND h.tenant <> 0), \
+     slotted AS ( \
+         SELECT r.*, CASE WHEN r.krn IS NULL THEN r.own_slot ELSE ( \
+             SELECT s FROM generate_series(0, r.key_limit - 1) s \
+             WHERE NOT EXISTS (SELECT 1 FROM jobs k WHERE k.tenant = r.tenant \
+                 AND k.concurrency_key = r.concurrency_key AND k.key_slot = s \
+                 AND k.lease_owner IS NOT NULL) \
+             ORDER BY s OFFSET r.krn - 1 LIMIT 1) END AS slot \
+         FROM ranked r), \
+     picked AS ( \
+         SELECT j.id, j.lease_owner, j.waiting, s.slot FROM slotted s JOIN jobs j ON j.id = s.id \
+         WHERE (s.krn IS NULL OR s.slot IS NOT NULL) \
+           AND j.lease_epoch = s.lease_epoch AND j.finished_at IS NULL \
+           AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
+                OR ($4 AND j.lease_owner = $1)) \
+         ORDER BY s.cut DESC, s.turn, s.priority DESC, s.run_at \
+         LIMIT $2 \
+         FOR UPDATE OF j SKIP LOCKED), \
+     fired AS ( \
+         UPDATE waits w SET outcome = '{\"slept\": true}', done_at = now() \
+         FROM picked WHERE w.job_id = picked.id AND picked.waiting->>'kind' = 'sleep' \
+           AND w.kind = 'sleep' AND w.name = picked.waiting->>'name' \
+           AND w.done_at IS NULL AND w.until <= now() \
+         RETURNING w.job_id) \
+     UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
+         lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \
+         attempts = j.attempts + 1, updated_at = now(), key_slot = picked.slot, \
+         waiting = CASE WHEN j.id IN (SELECT job_id FROM fired) THEN NULL ELSE j.waiting END \
+     FROM picked WHERE j.id = picked.id \
+     RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
+         picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token";
+
 impl Store {
     /// Leases up to `limit` runnable jobs to `node` for `lease_ms`: jobs due
     /// to run that nobody holds, and jobs whose lease expired (a crashed or
@@ -125,6 +219,10 @@ impl Store {
     /// and never one in `running` (this node's attempts still alive: a lease
     /// that lapsed while its heartbeat failed is not taken over by the node
     /// that holds it, so one job has at most one actor per node).
+    ///
+    /// Between tenants, turns decide (see [`ACQUIRE`]): a tenant's
+    /// priority orders its own jobs only. A job with a concurrency key is
+    /// taken only into a free slot of its key.
     ///
     /// A job picked up because its timer (`ctx.sleep`) is due has the
     /// timer's outcome recorded in the same statement, under the new lease:
@@ -140,37 +238,28 @@ impl Store {
         running: &[String],
     ) -> Result<Vec<Leased>, StoreError> {
         let mut conn = self.db().conn().await?;
-        let rows: Vec<LeasedRow> = sql(
-            "WITH picked AS ( \
-                 SELECT id, lease_owner, waiting FROM jobs \
-                 WHERE finished_at IS NULL AND run_at <= now() \
-                   AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp() \
-                        OR ($4 AND lease_owner = $1)) \
-                   AND ($5::text[] IS NULL OR workflow || '@' || workflow_version = ANY($5)) AND NOT (id = ANY($6))  \
-                 ORDER BY priority DESC, run_at LIMIT $2 \
-                 FOR UPDATE SKIP LOCKED), \
-             fired AS ( \
-                 UPDATE waits w SET outcome = '{\"slept\": true}', done_at = now() \
-                 FROM picked WHERE w.job_id = picked.id AND picked.waiting->>'kind' = 'sleep' \
-                   AND w.kind = 'sleep' AND w.name = picked.waiting->>'name' \
-                   AND w.done_at IS NULL AND w.until <= now() \
-                 RETURNING w.job_id) \
-             UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
-                 lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \
-                 attempts = j.attempts + 1, updated_at = now(), \
-                 waiting = CASE WHEN j.id IN (SELECT job_id FROM fired) THEN NULL ELSE j.waiting END \
-             FROM picked WHERE j.id = picked.id \
-             RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
-                 picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token",
-        )
-        .bind::<Text, _>(node)
-        .bind::<BigInt, _>(limit)
-        .bind::<BigInt, _>(lease_ms)
-        .bind::<Bool, _>(reclaim_own)
-        .bind::<Nullable<Array<Text>>, _>(workflows)
-        .bind::<Array<Text>, _>(running)
-        .load(&mut conn)
-        .await?;
+        // Two nodes that give the last free slot of a key to two jobs at
+        // once: the unique index `jobs_key_slots` fails the later statement,
+        // which leased nothing, and a fresh read sees the slot taken.
+        let mut tries = 0;
+        let rows: Vec<LeasedRow> = loop {
+            let attempt = sql(ACQUIRE)
+                .bind::<Text, _>(node)
+                .bind::<BigInt, _>(limit)
+                .bind::<BigInt, _>(lease_ms)
+                .bind::<Bool, _>(reclaim_own)
+                .bind::<Nullable<Array<Text>>, _>(workflows)
+                .bind::<Array<Text>, _>(running)
+                .load(&mut conn)
+                .await;
+            match attempt {
+                Err(diesel::result::Error::DatabaseError(
+                    diesel::result::DatabaseErrorKind::UniqueViolation,
+                    _,
+                )) if tries < KEY_SLOT_RETRIES => tries += 1,
+                other => break other?,
+            }
+        };
         rows.into_iter()
             .map(|r| {
                 Ok(Leased {

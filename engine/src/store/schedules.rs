@@ -477,6 +477,7 @@ impl Store {
                                 request_hash: canonical_hash(&stored),
                                 request: stored,
                                 trace: crate::traceparent::TraceParent::new_root().to_string(),
+                                        key_limit: None,
                                 owner: row.owner_token,
                                 notify_failures: target.notify_failures
                                     && !row.webhook_url.is_empty(),

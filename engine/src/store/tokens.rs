@@ -1,7 +1,7 @@
 //! API tokens: created and revoked by the operator (`onceflow token …`),
 //! stored as their SHA-256, looked up by it on every authenticated request.
 
-use diesel::sql_types::{BigInt, Bool, Nullable, Text, Timestamptz};
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::RunQueryDsl;
 use sha2::{Digest, Sha256};
@@ -41,6 +41,38 @@ pub struct TokenInfo {
     /// When it was revoked (`None`: live).
     #[diesel(sql_type = Nullable<Timestamptz>)]
     pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Its share of the nodes' turns when several tenants wait (1–1000).
+    #[diesel(sql_type = Integer)]
+    pub weight: i32,
+    /// The most jobs of one of its concurrency keys that run at once
+    /// (`None`: the workflow's limit, or 1).
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub key_concurrency: Option<i32>,
+}
+
+/// How a token shares the nodes (`token create|set --weight --key-concurrency`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Share {
+    /// Its weight between tenants (1–1000); `None`: unchanged (1 when new).
+    pub weight: Option<i32>,
+    /// Its limit per concurrency key (1–1000); `None`: unchanged (none when new).
+    pub key_concurrency: Option<i32>,
+}
+
+impl Share {
+    /// Checks both bounds, naming the flag that is out of them.
+    pub fn check(&self) -> Result<(), TokenError> {
+        if self.weight.is_some_and(|w| !(1..=1000).contains(&w)) {
+            return Err(TokenError::OutOfBounds("--weight"));
+        }
+        if self
+            .key_concurrency
+            .is_some_and(|k| !(1..=1000).contains(&k))
+        {
+            return Err(TokenError::OutOfBounds("--key-concurrency"));
+        }
+        Ok(())
+    }
 }
 
 /// Why a token could not be created.
@@ -52,6 +84,12 @@ pub enum TokenError {
     /// The name is not 1 to 100 characters of `A-Z a-z 0-9 _ . : -`.
     #[error("token names are 1 to 100 characters of A-Z a-z 0-9 _ . : -")]
     BadName,
+    /// A share's number is not from 1 to 1000.
+    #[error("{0} must be from 1 to 1000")]
+    OutOfBounds(&'static str),
+    /// No token by that name.
+    #[error("no token named {0:?}")]
+    Unknown(String),
     /// The database failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -99,11 +137,32 @@ impl Store {
     /// Every token, oldest first (revoked ones included, marked).
     pub async fn list_tokens(&self) -> Result<Vec<TokenInfo>, StoreError> {
         let mut conn = self.db().conn().await?;
-        Ok(
-            sql("SELECT id, name, admin, created_at, revoked_at FROM api_tokens ORDER BY id")
-                .load(&mut conn)
-                .await?,
+        Ok(sql(
+            "SELECT id, name, admin, created_at, revoked_at, weight, key_concurrency \
+                 FROM api_tokens ORDER BY id",
         )
+        .load(&mut conn)
+        .await?)
+    }
+
+    /// Changes how token `name` shares the nodes: its weight, its limit per
+    /// concurrency key (for jobs submitted from now on), or both. The
+    /// weight counts from the next acquire on every node.
+    pub async fn set_token_share(&self, name: &str, share: Share) -> Result<(), TokenError> {
+        share.check()?;
+        let mut conn = self.db().conn().await.map_err(TokenError::Store)?;
+        let n = sql("UPDATE api_tokens SET weight = coalesce($2, weight), \
+                 key_concurrency = coalesce($3, key_concurrency) WHERE name = $1")
+        .bind::<Text, _>(name)
+        .bind::<Nullable<Integer>, _>(share.weight)
+        .bind::<Nullable<Integer>, _>(share.key_concurrency)
+        .execute(&mut conn)
+        .await
+        .map_err(|e| TokenError::Store(e.into()))?;
+        if n == 0 {
+            return Err(TokenError::Unknown(name.to_owned()));
+        }
+        Ok(())
     }
 
     /// Revokes the token `name`; false when there is no live token by that name.

@@ -38,6 +38,8 @@ pub struct ProviderRequest {
     pub received_at: std::time::Instant,
     /// Answered 429 because too many calls were in flight ([`FakeProvider::set_max_concurrent`]).
     pub throttled: bool,
+    /// When its answer was done (`None`: still being answered, or throttled).
+    pub answered_at: Option<std::time::Instant>,
 }
 
 /// Builds the response for a request; gets the request and the work number.
@@ -262,6 +264,39 @@ impl FakeProvider {
         self.requests().iter().filter(|r| r.throttled).count()
     }
 
+    /// The most calls answered at once within each group, where `group`
+    /// names a request's group (`None`: counted in none). Calls still
+    /// being answered count as open; throttled ones not at all.
+    pub fn peak_concurrency_by(
+        &self,
+        group: impl Fn(&ProviderRequest) -> Option<String>,
+    ) -> HashMap<String, usize> {
+        let requests = self.state.requests.lock().expect("lock");
+        let mut edges: HashMap<String, Vec<(std::time::Instant, i32)>> = HashMap::new();
+        for r in requests.iter().filter(|r| !r.throttled) {
+            if let Some(g) = group(r) {
+                let e = edges.entry(g).or_default();
+                e.push((r.received_at, 1));
+                if let Some(end) = r.answered_at {
+                    e.push((end, -1));
+                }
+            }
+        }
+        edges
+            .into_iter()
+            .map(|(g, mut e)| {
+                // Ends before starts at the same instant: touching is not overlapping.
+                e.sort();
+                let (mut now, mut peak) = (0i32, 0i32);
+                for (_, d) in e {
+                    now += d;
+                    peak = peak.max(now);
+                }
+                (g, peak as usize)
+            })
+            .collect()
+    }
+
     /// The most calls it answered at once.
     pub fn peak_concurrency(&self) -> usize {
         *self.state.peak.lock().expect("lock")
@@ -341,12 +376,16 @@ fn echo(request: &Value, n: u64) -> Value {
     })
 }
 
-/// A call being answered; counted out when dropped.
-struct Answering(web::Data<State>);
+/// A call being answered (the state, and the request's place in the
+/// record); counted out, and its end recorded, when dropped.
+struct Answering(web::Data<State>, usize);
 
 impl Drop for Answering {
     fn drop(&mut self) {
         self.0.in_flight.lock().expect("lock").0 -= 1;
+        if let Some(r) = self.0.requests.lock().expect("lock").get_mut(self.1) {
+            r.answered_at = Some(std::time::Instant::now());
+        }
     }
 }
 
@@ -374,7 +413,9 @@ fn receive(
         anthropic_version: header(req, "anthropic-version"),
         received_at: std::time::Instant::now(),
         throttled: false,
+        answered_at: None,
     });
+    let place = state.requests.lock().expect("lock").len() - 1;
     let now = std::time::Instant::now();
     let over_rate = state
         .rate
@@ -412,7 +453,7 @@ fn receive(
             .json(json!({ "error": { "message": "rate or concurrency limit reached" } }));
         return (key, Behaviour::Ok, Some(answer), None);
     }
-    let answering = Some(Answering(state.clone()));
+    let answering = Some(Answering(state.clone(), place));
     let behaviour = state.script.next();
     if let Behaviour::Status(code, retry_after) = behaviour {
         let mut r =

@@ -1,0 +1,36 @@
+-- Fairness between tenants (see engine/src/store/lease.rs, `acquire`).
+--
+-- A job's tenant: the token that submitted it, unless that is an admin
+-- token; 0 stands for admin tokens and development mode together (one
+-- more tenant). Fixed at intake, so the acquire needs no join to find it.
+ALTER TABLE jobs ADD COLUMN tenant BIGINT NOT NULL DEFAULT 0;
+UPDATE jobs j SET tenant = j.owner_token
+    FROM api_tokens t WHERE t.id = j.owner_token AND NOT t.admin;
+
+-- A token's share of the nodes' turns when several tenants wait (1 to
+-- 1000), and the most jobs of one concurrency key of its that run at once
+-- (NULL: the workflow's limit, or 1).
+ALTER TABLE api_tokens ADD COLUMN weight INTEGER NOT NULL DEFAULT 1
+    CHECK (weight BETWEEN 1 AND 1000);
+ALTER TABLE api_tokens ADD COLUMN key_concurrency INTEGER
+    CHECK (key_concurrency BETWEEN 1 AND 1000);
+
+-- Per-key concurrency. A job with a key runs only in one of its key's
+-- `concurrency_limit` slots; the slot is `key_slot`, held while the job's
+-- lease is. The unique index is what decides a race between two nodes
+-- for the last slot: the loser's acquire fails and is retried. A job that
+-- lets its lease go (a finish, a wait, a cancel) leaves the index's
+-- predicate and so frees its slot in the same statement; a crashed one
+-- keeps it until its own takeover. Keys cost nothing when idle: no rows.
+ALTER TABLE jobs ADD COLUMN concurrency_key TEXT
+    CHECK (length(concurrency_key) BETWEEN 1 AND 200);
+ALTER TABLE jobs ADD COLUMN concurrency_limit INTEGER
+    CHECK (concurrency_limit BETWEEN 1 AND 1000);
+ALTER TABLE jobs ADD COLUMN key_slot INTEGER;
+CREATE UNIQUE INDEX jobs_key_slots ON jobs (tenant, concurrency_key, key_slot)
+    WHERE key_slot IS NOT NULL AND lease_owner IS NOT NULL;
+
+-- The acquire walks the tenants with live jobs (a skip scan over the
+-- leading column) and takes each one's head in its own priority order.
+DROP INDEX jobs_runnable;
+CREATE INDEX jobs_fair ON jobs (tenant, priority DESC, run_at) WHERE finished_at IS NULL;
