@@ -77,14 +77,23 @@ class Client:
         run_at: Optional[str] = None,
         delay_ms: Optional[int] = None,
         tags: Optional[dict] = None,
+        concurrency_key: Optional[str] = None,
     ) -> dict:
-        """Submits a job; the same job again returns the stored one (200)."""
+        """Submits a job; the same job again returns the stored one (200).
+
+        ``concurrency_key``: at most the token's (or workflow's) limit of
+        this token's jobs with the same key run at once (1 by default)."""
         body: dict = {"id": id, "workflow": workflow, "input": input}
         if webhook_url is not None:  # none: the job POSTs nothing
             body["webhook_url"] = webhook_url
         if tags:
             body["tags"] = tags
-        for key, value in (("priority", priority), ("run_at", run_at), ("delay_ms", delay_ms)):
+        for key, value in (
+            ("priority", priority),
+            ("run_at", run_at),
+            ("delay_ms", delay_ms),
+            ("concurrency_key", concurrency_key),
+        ):
             if value is not None:
                 body[key] = value
         return self._call("POST", "/v1/jobs", json=body)

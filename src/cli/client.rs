@@ -28,6 +28,10 @@ pub struct SubmitArgs {
     /// A tag, `label=value` (repeat for more): list and cancel jobs by it.
     #[arg(long = "tag", value_name = "LABEL=VALUE")]
     pub tags: Vec<String>,
+    /// A key of yours (a customer, a conversation): at most the token's
+    /// (or the workflow's) limit of jobs with it run at once, 1 by default.
+    #[arg(long)]
+    pub concurrency_key: Option<String>,
     /// Where the completion webhook goes; without it the job POSTs
     /// nothing (follow it with `status` or `watch`).
     #[arg(long, default_value = "")]
@@ -119,6 +123,9 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
     let mut body = json!({ "id": args.id, "workflow": args.workflow, "input": input });
     if !args.webhook_url.is_empty() {
         body["webhook_url"] = json!(args.webhook_url);
+    }
+    if let Some(key) = &args.concurrency_key {
+        body["concurrency_key"] = json!(key);
     }
     if !args.tags.is_empty() {
         let mut tags = serde_json::Map::new();

@@ -728,3 +728,47 @@ async fn jobs_carry_tags_and_are_listed_and_cancelled_by_them() {
         onceflow_engine::JobState::Received
     );
 }
+
+/// A concurrency key: 1–200 characters, part of the request (another key
+/// is `409`), shown in the view; anything else is `422` naming the field.
+#[actix_rt::test]
+async fn a_concurrency_key_is_checked_and_part_of_the_request() {
+    let env = TestEnv::new().await;
+    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let hook = env.consumer.url();
+    let mut body = job("ck-1", "m", &hook);
+    body["concurrency_key"] = json!("customer-7");
+    body["delay_ms"] = json!(3_600_000);
+    let (status, created) = post_job(&base, &body).await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["concurrency_key"], "customer-7");
+    assert_eq!(
+        post_job(&base, &body).await.0,
+        200,
+        "the same request again"
+    );
+    body["concurrency_key"] = json!("customer-8");
+    assert_eq!(
+        post_job(&base, &body).await.0,
+        409,
+        "the key is part of the request"
+    );
+    for bad_key in [json!(""), json!("k".repeat(201)), json!(7), json!({})] {
+        let mut bad = job("ck-bad", "m", &hook);
+        bad["concurrency_key"] = bad_key;
+        let (status, answer) = post_job(&base, &bad).await;
+        assert_eq!(
+            (status, answer["error"]["field"].as_str()),
+            (422, Some("concurrency_key")),
+            "{answer}"
+        );
+    }
+    let stored = env
+        .sql("SELECT concurrency_key, concurrency_limit, tenant FROM jobs WHERE id = 'ck-1'")
+        .await;
+    assert_eq!(
+        stored[0],
+        json!({ "concurrency_key": "customer-7", "concurrency_limit": 1, "tenant": 0 }),
+        "no token or workflow limit: 1; development mode is tenant 0"
+    );
+}

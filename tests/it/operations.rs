@@ -968,7 +968,8 @@ async fn cli(args: Vec<String>) -> (bool, String) {
     (out.status.success(), text)
 }
 
-/// The day-one operations from the command line: `submit --tag`, `batch
+/// The day-one operations from the command line: `submit --tag
+/// --concurrency-key`, `batch
 /// FILE`, `rerun ID --as NEW`, `cancel --all --tag`-free filters.
 #[actix_rt::test]
 async fn the_cli_tags_batches_reruns_and_cancels_in_bulk() {
@@ -986,15 +987,19 @@ async fn the_cli_tags_batches_reruns_and_cancels_in_bulk() {
         s("team=a"),
         s("--tag"),
         s("env=prod"),
+        s("--concurrency-key"),
+        s("conv-9"),
         s("--server"),
         base.clone(),
     ])
     .await;
     assert!(ok, "{out}");
+    let tagged = env.job("cli-tagged").await;
     assert_eq!(
-        serde_json::to_value(env.job("cli-tagged").await.tags).unwrap(),
+        serde_json::to_value(&tagged.tags).unwrap(),
         json!({ "team": "a", "env": "prod" })
     );
+    assert_eq!(tagged.concurrency_key.as_deref(), Some("conv-9"));
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("jobs.json");
     let mut later = job("cli-b-1", &env.consumer.url());

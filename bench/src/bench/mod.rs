@@ -18,6 +18,7 @@
 
 mod costs;
 mod curve;
+mod fairness;
 mod nodes;
 mod streams;
 mod waits;
@@ -87,6 +88,12 @@ pub struct BenchArgs {
     /// then `--timers` timers due in the same second.
     #[arg(long, value_name = "N")]
     pub waiting: Option<usize>,
+    /// Fairness between tenants: the acquire statement's time at 1, 100
+    /// and 1,000 tokens and with 100,000 concurrency keys (beside the
+    /// statement before fairness), and another tenant's time to its first
+    /// start behind a backlog of 10,000.
+    #[arg(long)]
+    pub fairness: bool,
     /// With `--waiting`: timers due in the same second.
     #[arg(long, default_value_t = 10_000)]
     pub timers: usize,
@@ -265,6 +272,12 @@ async fn bench(
     }
     if let Some(n) = args.waiting {
         let result = waits::run(args, db.clone(), &run_id, n, args.timers).await;
+        let store = Store::new(db.clone());
+        drop_bench_database(database, db, store, &url).await?;
+        return result;
+    }
+    if args.fairness {
+        let result = fairness::run(args, db.clone()).await;
         let store = Store::new(db.clone());
         drop_bench_database(database, db, store, &url).await?;
         return result;

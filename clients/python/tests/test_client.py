@@ -149,8 +149,9 @@ def test_submit_stream_and_one_verified_webhook(node):
 
 def test_a_job_without_a_webhook_is_acked_and_posts_nothing(node):
     client, _hook = node
-    created = client.submit("py-quiet", "completion", completion("hi"))
+    created = client.submit("py-quiet", "completion", completion("hi"), concurrency_key="conv-1")
     assert created["state"] == "received"
+    assert created["concurrency_key"] == "conv-1"
     states = [e.data["text"] for e in client.events("py-quiet") if e.kind == "state"]
     assert states[-1] == "acked", states
     assert client.get("py-quiet")["result"] is not None

@@ -1,0 +1,243 @@
+//! `onceflow-bench bench --fairness`: what fairness between tenants costs,
+//! and what it buys.
+//!
+//! 1. The acquire statement's time (16 jobs a call, 200 calls, each
+//!    released again untimed) with 100,000 queued jobs spread over 1, 100
+//!    and 1,000 tokens, and over 100 tokens with 100,000 distinct
+//!    concurrency keys; beside it, at one token, the statement before
+//!    fairness (ordered by priority and due time alone, no keys) on the
+//!    same rows: the cost of fairness in the statement every job passes.
+//! 2. Time to another tenant's first start: one node (16 in flight, model
+//!    calls of 100 ms) busy with tenant A's backlog of 10,000 jobs; tenant B
+//!    submits one job at a time, 30 in all; from each submit's return to
+//!    its model request at the provider, p50 and p99.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::RunQueryDsl;
+use onceflow_engine::intake::NewJob;
+use onceflow_engine::testkit::FakeProvider;
+use onceflow_engine::traceparent::TraceParent;
+use onceflow_engine::{Db, Engine, EngineConfig, Faults, Registry, Store};
+use serde_json::json;
+
+use super::BenchArgs;
+
+/// The acquire as it was before fairness (afce946's `Store::acquire`, its
+/// lease update kept and its timer and filters dropped), kept here only to measure against.
+const ACQUIRE_BEFORE: &str = "WITH picked AS ( \
+         SELECT id FROM jobs \
+         WHERE finished_at IS NULL AND run_at <= now() \
+           AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp()) \
+         ORDER BY priority DESC, run_at LIMIT 16 \
+         FOR UPDATE SKIP LOCKED) \
+     UPDATE jobs j SET lease_owner = 'bench-node', lease_epoch = j.lease_epoch + 1, \
+         lease_expires_at = clock_timestamp() + interval '60 seconds', attempts = j.attempts + 1 \
+     FROM picked WHERE j.id = picked.id RETURNING j.id";
+
+const QUEUED: i64 = 100_000;
+const CALLS: usize = 200;
+
+async fn exec(db: &Db, query: &str) -> anyhow::Result<usize> {
+    let mut conn = db.conn().await?;
+    Ok(diesel::sql_query(query).execute(&mut conn).await?)
+}
+
+/// Empties the tables and queues `QUEUED` jobs over `tokens` tenants
+/// (round robin), each with its own concurrency key when `keys`.
+async fn queue(db: &Db, tokens: i64, keys: bool) -> anyhow::Result<()> {
+    exec(
+        db,
+        "/* bench */ TRUNCATE jobs, job_history, api_tokens CASCADE",
+    )
+    .await?;
+    let mut conn = db.conn().await?;
+    diesel::sql_query(
+        "/* bench */ INSERT INTO api_tokens (id, name, token_hash) \
+         SELECT t, 'tenant-' || t, encode(sha256(t::text::bytea), 'hex') FROM generate_series(1, $1) t",
+    )
+    .bind::<BigInt, _>(tokens)
+    .execute(&mut conn)
+    .await?;
+    diesel::sql_query(
+        "/* bench */ INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, \
+             owner_token, tenant, concurrency_key, concurrency_limit, run_at) \
+         SELECT 'q-' || i, 'completion', 1, '{}'::jsonb, 'x', 1 + i % $1, 1 + i % $1, \
+             CASE WHEN $2 = 'keys' THEN 'key-' || i END, CASE WHEN $2 = 'keys' THEN 1 END, \
+             now() - interval '1 hour' + i * interval '1 millisecond' \
+         FROM generate_series(1, $3) i",
+    )
+    .bind::<BigInt, _>(tokens)
+    .bind::<Text, _>(if keys { "keys" } else { "" })
+    .bind::<BigInt, _>(QUEUED)
+    .execute(&mut conn)
+    .await?;
+    drop(conn);
+    exec(db, "/* bench */ ANALYZE jobs").await?;
+    Ok(())
+}
+
+/// `CALLS` runs of `acquire` (each releasing what it took, untimed): p50
+/// and p99 in milliseconds.
+async fn time_calls<F, Fut>(db: &Db, mut acquire: F) -> anyhow::Result<(f64, f64)>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<usize>>,
+{
+    let mut times = Vec::with_capacity(CALLS);
+    for _ in 0..CALLS {
+        let started = Instant::now();
+        let took = acquire().await?;
+        times.push(started.elapsed().as_secs_f64() * 1000.0);
+        anyhow::ensure!(took == 16, "an acquire took {took} jobs, not 16");
+        exec(
+            db,
+            "/* bench */ UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL \
+             WHERE lease_owner = 'bench-node'",
+        )
+        .await?;
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((times[CALLS / 2], times[CALLS * 99 / 100]))
+}
+
+pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
+    let store = Store::new(db.clone());
+    println!("onceflow-bench bench --fairness (durable PostgreSQL)");
+    println!(
+        "1. the acquire statement, 16 jobs a call, {CALLS} calls, {QUEUED} jobs queued: p50 / p99 ms"
+    );
+    for (tokens, keys) in [(1, false), (100, false), (1000, false), (100, true)] {
+        eprintln!(
+            "queueing {QUEUED} jobs over {tokens} token(s){}…",
+            if keys { ", a key each" } else { "" }
+        );
+        queue(&db, tokens, keys).await?;
+        let store = store.clone();
+        let (p50, p99) = time_calls(&db, || {
+            let store = store.clone();
+            async move {
+                Ok(store
+                    .acquire("bench-node", 16, 60_000, false, None, &[])
+                    .await?
+                    .len())
+            }
+        })
+        .await?;
+        println!(
+            "   fair, {tokens:>5} token(s){:<32} {p50:>7.2} / {p99:>7.2}",
+            if keys {
+                ", 100,000 concurrency keys"
+            } else {
+                ""
+            }
+        );
+        if tokens == 1 && !keys {
+            let (p50, p99) = time_calls(&db, || exec(&db, ACQUIRE_BEFORE)).await?;
+            println!("   before fairness, one token                  {p50:>7.2} / {p99:>7.2}");
+        }
+    }
+    exec(
+        &db,
+        "/* bench */ TRUNCATE jobs, job_history, api_tokens CASCADE",
+    )
+    .await?;
+
+    println!("2. tenant B's first start behind tenant A's 10,000 queued jobs (16 in flight, 100 ms calls)");
+    let provider = FakeProvider::start();
+    provider.set_latency(Duration::from_millis(100));
+    let a = store.create_token("tenant-a", false).await?;
+    let a = store.authenticate(&a).await?.context("tenant a")?.token;
+    let b = store.create_token("tenant-b", false).await?;
+    let b = store.authenticate(&b).await?.context("tenant b")?.token;
+    let job = |id: String| NewJob {
+        tags: Default::default(),
+        id: id.clone(),
+        workflow: "completion".to_owned(),
+        workflow_version: 1,
+        input: json!({ "model": "m", "messages": [{ "role": "user", "content": id }] }),
+        webhook_url: String::new(),
+        schedule: Default::default(),
+    };
+    eprintln!("submitting tenant A's 10,000 jobs…");
+    for chunk in (0..10_000).collect::<Vec<_>>().chunks(500) {
+        let batch = chunk.iter().map(|i| {
+            let store = store.clone();
+            let job = job(format!("a-{i}"));
+            async move {
+                store
+                    .submit_owned(&job, TraceParent::new_root(), Some(a), false)
+                    .await
+            }
+        });
+        for r in futures_util::future::join_all(batch).await {
+            r?;
+        }
+    }
+    let mut registry = Registry::new();
+    registry.register(onceflow_workflows::Completion::default());
+    let mut config = EngineConfig {
+        node_id: "bench-fair".to_owned(),
+        max_in_flight: 16,
+        url_guard: onceflow_engine::UrlGuard::allow_private(),
+        ..EngineConfig::default()
+    };
+    config.provider.base_url = provider.base_url();
+    let _ = args;
+    let engine = Engine::start(store.clone(), registry, Faults::new(), config);
+    while provider.requests().len() < 16 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut waits = Vec::new();
+    for i in 0..30 {
+        let id = format!("b-{i}");
+        store
+            .submit_owned(&job(id.clone()), TraceParent::new_root(), Some(b), false)
+            .await?;
+        let submitted = Instant::now();
+        let key = format!("job:{id}:");
+        loop {
+            let seen = provider.requests().iter().any(|r| {
+                r.idempotency_key
+                    .as_deref()
+                    .is_some_and(|k| k.starts_with(&key))
+            });
+            if seen {
+                break;
+            }
+            anyhow::ensure!(
+                submitted.elapsed() < Duration::from_secs(120),
+                "tenant B's job {id} did not start within 120 s"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        waits.push(submitted.elapsed().as_secs_f64() * 1000.0);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let a_left = {
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let mut conn = db.conn().await?;
+        diesel::sql_query(
+            "/* bench */ SELECT count(*) AS n FROM jobs WHERE id LIKE 'a-%' AND finished_at IS NULL",
+        )
+        .get_result::<N>(&mut conn)
+        .await?
+        .n
+    };
+    engine.shutdown();
+    waits.sort_by(f64::total_cmp);
+    println!(
+        "   submit to model request: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} of B's jobs; A still had {a_left} queued at the end)",
+        waits[waits.len() / 2],
+        waits[waits.len() * 99 / 100],
+        waits[waits.len() - 1],
+        waits.len()
+    );
+    Ok(())
+}
