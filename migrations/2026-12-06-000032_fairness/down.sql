@@ -1,3 +1,4 @@
+DROP TABLE tenant_turns;
 DROP INDEX jobs_fair;
 CREATE INDEX jobs_runnable ON jobs (priority DESC, run_at) WHERE finished_at IS NULL;
 DROP INDEX jobs_key_slots;

@@ -16,19 +16,29 @@ ALTER TABLE api_tokens ADD COLUMN key_concurrency INTEGER
     CHECK (key_concurrency BETWEEN 1 AND 1000);
 
 -- Per-key concurrency. A job with a key runs only in one of its key's
--- `concurrency_limit` slots; the slot is `key_slot`, held while the job's
--- lease is. The unique index is what decides a race between two nodes
--- for the last slot: the loser's acquire fails and is retried. A job that
--- lets its lease go (a finish, a wait, a cancel) leaves the index's
--- predicate and so frees its slot in the same statement; a crashed one
--- keeps it until its own takeover. Keys cost nothing when idle: no rows.
+-- `concurrency_limit` slots; the slot is `key_slot`, held while the job
+-- holds its lease: every statement that lets a lease go (a finish, a wait,
+-- a cancel, a release) clears it, and a crashed job keeps it until its own
+-- takeover. The unique index decides a race between two nodes for the
+-- last slot: the loser's acquire fails and is run again. Its predicate
+-- names `key_slot` alone, which a job without a key never changes, so a
+-- lease change stays a HOT update. Keys cost nothing when idle: no rows.
 ALTER TABLE jobs ADD COLUMN concurrency_key TEXT
     CHECK (length(concurrency_key) BETWEEN 1 AND 200);
 ALTER TABLE jobs ADD COLUMN concurrency_limit INTEGER
     CHECK (concurrency_limit BETWEEN 1 AND 1000);
 ALTER TABLE jobs ADD COLUMN key_slot INTEGER;
 CREATE UNIQUE INDEX jobs_key_slots ON jobs (tenant, concurrency_key, key_slot)
-    WHERE key_slot IS NOT NULL AND lease_owner IS NOT NULL;
+    WHERE key_slot IS NOT NULL;
+
+-- Each tenant's place in the turns (start-time fair queueing): its pass
+-- is the virtual time after its last start; a start costs 1 / weight.
+-- Written only by the acquire, for the tenants it took jobs from. One row
+-- per tenant that ever started a job.
+CREATE TABLE tenant_turns (
+    tenant BIGINT PRIMARY KEY,
+    pass   DOUBLE PRECISION NOT NULL
+);
 
 -- The acquire walks the tenants with live jobs (a skip scan over the
 -- leading column) and takes each one's head in its own priority order.

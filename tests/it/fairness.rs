@@ -285,3 +285,53 @@ async fn a_crashed_jobs_slot_passes_to_its_takeover_then_to_the_next() {
     assert_eq!(first.state, JobState::Acked);
     assert_eq!(first.attempts, 2, "the crashed attempt, then its takeover");
 }
+
+/// A tenant that comes back after a pause gets its share from then on, not
+/// a burst for the time it was away: B ran 2 jobs, then A ran 40 alone;
+/// when B submits 20 while A still has a backlog, B's and A's starts
+/// alternate (at most 6 of the next 10 are B's), measured at the provider.
+#[actix_rt::test]
+async fn a_tenant_back_from_a_pause_takes_turns_without_a_burst() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(40));
+    let a = tenant(&env, "tenant-a", Share::default()).await;
+    let b = tenant(&env, "tenant-b", Share::default()).await;
+    let mut config = env.config();
+    config.max_in_flight = 2;
+    let _engine = env.start(registry(), config);
+    for i in 0..2 {
+        submit(&env, b, &format!("b-early-{i}"), None).await;
+    }
+    assert!(all_acked(&env, 2).await, "B's first jobs are acked");
+    for i in 0..80 {
+        submit(&env, a, &format!("a-{i}"), None).await;
+    }
+    assert!(
+        wait_until(WAIT, || async {
+            env.sql("SELECT count(*) AS n FROM jobs WHERE id LIKE 'a-%' AND state = 'acked'")
+                .await[0]["n"]
+                .as_i64()
+                .unwrap_or(0)
+                >= 40
+        })
+        .await,
+        "A runs alone for a while"
+    );
+    for i in 0..20 {
+        submit(&env, b, &format!("b-late-{i}"), None).await;
+    }
+    assert!(all_acked(&env, 102).await, "every job is acked");
+    let order: Vec<String> = env.provider.requests().iter().map(job_of).collect();
+    assert_eq!(order.len(), 102, "one model request per job");
+    let back = order.iter().position(|j| j.starts_with("b-late-")).unwrap();
+    let next: Vec<&String> = order[back..back + 10].iter().collect();
+    let b_share = next.iter().filter(|j| j.starts_with("b-late-")).count();
+    assert!(
+        b_share <= 6,
+        "B takes turns with A when it comes back ({b_share} of the next 10 starts): {next:?}"
+    );
+    assert!(
+        order[back..].iter().take(10).any(|j| j.starts_with("a-")),
+        "A keeps starting jobs"
+    );
+}

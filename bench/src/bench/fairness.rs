@@ -64,7 +64,7 @@ async fn queue(db: &Db, tokens: i64, keys: bool) -> anyhow::Result<()> {
     diesel::sql_query(
         "/* bench */ INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, \
              owner_token, tenant, concurrency_key, concurrency_limit, run_at) \
-         SELECT 'q-' || i, 'completion', 1, '{}'::jsonb, 'x', 1 + i % $1, 1 + i % $1, \
+         SELECT 'q-' || i, 'completion', 1, '{}'::jsonb, encode(sha256(i::text::bytea), 'hex'), 1 + i % $1, 1 + i % $1, \
              CASE WHEN $2 = 'keys' THEN 'key-' || i END, CASE WHEN $2 = 'keys' THEN 1 END, \
              now() - interval '1 hour' + i * interval '1 millisecond' \
          FROM generate_series(1, $3) i",

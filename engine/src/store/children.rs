@@ -207,7 +207,7 @@ impl Store {
                     "pending": pending.len(),
                 });
                 sql(
-                    "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, \
+                    "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, key_slot = NULL, \
                          lease_expires_at = NULL, updated_at = now() \
                      WHERE id = $1 AND lease_epoch = $2",
                 )

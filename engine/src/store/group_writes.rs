@@ -351,7 +351,7 @@ pub(crate) async fn ack_on(
         ", ",
         "         moved AS ( \
              UPDATE jobs j SET state = 'acked', updated_at = now(), finished_at = now(), \
-                 lease_owner = NULL, lease_expires_at = NULL \
+                 lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL \
              FROM input i \
              WHERE j.id = i.id AND j.state = 'delivered' AND j.lease_epoch = i.epoch \
                AND (SELECT count(*) FROM locked) >= 0 \
@@ -387,7 +387,7 @@ pub(crate) async fn delivered_on(
         ", ",
         "         moved AS ( \
              UPDATE jobs j SET state = 'acked', updated_at = now(), finished_at = now(), \
-                 lease_owner = NULL, lease_expires_at = NULL \
+                 lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL \
              FROM input i \
              WHERE j.id = i.id AND j.state = 'claimed' AND j.lease_epoch = i.epoch \
                AND (SELECT count(*) FROM locked) >= 0 \

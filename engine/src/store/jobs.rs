@@ -283,8 +283,7 @@ macro_rules! waiting_now {
               WHEN j.concurrency_key IS NOT NULL AND j.run_at <= now() \
                 AND (j.lease_owner IS NULL OR j.lease_expires_at < now()) \
                 AND (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
-                       AND k.concurrency_key = j.concurrency_key \
-                       AND k.key_slot IS NOT NULL AND k.lease_owner IS NOT NULL) \
+                       AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \
                     >= coalesce(j.concurrency_limit, 1) \
               THEN jsonb_build_object('kind', 'concurrency', 'key', j.concurrency_key) END"
     };

@@ -119,22 +119,32 @@ const KEY_SLOT_RETRIES: usize = 8;
 
 /// The acquire: fair between tenants, bounded per concurrency key.
 ///
+/// Between tenants it is start-time fair queueing: each tenant has a pass
+/// (`tenant_turns`, the virtual time after its last start, moved on by
+/// `1 / weight` per start), and the next start goes to the lowest. A tenant
+/// that comes back after a pause is first brought up to the clock, so it
+/// gets its share from now on, not a burst for the time it was away.
+///
 /// - `tenants`: every tenant with a live job, by a skip scan of `jobs_fair`
 ///   (one index probe per tenant, however deep its backlog).
-/// - `running`: each tenant's jobs whose lease is live, on any node.
 /// - `heads`: each tenant's first `limit` runnable jobs in its own order
 ///   (priority, then due time), skipping jobs whose key has no free slot
 ///   (so one busy key never holds back its tenant's other jobs). `rn` is a
 ///   job's place in its tenant's line.
-/// - `ranked`: a job's turn is `(running + rn) / weight`: a tenant with
-///   fewer jobs running, for its weight, goes first, so turns alternate
-///   and no tenant starves. Only tenant 0 (admin tokens, development mode)
-///   cuts in by priority. `krn` numbers the jobs of one key that need a
+/// - `shares`, `clock`: each waiting tenant's pass and weight; the clock is
+///   the latest a tenant that has been taking its turns can be behind
+///   (its pass less one start), so a pass below it is raised to it.
+/// - `ranked`: a job's turn is its tenant's pass (at least the clock) plus
+///   `(rn - 1) / weight`. Only tenant 0 (admin tokens, development mode)
+///   cuts ahead by priority. `krn` numbers the jobs of one key that need a
 ///   new slot.
 /// - `slotted`: the `krn`-th free slot of its key, or none (the job waits).
 /// - `picked`: the first `limit` by turn, locked; the lease is checked
 ///   again on each row's latest version, so a job another node leased
-///   meanwhile is skipped.
+///   meanwhile is skipped. The rows are found by id through the primary
+///   key (`= ANY`): a join would let the planner hash the whole table.
+/// - `advanced`: each tenant taken from moves past its last start (never
+///   back, should two nodes take its jobs at once).
 /// - `fired`, then the update: as before, a due timer's outcome and the
 ///   lease with its slot.
 const ACQUIRE: &str = "WITH RECURSIVE tenants(tenant) AS ( \
@@ -143,56 +153,58 @@ const ACQUIRE: &str = "WITH RECURSIVE tenants(tenant) AS ( \
          SELECT (SELECT j.tenant FROM jobs j WHERE j.finished_at IS NULL AND j.tenant > t.tenant \
                  ORDER BY j.tenant LIMIT 1) \
          FROM tenants t WHERE t.tenant IS NOT NULL), \
-     running AS ( \
-         SELECT tenant, count(*) AS n FROM jobs \
-         WHERE lease_owner IS NOT NULL AND lease_expires_at >= clock_timestamp() \
-         GROUP BY tenant), \
      heads AS ( \
          SELECT c.*, row_number() OVER (PARTITION BY c.tenant ORDER BY c.priority DESC, c.run_at, c.id) AS rn \
          FROM tenants t CROSS JOIN LATERAL ( \
              SELECT j.id, j.tenant, j.priority, j.run_at, j.lease_epoch, j.concurrency_key, \
-                 coalesce(j.concurrency_limit, 1) AS key_limit, \
-                 CASE WHEN j.lease_owner IS NOT NULL THEN j.key_slot END AS own_slot \
+                 coalesce(j.concurrency_limit, 1) AS key_limit, j.key_slot AS own_slot \
              FROM jobs j \
              WHERE j.tenant = t.tenant AND j.finished_at IS NULL AND j.run_at <= now() \
                AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
                     OR ($4 AND j.lease_owner = $1)) \
                AND ($5::text[] IS NULL OR j.workflow || '@' || j.workflow_version = ANY($5)) \
                AND NOT (j.id = ANY($6)) \
-               AND (j.concurrency_key IS NULL \
-                    OR (j.key_slot IS NOT NULL AND j.lease_owner IS NOT NULL) \
+               AND (j.concurrency_key IS NULL OR j.key_slot IS NOT NULL \
                     OR (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
-                          AND k.concurrency_key = j.concurrency_key \
-                          AND k.key_slot IS NOT NULL AND k.lease_owner IS NOT NULL) \
+                          AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \
                        < coalesce(j.concurrency_limit, 1)) \
              ORDER BY j.priority DESC, j.run_at LIMIT $2) c \
          WHERE t.tenant IS NOT NULL), \
+     shares AS ( \
+         SELECT DISTINCT h.tenant, p.pass, coalesce(w.weight, 1)::float8 AS weight \
+         FROM heads h LEFT JOIN tenant_turns p ON p.tenant = h.tenant \
+             LEFT JOIN api_tokens w ON w.id = h.tenant AND h.tenant <> 0), \
+     clock AS (SELECT coalesce(max(pass - 1 / weight), 0) AS now FROM shares), \
      ranked AS ( \
-         SELECT h.*, \
-             (coalesce(r.n, 0) + h.rn)::float8 / coalesce(w.weight, 1) AS turn, \
+         SELECT h.*, s.weight, \
+             greatest(coalesce(s.pass, c.now), c.now) + (h.rn - 1) / s.weight AS turn, \
              CASE WHEN h.tenant = 0 THEN h.priority ELSE 0 END AS cut, \
              CASE WHEN h.concurrency_key IS NOT NULL AND h.own_slot IS NULL THEN \
                  row_number() OVER (PARTITION BY h.tenant, h.concurrency_key, h.own_slot IS NULL \
                                     ORDER BY h.rn) END AS krn \
-         FROM heads h LEFT JOIN running r ON r.tenant = h.tenant \
-             LEFT JOIN api_tokens w ON w.id = h.tenant AND h.tenant <> 0), \
+         FROM heads h JOIN shares s ON s.tenant = h.tenant CROSS JOIN clock c), \
      slotted AS ( \
          SELECT r.*, CASE WHEN r.krn IS NULL THEN r.own_slot ELSE ( \
              SELECT s FROM generate_series(0, r.key_limit - 1) s \
              WHERE NOT EXISTS (SELECT 1 FROM jobs k WHERE k.tenant = r.tenant \
-                 AND k.concurrency_key = r.concurrency_key AND k.key_slot = s \
-                 AND k.lease_owner IS NOT NULL) \
+                 AND k.concurrency_key = r.concurrency_key AND k.key_slot = s) \
              ORDER BY s OFFSET r.krn - 1 LIMIT 1) END AS slot \
          FROM ranked r), \
      picked AS ( \
-         SELECT j.id, j.lease_owner, j.waiting, s.slot FROM slotted s JOIN jobs j ON j.id = s.id \
-         WHERE (s.krn IS NULL OR s.slot IS NOT NULL) \
+         SELECT j.id, j.lease_owner, j.waiting, s.slot, s.tenant, s.turn, s.weight \
+         FROM jobs j JOIN slotted s ON s.id = j.id \
+         WHERE j.id = ANY (ARRAY(SELECT id FROM slotted WHERE krn IS NULL OR slot IS NOT NULL)) \
+           AND (s.krn IS NULL OR s.slot IS NOT NULL) \
            AND j.lease_epoch = s.lease_epoch AND j.finished_at IS NULL \
            AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
                 OR ($4 AND j.lease_owner = $1)) \
          ORDER BY s.cut DESC, s.turn, s.priority DESC, s.run_at \
          LIMIT $2 \
          FOR UPDATE OF j SKIP LOCKED), \
+     advanced AS ( \
+         INSERT INTO tenant_turns (tenant, pass) \
+         SELECT tenant, max(turn + 1 / weight) FROM picked GROUP BY tenant ORDER BY tenant \
+         ON CONFLICT (tenant) DO UPDATE SET pass = greatest(tenant_turns.pass, excluded.pass)), \
      fired AS ( \
          UPDATE waits w SET outcome = '{\"slept\": true}', done_at = now() \
          FROM picked WHERE w.job_id = picked.id AND picked.waiting->>'kind' = 'sleep' \
@@ -498,7 +510,7 @@ impl Store {
         let moved = sql(
             "WITH moved AS ( \
                  UPDATE jobs SET state = 'dead', dead_reason = $3, last_error = $4, finished_at = now(), \
-                     updated_at = now(), lease_owner = NULL, lease_expires_at = NULL \
+                     updated_at = now(), lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL \
                  WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL \
                  RETURNING id, request, notify_failures), \
              event AS ( \
@@ -562,7 +574,7 @@ impl Store {
         let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX / 2);
         let moved = sql(
             "UPDATE jobs SET run_at = clock_timestamp() + $3 * interval '1 millisecond', last_error = $4, \
-                 lease_owner = NULL, lease_expires_at = NULL, updated_at = now(), \
+                 lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, updated_at = now(), \
                  store_failures = store_failures + CASE WHEN $5 THEN 1 ELSE 0 END \
              WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
         )
@@ -585,7 +597,7 @@ impl Store {
     pub async fn release_leases(&self, node: &str) -> Result<usize, StoreError> {
         let mut conn = self.db().conn().await?;
         let released = sql(
-            "UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now() \
+            "UPDATE jobs SET lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, updated_at = now() \
              WHERE lease_owner = $1 AND finished_at IS NULL",
         )
         .bind::<Text, _>(node)

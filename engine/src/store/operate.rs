@@ -156,7 +156,7 @@ impl Store {
         );
         sql("WITH moved AS ( \
                  UPDATE jobs SET state = 'cancelled', finished_at = now(), updated_at = now(), \
-                     lease_owner = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1, \
+                     lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1, \
                      last_error = $3 \
                  WHERE id = $1 AND finished_at IS NULL \
                  RETURNING id, attempts, request, notify_failures), \
