@@ -127,15 +127,17 @@ const KEY_SLOT_RETRIES: usize = 8;
 ///
 /// - `tenants`: every tenant with a live job, by a skip scan of `jobs_fair`
 ///   (one index probe per tenant, however deep its backlog).
-/// - `heads`: each tenant's first `limit` runnable jobs in its own order
-///   (priority, then due time), skipping jobs whose key has no free slot
-///   (so one busy key never holds back its tenant's other jobs). `rn` is a
-///   job's place in its tenant's line.
-/// - `shares`, `clock`: each waiting tenant's pass and weight; the clock is
+/// - `shares`, `clock`: each such tenant's pass and weight; the clock is
 ///   the latest a tenant that has been taking its turns can be behind
 ///   (its pass less one start), so a pass below it is raised to it.
-/// - `ranked`: a job's turn is its tenant's pass (at least the clock) plus
-///   `(rn - 1) / weight`. Only tenant 0 (admin tokens, development mode)
+/// - `ready`: the `limit` tenants with the earliest pass among those with
+///   a job that may run now (tenant 0 always, for its priorities): no
+///   more can start in one acquire, so no more tenants' lines are read.
+/// - `heads`: each ready tenant's first `limit` runnable jobs in its own
+///   order (priority, then due time), skipping jobs whose key has no free
+///   slot (so one busy key never holds back its tenant's other jobs). `rn`
+///   is a job's place in its tenant's line.
+/// - `ranked`: a job's turn is its tenant's pass plus `(rn - 1) / weight`. Only tenant 0 (admin tokens, development mode)
 ///   cuts ahead by priority. `krn` numbers the jobs of one key that need a
 ///   new slot.
 /// - `slotted`: the `krn`-th free slot of its key, or none (the job waits).
@@ -147,42 +149,59 @@ const KEY_SLOT_RETRIES: usize = 8;
 ///   back, should two nodes take its jobs at once).
 /// - `fired`, then the update: as before, a due timer's outcome and the
 ///   lease with its slot.
-const ACQUIRE: &str = "WITH RECURSIVE tenants(tenant) AS ( \
+/// Whether job `j` may be leased now: live, due, of a workflow this node
+/// runs, not running here, unleased (or its lease lapsed, or — reclaiming —
+/// this node's own), and with a slot of its key free (or its own).
+macro_rules! runnable {
+    () => {
+        "j.finished_at IS NULL AND j.run_at <= now() \
+           AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
+                OR ($4 AND j.lease_owner = $1)) \
+           AND ($5::text[] IS NULL OR j.workflow || '@' || j.workflow_version = ANY($5)) \
+           AND NOT (j.id = ANY($6)) \
+           AND (j.concurrency_key IS NULL OR j.key_slot IS NOT NULL \
+                OR (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
+                      AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \
+                   < coalesce(j.concurrency_limit, 1))"
+    };
+}
+
+const ACQUIRE: &str = concat!(
+    "WITH RECURSIVE tenants(tenant) AS ( \
          (SELECT tenant FROM jobs WHERE finished_at IS NULL ORDER BY tenant LIMIT 1) \
          UNION ALL \
          SELECT (SELECT j.tenant FROM jobs j WHERE j.finished_at IS NULL AND j.tenant > t.tenant \
                  ORDER BY j.tenant LIMIT 1) \
          FROM tenants t WHERE t.tenant IS NOT NULL), \
+     shares AS ( \
+         SELECT t.tenant, p.pass, coalesce(w.weight, 1)::float8 AS weight \
+         FROM tenants t LEFT JOIN tenant_turns p ON p.tenant = t.tenant \
+             LEFT JOIN api_tokens w ON w.id = t.tenant AND t.tenant <> 0 \
+         WHERE t.tenant IS NOT NULL), \
+     clock AS (SELECT coalesce(max(pass - 1 / weight), 0) AS now FROM shares), \
+     ready AS ( \
+         SELECT s.tenant, s.weight, greatest(coalesce(s.pass, c.now), c.now) AS pass \
+         FROM shares s CROSS JOIN clock c \
+         WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = s.tenant AND ",
+    runnable!(),
+    ") \
+         ORDER BY s.tenant = 0 DESC, greatest(coalesce(s.pass, c.now), c.now) LIMIT $2), \
      heads AS ( \
-         SELECT c.*, row_number() OVER (PARTITION BY c.tenant ORDER BY c.priority DESC, c.run_at, c.id) AS rn \
-         FROM tenants t CROSS JOIN LATERAL ( \
+         SELECT c.*, t.weight, t.pass, \
+             row_number() OVER (PARTITION BY c.tenant ORDER BY c.priority DESC, c.run_at, c.id) AS rn \
+         FROM ready t CROSS JOIN LATERAL ( \
              SELECT j.id, j.tenant, j.priority, j.run_at, j.lease_epoch, j.concurrency_key, \
                  coalesce(j.concurrency_limit, 1) AS key_limit, j.key_slot AS own_slot \
-             FROM jobs j \
-             WHERE j.tenant = t.tenant AND j.finished_at IS NULL AND j.run_at <= now() \
-               AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
-                    OR ($4 AND j.lease_owner = $1)) \
-               AND ($5::text[] IS NULL OR j.workflow || '@' || j.workflow_version = ANY($5)) \
-               AND NOT (j.id = ANY($6)) \
-               AND (j.concurrency_key IS NULL OR j.key_slot IS NOT NULL \
-                    OR (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
-                          AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \
-                       < coalesce(j.concurrency_limit, 1)) \
-             ORDER BY j.priority DESC, j.run_at LIMIT $2) c \
-         WHERE t.tenant IS NOT NULL), \
-     shares AS ( \
-         SELECT DISTINCT h.tenant, p.pass, coalesce(w.weight, 1)::float8 AS weight \
-         FROM heads h LEFT JOIN tenant_turns p ON p.tenant = h.tenant \
-             LEFT JOIN api_tokens w ON w.id = h.tenant AND h.tenant <> 0), \
-     clock AS (SELECT coalesce(max(pass - 1 / weight), 0) AS now FROM shares), \
+             FROM jobs j WHERE j.tenant = t.tenant AND ",
+    runnable!(),
+    " ORDER BY j.priority DESC, j.run_at LIMIT $2) c), \
      ranked AS ( \
-         SELECT h.*, s.weight, \
-             greatest(coalesce(s.pass, c.now), c.now) + (h.rn - 1) / s.weight AS turn, \
+         SELECT h.*, h.pass + (h.rn - 1) / h.weight AS turn, \
              CASE WHEN h.tenant = 0 THEN h.priority ELSE 0 END AS cut, \
              CASE WHEN h.concurrency_key IS NOT NULL AND h.own_slot IS NULL THEN \
                  row_number() OVER (PARTITION BY h.tenant, h.concurrency_key, h.own_slot IS NULL \
                                     ORDER BY h.rn) END AS krn \
-         FROM heads h JOIN shares s ON s.tenant = h.tenant CROSS JOIN clock c), \
+         FROM heads h), \
      slotted AS ( \
          SELECT r.*, CASE WHEN r.krn IS NULL THEN r.own_slot ELSE ( \
              SELECT s FROM generate_series(0, r.key_limit - 1) s \
@@ -217,7 +236,8 @@ const ACQUIRE: &str = "WITH RECURSIVE tenants(tenant) AS ( \
          waiting = CASE WHEN j.id IN (SELECT job_id FROM fired) THEN NULL ELSE j.waiting END \
      FROM picked WHERE j.id = picked.id \
      RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
-         picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token";
+         picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token"
+);
 
 impl Store {
     /// Leases up to `limit` runnable jobs to `node` for `lease_ms`: jobs due
