@@ -117,6 +117,23 @@ struct StateRow {
 /// at once (each loss means another node leased a job: progress).
 const KEY_SLOT_RETRIES: usize = 8;
 
+/// Whether job `j` may be leased now: live, due, of a workflow this node
+/// runs, not running here, unleased (or its lease lapsed, or — reclaiming —
+/// this node's own), and with a slot of its key free (or its own).
+macro_rules! runnable {
+    () => {
+        "j.finished_at IS NULL AND j.run_at <= now() \
+           AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
+                OR ($4 AND j.lease_owner = $1)) \
+           AND ($5::text[] IS NULL OR j.workflow || '@' || j.workflow_version = ANY($5)) \
+           AND NOT (j.id = ANY($6)) \
+           AND (j.concurrency_key IS NULL OR j.key_slot IS NOT NULL \
+                OR (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
+                      AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \
+                   < coalesce(j.concurrency_limit, 1))"
+    };
+}
+
 /// The acquire: fair between tenants, bounded per concurrency key.
 ///
 /// Between tenants it is start-time fair queueing: each tenant has a pass
@@ -149,23 +166,6 @@ const KEY_SLOT_RETRIES: usize = 8;
 ///   back, should two nodes take its jobs at once).
 /// - `fired`, then the update: as before, a due timer's outcome and the
 ///   lease with its slot.
-/// Whether job `j` may be leased now: live, due, of a workflow this node
-/// runs, not running here, unleased (or its lease lapsed, or — reclaiming —
-/// this node's own), and with a slot of its key free (or its own).
-macro_rules! runnable {
-    () => {
-        "j.finished_at IS NULL AND j.run_at <= now() \
-           AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
-                OR ($4 AND j.lease_owner = $1)) \
-           AND ($5::text[] IS NULL OR j.workflow || '@' || j.workflow_version = ANY($5)) \
-           AND NOT (j.id = ANY($6)) \
-           AND (j.concurrency_key IS NULL OR j.key_slot IS NOT NULL \
-                OR (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
-                      AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \
-                   < coalesce(j.concurrency_limit, 1))"
-    };
-}
-
 const ACQUIRE: &str = concat!(
     "WITH RECURSIVE tenants(tenant) AS ( \
          (SELECT tenant FROM jobs WHERE finished_at IS NULL ORDER BY tenant LIMIT 1) \
