@@ -405,11 +405,76 @@ pub(super) fn methods_of(path: &str) -> Option<String> {
         .map(|(_, methods)| methods.clone())
 }
 
-/// The document, as served.
-pub fn document() -> utoipa::openapi::OpenApi {
+/// The document, as served to a caller without a token.
+pub fn document() -> serde_json::Value {
     let mut doc = ApiDoc::openapi();
     doc.info.version = env!("CARGO_PKG_VERSION").to_owned();
+    let mut doc = serde_json::to_value(doc).expect("the document serialises");
+    finish(&mut doc);
     doc
+}
+
+/// What utoipa leaves out and OpenAPI 3.1 or a client generator needs:
+/// every response a `description` (its status's reason phrase where the
+/// handler gave none), and no field the server defaults among an object's
+/// `required` (a generated client would demand it).
+fn finish(doc: &mut serde_json::Value) {
+    use serde_json::Value;
+    if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
+        for item in paths.values_mut() {
+            let Some(item) = item.as_object_mut() else {
+                continue;
+            };
+            for op in item.values_mut() {
+                let Some(responses) = op.get_mut("responses").and_then(Value::as_object_mut) else {
+                    continue;
+                };
+                for (code, response) in responses.iter_mut() {
+                    let Some(response) = response.as_object_mut() else {
+                        continue;
+                    };
+                    let described = response
+                        .get("description")
+                        .and_then(Value::as_str)
+                        .is_some_and(|d| !d.is_empty());
+                    if !described && !response.contains_key("$ref") {
+                        let reason = code
+                            .parse::<u16>()
+                            .ok()
+                            .and_then(|c| actix_web::http::StatusCode::from_u16(c).ok())
+                            .and_then(|c| c.canonical_reason())
+                            .unwrap_or("Response");
+                        response.insert("description".into(), reason.into());
+                    }
+                }
+            }
+        }
+    }
+    fn defaults_optional(value: &mut Value) {
+        match value {
+            Value::Object(map) => {
+                let defaulted: Vec<String> = map
+                    .get("properties")
+                    .and_then(Value::as_object)
+                    .map(|props| {
+                        props
+                            .iter()
+                            .filter(|(_, p)| p.get("default").is_some())
+                            .map(|(name, _)| name.clone())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if let Some(Value::Array(required)) = map.get_mut("required") {
+                    required
+                        .retain(|r| !r.as_str().is_some_and(|r| defaulted.iter().any(|d| d == r)));
+                }
+                map.values_mut().for_each(defaults_optional);
+            }
+            Value::Array(items) => items.iter_mut().for_each(defaults_optional),
+            _ => {}
+        }
+    }
+    defaults_optional(doc);
 }
 
 /// `GET /v1/openapi.json`: open, like `/healthz`. Without a valid token
@@ -421,7 +486,7 @@ pub fn document() -> utoipa::openapi::OpenApi {
 pub(super) async fn openapi_json(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if authenticate(&state, &req).await.is_err() {
         static OPEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-        let body = OPEN.get_or_init(|| document().to_json().expect("the document serialises"));
+        let body = OPEN.get_or_init(|| document().to_string());
         return HttpResponse::Ok()
             .content_type("application/json")
             .body(body.clone());
@@ -457,28 +522,48 @@ pub(super) async fn openapi_json(state: web::Data<ApiState>, req: HttpRequest) -
 /// one, the `input`; so a client sees, say, `completion`'s and `agent`'s
 /// inputs, and the names this node runs.
 pub fn document_for(registry: &crate::Registry) -> serde_json::Value {
-    let mut doc = serde_json::to_value(document()).expect("the document serialises");
+    let mut doc = document();
     for base in ["SubmitJob", "CreateSchedule"] {
-        let schema = &mut doc["components"]["schemas"][base];
-        let template = schema.clone();
-        let variants: Vec<serde_json::Value> = registry
-            .names()
-            .map(|name| {
-                let mut variant = template.clone();
-                variant["title"] = format!("{base} ({name})").into();
-                variant["properties"]["workflow"] = serde_json::json!({ "const": name });
-                if let Some(input) = registry.get(name).and_then(|w| w.input_schema()) {
-                    variant["properties"]["input"] = input;
-                }
-                variant
-            })
-            .collect();
-        if !variants.is_empty() {
-            *schema = serde_json::json!({
+        let template = doc["components"]["schemas"][base].clone();
+        let mut refs = Vec::new();
+        let mut mapping = serde_json::Map::new();
+        for name in registry.names() {
+            let mut variant = template.clone();
+            variant["properties"]["workflow"] =
+                serde_json::json!({ "type": "string", "const": name });
+            if let Some(input) = registry.get(name).and_then(|w| w.input_schema()) {
+                variant["properties"]["input"] = input;
+            }
+            // A component of its own, so generators make one model per
+            // workflow: `SubmitJob_completion`.
+            let component = format!("{base}_{}", component_name(name));
+            let reference = format!("#/components/schemas/{component}");
+            doc["components"]["schemas"][&component] = variant;
+            refs.push(serde_json::json!({ "$ref": reference }));
+            mapping.insert(name.to_owned(), reference.into());
+        }
+        if !refs.is_empty() {
+            doc["components"]["schemas"][base] = serde_json::json!({
                 "description": template["description"],
-                "oneOf": variants,
+                "oneOf": refs,
+                "discriminator": { "propertyName": "workflow", "mapping": mapping },
             });
         }
     }
+    finish(&mut doc);
     doc
+}
+
+/// A workflow's name as part of a component's name (`A-Z a-z 0-9 . _ -`).
+fn component_name(workflow: &str) -> String {
+    workflow
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
