@@ -120,11 +120,18 @@ fn every_response_is_described_defaults_are_optional_and_variants_are_named() {
                 ) {
                     for r in required.iter().filter_map(|r| r.as_str()) {
                         assert!(
-                            props.get(r).is_none_or(|p| p.get("default").is_none()),
+                            props.get(r).is_none_or(|p| !p["description"]
+                                .as_str()
+                                .unwrap_or("")
+                                .contains("Default: ")),
                             "{at}: {r} has a default but is required"
                         );
                     }
                 }
+                assert!(
+                    !(map.contains_key("type") && map.contains_key("default")),
+                    "{at}: a default stated as `default`, which generators type as always present"
+                );
                 for (k, v) in map {
                     walk(v, &format!("{at}/{k}"));
                 }

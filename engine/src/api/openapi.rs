@@ -416,8 +416,12 @@ pub fn document() -> serde_json::Value {
 
 /// What utoipa leaves out and OpenAPI 3.1 or a client generator needs:
 /// every response a `description` (its status's reason phrase where the
-/// handler gave none), and no field the server defaults among an object's
-/// `required` (a generated client would demand it).
+/// handler gave none); no field the server defaults among an object's
+/// `required`, and its default said in its description rather than as
+/// `default` (openapi-typescript types a field with a `default` as always
+/// present, so a request leaving it out would not compile); an object
+/// without properties open to any (`additionalProperties: true`, which a
+/// generator otherwise types as an empty record).
 fn finish(doc: &mut serde_json::Value) {
     use serde_json::Value;
     if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
@@ -467,6 +471,22 @@ fn finish(doc: &mut serde_json::Value) {
                 if let Some(Value::Array(required)) = map.get_mut("required") {
                     required
                         .retain(|r| !r.as_str().is_some_and(|r| defaulted.iter().any(|d| d == r)));
+                }
+                if map.get("type").and_then(Value::as_str) == Some("object")
+                    && !map.contains_key("properties")
+                    && !map.contains_key("additionalProperties")
+                {
+                    map.insert("additionalProperties".into(), Value::Bool(true));
+                }
+                if map.contains_key("type") || map.contains_key("enum") {
+                    if let Some(default) = map.remove("default") {
+                        let said = format!("Default: `{default}`.");
+                        let description = match map.get("description").and_then(Value::as_str) {
+                            Some(d) if !d.is_empty() => format!("{d} {said}"),
+                            _ => said,
+                        };
+                        map.insert("description".into(), description.into());
+                    }
                 }
                 map.values_mut().for_each(defaults_optional);
             }
