@@ -19,7 +19,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+try:  # installed (`pip install clients/python`), as CI tests it in a fresh venv
+    import onceflow_client  # noqa: F401
+except ImportError:  # or this tree's source
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from onceflow_client import Client, OnceflowError, WebhookReceiver  # noqa: E402
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -236,3 +239,45 @@ def test_signals_are_recorded_once_and_a_stale_decision_decides_nothing(node):
     waiting = [j["id"] for j in client.list(waiting=True) if j["id"] == "py-sig"]
     assert waiting == []
     assert [s["id"] for s in client.get("py-sig")["signals"]] == ["s-1"]
+
+
+def test_a_429_or_503_is_retried_after_its_retry_after_and_a_bound_holds():
+    answers = []
+
+    class Flaky(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            answers.append(self.path)
+            busy = len(answers) <= 2
+            body = json.dumps({"error": {"code": "busy", "message": "later"}} if busy
+                              else {"id": "j", "state": "acked"}).encode()
+            self.send_response(503 if busy else 200)
+            if busy:
+                self.send_header("retry-after", "0")
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server, url = serve(Flaky)
+    try:
+        assert Client(url).get("j")["state"] == "acked"
+        assert len(answers) == 3, "two 503s, then the answer"
+        answers.clear()
+        with pytest.raises(OnceflowError) as refused:
+            Client(url, max_retries=1).get("j")
+        assert refused.value.status == 503 and len(answers) == 2, "one retry, then the error"
+    finally:
+        server.shutdown()
+
+
+def test_wait_returns_the_final_job(node):
+    client, hook = node
+    client.submit("py-wait", "completion", completion("hi"), hook)
+    job = client.wait("py-wait", timeout=30)
+    assert job["state"] == "acked" and job["result"] is not None
+    with pytest.raises(TimeoutError):
+        client.submit("py-later", "completion", completion("later"), hook, delay_ms=3_600_000)
+        client.wait("py-later", timeout=0.3)

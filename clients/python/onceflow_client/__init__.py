@@ -7,13 +7,17 @@
         print(event.kind, event.data)
 
 Errors come back as OnceflowError with the API's status, code, message and
-the field at fault. Webhooks are verified with the Standard Webhooks
+the field at fault. A 429 or 503, or a connection that fails, is retried
+(at most `max_retries` times, after the answer's Retry-After, at most 30 s,
+or a backoff): every call of onceflow's API is idempotent (a job by its id,
+a signal by its id), so a retry never does the work twice. Webhooks are verified with the Standard Webhooks
 reference library and de-duplicated by their webhook-id (WebhookReceiver).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
@@ -49,9 +53,16 @@ class Event:
 class Client:
     """The API of one onceflow node (any node: they share the database)."""
 
-    def __init__(self, base_url: str, token: Optional[str] = None, timeout: float = 30.0):
+    def __init__(
+        self,
+        base_url: str,
+        token: Optional[str] = None,
+        timeout: float = 30.0,
+        max_retries: int = 3,
+    ):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.max_retries = max_retries
 
     def close(self) -> None:
         self._http.close()
@@ -63,8 +74,35 @@ class Client:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self._http.request(method, path, **kwargs)
-        return _answer(response)
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError:
+                if last:
+                    raise
+                time.sleep(_backoff(attempt))
+                continue
+            if response.status_code in (429, 503) and not last:
+                time.sleep(_retry_after(response, attempt))
+                continue
+            return _answer(response)
+        raise AssertionError("unreachable")
+
+    def wait(self, id: str, timeout: Optional[float] = None) -> dict:
+        """Waits for the job to reach a final state (acked, dead or
+        cancelled) and returns it; TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.05
+        while True:
+            job = self.get(id)
+            if job["state"] in TERMINAL:
+                return job
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {id} is still {job['state']} after {timeout} s")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, 1.0)
 
     def submit(
         self,
@@ -244,6 +282,18 @@ class WebhookReceiver:
             return None
         self._seen.add(webhook_id)
         return event
+
+
+def _backoff(attempt: int) -> float:
+    return min(0.25 * (2**attempt), 8.0)
+
+
+def _retry_after(response: httpx.Response, attempt: int) -> float:
+    """The answer's Retry-After in seconds (at most 30), or a backoff."""
+    try:
+        return min(max(float(response.headers["retry-after"]), 0.0), 30.0)
+    except (KeyError, ValueError):
+        return _backoff(attempt)
 
 
 def _segment(text: str) -> str:
