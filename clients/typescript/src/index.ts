@@ -1,0 +1,248 @@
+/**
+ * A client for onceflow's HTTP API. Its types come from the served OpenAPI
+ * document (`src/schema.ts`, made by openapi-typescript; `npm run generate`
+ * with `ONCEFLOW_OPENAPI` naming a saved `GET /v1/openapi.json`), its
+ * requests go through openapi-fetch, a job's events are followed with
+ * `eventsource`, and webhooks are verified with `standardwebhooks`.
+ *
+ * ```ts
+ * const client = new Onceflow({ baseUrl: "http://127.0.0.1:8080", token: process.env.ONCEFLOW_TOKEN });
+ * await client.submit({ id: "order-42", workflow: "completion", input: { model: "gpt-4o-mini", messages } });
+ * for await (const event of client.events("order-42")) console.log(event.kind, event.data);
+ * const job = await client.wait("order-42", { timeoutMs: 60_000 });
+ * ```
+ *
+ * Every call of the API is idempotent (a job by its id, a signal by its
+ * id), so a `429` or `503` (after its `Retry-After`, at most 30 s) or a
+ * failed connection is retried, at most `maxRetries` times.
+ */
+import createClient from "openapi-fetch";
+import { EventSource } from "eventsource";
+import { Webhook } from "standardwebhooks";
+
+import type { components, paths } from "./schema.js";
+
+export type { components, paths };
+/** A job as `GET /v1/jobs/{id}` shows it. */
+export type Job = components["schemas"]["JobView"];
+/** `POST /v1/jobs`'s body: one variant per registered workflow. */
+export type SubmitJob = components["schemas"]["SubmitJob"];
+/** A page of `GET /v1/jobs`. */
+export type JobPage = components["schemas"]["JobPage"];
+/** What `GET /v1/jobs` filters on. */
+export type ListQuery = NonNullable<paths["/v1/jobs"]["get"]["parameters"]["query"]>;
+/** A signal: its sender's id and its payload. */
+export type SignalBody = components["schemas"]["SignalBody"];
+
+/** One event of a job's stream. */
+export interface JobEvent {
+  /** Its id: give it back as `lastEventId` to resume after it. */
+  id: number;
+  /** `state`, `chunk` or `reset`. */
+  kind: string;
+  /** `{"text", …}`: a state's name, or a chunk of the answer. */
+  data: { text?: string; [field: string]: unknown };
+}
+
+const TERMINAL = new Set(["acked", "dead", "cancelled"]);
+
+/** An answer other than 2xx: `{"error": {"code", "message", "field"?}}`. */
+export class OnceflowError extends Error {
+  constructor(
+    readonly status: number,
+    readonly code: string,
+    message: string,
+    readonly field?: string,
+  ) {
+    super(`${status} ${code}: ${message}${field ? ` (field ${field})` : ""}`);
+    this.name = "OnceflowError";
+  }
+}
+
+export interface Options {
+  /** The node's base URL (any node: they share the database). */
+  baseUrl: string;
+  /** An API token (`onceflow token create`); none in development mode. */
+  token?: string;
+  /** Retries of a 429, a 503 or a failed connection (default 3). */
+  maxRetries?: number;
+}
+
+type Answer<T> = { data?: T; error?: unknown; response: Response };
+
+/** The API of one onceflow node. */
+export class Onceflow {
+  private readonly api;
+  private readonly headers: Record<string, string>;
+  private readonly baseUrl: string;
+  readonly maxRetries: number;
+
+  constructor(options: Options) {
+    this.baseUrl = options.baseUrl.replace(/\/+$/, "");
+    this.headers = options.token ? { Authorization: `Bearer ${options.token}` } : {};
+    this.maxRetries = options.maxRetries ?? 3;
+    this.api = createClient<paths>({ baseUrl: this.baseUrl, headers: this.headers });
+  }
+
+  /** Submits a job; the same job again returns the stored one (200). */
+  async submit(job: SubmitJob): Promise<{ job: Job; created: boolean }> {
+    const answer = await this.call(() => this.api.POST("/v1/jobs", { body: job }));
+    return { job: answer.data as Job, created: answer.response.status === 201 };
+  }
+
+  /** The job, with its history, journal, waits and children. */
+  async get(id: string): Promise<Job> {
+    const answer = await this.call(() => this.api.GET("/v1/jobs/{id}", { params: { path: { id } } }));
+    return answer.data as Job;
+  }
+
+  /** One page of jobs, newest first; give `next_cursor` back as `cursor`. */
+  async list(query: ListQuery = {}): Promise<JobPage> {
+    const answer = await this.call(() => this.api.GET("/v1/jobs", { params: { query } }));
+    return answer.data as JobPage;
+  }
+
+  /** Sends a signal (a decision, an event) to a job; kept until a wait takes it. */
+  async signal(id: string, name: string, body: SignalBody): Promise<void> {
+    await this.call(() =>
+      this.api.POST("/v1/jobs/{id}/signals/{name}", { params: { path: { id, name } }, body }),
+    );
+  }
+
+  /** Cancels a job (and its children); the job once it is `cancelled`. */
+  async cancel(id: string, reason?: string): Promise<Job> {
+    const answer = await this.call(() =>
+      this.api.POST("/v1/jobs/{id}/cancel", { params: { path: { id } }, body: reason ? { reason } : {} }),
+    );
+    return answer.data as Job;
+  }
+
+  /** Waits for the job to be final (acked, dead or cancelled) and returns it. */
+  async wait(id: string, options: { timeoutMs?: number } = {}): Promise<Job> {
+    const deadline = options.timeoutMs === undefined ? undefined : Date.now() + options.timeoutMs;
+    let pause = 50;
+    for (;;) {
+      const job = await this.get(id);
+      if (TERMINAL.has(job.state)) return job;
+      if (deadline !== undefined && Date.now() >= deadline) {
+        throw new Error(`job ${id} is still ${job.state} after ${options.timeoutMs} ms`);
+      }
+      const left = deadline === undefined ? pause : Math.max(0, Math.min(pause, deadline - Date.now()));
+      await sleep(left);
+      pause = Math.min(pause * 2, 1000);
+    }
+  }
+
+  /**
+   * The job's events as they are journaled, after `lastEventId`. A dropped
+   * connection is resumed with `Last-Event-ID` (by `eventsource`, with its
+   * backoff), so nothing is lost or repeated; the iteration ends after the
+   * job's final state, or at once when resumed past the end of a finished
+   * job (204).
+   */
+  async *events(id: string, options: { lastEventId?: number } = {}): AsyncGenerator<JobEvent> {
+    const headers: Record<string, string> = { ...this.headers };
+    if (options.lastEventId !== undefined) headers["Last-Event-ID"] = String(options.lastEventId);
+    const queue: (JobEvent | Error | null)[] = [];
+    let wake: (() => void) | undefined;
+    const push = (item: JobEvent | Error | null) => {
+      queue.push(item);
+      wake?.();
+      wake = undefined;
+    };
+    const source = new EventSource(`${this.baseUrl}/v1/jobs/${encodeURIComponent(id)}/events`, {
+      fetch: (input, init) => fetch(input, { ...init, headers: { ...(init?.headers ?? {}), ...headers } }),
+    });
+    for (const kind of ["state", "chunk", "reset"]) {
+      source.addEventListener(kind, (e) => {
+        push({ id: Number(e.lastEventId), kind, data: JSON.parse(e.data) });
+      });
+    }
+    source.onerror = (e) => {
+      // Closed for good: a 204 (nothing more to say), or a refusal.
+      if (source.readyState === EventSource.CLOSED) {
+        const status = (e as { code?: number }).code;
+        push(status === undefined || status === 204 ? null : new OnceflowError(status, "stream", e.message ?? "refused"));
+      }
+    };
+    try {
+      for (;;) {
+        while (queue.length === 0) await new Promise<void>((resolve) => (wake = resolve));
+        const next = queue.shift();
+        if (next === null || next === undefined) return;
+        if (next instanceof Error) throw next;
+        yield next;
+        if (next.kind === "state" && TERMINAL.has(String(next.data.text))) return;
+      }
+    } finally {
+      source.close();
+    }
+  }
+
+  private async call<T>(request: () => Promise<Answer<T>>): Promise<Answer<T>> {
+    for (let attempt = 0; ; attempt++) {
+      const last = attempt >= this.maxRetries;
+      let answer: Answer<T>;
+      try {
+        answer = await request();
+      } catch (e) {
+        if (last) throw e;
+        await sleep(backoff(attempt));
+        continue;
+      }
+      const status = answer.response.status;
+      if ((status === 429 || status === 503) && !last) {
+        await sleep(retryAfter(answer.response, attempt));
+        continue;
+      }
+      if (status < 200 || status >= 300) {
+        const body = (answer.error ?? {}) as { error?: { code?: string; message?: string; field?: string } };
+        throw new OnceflowError(
+          status,
+          body.error?.code ?? "http",
+          body.error?.message ?? answer.response.statusText,
+          body.error?.field,
+        );
+      }
+      return answer;
+    }
+  }
+}
+
+/**
+ * Verifies one of onceflow's webhooks (Standard Webhooks) with any of the
+ * `whsec_` secrets given, and returns its event; throws when none verifies.
+ * De-duplicate what it returns by the `webhook-id` header: a resend after a
+ * lost answer is the same event.
+ */
+export function verifyWebhook(
+  secrets: string | string[],
+  body: string | Uint8Array,
+  headers: Record<string, string>,
+): { type: string; timestamp: string; data: Record<string, unknown> } {
+  const lowered = Object.fromEntries(Object.entries(headers).map(([k, v]) => [k.toLowerCase(), v]));
+  let failure: unknown;
+  for (const secret of Array.isArray(secrets) ? secrets : [secrets]) {
+    try {
+      return new Webhook(secret).verify(body, lowered) as ReturnType<typeof verifyWebhook>;
+    } catch (e) {
+      failure = e;
+    }
+  }
+  throw failure ?? new Error("no secret given");
+}
+
+function backoff(attempt: number): number {
+  return Math.min(250 * 2 ** attempt, 8000);
+}
+
+function retryAfter(response: Response, attempt: number): number {
+  const seconds = Number(response.headers.get("retry-after"));
+  return Number.isFinite(seconds) && response.headers.has("retry-after")
+    ? Math.min(Math.max(seconds, 0), 30) * 1000
+    : backoff(attempt);
+}
+
+function sleep(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
