@@ -335,3 +335,84 @@ async fn a_tenant_back_from_a_pause_takes_turns_without_a_burst() {
         "A keeps starting jobs"
     );
 }
+
+/// Per-key concurrency through kill -9: two `serve` nodes run a tenant's
+/// 12 jobs of one key (limit 2) beside 6 without a key; one node is
+/// SIGKILLed twice mid-run and restarted. Every job is acked (no key stays
+/// blocked by a dead node's slot), each model answer is paid once, and the
+/// provider never sees more than 2 calls of the key at once.
+#[actix_rt::test]
+async fn a_concurrency_key_holds_through_kill_9() {
+    use crate::support::ServeProcess;
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(300));
+    let t = tenant(
+        &env,
+        "tenant-t",
+        Share {
+            key_concurrency: Some(2),
+            ..Default::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = |name: &str| {
+        vec![
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OPENAI_BASE_URL", env.provider.base_url()),
+            ("ONCEFLOW_NODE_ID", name.to_owned()),
+            ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+            ("ONCEFLOW_POLL_MS", "100".to_owned()),
+            ("ONCEFLOW_MAX_IN_FLIGHT", "8".to_owned()),
+            ("ONCEFLOW_MODEL_TIMEOUT_MS", "3000".to_owned()),
+        ]
+    };
+    let mut killed = ServeProcess::start(&vars("kept-dying"), &log).await;
+    let _steady = ServeProcess::start(&vars("steady"), &log).await;
+    let mut keyed = std::collections::HashSet::new();
+    for i in 0..12 {
+        let id = format!("k-{i}");
+        submit(&env, t, &id, Some("conv-1")).await;
+        keyed.insert(id);
+    }
+    for i in 0..6 {
+        submit(&env, t, &format!("free-{i}"), None).await;
+    }
+    for round in 0..2 {
+        // Killed while it holds a slot of the key: the slot dies with it.
+        assert!(
+            wait_until(WAIT, || async {
+                env.sql("SELECT count(*) AS n FROM jobs WHERE lease_owner = 'kept-dying' AND key_slot IS NOT NULL AND finished_at IS NULL")
+                    .await[0]["n"]
+                    .as_i64()
+                    .unwrap_or(0)
+                    > 0
+            })
+            .await,
+            "the node holds a slot of the key before kill {round}"
+        );
+        killed.sigkill();
+        killed.restart_on_same_port(&vars("kept-dying"), &log).await;
+    }
+    assert!(
+        all_acked(&env, 18).await,
+        "every job is acked; log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    for i in 0..12 {
+        let key = format!("job:k-{i}:generate");
+        assert_eq!(env.provider.work_done(&key), 1, "{key} paid once");
+    }
+    for i in 0..6 {
+        let key = format!("job:free-{i}:generate");
+        assert_eq!(env.provider.work_done(&key), 1, "{key} paid once");
+    }
+    let peaks = env
+        .provider
+        .peak_concurrency_by(|r| keyed.contains(&job_of(r)).then(|| "conv-1".to_owned()));
+    assert!(
+        (1..=2).contains(&peaks["conv-1"]),
+        "at most 2 calls of the key at once through the kills: {peaks:?}"
+    );
+}
