@@ -72,6 +72,14 @@ pub struct ShareArgs {
     /// across every node (1–1000; default: the workflow's limit, or 1).
     #[arg(long)]
     key_concurrency: Option<i32>,
+    /// Its budget of model tokens (input + output) per UTC day; a job
+    /// whose token has spent it sends no model call until the next day.
+    #[arg(long)]
+    daily_token_budget: Option<i64>,
+    /// What such a job does: wait for the next UTC day (default), or die
+    /// `budget_exhausted`.
+    #[arg(long, value_parser = ["wait", "die"])]
+    on_budget_exhausted: Option<String>,
 }
 
 impl ShareArgs {
@@ -79,6 +87,12 @@ impl ShareArgs {
         onceflow_engine::store::tokens::Share {
             weight: self.weight,
             key_concurrency: self.key_concurrency,
+            daily_token_budget: self.daily_token_budget,
+            budget_exhausted: match self.on_budget_exhausted.as_deref() {
+                Some("die") => Some("die"),
+                Some(_) => Some("wait"),
+                None => None,
+            },
         }
     }
 }
@@ -148,12 +162,16 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                 }
                 for t in tokens {
                     println!(
-                        "{:<30} {:<6} weight {:<4} key-concurrency {:<7} created {}{}",
+                        "{:<30} {:<6} weight {:<4} key-concurrency {:<5} daily-tokens {:<12} created {}{}",
                         t.name,
                         if t.admin { "admin" } else { "" },
                         t.weight,
                         t.key_concurrency
                             .map_or_else(|| "-".to_owned(), |k| k.to_string()),
+                        t.daily_token_budget.map_or_else(
+                            || "-".to_owned(),
+                            |b| format!("{b} ({})", t.budget_exhausted)
+                        ),
                         t.created_at.format("%Y-%m-%d %H:%M:%S"),
                         t.revoked_at
                             .map(|r| format!(", revoked {}", r.format("%Y-%m-%d %H:%M:%S")))
@@ -164,7 +182,10 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
             TokenCommand::Set { name, share } => {
                 let share = share.share();
                 if share == Default::default() {
-                    anyhow::bail!("nothing to change: give --weight N, --key-concurrency N, or both");
+                    anyhow::bail!(
+                        "nothing to change: give --weight, --key-concurrency, \
+                         --daily-token-budget or --on-budget-exhausted"
+                    );
                 }
                 store.set_token_share(&name, share).await?;
                 let now = store
@@ -174,10 +195,13 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                     .find(|t| t.name == name)
                     .ok_or_else(|| anyhow::anyhow!("no token named {name:?}"))?;
                 println!(
-                    "token {name:?}: weight {}, key concurrency {}",
+                    "token {name:?}: weight {}, key concurrency {}, daily token budget {} (then {})",
                     now.weight,
                     now.key_concurrency
-                        .map_or_else(|| "the workflow's (or 1)".to_owned(), |k| k.to_string())
+                        .map_or_else(|| "the workflow's (or 1)".to_owned(), |k| k.to_string()),
+                    now.daily_token_budget
+                        .map_or_else(|| "none".to_owned(), |b| b.to_string()),
+                    now.budget_exhausted
                 );
             }
             TokenCommand::Revoke { name } => {

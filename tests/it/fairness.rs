@@ -416,3 +416,115 @@ async fn a_concurrency_key_holds_through_kill_9() {
         "at most 2 calls of the key at once through the kills: {peaks:?}"
     );
 }
+
+/// A token's daily model-token budget (each answer of the fake provider
+/// uses 10): its third job, once 20 of 15 are spent, sends nothing and
+/// journals nothing; it waits holding no lease, shown as `waiting: {"kind":
+/// "budget", "until"}` with `until` the next UTC midnight, and runs once
+/// its day has come (the day moved back here by hand). The spend is what
+/// the answers used, counted once each.
+#[actix_rt::test]
+async fn a_spent_budget_makes_the_next_job_wait_for_the_next_day() {
+    let env = TestEnv::new().await;
+    let t = tenant(
+        &env,
+        "tenant-t",
+        Share {
+            daily_token_budget: Some(15),
+            ..Default::default()
+        },
+    )
+    .await;
+    let _engine = env.start(registry(), env.config());
+    for id in ["b-1", "b-2"] {
+        submit(&env, t, id, None).await;
+        env.wait_for(id, JobState::Acked, WAIT).await;
+    }
+    submit(&env, t, "b-3", None).await;
+    let waited = wait_until(WAIT, || async {
+        env.job("b-3")
+            .await
+            .waiting
+            .is_some_and(|w| w["kind"] == "budget")
+    })
+    .await;
+    assert!(waited, "the third job waits for the budget");
+    let row = env
+        .sql("SELECT state::text AS state, lease_owner, waiting->>'until' AS until, \
+                 run_at = (date_trunc('day', now() AT TIME ZONE 'UTC') + interval '1 day') AT TIME ZONE 'UTC' AS tomorrow, \
+                 (SELECT count(*) FROM model_calls WHERE job_id = 'b-3') AS journaled \
+             FROM jobs WHERE id = 'b-3'")
+        .await[0]
+        .clone();
+    assert_eq!(row["state"], "received", "{row}");
+    assert!(
+        row["lease_owner"].is_null(),
+        "no lease while it waits: {row}"
+    );
+    assert_eq!(
+        row["tomorrow"], true,
+        "it runs again at the next UTC midnight: {row}"
+    );
+    assert_eq!(row["journaled"], 0, "nothing journaled for a call not sent");
+    assert_eq!(
+        env.provider.requests_for("job:b-3:generate"),
+        0,
+        "nothing sent"
+    );
+    let spend = env.store.spend_today(Some(t)).await.unwrap();
+    assert_eq!(
+        (spend[0].spent_today, spend[0].daily_budget),
+        (20, 15),
+        "two answers of 10 tokens each, counted once"
+    );
+    // The next day comes: yesterday's spend, and the job due.
+    env.execute("UPDATE token_spend SET day = day - 1").await;
+    env.execute("UPDATE jobs SET run_at = now() WHERE id = 'b-3'")
+        .await;
+    let done = env.wait_for("b-3", JobState::Acked, WAIT).await;
+    assert!(done.waiting.is_none(), "its wait is over");
+    assert_eq!(
+        env.provider.requests_for("job:b-3:generate"),
+        1,
+        "sent once, the next day"
+    );
+}
+
+/// A token configured to die on a spent budget: its second job dies
+/// `budget_exhausted` before its model call, which is never sent.
+#[actix_rt::test]
+async fn a_spent_budget_can_kill_the_next_job_before_its_call() {
+    let env = TestEnv::new().await;
+    let t = tenant(
+        &env,
+        "tenant-d",
+        Share {
+            daily_token_budget: Some(10),
+            budget_exhausted: Some("die"),
+            ..Default::default()
+        },
+    )
+    .await;
+    let _engine = env.start(registry(), env.config());
+    submit(&env, t, "d-1", None).await;
+    env.wait_for("d-1", JobState::Acked, WAIT).await;
+    submit(&env, t, "d-2", None).await;
+    let dead = env.wait_for("d-2", JobState::Dead, WAIT).await;
+    assert_eq!(
+        dead.last_error.as_ref().map(|e| e.code.as_str()),
+        Some("budget_exhausted")
+    );
+    assert!(
+        dead.dead_reason
+            .as_deref()
+            .is_some_and(|r| r.starts_with("budget_exhausted")),
+        "{:?}",
+        dead.dead_reason
+    );
+    assert_eq!(
+        env.provider.requests_for("job:d-2:generate"),
+        0,
+        "never sent"
+    );
+    assert_eq!(env.provider.requests_for("job:d-1:generate"), 1);
+}

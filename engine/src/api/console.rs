@@ -14,15 +14,17 @@ pub(super) async fn stats(state: web::Data<ApiState>, req: HttpRequest) -> HttpR
         Ok(who) => who,
         Err(refused) => return refused,
     };
-    match state.store.stats(who.scope()).await {
-        Ok(counts) => {
+    let counted = state.store.stats(who.scope()).await;
+    let spent = state.store.spend_today(who.scope()).await;
+    match (counted, spent) {
+        (Ok(counts), Ok(spend)) => {
             let states: serde_json::Map<String, serde_json::Value> = counts
                 .into_iter()
                 .map(|(s, n)| (s.as_str().to_owned(), json!(n)))
                 .collect();
-            HttpResponse::Ok().json(json!({ "states": states }))
+            HttpResponse::Ok().json(json!({ "states": states, "budgets": spend }))
         }
-        Err(e) => unavailable(e),
+        (Err(e), _) | (_, Err(e)) => unavailable(e),
     }
 }
 

@@ -288,7 +288,7 @@ pub(super) fn parse_tag(tag: &str) -> Result<(String, String), String> {
 }
 
 /// The kinds of wait `GET /v1/jobs?waiting=` filters by.
-const WAIT_KINDS: [&str; 4] = ["sleep", "signal", "approval", "children"];
+const WAIT_KINDS: [&str; 5] = ["sleep", "signal", "approval", "children", "budget"];
 
 /// Largest page of `GET /v1/jobs`.
 pub const MAX_PAGE: i64 = 500;

@@ -107,12 +107,15 @@ pub(super) struct JobPage {
     next_cursor: Option<String>,
 }
 
-/// `GET /v1/stats`: jobs by state.
+/// `GET /v1/stats`: jobs by state, and model-token spend against budgets.
 #[derive(ToSchema)]
 #[allow(dead_code)] // described, not built: the handler writes it
 pub(super) struct Stats {
     #[schema(value_type = Object)]
     states: serde_json::Value,
+    /// Each token with a daily model-token budget (a token sees its own):
+    /// what its jobs' answers used today (UTC), and the budget.
+    budgets: Vec<crate::store::budgets::Spend>,
 }
 
 /// The optional body of cancel and redrive.
@@ -369,7 +372,7 @@ impl Modify for CommonErrors {
         JobView, JobSummary, HistoryEntry, DeliveryView, ModelCallView, ToolCallView, ChildView,
         SignalView, JobState, ErrorEnvelope, ScheduleView, ScheduleDetail, ScheduledJob,
         ErrorBody, ErrorDetail, SubmitJob, SseEvent, JobPage, Stats, Action, BulkRedrive, BulkRedriven, BulkCancel, BulkCancelled, Rerun, SubmitBatch, BatchItem, BatchAnswer,
-        SignalBody, CreateSchedule, SchedulePage
+        SignalBody, CreateSchedule, SchedulePage, crate::store::budgets::Spend
     )),
     modifiers(&BearerAuth, &CommonErrors),
     security(("bearer" = []))

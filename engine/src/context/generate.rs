@@ -404,6 +404,7 @@ impl Context {
                 KeyValue::new(GEN_AI_REQUEST_MODEL, call.model.clone()),
             ],
         );
+        Box::pin(self.within_budget(&call)).await?;
         let attempt = match Box::pin(self.begin_call(&call)).await {
             Ok(Begun::Send { attempt }) => attempt,
             Ok(Begun::Replayed(response)) => {
@@ -431,6 +432,37 @@ impl Context {
         match sent {
             Ok(answer) => Box::pin(self.record_answer(&call, attempt, answer, span)).await,
             Err(failure) => Box::pin(self.record_failure(&call, attempt, failure, span)).await,
+        }
+    }
+
+    /// The budget: a job of a token whose model tokens for the day are
+    /// spent sends nothing. It waits, holding no lease, until the next UTC
+    /// day (`waiting: {"kind": "budget", "until"}`), or dies
+    /// `budget_exhausted`, as the token says. Checked before the journal,
+    /// so nothing is journaled for a call that is not sent; a call answered
+    /// already is a replay and passes. Calls in flight when the budget runs
+    /// out finish (never cut short), so a day's spend may pass the budget
+    /// by what they use.
+    async fn within_budget(&self, call: &Call<'_>) -> Result<(), StepError> {
+        use crate::store::budgets::Budget;
+        match Box::pin(self.store.budget(self.owner_token, &call.key)).await? {
+            Budget::Open => Ok(()),
+            Budget::Die { budget, spent } => Err(StepError::permanent(
+                "budget_exhausted",
+                "budget_exhausted: the token's model-token budget for the day is spent".to_owned(),
+                format!("spent {spent} of {budget} model tokens today (UTC); nothing was sent"),
+            )),
+            Budget::Wait { until, left_ms } => {
+                if !Box::pin(self.store.wait_for_budget(&self.fence, until)).await? {
+                    return Err(StepError::LeaseLost);
+                }
+                Err(StepError::Waiting {
+                    kind: "budget",
+                    name: "budget".to_owned(),
+                    until,
+                    due: crate::store::waits::due_in(left_ms),
+                })
+            }
         }
     }
 

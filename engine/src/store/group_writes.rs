@@ -666,7 +666,16 @@ pub(crate) async fn model_answer_on(
                  input_tokens = f.input_tokens, output_tokens = f.output_tokens, \
                  in_flight_until = NULL, last_error = NULL, updated_at = now() \
              FROM fenced f WHERE m.idempotency_key = f.key AND m.job_id = f.id \
-               AND m.status <> 'completed') \
+               AND m.status <> 'completed' \
+             RETURNING m.job_id, m.input_tokens, m.output_tokens), \
+         spent AS ( \
+             INSERT INTO token_spend (tenant, day, tokens) \
+             SELECT j.tenant, (now() AT TIME ZONE 'UTC')::date, \
+                 sum(coalesce(w.input_tokens, 0) + coalesce(w.output_tokens, 0)) \
+             FROM written w JOIN jobs j ON j.id = w.job_id \
+                 JOIN api_tokens t ON t.id = j.tenant AND t.daily_token_budget IS NOT NULL \
+             GROUP BY j.tenant ORDER BY j.tenant \
+             ON CONFLICT (tenant, day) DO UPDATE SET tokens = token_spend.tokens + excluded.tokens) \
          SELECT id FROM fenced"
     ))
     .bind::<Array<Text>, _>(&ids)

@@ -165,7 +165,8 @@ macro_rules! runnable {
 /// - `advanced`: each tenant taken from moves past its last start (never
 ///   back, should two nodes take its jobs at once).
 /// - `fired`, then the update: as before, a due timer's outcome and the
-///   lease with its slot.
+///   lease with its slot; a wait for a budget (due: its day has come) is
+///   cleared, and the body checks the budget again at its next call.
 const ACQUIRE: &str = concat!(
     "WITH RECURSIVE tenants(tenant) AS ( \
          (SELECT tenant FROM jobs WHERE finished_at IS NULL ORDER BY tenant LIMIT 1) \
@@ -233,7 +234,8 @@ const ACQUIRE: &str = concat!(
      UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
          lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \
          attempts = j.attempts + 1, updated_at = now(), key_slot = picked.slot, \
-         waiting = CASE WHEN j.id IN (SELECT job_id FROM fired) THEN NULL ELSE j.waiting END \
+         waiting = CASE WHEN j.id IN (SELECT job_id FROM fired) OR j.waiting->>'kind' = 'budget' \
+             THEN NULL ELSE j.waiting END \
      FROM picked WHERE j.id = picked.id \
      RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
          picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token"

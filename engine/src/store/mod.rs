@@ -44,6 +44,7 @@ macro_rules! retrying {
     };
 }
 
+pub mod budgets;
 pub mod children;
 pub mod events;
 mod group_commit;

@@ -48,6 +48,12 @@ pub struct TokenInfo {
     /// (`None`: the workflow's limit, or 1).
     #[diesel(sql_type = Nullable<Integer>)]
     pub key_concurrency: Option<i32>,
+    /// Its budget of model tokens per UTC day (`None`: no budget).
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub daily_token_budget: Option<i64>,
+    /// What a job does once the budget is spent: `wait` or `die`.
+    #[diesel(sql_type = Text)]
+    pub budget_exhausted: String,
 }
 
 /// How a token shares the nodes (`token create|set --weight --key-concurrency`).
@@ -57,6 +63,12 @@ pub struct Share {
     pub weight: Option<i32>,
     /// Its limit per concurrency key (1–1000); `None`: unchanged (none when new).
     pub key_concurrency: Option<i32>,
+    /// Its budget of model tokens per UTC day (at least 1); `None`:
+    /// unchanged (none when new).
+    pub daily_token_budget: Option<i64>,
+    /// What a job does once the budget is spent: `wait` (for the next UTC
+    /// day) or `die` (`budget_exhausted`); `None`: unchanged (`wait`).
+    pub budget_exhausted: Option<&'static str>,
 }
 
 impl Share {
@@ -71,6 +83,9 @@ impl Share {
         {
             return Err(TokenError::OutOfBounds("--key-concurrency"));
         }
+        if self.daily_token_budget.is_some_and(|b| b < 1) {
+            return Err(TokenError::OutOfBounds("--daily-token-budget"));
+        }
         Ok(())
     }
 }
@@ -84,8 +99,8 @@ pub enum TokenError {
     /// The name is not 1 to 100 characters of `A-Z a-z 0-9 _ . : -`.
     #[error("token names are 1 to 100 characters of A-Z a-z 0-9 _ . : -")]
     BadName,
-    /// A share's number is not from 1 to 1000.
-    #[error("{0} must be from 1 to 1000")]
+    /// A share's number is out of its bounds (1 to 1000; a budget at least 1).
+    #[error("{0} is out of bounds (1 to 1000; a budget at least 1)")]
     OutOfBounds(&'static str),
     /// No token by that name.
     #[error("no token named {0:?}")]
@@ -138,8 +153,8 @@ impl Store {
     pub async fn list_tokens(&self) -> Result<Vec<TokenInfo>, StoreError> {
         let mut conn = self.db().conn().await?;
         Ok(sql(
-            "SELECT id, name, admin, created_at, revoked_at, weight, key_concurrency \
-                 FROM api_tokens ORDER BY id",
+            "SELECT id, name, admin, created_at, revoked_at, weight, key_concurrency, \
+                 daily_token_budget, budget_exhausted FROM api_tokens ORDER BY id",
         )
         .load(&mut conn)
         .await?)
@@ -152,10 +167,14 @@ impl Store {
         share.check()?;
         let mut conn = self.db().conn().await.map_err(TokenError::Store)?;
         let n = sql("UPDATE api_tokens SET weight = coalesce($2, weight), \
-                 key_concurrency = coalesce($3, key_concurrency) WHERE name = $1")
+                 key_concurrency = coalesce($3, key_concurrency), \
+                 daily_token_budget = coalesce($4, daily_token_budget), \
+                 budget_exhausted = coalesce($5, budget_exhausted) WHERE name = $1")
         .bind::<Text, _>(name)
         .bind::<Nullable<Integer>, _>(share.weight)
         .bind::<Nullable<Integer>, _>(share.key_concurrency)
+        .bind::<Nullable<BigInt>, _>(share.daily_token_budget)
+        .bind::<Nullable<Text>, _>(share.budget_exhausted)
         .execute(&mut conn)
         .await
         .map_err(|e| TokenError::Store(e.into()))?;
