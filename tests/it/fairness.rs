@@ -66,9 +66,9 @@ async fn all_acked(env: &TestEnv, n: usize) -> bool {
 }
 
 /// Tenant A queues 100 jobs on a node that runs 4 at a time; tenant B then
-/// submits 5. B's jobs take turns with A's: all five reach the provider
-/// among its first 20 requests (in submission order they would be the
-/// last five of 105), and every job is sent once.
+/// submits 5. B's jobs take turns with A's: B's first reaches the provider
+/// within a few starts and all five within 10 starts of it (in submission
+/// order they would be the last five of 105), and every job is sent once.
 #[actix_rt::test]
 async fn a_tenants_backlog_does_not_hold_back_another_tenant() {
     let env = TestEnv::new().await;
@@ -91,11 +91,12 @@ async fn a_tenants_backlog_does_not_hold_back_another_tenant() {
     assert!(all_acked(&env, 105).await, "every job is acked");
     let order: Vec<String> = env.provider.requests().iter().map(job_of).collect();
     assert_eq!(order.len(), 105, "one model request per job: {order:?}");
+    let first_b = order.iter().position(|j| j.starts_with("b-")).unwrap();
     let last_b = order.iter().rposition(|j| j.starts_with("b-")).unwrap();
     assert!(
-        last_b < 20,
-        "B's five jobs reach the provider among its first 20 requests, not after A's backlog: \
-         the last is request #{} of {order:?}",
+        first_b <= 12 && last_b - first_b <= 10,
+        "B's five jobs take turns with A's backlog: requests #{} to #{} of {order:?}",
+        first_b + 1,
         last_b + 1
     );
 }
@@ -289,7 +290,7 @@ async fn a_crashed_jobs_slot_passes_to_its_takeover_then_to_the_next() {
 /// A tenant that comes back after a pause gets its share from then on, not
 /// a burst for the time it was away: B ran 2 jobs, then A ran 40 alone;
 /// when B submits 20 while A still has a backlog, B's and A's starts
-/// alternate (at most 6 of the next 10 are B's), measured at the provider.
+/// alternate (3 to 6 of the next 10 are B's), measured at the provider.
 #[actix_rt::test]
 async fn a_tenant_back_from_a_pause_takes_turns_without_a_burst() {
     let env = TestEnv::new().await;
@@ -327,7 +328,7 @@ async fn a_tenant_back_from_a_pause_takes_turns_without_a_burst() {
     let next: Vec<&String> = order[back..back + 10].iter().collect();
     let b_share = next.iter().filter(|j| j.starts_with("b-late-")).count();
     assert!(
-        b_share <= 6,
+        (3..=6).contains(&b_share),
         "B takes turns with A when it comes back ({b_share} of the next 10 starts): {next:?}"
     );
     assert!(
@@ -527,4 +528,60 @@ async fn a_spent_budget_can_kill_the_next_job_before_its_call() {
         "never sent"
     );
     assert_eq!(env.provider.requests_for("job:d-1:generate"), 1);
+}
+
+/// Jobs of admin tokens and development mode are one more tenant, not a
+/// line that goes first: at priority 0 they take turns with a tenant's,
+/// also on a node that runs one job at a time (an acquire of 1); only a
+/// positive priority of theirs cuts ahead.
+#[actix_rt::test]
+async fn admin_jobs_take_turns_unless_their_priority_cuts_ahead() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(20));
+    let b = tenant(&env, "tenant-b", Share::default()).await;
+    for i in 0..30 {
+        // No owner: development mode, tenant 0.
+        env.submit_job(NewJob {
+            id: format!("house-{i}"),
+            workflow: "completion".into(),
+            workflow_version: 1,
+            input: json!({ "model": "m", "messages": [{ "role": "user", "content": "x" }] }),
+            webhook_url: String::new(),
+            schedule: Default::default(),
+            tags: Default::default(),
+        })
+        .await;
+    }
+    for i in 0..5 {
+        submit(&env, b, &format!("b-{i}"), None).await;
+    }
+    env.submit_job(NewJob {
+        id: "house-urgent".into(),
+        workflow: "completion".into(),
+        workflow_version: 1,
+        input: json!({ "model": "m", "messages": [{ "role": "user", "content": "x" }] }),
+        webhook_url: String::new(),
+        schedule: Schedule {
+            priority: 5,
+            ..Default::default()
+        },
+        tags: Default::default(),
+    })
+    .await;
+    let mut config = env.config();
+    config.max_in_flight = 1;
+    let _engine = env.start(registry(), config);
+    assert!(all_acked(&env, 36).await, "every job is acked");
+    let order: Vec<String> = env.provider.requests().iter().map(job_of).collect();
+    assert_eq!(order.len(), 36, "one model request per job");
+    assert_eq!(
+        order[0], "house-urgent",
+        "an admin priority cuts ahead: {order:?}"
+    );
+    let last_b = order.iter().rposition(|j| j.starts_with("b-")).unwrap();
+    assert!(
+        last_b <= 12,
+        "at priority 0 the house's jobs take turns with B's (B's last is request #{}): {order:?}",
+        last_b + 1
+    );
 }

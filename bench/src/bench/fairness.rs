@@ -94,7 +94,7 @@ where
         anyhow::ensure!(took == 16, "an acquire took {took} jobs, not 16");
         exec(
             db,
-            "/* bench */ UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL \
+            "/* bench */ UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL, key_slot = NULL \
              WHERE lease_owner = 'bench-node'",
         )
         .await?;

@@ -63,8 +63,10 @@ pub(super) struct SubmitJob {
     /// admin token's priority cuts across them.
     priority: Option<i32>,
     /// A key of yours (a customer, a conversation): at most the limit
-    /// (the token's `--key-concurrency`, else the workflow's, else 1) of
-    /// this token's jobs with the same key run at once, across every node.
+    /// (the smaller of the token's `--key-concurrency` and the workflow's,
+    /// else the one set, else 1) of this token's jobs with the same key run
+    /// at once, across every node. The limit is fixed at intake; a job
+    /// starts only while fewer than its own limit of the key's jobs run.
     /// The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
     #[schema(min_length = 1, max_length = 200)]
     concurrency_key: Option<String>,

@@ -280,7 +280,7 @@ macro_rules! waiting_now {
     () => {
         "CASE WHEN j.finished_at IS NOT NULL THEN NULL \
               WHEN j.waiting IS NOT NULL THEN j.waiting \
-              WHEN j.concurrency_key IS NOT NULL AND j.run_at <= now() \
+              WHEN j.concurrency_key IS NOT NULL AND j.key_slot IS NULL AND j.run_at <= now() \
                 AND (j.lease_owner IS NULL OR j.lease_expires_at < now()) \
                 AND (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
                        AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \

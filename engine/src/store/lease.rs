@@ -148,15 +148,19 @@ macro_rules! runnable {
 ///   the latest a tenant that has been taking its turns can be behind
 ///   (its pass less one start), so a pass below it is raised to it.
 /// - `ready`: the `limit` tenants with the earliest pass among those with
-///   a job that may run now (tenant 0 always, for its priorities): no
-///   more can start in one acquire, so no more tenants' lines are read.
-/// - `heads`: each ready tenant's first `limit` runnable jobs in its own
-///   order (priority, then due time), skipping jobs whose key has no free
-///   slot (so one busy key never holds back its tenant's other jobs). `rn`
-///   is a job's place in its tenant's line.
-/// - `ranked`: a job's turn is its tenant's pass plus `(rn - 1) / weight`. Only tenant 0 (admin tokens, development mode)
-///   cuts ahead by priority. `krn` numbers the jobs of one key that need a
-///   new slot.
+///   a job that may run now (found by one probe each: the tenant's first
+///   such job); tenant 0 (admin tokens, development mode) comes first only
+///   while that job has a priority above 0. No more tenants can start in
+///   one acquire, so no more tenants' lines are read.
+/// - `lines`: each ready tenant's first `limit` runnable jobs in its own
+///   order (priority, then due time); `krn` numbers, within its key, the
+///   jobs of a key that need a new slot.
+/// - `heads`: the lines without the keyed jobs their key has no free slot
+///   for (so a busy key neither holds back its tenant's other jobs nor
+///   counts against the tenant's turns); `rn` is a job's place in its
+///   tenant's line.
+/// - `ranked`: a job's turn is its tenant's pass plus `(rn - 1) / weight`;
+///   a positive priority of tenant 0 ranks ahead of turns (`cut`).
 /// - `slotted`: the `krn`-th free slot of its key, or none (the job waits).
 /// - `picked`: the first `limit` by turn, locked; the lease is checked
 ///   again on each row's latest version, so a job another node leased
@@ -181,27 +185,33 @@ const ACQUIRE: &str = concat!(
          WHERE t.tenant IS NOT NULL), \
      clock AS (SELECT coalesce(max(pass - 1 / weight), 0) AS now FROM shares), \
      ready AS ( \
-         SELECT s.tenant, s.weight, greatest(coalesce(s.pass, c.now), c.now) AS pass \
-         FROM shares s CROSS JOIN clock c \
-         WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = s.tenant AND ",
+         SELECT s.tenant, s.weight, greatest(coalesce(s.pass, c.now), c.now) AS pass, \
+             CASE WHEN s.tenant = 0 THEN greatest(top.priority, 0) ELSE 0 END AS cut \
+         FROM shares s CROSS JOIN clock c CROSS JOIN LATERAL ( \
+             SELECT j.priority FROM jobs j WHERE j.tenant = s.tenant AND ",
     runnable!(),
-    ") \
-         ORDER BY s.tenant = 0 DESC, greatest(coalesce(s.pass, c.now), c.now) LIMIT $2), \
-     heads AS ( \
+    " ORDER BY j.priority DESC, j.run_at LIMIT 1) top \
+         ORDER BY 4 DESC, 3 LIMIT $2), \
+     lines AS ( \
          SELECT c.*, t.weight, t.pass, \
-             row_number() OVER (PARTITION BY c.tenant ORDER BY c.priority DESC, c.run_at, c.id) AS rn \
+             CASE WHEN c.concurrency_key IS NOT NULL AND c.own_slot IS NULL THEN \
+                 row_number() OVER (PARTITION BY c.tenant, c.concurrency_key, c.own_slot IS NULL \
+                                    ORDER BY c.priority DESC, c.run_at, c.id) END AS krn \
          FROM ready t CROSS JOIN LATERAL ( \
              SELECT j.id, j.tenant, j.priority, j.run_at, j.lease_epoch, j.concurrency_key, \
                  coalesce(j.concurrency_limit, 1) AS key_limit, j.key_slot AS own_slot \
              FROM jobs j WHERE j.tenant = t.tenant AND ",
     runnable!(),
     " ORDER BY j.priority DESC, j.run_at LIMIT $2) c), \
+     heads AS ( \
+         SELECT l.*, row_number() OVER (PARTITION BY l.tenant ORDER BY l.priority DESC, l.run_at, l.id) AS rn \
+         FROM lines l \
+         WHERE l.krn IS NULL OR l.krn <= l.key_limit - (SELECT count(*) FROM jobs k \
+             WHERE k.tenant = l.tenant AND k.concurrency_key = l.concurrency_key \
+               AND k.key_slot IS NOT NULL)), \
      ranked AS ( \
          SELECT h.*, h.pass + (h.rn - 1) / h.weight AS turn, \
-             CASE WHEN h.tenant = 0 THEN h.priority ELSE 0 END AS cut, \
-             CASE WHEN h.concurrency_key IS NOT NULL AND h.own_slot IS NULL THEN \
-                 row_number() OVER (PARTITION BY h.tenant, h.concurrency_key, h.own_slot IS NULL \
-                                    ORDER BY h.rn) END AS krn \
+             CASE WHEN h.tenant = 0 THEN greatest(h.priority, 0) ELSE 0 END AS cut \
          FROM heads h), \
      slotted AS ( \
          SELECT r.*, CASE WHEN r.krn IS NULL THEN r.own_slot ELSE ( \
@@ -286,11 +296,18 @@ impl Store {
                 .bind::<Array<Text>, _>(running)
                 .load(&mut conn)
                 .await;
+            // Two acquires that give out slots of two keys in opposite
+            // orders may also wait on each other's index entries: the
+            // database breaks that deadlock by failing one, run again too.
+            let lost_race = |e: &diesel::result::Error| match e {
+                diesel::result::Error::DatabaseError(kind, info) => {
+                    matches!(kind, diesel::result::DatabaseErrorKind::UniqueViolation)
+                        || info.message().contains("deadlock detected")
+                }
+                _ => false,
+            };
             match attempt {
-                Err(diesel::result::Error::DatabaseError(
-                    diesel::result::DatabaseErrorKind::UniqueViolation,
-                    _,
-                )) if tries < KEY_SLOT_RETRIES => tries += 1,
+                Err(e) if lost_race(&e) && tries < KEY_SLOT_RETRIES => tries += 1,
                 other => break other?,
             }
         };
