@@ -142,6 +142,26 @@ fn every_response_is_described_defaults_are_optional_and_variants_are_named() {
         walk(&doc, "");
     }
     let doc = onceflow_engine::api::openapi::document_for(&registry);
+    let input = &doc["components"]["schemas"]["SubmitJob_completion"]["properties"]["input"];
+    assert!(
+        input["properties"]["stream"]["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("Default: `false`")),
+        "a default is said in the description: {input}"
+    );
+    assert!(
+        !input["required"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r == "stream"),
+        "a defaulted field is optional: {input}"
+    );
+    let payload = &doc["components"]["schemas"]["SignalBody"]["properties"]["payload"];
+    assert_eq!(
+        payload["additionalProperties"], true,
+        "an object without properties is open: {payload}"
+    );
     let submit = &doc["components"]["schemas"]["SubmitJob"];
     assert_eq!(submit["discriminator"]["propertyName"], "workflow");
     for name in ["completion", "agent"] {

@@ -7,10 +7,11 @@
         print(event.kind, event.data)
 
 Errors come back as OnceflowError with the API's status, code, message and
-the field at fault. A 429 or 503, or a connection that fails, is retried
-(at most `max_retries` times, after the answer's Retry-After, at most 30 s,
-or a backoff): every call of onceflow's API is idempotent (a job by its id,
-a signal by its id), so a retry never does the work twice. Webhooks are verified with the Standard Webhooks
+the field at fault. Retried, at most `max_retries` times (after the
+answer's Retry-After, at most 30 s, or a backoff): a read on 429, 503 or a
+failed connection; a write on 429 (refused before any work) or a
+connection that could not be opened (never sent), and on nothing else, so
+a bulk cancel or a redrive is never done twice. Webhooks are verified with the Standard Webhooks
 reference library and de-duplicated by their webhook-id (WebhookReceiver).
 """
 
@@ -74,20 +75,25 @@ class Client:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
+        read = method == "GET"
+        unsent = (httpx.TransportError,) if read else (httpx.ConnectError, httpx.ConnectTimeout)
+        again = (429, 503) if read else (429,)
+        attempt = 0
+        while True:
+            last = attempt >= self.max_retries
             try:
                 response = self._http.request(method, path, **kwargs)
-            except httpx.TransportError:
+            except unsent:
                 if last:
                     raise
-                time.sleep(_backoff(attempt))
+                _sleep(_backoff(attempt))
+                attempt += 1
                 continue
-            if response.status_code in (429, 503) and not last:
-                time.sleep(_retry_after(response, attempt))
+            if response.status_code in again and not last:
+                _sleep(_retry_after(response, attempt))
+                attempt += 1
                 continue
             return _answer(response)
-        raise AssertionError("unreachable")
 
     def wait(self, id: str, timeout: Optional[float] = None) -> dict:
         """Waits for the job to reach a final state (acked, dead or
@@ -242,14 +248,21 @@ class Client:
                     for sse in source.iter_sse():
                         event = Event(int(sse.id), sse.event, json.loads(sse.data))
                         last = event.id
+                        failures = 0
                         yield event
                         if event.kind == "state" and event.data.get("text") in TERMINAL:
                             return
-                    return  # the server ended the stream after the final state
+                # Ended before the final state (a restart, a proxy's
+                # timeout): resumed after `last`; a finished job says 204.
+                failures += 1
+                if failures > reconnects:
+                    raise httpx.RemoteProtocolError("the event stream kept ending early")
+                time.sleep(_backoff(failures - 1))
             except httpx.TransportError:
                 failures += 1
                 if failures > reconnects:
                     raise
+                time.sleep(_backoff(failures - 1))
 
 
 class WebhookReceiver:
@@ -284,6 +297,10 @@ class WebhookReceiver:
         return event
 
 
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 def _backoff(attempt: int) -> float:
     return min(0.25 * (2**attempt), 8.0)
 
@@ -291,9 +308,10 @@ def _backoff(attempt: int) -> float:
 def _retry_after(response: httpx.Response, attempt: int) -> float:
     """The answer's Retry-After in seconds (at most 30), or a backoff."""
     try:
-        return min(max(float(response.headers["retry-after"]), 0.0), 30.0)
+        seconds = float(response.headers["retry-after"])
     except (KeyError, ValueError):
         return _backoff(attempt)
+    return _backoff(attempt) if seconds != seconds else min(max(seconds, 0.0), 30.0)
 
 
 def _segment(text: str) -> str:

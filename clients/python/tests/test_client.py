@@ -119,6 +119,9 @@ def node():
     process.wait(timeout=30)
     provider.shutdown()
     consumer.shutdown()
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def completion(prompt):
@@ -241,22 +244,38 @@ def test_signals_are_recorded_once_and_a_stale_decision_decides_nothing(node):
     assert [s["id"] for s in client.get("py-sig")["signals"]] == ["s-1"]
 
 
-def test_a_429_or_503_is_retried_after_its_retry_after_and_a_bound_holds():
+def test_a_read_is_retried_after_its_retry_after_capped_and_bounded_a_write_is_not(monkeypatch):
+    import onceflow_client
+
+    slept = []
+    monkeypatch.setattr(onceflow_client, "_sleep", slept.append)
     answers = []
+    # Retry-After of each busy answer, in turn; then the answer.
+    waits = ["7", "120"]
 
     class Flaky(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            answers.append(self.path)
-            busy = len(answers) <= 2
-            body = json.dumps({"error": {"code": "busy", "message": "later"}} if busy
-                              else {"id": "j", "state": "acked"}).encode()
-            self.send_response(503 if busy else 200)
-            if busy:
-                self.send_header("retry-after", "0")
+        def answer(self, status, body, retry_after=None):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            if retry_after is not None:
+                self.send_header("retry-after", retry_after)
             self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
+            self.send_header("content-length", str(len(data)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            answers.append("GET")
+            n = len(answers)
+            if n <= len(waits):
+                self.answer(503, {"error": {"code": "busy", "message": "later"}}, waits[n - 1])
+            else:
+                self.answer(200, {"id": "j", "state": "acked"})
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            answers.append("POST")
+            self.answer(503, {"error": {"code": "unavailable", "message": "partly done"}}, "0")
 
         def log_message(self, *args):
             pass
@@ -264,11 +283,17 @@ def test_a_429_or_503_is_retried_after_its_retry_after_and_a_bound_holds():
     server, url = serve(Flaky)
     try:
         assert Client(url).get("j")["state"] == "acked"
-        assert len(answers) == 3, "two 503s, then the answer"
+        assert answers == ["GET"] * 3, "two 503s, then the answer"
+        assert slept == [7.0, 30.0], "each Retry-After honoured, capped at 30 s"
         answers.clear()
+        slept.clear()
         with pytest.raises(OnceflowError) as refused:
             Client(url, max_retries=1).get("j")
-        assert refused.value.status == 503 and len(answers) == 2, "one retry, then the error"
+        assert refused.value.status == 503 and answers == ["GET"] * 2, "one retry, then the error"
+        answers.clear()
+        with pytest.raises(OnceflowError) as unavailable:
+            Client(url).cancel_all("tidy", state="received")
+        assert unavailable.value.status == 503 and answers == ["POST"], "a write's 503 is not retried"
     finally:
         server.shutdown()
 

@@ -12,9 +12,11 @@
  * const job = await client.wait("order-42", { timeoutMs: 60_000 });
  * ```
  *
- * Every call of the API is idempotent (a job by its id, a signal by its
- * id), so a `429` or `503` (after its `Retry-After`, at most 30 s) or a
- * failed connection is retried, at most `maxRetries` times.
+ * Retried, at most `maxRetries` times (after the answer's `Retry-After`,
+ * at most 30 s, or a backoff): a read on `429`, `503` or a failed
+ * connection; a write only on `429` (refused before any work) or a
+ * connection that could not be opened (never sent), so a write is never
+ * done twice.
  */
 import createClient from "openapi-fetch";
 import { EventSource } from "eventsource";
@@ -38,7 +40,7 @@ export type SignalBody = components["schemas"]["SignalBody"];
 export interface JobEvent {
   /** Its id: give it back as `lastEventId` to resume after it. */
   id: number;
-  /** `state`, `chunk` or `reset`. */
+  /** `state`, `chunk`, `tool` or `reset`. */
   kind: string;
   /** `{"text", …}`: a state's name, or a chunk of the answer. */
   data: { text?: string; [field: string]: unknown };
@@ -92,13 +94,13 @@ export class Onceflow {
 
   /** The job, with its history, journal, waits and children. */
   async get(id: string): Promise<Job> {
-    const answer = await this.call(() => this.api.GET("/v1/jobs/{id}", { params: { path: { id } } }));
+    const answer = await this.call(() => this.api.GET("/v1/jobs/{id}", { params: { path: { id } } }), true);
     return answer.data as Job;
   }
 
   /** One page of jobs, newest first; give `next_cursor` back as `cursor`. */
   async list(query: ListQuery = {}): Promise<JobPage> {
-    const answer = await this.call(() => this.api.GET("/v1/jobs", { params: { query } }));
+    const answer = await this.call(() => this.api.GET("/v1/jobs", { params: { query } }), true);
     return answer.data as JobPage;
   }
 
@@ -151,9 +153,17 @@ export class Onceflow {
       wake = undefined;
     };
     const source = new EventSource(`${this.baseUrl}/v1/jobs/${encodeURIComponent(id)}/events`, {
-      fetch: (input, init) => fetch(input, { ...init, headers: { ...(init?.headers ?? {}), ...headers } }),
+      // Ours under eventsource's own: on a reconnect its Last-Event-ID
+      // (the last event received) wins over the one we started from.
+      fetch: (input, init) => {
+        const merged = new Headers(init?.headers);
+        for (const [name, value] of Object.entries(headers)) {
+          if (!merged.has(name)) merged.set(name, value);
+        }
+        return fetch(input, { ...init, headers: merged });
+      },
     });
-    for (const kind of ["state", "chunk", "reset"]) {
+    for (const kind of ["state", "chunk", "tool", "reset"]) {
       source.addEventListener(kind, (e) => {
         push({ id: Number(e.lastEventId), kind, data: JSON.parse(e.data) });
       });
@@ -179,19 +189,20 @@ export class Onceflow {
     }
   }
 
-  private async call<T>(request: () => Promise<Answer<T>>): Promise<Answer<T>> {
+  private async call<T>(request: () => Promise<Answer<T>>, read = false): Promise<Answer<T>> {
+    const tries = Number.isFinite(this.maxRetries) ? Math.max(0, this.maxRetries) : 3;
     for (let attempt = 0; ; attempt++) {
-      const last = attempt >= this.maxRetries;
+      const last = attempt >= tries;
       let answer: Answer<T>;
       try {
         answer = await request();
       } catch (e) {
-        if (last) throw e;
+        if (last || !(read || neverSent(e))) throw e;
         await sleep(backoff(attempt));
         continue;
       }
       const status = answer.response.status;
-      if ((status === 429 || status === 503) && !last) {
+      if ((status === 429 || (read && status === 503)) && !last) {
         await sleep(retryAfter(answer.response, attempt));
         continue;
       }
@@ -230,6 +241,12 @@ export function verifyWebhook(
     }
   }
   throw failure ?? new Error("no secret given");
+}
+
+/** A connection that could not be opened: the request never left. */
+function neverSent(e: unknown): boolean {
+  const code = (e as { cause?: { code?: string } })?.cause?.code;
+  return code === "ECONNREFUSED" || code === "ENOTFOUND" || code === "EAI_AGAIN";
 }
 
 function backoff(attempt: number): number {

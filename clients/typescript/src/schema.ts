@@ -668,7 +668,9 @@ export interface components {
              */
             updated_at: string;
             /** @description What the job waits for, or `null`. */
-            waiting?: Record<string, never> | null;
+            waiting?: {
+                [key: string]: unknown;
+            } | null;
             /** @description The name of the workflow it runs. */
             workflow: string;
             /**
@@ -726,7 +728,9 @@ export interface components {
              */
             priority: number;
             /** @description The workflow's output, once persisted. */
-            result?: Record<string, never> | null;
+            result?: {
+                [key: string]: unknown;
+            } | null;
             /**
              * Format: date-time
              * @description When the job may next start (its schedule, or a retry's backoff).
@@ -755,7 +759,9 @@ export interface components {
              *     "name", "until"}`, `{"kind": "concurrency", "key"}` (every slot of
              *     its key is held), or `null`. It holds no lease meanwhile.
              */
-            waiting?: Record<string, never> | null;
+            waiting?: {
+                [key: string]: unknown;
+            } | null;
             /** @description Where the outcome is delivered by webhook (empty: nowhere). */
             webhook_url: string;
             /** @description The name of the workflow it runs. */
@@ -781,7 +787,9 @@ export interface components {
              */
             input_tokens?: number | null;
             /** @description The last failed send's error envelope, if any. */
-            last_error?: Record<string, never> | null;
+            last_error?: {
+                [key: string]: unknown;
+            } | null;
             /**
              * Format: int32
              * @description Completion tokens the provider reported.
@@ -889,6 +897,21 @@ export interface components {
             /** @description The wait that took it (its key), or `None` while it is kept. */
             taken_by?: string | null;
         };
+        /** @description A tenant's spend today, as `GET /v1/stats` shows it. */
+        Spend: {
+            /**
+             * Format: int64
+             * @description Its budget per UTC day.
+             */
+            daily_budget: number;
+            /**
+             * Format: int64
+             * @description Model tokens (input + output) its jobs' answers used today (UTC).
+             */
+            spent_today: number;
+            /** @description The token's name. */
+            token: string;
+        };
         /**
          * @description One server-sent event of `GET /v1/jobs/{id}/events` (the schema of
          *     each event in the stream).
@@ -905,8 +928,13 @@ export interface components {
             /** @description Its place in the job's one increasing sequence (`Last-Event-ID`). */
             id: string;
         };
-        /** @description `GET /v1/stats`: jobs by state. */
+        /** @description `GET /v1/stats`: jobs by state, and model-token spend against budgets. */
         Stats: {
+            /**
+             * @description Each token with a daily model-token budget (a token sees its own):
+             *     what its jobs' answers used today (UTC), and the budget.
+             */
+            budgets: components["schemas"]["Spend"][];
             states: {
                 [key: string]: unknown;
             };
@@ -924,8 +952,10 @@ export interface components {
         SubmitJob_agent: {
             /**
              * @description A key of yours (a customer, a conversation): at most the limit
-             *     (the token's `--key-concurrency`, else the workflow's, else 1) of
-             *     this token's jobs with the same key run at once, across every node.
+             *     (the smaller of the token's `--key-concurrency` and the workflow's,
+             *     else the one set, else 1) of this token's jobs with the same key run
+             *     at once, across every node. The limit is fixed at intake; a job
+             *     starts only while fewer than its own limit of the key's jobs run.
              *     The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
              */
             concurrency_key?: string | null;
@@ -994,8 +1024,10 @@ export interface components {
         SubmitJob_completion: {
             /**
              * @description A key of yours (a customer, a conversation): at most the limit
-             *     (the token's `--key-concurrency`, else the workflow's, else 1) of
-             *     this token's jobs with the same key run at once, across every node.
+             *     (the smaller of the token's `--key-concurrency` and the workflow's,
+             *     else the one set, else 1) of this token's jobs with the same key run
+             *     at once, across every node. The limit is fixed at intake; a job
+             *     starts only while fewer than its own limit of the key's jobs run.
              *     The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
              */
             concurrency_key?: string | null;

@@ -108,12 +108,16 @@ before(async () => {
     }
     await new Promise((ok) => setTimeout(ok, 500));
   }
+  assert.ok((await fetch(`${base}/healthz`)).ok, "onceflow serve is up");
   client = new Onceflow({ baseUrl: base, token });
 });
 
 after(async () => {
-  serve?.kill("SIGTERM");
-  await new Promise((ok) => serve?.once("exit", ok));
+  if (serve && serve.exitCode === null && serve.signalCode === null) {
+    const exited = new Promise((ok) => serve.once("exit", ok));
+    serve.kill("SIGTERM");
+    await exited;
+  }
   for (const s of servers) s.close();
   servers = [];
 });
@@ -164,10 +168,11 @@ test("a waiting job is listed, signalled and cancelled; a bad request is a typed
   assert.equal(modelRequests.filter((k) => k.startsWith("job:ts-later")).length, 0, "no model request");
 });
 
-test("a 503 is retried after its Retry-After, and the bound holds", async () => {
+test("a read's 503 is retried and the bound holds; a write's is not", async () => {
   let seen = 0;
-  const flaky = await listen(() => {
+  const flaky = await listen((body) => {
     seen += 1;
+    if (body !== "") return [503, JSON.stringify({ error: { code: "unavailable", message: "partly done" } })];
     return seen <= 2 ? [503, JSON.stringify({ error: { code: "busy", message: "later" } })] : [200, JSON.stringify({ id: "j", state: "acked" })];
   });
   const patient = new Onceflow({ baseUrl: flaky });
@@ -177,4 +182,7 @@ test("a 503 is retried after its Retry-After, and the bound holds", async () => 
   const hasty = new Onceflow({ baseUrl: flaky, maxRetries: 1 });
   await assert.rejects(hasty.get("j"), (e: unknown) => e instanceof OnceflowError && e.status === 503);
   assert.equal(seen, 2, "one retry, then the error");
+  seen = 0;
+  await assert.rejects(patient.cancel("j", "tidy"), (e: unknown) => e instanceof OnceflowError && e.status === 503);
+  assert.equal(seen, 1, "a write's 503 is not retried");
 });

@@ -459,8 +459,12 @@ fn finish(doc: &mut serde_json::Value) {
             }
         }
     }
-    fn defaults_optional(value: &mut Value) {
+    /// A JSON value of the document; `names` when it is a map of names to
+    /// schemas (`properties`, `components.schemas`, …), not a schema: its
+    /// keys (a property called `default`, say) are names, left alone.
+    fn fix(value: &mut Value, names: bool) {
         match value {
+            Value::Object(map) if names => map.values_mut().for_each(|v| fix(v, false)),
             Value::Object(map) => {
                 let defaulted: Vec<String> = map
                     .get("properties")
@@ -477,7 +481,12 @@ fn finish(doc: &mut serde_json::Value) {
                     required
                         .retain(|r| !r.as_str().is_some_and(|r| defaulted.iter().any(|d| d == r)));
                 }
-                if map.get("type").and_then(Value::as_str) == Some("object")
+                let object = match map.get("type") {
+                    Some(Value::String(t)) => t == "object",
+                    Some(Value::Array(ts)) => ts.iter().any(|t| t == "object"),
+                    _ => false,
+                };
+                if object
                     && !map.contains_key("properties")
                     && !map.contains_key("additionalProperties")
                 {
@@ -493,13 +502,19 @@ fn finish(doc: &mut serde_json::Value) {
                         map.insert("description".into(), description.into());
                     }
                 }
-                map.values_mut().for_each(defaults_optional);
+                for (key, v) in map.iter_mut() {
+                    let names = matches!(
+                        key.as_str(),
+                        "properties" | "schemas" | "$defs" | "definitions" | "patternProperties"
+                    );
+                    fix(v, names);
+                }
             }
-            Value::Array(items) => items.iter_mut().for_each(defaults_optional),
+            Value::Array(items) => items.iter_mut().for_each(|v| fix(v, false)),
             _ => {}
         }
     }
-    defaults_optional(doc);
+    fix(doc, false);
 }
 
 /// `GET /v1/openapi.json`: open, like `/healthz`. Without a valid token
