@@ -29,6 +29,15 @@ async fn tenant(env: &TestEnv, name: &str, share: Share) -> i64 {
     env.store.authenticate(&token).await.unwrap().unwrap().token
 }
 
+/// A tenant whose keys run at most 2 jobs at once.
+async fn keyed_tenant(env: &TestEnv, name: &str) -> i64 {
+    let share = Share {
+        key_concurrency: Some(2),
+        ..Default::default()
+    };
+    tenant(env, name, share).await
+}
+
 /// Submits a completion job (no webhook) on behalf of token `owner`.
 async fn submit(env: &TestEnv, owner: i64, id: &str, key: Option<&str>) {
     let job = NewJob {
@@ -153,24 +162,8 @@ async fn weights_set_each_tenants_share_of_starts() {
 async fn a_concurrency_key_bounds_its_jobs_across_nodes_and_tenants() {
     let env = TestEnv::new().await;
     env.provider.set_latency(Duration::from_millis(200));
-    let t = tenant(
-        &env,
-        "tenant-t",
-        Share {
-            key_concurrency: Some(2),
-            ..Default::default()
-        },
-    )
-    .await;
-    let u = tenant(
-        &env,
-        "tenant-u",
-        Share {
-            key_concurrency: Some(2),
-            ..Default::default()
-        },
-    )
-    .await;
+    let t = keyed_tenant(&env, "tenant-t").await;
+    let u = keyed_tenant(&env, "tenant-u").await;
     let mut key_of: HashMap<String, String> = HashMap::new();
     for i in 0..10 {
         let id = format!("t-user1-{i}");
@@ -347,15 +340,7 @@ async fn a_concurrency_key_holds_through_kill_9() {
     use crate::support::ServeProcess;
     let env = TestEnv::new().await;
     env.provider.set_latency(Duration::from_millis(300));
-    let t = tenant(
-        &env,
-        "tenant-t",
-        Share {
-            key_concurrency: Some(2),
-            ..Default::default()
-        },
-    )
-    .await;
+    let t = keyed_tenant(&env, "tenant-t").await;
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("serve.log");
     let vars = |name: &str| {
