@@ -185,6 +185,11 @@ async fn a_concurrency_key_bounds_its_jobs_across_nodes_and_tenants() {
     }
     let mut config = env.config();
     config.max_in_flight = 8;
+    // A call the engine gave up on (a timeout on a loaded machine) frees
+    // its slot while the provider may still be answering it: room enough
+    // that none is given up on here, so the provider's count is the slots'.
+    config.provider.timeout = Duration::from_secs(20);
+    config.lease = Duration::from_secs(3);
     let _one = env.start(registry(), config.clone());
     config.node_id = format!("{}-two", config.node_id);
     let _two = env.start(registry(), config);

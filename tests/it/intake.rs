@@ -424,9 +424,24 @@ async fn the_document_shows_each_workflows_input_as_intake_takes_it() {
     let hook = env.consumer.url();
     let (status, doc) = get(&format!("{base}/v1/openapi.json")).await;
     assert_eq!(status, 200);
-    let variants = doc["components"]["schemas"]["SubmitJob"]["oneOf"]
+    // Each variant is a component of its own, chosen by `workflow`.
+    let resolve = |v: &Value| -> Value {
+        let name = v["$ref"]
+            .as_str()
+            .and_then(|r| r.strip_prefix("#/components/schemas/"))
+            .unwrap_or_else(|| panic!("a variant is a named component: {v}"));
+        doc["components"]["schemas"][name].clone()
+    };
+    assert_eq!(
+        doc["components"]["schemas"]["SubmitJob"]["discriminator"]["propertyName"],
+        "workflow"
+    );
+    let variants: Vec<Value> = doc["components"]["schemas"]["SubmitJob"]["oneOf"]
         .as_array()
-        .expect("SubmitJob is one variant per workflow");
+        .expect("SubmitJob is one variant per workflow")
+        .iter()
+        .map(resolve)
+        .collect();
     let input_of = |name: &str| {
         variants
             .iter()

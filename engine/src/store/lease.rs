@@ -298,13 +298,16 @@ impl Store {
                 .await;
             // Two acquires that give out slots of two keys in opposite
             // orders may also wait on each other's index entries: the
-            // database breaks that deadlock by failing one, run again too.
-            let lost_race = |e: &diesel::result::Error| match e {
-                diesel::result::Error::DatabaseError(kind, info) => {
-                    matches!(kind, diesel::result::DatabaseErrorKind::UniqueViolation)
-                        || info.message().contains("deadlock detected")
-                }
-                _ => false,
+            // database breaks that deadlock (40P01) by failing one, run
+            // again too. diesel folds 40P01 into `Unknown` with the code
+            // out of reach (see `StoreError::is_retryable`); a statement
+            // error leaves the connection usable.
+            let lost_race = |e: &diesel::result::Error| {
+                use diesel::result::DatabaseErrorKind as K;
+                matches!(
+                    e,
+                    diesel::result::Error::DatabaseError(K::UniqueViolation | K::Unknown, _)
+                )
             };
             match attempt {
                 Err(e) if lost_race(&e) && tries < KEY_SLOT_RETRIES => tries += 1,
