@@ -8,7 +8,7 @@ import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
 import { spawn, execFileSync, type ChildProcess } from "node:child_process";
 import { createServer, type Server } from "node:http";
-import { mkdtempSync, chmodSync, openSync } from "node:fs";
+import { mkdtempSync, chmodSync, openSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 
@@ -23,6 +23,7 @@ let servers: Server[] = [];
 let serve: ChildProcess;
 let client: Onceflow;
 let hook: string;
+let folder: string;
 
 function listen(handler: (body: string, headers: Record<string, string>) => [number, string]): Promise<string> {
   const server = createServer((req, res) => {
@@ -74,7 +75,7 @@ before(async () => {
     webhooks.push({ id: headers["webhook-id"], event: verifyWebhook(SECRET, body, headers) });
     return [204, ""];
   });
-  const folder = mkdtempSync(join(tmpdir(), "onceflow-ts-"));
+  folder = mkdtempSync(join(tmpdir(), "onceflow-ts-"));
   chmodSync(folder, 0o755); // the embedded server may run as `postgres`
   const env: NodeJS.ProcessEnv = { ...process.env, ONCEFLOW_DATA_DIR: join(folder, "data") };
   delete env.DATABASE_URL;
@@ -120,6 +121,7 @@ after(async () => {
   }
   for (const s of servers) s.close();
   servers = [];
+  if (folder) rmSync(folder, { recursive: true, force: true });
 });
 
 test("a job is submitted once, followed to its end, and its webhook verified", async () => {
