@@ -87,6 +87,7 @@ pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJo
     workflow.validate(&input)?;
     let mut schedule = take_schedule(&mut obj)?;
     schedule.concurrency_limit = workflow.concurrency_per_key();
+    schedule.throttle = workflow.throttle_per_key();
     let tags = take_tags(&mut obj)?;
     if let Some(extra) = obj.keys().next() {
         return Err(InvalidInput::new(extra.clone(), "unknown field").into());
@@ -210,6 +211,7 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
         delay_ms,
         concurrency_key,
         concurrency_limit: None,
+        throttle: None,
     })
 }
 

@@ -78,6 +78,7 @@ pub use faults::{Action, FailPoint, Faults};
 pub use guard::UrlGuard;
 pub use lifecycle::JobState;
 pub use node::EngineConfig;
+pub use request::Throttle;
 pub use runtime::Engine;
 pub use store::Store;
 pub use workflow::{DeliveryPolicy, InvalidInput, Registry, Workflow};

@@ -74,6 +74,30 @@ pub struct Schedule {
     /// The workflow's limit per key ([`Workflow::concurrency_per_key`](crate::Workflow::concurrency_per_key)),
     /// filled in by intake; not part of the request.
     pub concurrency_limit: Option<u32>,
+    /// The workflow's throttle per key ([`Workflow::throttle_per_key`](crate::Workflow::throttle_per_key)),
+    /// filled in by intake; not part of the request.
+    pub throttle: Option<Throttle>,
+}
+
+/// At most `starts` jobs of one concurrency key start in any `per`: a
+/// job's first start counts, its retries and takeovers do not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Throttle {
+    /// Starts allowed per period (1–1000).
+    pub starts: u32,
+    /// The period (1 s to 1 day, whole seconds).
+    pub per: std::time::Duration,
+}
+
+impl Throttle {
+    /// `starts` per `per`, each brought into its bounds (1–1000 starts;
+    /// 1 s to 1 day, whole seconds).
+    pub fn new(starts: u32, per: std::time::Duration) -> Self {
+        Throttle {
+            starts: starts.clamp(1, 1000),
+            per: std::time::Duration::from_secs(per.as_secs().clamp(1, 86_400)),
+        }
+    }
 }
 
 /// Longest `concurrency_key`, in characters.

@@ -61,6 +61,16 @@ pub trait Workflow: Send + Sync + 'static {
         None
     }
 
+    /// At most this many jobs of this workflow start per period per
+    /// `concurrency_key` of one tenant, across every node (default: none;
+    /// a token's own throttle, if set). When both this and the token set
+    /// one, the slower holds. Taken at intake, like
+    /// [`concurrency_per_key`](Self::concurrency_per_key); the concurrency
+    /// limit holds beside it.
+    fn throttle_per_key(&self) -> Option<crate::request::Throttle> {
+        None
+    }
+
     /// Checks an input beyond its type (non-empty lists, ranges). Runs at intake.
     fn validate(_input: &Self::Input) -> Result<(), InvalidInput> {
         Ok(())
@@ -102,6 +112,8 @@ pub trait DynWorkflow: Send + Sync {
     fn failure_events(&self) -> bool;
     /// [`Workflow::concurrency_per_key`].
     fn concurrency_per_key(&self) -> Option<u32>;
+    /// [`Workflow::throttle_per_key`], within its bounds.
+    fn throttle_per_key(&self) -> Option<crate::request::Throttle>;
     /// Decodes `input` into the workflow's input type and runs
     /// [`Workflow::validate`], then [`Workflow::validate_here`]: intake's
     /// check of a submitted job.
@@ -141,6 +153,10 @@ impl<W: Workflow> DynWorkflow for W {
 
     fn concurrency_per_key(&self) -> Option<u32> {
         Workflow::concurrency_per_key(self).map(|n| n.clamp(1, 1000))
+    }
+
+    fn throttle_per_key(&self) -> Option<crate::request::Throttle> {
+        Workflow::throttle_per_key(self).map(|t| crate::request::Throttle::new(t.starts, t.per))
     }
 
     fn validate(&self, input: &Value) -> Result<(), InvalidInput> {

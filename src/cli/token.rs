@@ -80,6 +80,11 @@ pub struct ShareArgs {
     /// `budget_exhausted`.
     #[arg(long, value_parser = ["wait", "die"])]
     on_budget_exhausted: Option<String>,
+    /// At most STARTS jobs of one of its `concurrency_key`s start per
+    /// PERIOD, across every node: `10/60s`, `100/1h` (1–1000 per 1s–1d).
+    /// The rest wait (never a 429); a job's retries are not new starts.
+    #[arg(long, value_name = "STARTS/PERIOD", value_parser = onceflow_engine::store::tokens::parse_throttle)]
+    key_throttle: Option<(i32, i32)>,
 }
 
 impl ShareArgs {
@@ -93,6 +98,7 @@ impl ShareArgs {
                 Some(_) => Some("wait"),
                 None => None,
             },
+            key_throttle: self.key_throttle,
         }
     }
 }
@@ -162,12 +168,13 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                 }
                 for t in tokens {
                     println!(
-                        "{:<30} {:<6} weight {:<4} key-concurrency {:<5} daily-tokens {:<12} created {}{}",
+                        "{:<30} {:<6} weight {:<4} key-concurrency {:<5} key-throttle {:<9} daily-tokens {:<12} created {}{}",
                         t.name,
                         if t.admin { "admin" } else { "" },
                         t.weight,
                         t.key_concurrency
                             .map_or_else(|| "-".to_owned(), |k| k.to_string()),
+                        throttle_text(t.key_throttle, t.key_throttle_period_s, "-"),
                         t.daily_token_budget.map_or_else(
                             || "-".to_owned(),
                             |b| format!("{b} ({})", t.budget_exhausted)
@@ -183,7 +190,7 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                 let share = share.share();
                 if share == Default::default() {
                     anyhow::bail!(
-                        "nothing to change: give --weight, --key-concurrency, \
+                        "nothing to change: give --weight, --key-concurrency, --key-throttle, \
                          --daily-token-budget or --on-budget-exhausted"
                     );
                 }
@@ -195,10 +202,11 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                     .find(|t| t.name == name)
                     .ok_or_else(|| anyhow::anyhow!("no token named {name:?}"))?;
                 println!(
-                    "token {name:?}: weight {}, key concurrency {}, daily token budget {} (then {})",
+                    "token {name:?}: weight {}, key concurrency {}, key throttle {}, daily token budget {} (then {})",
                     now.weight,
                     now.key_concurrency
                         .map_or_else(|| "the workflow's (or 1)".to_owned(), |k| k.to_string()),
+                    throttle_text(now.key_throttle, now.key_throttle_period_s, "the workflow's (or none)"),
                     now.daily_token_budget
                         .map_or_else(|| "none".to_owned(), |b| b.to_string()),
                     now.budget_exhausted
@@ -249,4 +257,12 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
         let _ = pg.stop();
     }
     result
+}
+
+/// A throttle as `token list` shows it: `10/60s`, or `none`.
+fn throttle_text(starts: Option<i32>, period_s: Option<i32>, none: &str) -> String {
+    match (starts, period_s) {
+        (Some(n), Some(s)) => format!("{n}/{s}s"),
+        _ => none.to_owned(),
+    }
 }

@@ -579,3 +579,200 @@ async fn admin_jobs_take_turns_unless_their_priority_cuts_ahead() {
         last_b + 1
     );
 }
+
+/// A tenant whose keys start at most `starts` jobs per `per_s` seconds (and
+/// run up to 8 at once, so the throttle is what binds).
+async fn throttled_tenant(env: &TestEnv, name: &str, starts: i32, per_s: i32) -> i64 {
+    let share = Share {
+        key_concurrency: Some(8),
+        key_throttle: Some((starts, per_s)),
+        ..Default::default()
+    };
+    tenant(env, name, share).await
+}
+
+/// The distinct jobs of `prefix` the provider was asked about.
+fn jobs_sent(env: &TestEnv, prefix: &str) -> std::collections::BTreeSet<String> {
+    env.provider
+        .requests()
+        .iter()
+        .map(job_of)
+        .filter(|j| j.starts_with(prefix))
+        .collect()
+}
+
+/// A throttle of 3 starts per hour per key, on two nodes: exactly 3 of the
+/// key's 8 jobs reach the provider, each once, while another key of the
+/// same tenant and unkeyed jobs run; the other 5 wait holding no lease,
+/// shown as `waiting: {"kind": "throttle", "key", "until"}` with `until`
+/// an hour after the first start. When the hour has passed (the stamps
+/// moved back by hand), 3 more start, then the last 2: none waits forever.
+#[actix_rt::test]
+async fn a_key_throttle_bounds_starts_per_period_across_nodes() {
+    let env = TestEnv::new().await;
+    let t = throttled_tenant(&env, "tenant-t", 3, 3600).await;
+    for i in 0..8 {
+        submit(&env, t, &format!("a-{i}"), Some("user-1")).await;
+    }
+    for i in 0..2 {
+        submit(&env, t, &format!("b-{i}"), Some("user-2")).await;
+    }
+    for i in 0..3 {
+        submit(&env, t, &format!("free-{i}"), None).await;
+    }
+    let mut config = env.config();
+    config.max_in_flight = 8;
+    let _one = env.start(registry(), config.clone());
+    config.node_id = format!("{}-two", config.node_id);
+    let _two = env.start(registry(), config);
+    assert!(all_acked(&env, 8).await, "3 of user-1, 2 of user-2, 3 free");
+    // Both nodes keep polling (every second); nothing more may start.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        jobs_sent(&env, "a-").len(),
+        3,
+        "3 starts of user-1 in the hour, counted at the provider"
+    );
+    assert_eq!(jobs_sent(&env, "b-").len(), 2, "user-2 has its own 3");
+    assert_eq!(env.provider.requests().len(), 8, "each sent once");
+    let waiting = env
+        .sql("SELECT id FROM jobs WHERE id LIKE 'a-%' AND finished_at IS NULL ORDER BY id")
+        .await;
+    let waiting: Vec<String> = waiting
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(waiting.len(), 5);
+    let first_start = env
+        .sql("SELECT to_char((min(throttle_at) + interval '1 hour') AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS at FROM jobs WHERE id LIKE 'a-%'")
+        .await[0]["at"]
+        .clone();
+    for id in &waiting {
+        let view = env.job(id).await;
+        let w = view.waiting.clone().unwrap_or_default();
+        assert_eq!(w["kind"], "throttle", "{id}: {w}");
+        assert_eq!(w["key"], "user-1", "{id}: {w}");
+        assert_eq!(
+            w["until"], first_start,
+            "{id}: the first start slot frees then"
+        );
+        let row = env
+            .sql(&format!("SELECT lease_owner FROM jobs WHERE id = '{id}'"))
+            .await;
+        assert!(row[0]["lease_owner"].is_null(), "{id} holds no lease");
+    }
+    // An hour passes for the key: three more, then the last two.
+    env.execute("UPDATE jobs SET throttle_at = throttle_at - interval '1 hour' WHERE throttle_at IS NOT NULL")
+        .await;
+    assert!(all_acked(&env, 11).await, "the next 3 start");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        jobs_sent(&env, "a-").len(),
+        6,
+        "only 3 more in the new hour"
+    );
+    env.execute("UPDATE jobs SET throttle_at = throttle_at - interval '1 hour' WHERE throttle_at IS NOT NULL")
+        .await;
+    assert!(all_acked(&env, 13).await, "the last 2 start");
+    for i in 0..8 {
+        let key = format!("job:a-{i}:generate");
+        assert_eq!(env.provider.requests_for(&key), 1, "{key} sent once");
+    }
+}
+
+/// A short throttle (2 starts per 2 s) on two nodes: every job of the key
+/// runs, and no 3 of them reach the provider within 1 s of each other (a
+/// start is stamped when leased, so a job reaches the provider a little
+/// after its start; unthrottled, all 6 arrive together).
+#[actix_rt::test]
+async fn a_key_throttle_spaces_the_starts_it_lets_through() {
+    let env = TestEnv::new().await;
+    let t = throttled_tenant(&env, "tenant-t", 2, 2).await;
+    for i in 0..6 {
+        submit(&env, t, &format!("s-{i}"), Some("user-1")).await;
+    }
+    let mut config = env.config();
+    config.max_in_flight = 8;
+    let _one = env.start(registry(), config.clone());
+    config.node_id = format!("{}-two", config.node_id);
+    let _two = env.start(registry(), config);
+    assert!(all_acked(&env, 6).await, "every job of the key runs");
+    let mut arrivals: Vec<std::time::Instant> = env
+        .provider
+        .requests()
+        .iter()
+        .map(|r| r.received_at)
+        .collect();
+    assert_eq!(arrivals.len(), 6, "each sent once");
+    arrivals.sort();
+    for w in arrivals.windows(3) {
+        assert!(
+            w[2] - w[0] >= Duration::from_secs(1),
+            "3 starts within {:?}: the throttle lets 2 per 2 s",
+            w[2] - w[0]
+        );
+    }
+}
+
+/// A throttled key through kill -9 (two `serve` nodes, one SIGKILLed while
+/// it runs a job of the key): the job it held is taken over without a new
+/// start (its retries and takeovers are not starts), so exactly 4 of the
+/// key's 8 jobs reach the provider in the hour, each paid once, and the
+/// rest wait.
+#[actix_rt::test]
+async fn a_key_throttle_holds_through_kill_9() {
+    use crate::support::ServeProcess;
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(1500));
+    let t = throttled_tenant(&env, "tenant-t", 4, 3600).await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = |name: &str| {
+        vec![
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OPENAI_BASE_URL", env.provider.base_url()),
+            ("ONCEFLOW_NODE_ID", name.to_owned()),
+            ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+            ("ONCEFLOW_POLL_MS", "100".to_owned()),
+            ("ONCEFLOW_MAX_IN_FLIGHT", "8".to_owned()),
+        ]
+    };
+    let mut killed = ServeProcess::start(&vars("kept-dying"), &log).await;
+    let _steady = ServeProcess::start(&vars("steady"), &log).await;
+    for i in 0..8 {
+        submit(&env, t, &format!("k-{i}"), Some("conv-1")).await;
+    }
+    assert!(
+        wait_until(WAIT, || async {
+            env.sql("SELECT count(*) AS n FROM jobs WHERE lease_owner = 'kept-dying' AND throttle_slot IS NOT NULL AND finished_at IS NULL")
+                .await[0]["n"]
+                .as_i64()
+                .unwrap_or(0)
+                > 0
+        })
+        .await,
+        "the node runs a throttled job before the kill"
+    );
+    killed.sigkill();
+    killed.restart_on_same_port(&vars("kept-dying"), &log).await;
+    assert!(
+        all_acked(&env, 4).await,
+        "the 4 started are acked, the killed one's by its takeover; log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let sent = jobs_sent(&env, "k-");
+    assert_eq!(sent.len(), 4, "4 starts in the hour: {sent:?}");
+    for id in &sent {
+        let key = format!("job:{id}:generate");
+        assert_eq!(env.provider.work_done(&key), 1, "{key} paid once");
+    }
+    let stamped = env
+        .sql("SELECT count(*) AS n, count(DISTINCT throttle_slot) AS slots FROM jobs WHERE throttle_slot IS NOT NULL")
+        .await[0]
+        .clone();
+    assert_eq!(stamped["n"], 4, "4 start slots taken: {stamped}");
+    assert_eq!(stamped["slots"], 4, "each its own: {stamped}");
+}

@@ -68,6 +68,10 @@ pub(super) struct SubmitJob {
     /// at once, across every node. The limit is fixed at intake; a job
     /// starts only while fewer than its own limit of the key's jobs run.
     /// The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
+    /// A throttle (the token's `--key-throttle`, or the workflow's; the
+    /// slower of the two) also bounds how many of the key's jobs start per
+    /// period: the rest wait, shown as `waiting: {"kind": "throttle",
+    /// "key", "until"}` (never a 429).
     #[schema(min_length = 1, max_length = 200)]
     concurrency_key: Option<String>,
     /// Labels to list and cancel jobs by (`?tag=label:value`): at most 20,

@@ -195,6 +195,7 @@ impl Context {
             lease: None,
             parent: Some(self.job_id().to_owned()),
             key_limit: None,
+            throttle: None,
         };
         self.faults
             .hit(self.job_id(), FailPoint::BeforeCommit("spawn"))

@@ -144,6 +144,9 @@ pub(crate) struct NewRow {
     /// The workflow's limit per concurrency key, if it sets one (the key
     /// itself is in `request`).
     pub(crate) key_limit: Option<i32>,
+    /// The workflow's throttle per concurrency key, if it sets one: starts
+    /// per period, and the period in seconds.
+    pub(crate) throttle: Option<(i32, i32)>,
 }
 
 impl Keyed for NewRow {
@@ -555,8 +558,12 @@ pub(crate) async fn intake_on(
     let mut lease_ms = Vec::with_capacity(n);
     let mut parents = Vec::with_capacity(n);
     let mut key_limits = Vec::with_capacity(n);
+    let mut throttle_starts = Vec::with_capacity(n);
+    let mut throttle_periods = Vec::with_capacity(n);
     for r in requests {
         key_limits.push(r.key_limit);
+        throttle_starts.push(r.throttle.map(|t| t.0));
+        throttle_periods.push(r.throttle.map(|t| t.1));
         parents.push(r.parent.as_deref());
         lease_owners.push(r.lease.as_ref().map(|(node, _)| node.as_str()));
         lease_ms.push(r.lease.as_ref().map(|(_, ms)| *ms));
@@ -581,14 +588,16 @@ pub(crate) async fn intake_on(
                  (SELECT $4::jsonb[]), (SELECT $5::text[]), (SELECT $6::text[]), \
                  (SELECT $7::bigint[]), (SELECT $8::bool[]), (SELECT $11::int[]), \
                  (SELECT $12::timestamptz[]), (SELECT $13::bigint[]), (SELECT $14::text[]), \
-                 (SELECT $15::bigint[]), (SELECT $16::text[]), (SELECT $17::int[])) \
+                 (SELECT $15::bigint[]), (SELECT $16::text[]), (SELECT $17::int[]), \
+                 (SELECT $18::int[]), (SELECT $19::int[])) \
              AS i(id, workflow, workflow_version, request, request_hash, trace_context, owner_token, \
-                  notify_failures, priority, run_at, delay_ms, lease_owner, lease_ms, parent_id, key_limit)), \
+                  notify_failures, priority, run_at, delay_ms, lease_owner, lease_ms, parent_id, key_limit, \
+                  t_starts, t_period)), \
          job AS ( \
              INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, trace_context, \
                  incarnation, lease_epoch, owner_token, notify_failures, priority, run_at, \
                  lease_owner, lease_expires_at, attempts, parent_id, \
-                 tenant, concurrency_key, concurrency_limit) \
+                 tenant, concurrency_key, concurrency_limit, throttle_limit, throttle_period_s) \
              SELECT i.id, i.workflow, i.workflow_version, i.request, i.request_hash, i.trace_context, \
                  coalesce(t.incarnation + 1, 1), \
                  coalesce(t.last_epoch, 0) + (i.lease_owner IS NOT NULL)::int, \
@@ -601,9 +610,16 @@ pub(crate) async fn intake_on(
                  i.request->>'concurrency_key', \
                  CASE WHEN i.request ? 'concurrency_key' THEN \
                      least(coalesce(k.key_concurrency, i.key_limit, 1), \
-                           coalesce(i.key_limit, k.key_concurrency, 1)) END \
+                           coalesce(i.key_limit, k.key_concurrency, 1)) END, \
+                 CASE WHEN i.request ? 'concurrency_key' THEN \
+                     CASE WHEN wf.slower THEN i.t_starts ELSE k.key_throttle END END, \
+                 CASE WHEN i.request ? 'concurrency_key' THEN \
+                     CASE WHEN wf.slower THEN i.t_period ELSE k.key_throttle_period_s END END \
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
                  LEFT JOIN api_tokens k ON k.id = i.owner_token \
+                 CROSS JOIN LATERAL (SELECT i.t_starts IS NOT NULL AND (k.key_throttle IS NULL \
+                     OR i.t_starts::float8 / i.t_period \
+                        <= k.key_throttle::float8 / k.key_throttle_period_s) AS slower) wf \
              ORDER BY i.id \
              ON CONFLICT (id) DO NOTHING \
              RETURNING id, created_at, incarnation, run_at, lease_epoch, attempts, \
@@ -634,6 +650,8 @@ pub(crate) async fn intake_on(
     .bind::<Array<Nullable<BigInt>>, _>(&lease_ms)
     .bind::<Array<Nullable<Text>>, _>(&parents)
     .bind::<Array<Nullable<Integer>>, _>(&key_limits)
+    .bind::<Array<Nullable<Integer>>, _>(&throttle_starts)
+    .bind::<Array<Nullable<Integer>>, _>(&throttle_periods)
     .load(conn)
     .await?;
     let mut by_id: std::collections::HashMap<String, Inserted> =

@@ -93,7 +93,9 @@ pub struct JobView {
     pub tool_calls: Vec<ToolCallView>,
     /// What the job waits for: `{"kind": "sleep"|"signal"|"approval",
     /// "name", "until"}`, `{"kind": "concurrency", "key"}` (every slot of
-    /// its key is held), or `null`. It holds no lease meanwhile.
+    /// its key is held), `{"kind": "throttle", "key", "until"}` (its key's
+    /// starts for the period are used up), `{"kind": "budget", "until"}`,
+    /// or `null`. It holds no lease meanwhile.
     #[schema(value_type = Option<Object>)]
     pub waiting: Option<Value>,
     /// The signals sent to the job, oldest first, each with the wait that
@@ -275,7 +277,9 @@ struct OutboxRow {
 
 /// What job `j` waits for now: its durable wait, or — due, unleased, with
 /// every slot of its concurrency key held — `{"kind": "concurrency",
-/// "key"}` (read, never stored: it ends the moment a slot frees).
+/// "key"}`, or — never started, every start slot of its throttled key
+/// taken in the last period — `{"kind": "throttle", "key", "until"}`
+/// (read, never stored: it ends the moment a slot frees).
 macro_rules! waiting_now {
     () => {
         "CASE WHEN j.finished_at IS NOT NULL THEN NULL \
@@ -285,7 +289,14 @@ macro_rules! waiting_now {
                 AND (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
                        AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \
                     >= coalesce(j.concurrency_limit, 1) \
-              THEN jsonb_build_object('kind', 'concurrency', 'key', j.concurrency_key) END"
+              THEN jsonb_build_object('kind', 'concurrency', 'key', j.concurrency_key) \
+              WHEN j.throttle_limit IS NOT NULL AND j.throttle_slot IS NULL AND j.run_at <= now() \
+                AND NOT EXISTS (SELECT 1 FROM throttle_free_slots(j.tenant, j.concurrency_key, \
+                                    j.throttle_limit, j.throttle_period_s)) \
+              THEN jsonb_build_object('kind', 'throttle', 'key', j.concurrency_key, 'until', \
+                  to_char(throttle_next_free(j.tenant, j.concurrency_key, j.throttle_limit, \
+                                             j.throttle_period_s) AT TIME ZONE 'UTC', \
+                          'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')) END"
     };
 }
 
@@ -366,6 +377,10 @@ impl Store {
                 lease: hand_to.as_ref().map(|h| (h.node.clone(), h.lease_ms)),
                 parent: None,
                 key_limit: job.schedule.concurrency_limit.map(|n| n.min(1000) as i32),
+                throttle: job
+                    .schedule
+                    .throttle
+                    .map(|t| (t.starts as i32, t.per.as_secs() as i32)),
             })
             .await?;
         if let Some(row) = inserted {

@@ -119,7 +119,8 @@ const KEY_SLOT_RETRIES: usize = 8;
 
 /// Whether job `j` may be leased now: live, due, of a workflow this node
 /// runs, not running here, unleased (or its lease lapsed, or — reclaiming —
-/// this node's own), and with a slot of its key free (or its own).
+/// this node's own), with a slot of its key free (or its own), and — a
+/// throttled key — a start slot free (or started before: its stamp).
 macro_rules! runnable {
     () => {
         "j.finished_at IS NULL AND j.run_at <= now() \
@@ -130,7 +131,10 @@ macro_rules! runnable {
            AND (j.concurrency_key IS NULL OR j.key_slot IS NOT NULL \
                 OR (SELECT count(*) FROM jobs k WHERE k.tenant = j.tenant \
                       AND k.concurrency_key = j.concurrency_key AND k.key_slot IS NOT NULL) \
-                   < coalesce(j.concurrency_limit, 1))"
+                   < coalesce(j.concurrency_limit, 1)) \
+           AND (j.throttle_limit IS NULL OR j.throttle_slot IS NOT NULL \
+                OR EXISTS (SELECT 1 FROM throttle_free_slots(j.tenant, j.concurrency_key, \
+                               j.throttle_limit, j.throttle_period_s)))"
     };
 }
 
@@ -154,14 +158,17 @@ macro_rules! runnable {
 ///   one acquire, so no more tenants' lines are read.
 /// - `lines`: each ready tenant's first `limit` runnable jobs in its own
 ///   order (priority, then due time); `krn` numbers, within its key, the
-///   jobs of a key that need a new slot.
+///   jobs of a key that need a new slot, and `trn` those of a throttled
+///   key that have never started (a start slot each).
 /// - `heads`: the lines without the keyed jobs their key has no free slot
-///   for (so a busy key neither holds back its tenant's other jobs nor
+///   (or start slot) for (so a busy key neither holds back its tenant's other jobs nor
 ///   counts against the tenant's turns); `rn` is a job's place in its
 ///   tenant's line.
 /// - `ranked`: a job's turn is its tenant's pass plus `(rn - 1) / weight`;
 ///   a positive priority of tenant 0 ranks ahead of turns (`cut`).
-/// - `slotted`: the `krn`-th free slot of its key, or none (the job waits).
+/// - `slotted`: the `krn`-th free slot of its key, or none (the job waits);
+///   likewise the `trn`-th free start slot, with its next generation
+///   (`jobs_throttle_slots` decides a race for it, as for a key slot).
 /// - `picked`: the first `limit` by turn, locked; the lease is checked
 ///   again on each row's latest version, so a job another node leased
 ///   meanwhile is skipped. The rows are found by id through the primary
@@ -169,7 +176,7 @@ macro_rules! runnable {
 /// - `advanced`: each tenant taken from moves past its last start (never
 ///   back, should two nodes take its jobs at once).
 /// - `fired`, then the update: as before, a due timer's outcome and the
-///   lease with its slot; a wait for a budget (due: its day has come) is
+///   lease with its slot and, at a job's first start, its start slot; a wait for a budget (due: its day has come) is
 ///   cleared, and the body checks the budget again at its next call.
 const ACQUIRE: &str = concat!(
     "WITH RECURSIVE tenants(tenant) AS ( \
@@ -196,19 +203,27 @@ const ACQUIRE: &str = concat!(
          SELECT c.*, t.weight, t.pass, \
              CASE WHEN c.concurrency_key IS NOT NULL AND c.own_slot IS NULL THEN \
                  row_number() OVER (PARTITION BY c.tenant, c.concurrency_key, c.own_slot IS NULL \
-                                    ORDER BY c.priority DESC, c.run_at, c.id) END AS krn \
+                                    ORDER BY c.priority DESC, c.run_at, c.id) END AS krn, \
+             CASE WHEN c.t_limit IS NOT NULL AND c.own_tslot IS NULL THEN \
+                 row_number() OVER (PARTITION BY c.tenant, c.concurrency_key, \
+                                        c.t_limit IS NOT NULL AND c.own_tslot IS NULL \
+                                    ORDER BY c.priority DESC, c.run_at, c.id) END AS trn \
          FROM ready t CROSS JOIN LATERAL ( \
              SELECT j.id, j.tenant, j.priority, j.run_at, j.lease_epoch, j.concurrency_key, \
-                 coalesce(j.concurrency_limit, 1) AS key_limit, j.key_slot AS own_slot \
+                 coalesce(j.concurrency_limit, 1) AS key_limit, j.key_slot AS own_slot, \
+                 j.throttle_limit AS t_limit, j.throttle_period_s AS t_period, \
+                 j.throttle_slot AS own_tslot \
              FROM jobs j WHERE j.tenant = t.tenant AND ",
     runnable!(),
     " ORDER BY j.priority DESC, j.run_at LIMIT $2) c), \
      heads AS ( \
          SELECT l.*, row_number() OVER (PARTITION BY l.tenant ORDER BY l.priority DESC, l.run_at, l.id) AS rn \
          FROM lines l \
-         WHERE l.krn IS NULL OR l.krn <= l.key_limit - (SELECT count(*) FROM jobs k \
+         WHERE (l.krn IS NULL OR l.krn <= l.key_limit - (SELECT count(*) FROM jobs k \
              WHERE k.tenant = l.tenant AND k.concurrency_key = l.concurrency_key \
-               AND k.key_slot IS NOT NULL)), \
+               AND k.key_slot IS NOT NULL)) \
+           AND (l.trn IS NULL OR l.trn <= (SELECT count(*) FROM throttle_free_slots( \
+               l.tenant, l.concurrency_key, l.t_limit, l.t_period)))), \
      ranked AS ( \
          SELECT h.*, h.pass + (h.rn - 1) / h.weight AS turn, \
              CASE WHEN h.tenant = 0 THEN greatest(h.priority, 0) ELSE 0 END AS cut \
@@ -218,13 +233,18 @@ const ACQUIRE: &str = concat!(
              SELECT s FROM generate_series(0, r.key_limit - 1) s \
              WHERE NOT EXISTS (SELECT 1 FROM jobs k WHERE k.tenant = r.tenant \
                  AND k.concurrency_key = r.concurrency_key AND k.key_slot = s) \
-             ORDER BY s OFFSET r.krn - 1 LIMIT 1) END AS slot \
-         FROM ranked r), \
+             ORDER BY s OFFSET r.krn - 1 LIMIT 1) END AS slot, t.tslot, t.tgen \
+         FROM ranked r LEFT JOIN LATERAL ( \
+             SELECT f.slot AS tslot, f.gen AS tgen \
+             FROM throttle_free_slots(r.tenant, r.concurrency_key, r.t_limit, r.t_period) f \
+             WHERE r.trn IS NOT NULL ORDER BY f.slot OFFSET r.trn - 1 LIMIT 1) t ON true), \
      picked AS ( \
-         SELECT j.id, j.lease_owner, j.waiting, s.slot, s.tenant, s.turn, s.weight \
+         SELECT j.id, j.lease_owner, j.waiting, s.slot, s.tslot, s.tgen, s.tenant, s.turn, s.weight \
          FROM jobs j JOIN slotted s ON s.id = j.id \
-         WHERE j.id = ANY (ARRAY(SELECT id FROM slotted WHERE krn IS NULL OR slot IS NOT NULL)) \
-           AND (s.krn IS NULL OR s.slot IS NOT NULL) \
+         WHERE j.id = ANY (ARRAY(SELECT id FROM slotted \
+                                 WHERE (krn IS NULL OR slot IS NOT NULL) \
+                                   AND (trn IS NULL OR tslot IS NOT NULL))) \
+           AND (s.krn IS NULL OR s.slot IS NOT NULL) AND (s.trn IS NULL OR s.tslot IS NOT NULL) \
            AND j.lease_epoch = s.lease_epoch AND j.finished_at IS NULL \
            AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
                 OR ($4 AND j.lease_owner = $1)) \
@@ -244,6 +264,10 @@ const ACQUIRE: &str = concat!(
      UPDATE jobs j SET lease_owner = $1, lease_epoch = j.lease_epoch + 1, \
          lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', \
          attempts = j.attempts + 1, updated_at = now(), key_slot = picked.slot, \
+         throttle_slot = coalesce(j.throttle_slot, picked.tslot), \
+         throttle_gen = coalesce(j.throttle_gen, picked.tgen), \
+         throttle_at = CASE WHEN j.throttle_slot IS NULL AND picked.tslot IS NOT NULL \
+             THEN now() ELSE j.throttle_at END, \
          waiting = CASE WHEN j.id IN (SELECT job_id FROM fired) OR j.waiting->>'kind' = 'budget' \
              THEN NULL ELSE j.waiting END \
      FROM picked WHERE j.id = picked.id \
@@ -266,7 +290,8 @@ impl Store {
     ///
     /// Between tenants, turns decide (see [`ACQUIRE`]): a tenant's
     /// priority orders its own jobs only. A job with a concurrency key is
-    /// taken only into a free slot of its key.
+    /// taken only into a free slot of its key; one of a throttled key, at
+    /// its first start, only into a free start slot of its key.
     ///
     /// A job picked up because its timer (`ctx.sleep`) is due has the
     /// timer's outcome recorded in the same statement, under the new lease:
@@ -282,8 +307,9 @@ impl Store {
         running: &[String],
     ) -> Result<Vec<Leased>, StoreError> {
         let mut conn = self.db().conn().await?;
-        // Two nodes that give the last free slot of a key to two jobs at
-        // once: the unique index `jobs_key_slots` fails the later statement,
+        // Two nodes that give the last free slot of a key (or one start
+        // slot of a throttled key) to two jobs at once: the unique index
+        // `jobs_key_slots` (`jobs_throttle_slots`) fails the later statement,
         // which leased nothing, and a fresh read sees the slot taken.
         let mut tries = 0;
         let rows: Vec<LeasedRow> = loop {

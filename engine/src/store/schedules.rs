@@ -478,6 +478,7 @@ impl Store {
                                 request: stored,
                                 trace: crate::traceparent::TraceParent::new_root().to_string(),
                                         key_limit: None,
+                                        throttle: None,
                                 owner: row.owner_token,
                                 notify_failures: target.notify_failures
                                     && !row.webhook_url.is_empty(),

@@ -54,6 +54,14 @@ pub struct TokenInfo {
     /// What a job does once the budget is spent: `wait` or `die`.
     #[diesel(sql_type = Text)]
     pub budget_exhausted: String,
+    /// At most this many jobs of one of its concurrency keys start per
+    /// [`key_throttle_period_s`](Self::key_throttle_period_s) (`None`: no
+    /// throttle of its own).
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub key_throttle: Option<i32>,
+    /// The throttle's period, in seconds.
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub key_throttle_period_s: Option<i32>,
 }
 
 /// How a token shares the nodes (`token create|set --weight --key-concurrency`).
@@ -69,6 +77,32 @@ pub struct Share {
     /// What a job does once the budget is spent: `wait` (for the next UTC
     /// day) or `die` (`budget_exhausted`); `None`: unchanged (`wait`).
     pub budget_exhausted: Option<&'static str>,
+    /// Its throttle per concurrency key: starts, per this many seconds
+    /// (1–1000 starts, 1 s to 1 day); `None`: unchanged (none when new).
+    pub key_throttle: Option<(i32, i32)>,
+}
+
+/// Parses a throttle as `--key-throttle` takes it: `STARTS/PERIOD`, the
+/// period a number with a unit (`s`, `m`, `h`, `d`), as `10/60s`, `100/1h`.
+/// Returns the starts and the period in seconds.
+pub fn parse_throttle(text: &str) -> Result<(i32, i32), String> {
+    let usage = "must be STARTS/PERIOD, as 10/60s or 100/1h (1 to 1000 starts per 1s to 1d)";
+    let (starts, period) = text.split_once('/').ok_or(usage)?;
+    let starts: i32 = starts.trim().parse().map_err(|_| usage)?;
+    let period = period.trim();
+    let unit = match period.chars().last() {
+        Some('s') => 1,
+        Some('m') => 60,
+        Some('h') => 3600,
+        Some('d') => 86_400,
+        _ => return Err(usage.into()),
+    };
+    let count: i64 = period[..period.len() - 1].parse().map_err(|_| usage)?;
+    let seconds = count.saturating_mul(unit);
+    if !(1..=1000).contains(&starts) || !(1..=86_400).contains(&seconds) {
+        return Err(usage.into());
+    }
+    Ok((starts, seconds as i32))
 }
 
 impl Share {
@@ -85,6 +119,12 @@ impl Share {
         }
         if self.daily_token_budget.is_some_and(|b| b < 1) {
             return Err(TokenError::OutOfBounds("--daily-token-budget"));
+        }
+        if self
+            .key_throttle
+            .is_some_and(|(n, s)| !(1..=1000).contains(&n) || !(1..=86_400).contains(&s))
+        {
+            return Err(TokenError::OutOfBounds("--key-throttle"));
         }
         Ok(())
     }
@@ -154,7 +194,8 @@ impl Store {
         let mut conn = self.db().conn().await?;
         Ok(sql(
             "SELECT id, name, admin, created_at, revoked_at, weight, key_concurrency, \
-                 daily_token_budget, budget_exhausted FROM api_tokens ORDER BY id",
+                 daily_token_budget, budget_exhausted, key_throttle, key_throttle_period_s \
+             FROM api_tokens ORDER BY id",
         )
         .load(&mut conn)
         .await?)
@@ -169,12 +210,16 @@ impl Store {
         let n = sql("UPDATE api_tokens SET weight = coalesce($2, weight), \
                  key_concurrency = coalesce($3, key_concurrency), \
                  daily_token_budget = coalesce($4, daily_token_budget), \
-                 budget_exhausted = coalesce($5, budget_exhausted) WHERE name = $1")
+                 budget_exhausted = coalesce($5, budget_exhausted), \
+                 key_throttle = coalesce($6, key_throttle), \
+                 key_throttle_period_s = coalesce($7, key_throttle_period_s) WHERE name = $1")
         .bind::<Text, _>(name)
         .bind::<Nullable<Integer>, _>(share.weight)
         .bind::<Nullable<Integer>, _>(share.key_concurrency)
         .bind::<Nullable<BigInt>, _>(share.daily_token_budget)
         .bind::<Nullable<Text>, _>(share.budget_exhausted)
+        .bind::<Nullable<Integer>, _>(share.key_throttle.map(|t| t.0))
+        .bind::<Nullable<Integer>, _>(share.key_throttle.map(|t| t.1))
         .execute(&mut conn)
         .await
         .map_err(|e| TokenError::Store(e.into()))?;

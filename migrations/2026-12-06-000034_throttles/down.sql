@@ -1,0 +1,11 @@
+DROP FUNCTION throttle_next_free(BIGINT, TEXT, INTEGER, INTEGER);
+DROP FUNCTION throttle_free_slots(BIGINT, TEXT, INTEGER, INTEGER);
+DROP INDEX jobs_throttle_slots;
+ALTER TABLE jobs DROP COLUMN throttle_at;
+ALTER TABLE jobs DROP COLUMN throttle_gen;
+ALTER TABLE jobs DROP COLUMN throttle_slot;
+ALTER TABLE jobs DROP COLUMN throttle_period_s;
+ALTER TABLE jobs DROP COLUMN throttle_limit;
+ALTER TABLE api_tokens DROP CONSTRAINT api_tokens_key_throttle_whole;
+ALTER TABLE api_tokens DROP COLUMN key_throttle_period_s;
+ALTER TABLE api_tokens DROP COLUMN key_throttle;
