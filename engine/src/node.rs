@@ -372,4 +372,21 @@ pub async fn refresh_gauges(store: &Store, registry: &Registry, telemetry: &Tele
         Ok(n) => metrics.jobs_unrunnable.record(n, &[]),
         Err(e) => tracing::debug!(error = %e, "could not count unrunnable jobs"),
     }
+    match store.spend_today(None).await {
+        Ok(spend) => {
+            for s in spend {
+                let token = [opentelemetry::KeyValue::new(
+                    onceflow_observability::names::TOKEN,
+                    s.token,
+                )];
+                metrics
+                    .budget_spent
+                    .record(s.spent_today.max(0) as u64, &token);
+                metrics
+                    .budget_limit
+                    .record(s.daily_budget.max(0) as u64, &token);
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "could not read the budgets' spend"),
+    }
 }

@@ -45,6 +45,10 @@ pub struct Metrics {
     pub jobs: Gauge<u64>,
     /// [`METRIC_JOBS_UNRUNNABLE`]: live jobs whose workflow this node does not register.
     pub jobs_unrunnable: Gauge<u64>,
+    /// [`METRIC_BUDGET_SPENT`]: model tokens spent today, by token (tokens with a budget).
+    pub budget_spent: Gauge<u64>,
+    /// [`METRIC_BUDGET_LIMIT`]: daily budgets of model tokens, by token.
+    pub budget_limit: Gauge<u64>,
     /// [`METRIC_STEP_DURATION`]: step durations, in seconds.
     pub step_duration: Histogram<f64>,
     /// [`METRIC_PROVIDER_THROTTLED`]: 429s, by provider and model.
@@ -102,6 +106,14 @@ impl Metrics {
             jobs_unrunnable: meter
                 .u64_gauge(METRIC_JOBS_UNRUNNABLE)
                 .with_description("Live jobs whose workflow is not registered on this node")
+                .build(),
+            budget_spent: meter
+                .u64_gauge(METRIC_BUDGET_SPENT)
+                .with_description("Model tokens a token with a daily budget spent today (UTC)")
+                .build(),
+            budget_limit: meter
+                .u64_gauge(METRIC_BUDGET_LIMIT)
+                .with_description("A token's daily budget of model tokens")
                 .build(),
             step_duration: meter
                 .f64_histogram(METRIC_STEP_DURATION)

@@ -51,6 +51,10 @@ pub const OUTCOME: &str = "onceflow.outcome";
 pub const SHARED_COMMIT: &str = "onceflow.shared_commit";
 /// A job state (metric attribute).
 pub const STATE: &str = "onceflow.state";
+/// An API token's name (metric attribute): operator-made, and only tokens
+/// with a daily budget carry it, so the series are as many as the
+/// budgets set.
+pub const TOKEN: &str = "onceflow.token";
 /// A step name (metric attribute of the duration histogram).
 pub const STEP: &str = "onceflow.step";
 /// Whether intake created the job or found it (`created`, `existing`).
@@ -127,6 +131,11 @@ pub const METRIC_ACTORS_IN_FLIGHT: &str = "onceflow.actors.in_flight";
 pub const METRIC_JOBS: &str = "onceflow.jobs";
 /// Live jobs whose workflow is not registered on this node (it never takes them).
 pub const METRIC_JOBS_UNRUNNABLE: &str = "onceflow.jobs.unrunnable";
+/// Gauge: model tokens a token with a daily budget spent today (UTC), by
+/// [`TOKEN`] (read when the metrics are collected).
+pub const METRIC_BUDGET_SPENT: &str = "onceflow.budget.spent";
+/// Gauge: a token's daily budget of model tokens, by [`TOKEN`].
+pub const METRIC_BUDGET_LIMIT: &str = "onceflow.budget.limit";
 /// Counter: model requests a provider answered 429, by provider and model.
 pub const METRIC_PROVIDER_THROTTLED: &str = "onceflow.provider.throttled";
 /// Histogram: seconds a model call waited for a provider limit's slot, by provider and model.

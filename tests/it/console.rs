@@ -225,6 +225,13 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
     );
     assert!(
         browser
+            .wait_text("tr[data-id=\"ui-ok\"] td[data-fact=\"token\"]", |t| t
+                == "console")
+            .await,
+        "the list names the token (the tenant) that submitted each job"
+    );
+    assert!(
+        browser
             .wait_text("a[data-state=\"acked\"]", |t| t == "acked 1")
             .await
     );
@@ -485,7 +492,7 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     assert!(
         browser
             .wait_text("dd[data-fact=\"waiting\"]", |t| t
-                .starts_with("approval approval:call_9"))
+                .starts_with("waiting for approval approval:call_9"))
             .await,
         "the page says what the job waits for"
     );

@@ -472,6 +472,15 @@ async fn a_spent_budget_makes_the_next_job_wait_for_the_next_day() {
         (20, 15),
         "two answers of 10 tokens each, counted once"
     );
+    // The same per token on /metrics, the token's name its label.
+    let base = crate::support::serve_api(env.store.clone(), registry(), None);
+    let text = crate::support::get_text(&format!("{base}/metrics")).await;
+    for line in [
+        "onceflow_budget_spent{onceflow_token=\"tenant-t\"} 20",
+        "onceflow_budget_limit{onceflow_token=\"tenant-t\"} 15",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+    }
     // The next day comes: yesterday's spend, and the job due.
     env.execute("UPDATE token_spend SET day = day - 1").await;
     env.execute("UPDATE jobs SET run_at = now() WHERE id = 'b-3'")
@@ -663,6 +672,21 @@ async fn a_key_throttle_bounds_starts_per_period_across_nodes() {
             .await;
         assert!(row[0]["lease_owner"].is_null(), "{id} holds no lease");
     }
+    // The list shows them by that reason (read, never stored), and no other.
+    let base = crate::support::serve_api(env.store.clone(), registry(), None);
+    let (status, page) = crate::support::get(&format!("{base}/v1/jobs?waiting=throttle")).await;
+    assert_eq!(status, 200, "{page}");
+    let mut listed: Vec<String> = page["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_owned())
+        .collect();
+    listed.sort();
+    assert_eq!(listed, waiting, "?waiting=throttle lists the 5");
+    assert_eq!(page["jobs"][0]["token"], "tenant-t", "each with its tenant");
+    let (_, page) = crate::support::get(&format!("{base}/v1/jobs?waiting=concurrency")).await;
+    assert_eq!(page["jobs"], json!([]), "none waits for a slot");
     // An hour passes for the key: three more, then the last two.
     env.execute("UPDATE jobs SET throttle_at = throttle_at - interval '1 hour' WHERE throttle_at IS NOT NULL")
         .await;

@@ -663,6 +663,11 @@ export interface components {
                 [key: string]: unknown;
             };
             /**
+             * @description The name of the token that submitted it (its tenant), or `null`
+             *     (development mode, a schedule of no token's).
+             */
+            token?: string | null;
+            /**
              * Format: date-time
              * @description When the job row last changed.
              */
@@ -757,7 +762,9 @@ export interface components {
             /**
              * @description What the job waits for: `{"kind": "sleep"|"signal"|"approval",
              *     "name", "until"}`, `{"kind": "concurrency", "key"}` (every slot of
-             *     its key is held), or `null`. It holds no lease meanwhile.
+             *     its key is held), `{"kind": "throttle", "key", "until"}` (its key's
+             *     starts for the period are used up), `{"kind": "budget", "until"}`,
+             *     or `null`. It holds no lease meanwhile.
              */
             waiting?: {
                 [key: string]: unknown;
@@ -957,6 +964,10 @@ export interface components {
              *     at once, across every node. The limit is fixed at intake; a job
              *     starts only while fewer than its own limit of the key's jobs run.
              *     The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
+             *     A throttle (the token's `--key-throttle`, or the workflow's; the
+             *     slower of the two) also bounds how many of the key's jobs start per
+             *     period: the rest wait, shown as `waiting: {"kind": "throttle",
+             *     "key", "until"}` (never a 429).
              */
             concurrency_key?: string | null;
             /**
@@ -1029,6 +1040,10 @@ export interface components {
              *     at once, across every node. The limit is fixed at intake; a job
              *     starts only while fewer than its own limit of the key's jobs run.
              *     The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
+             *     A throttle (the token's `--key-throttle`, or the workflow's; the
+             *     slower of the two) also bounds how many of the key's jobs start per
+             *     period: the rest wait, shown as `waiting: {"kind": "throttle",
+             *     "key", "until"}` (never a 429).
              */
             concurrency_key?: string | null;
             /**

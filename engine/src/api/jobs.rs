@@ -288,7 +288,15 @@ pub(super) fn parse_tag(tag: &str) -> Result<(String, String), String> {
 }
 
 /// The kinds of wait `GET /v1/jobs?waiting=` filters by.
-const WAIT_KINDS: [&str; 5] = ["sleep", "signal", "approval", "children", "budget"];
+const WAIT_KINDS: [&str; 7] = [
+    "sleep",
+    "signal",
+    "approval",
+    "children",
+    "budget",
+    "concurrency",
+    "throttle",
+];
 
 /// Largest page of `GET /v1/jobs`.
 pub const MAX_PAGE: i64 = 500;
@@ -389,6 +397,9 @@ pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> H
         None => (None, None),
         Some("true") => (Some(true), None),
         Some("false") => (Some(false), None),
+        Some(kind) if crate::store::COMPUTED_WAIT_KINDS.contains(&kind) => {
+            (None, Some(kind.to_owned()))
+        }
         Some(kind) if WAIT_KINDS.contains(&kind) => (Some(true), Some(kind.to_owned())),
         Some(_) => {
             return invalid(

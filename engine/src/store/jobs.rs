@@ -300,6 +300,10 @@ macro_rules! waiting_now {
     };
 }
 
+/// The kinds of wait that are read, never stored (a key's slots): listed
+/// by computing each keyed live job's wait.
+pub const COMPUTED_WAIT_KINDS: [&str; 2] = ["concurrency", "throttle"];
+
 const SELECT_JOB: &str = concat!("SELECT j.id, j.workflow, j.workflow_version, j.priority, j.run_at, j.request, j.request_hash, j.state::text AS state, \
      j.attempts, j.incarnation, j.owner_token, j.last_error, j.dead_reason, j.created_at, j.updated_at, j.finished_at, r.output AS result, j.trace_context, ",
      waiting_now!(), " AS waiting, j.parent_id \
@@ -623,6 +627,10 @@ pub struct JobSummary {
     #[diesel(sql_type = Jsonb)]
     #[schema(value_type = Object)]
     pub tags: Value,
+    /// The name of the token that submitted it (its tenant), or `null`
+    /// (development mode, a schedule of no token's).
+    #[diesel(sql_type = Nullable<Text>)]
+    pub token: Option<String>,
 }
 
 /// Which jobs to list.
@@ -667,13 +675,14 @@ impl Store {
         // plain condition, so `jobs_waiting_kind` serves it in any plan
         // (a `$9 IS NULL OR …` would keep a generic plan from the index).
         macro_rules! list {
-            ($waiting_kind:literal) => {
+            ($($waiting_kind:tt)*) => {
                 concat!(
                     "SELECT id, workflow, workflow_version, state::text AS state, attempts, incarnation, created_at, \
                          updated_at, finished_at, dead_reason, ",
                     waiting_now!(),
                     " AS waiting, \
-                         coalesce(request->'tags', '{}'::jsonb) AS tags \
+                         coalesce(request->'tags', '{}'::jsonb) AS tags, \
+                         (SELECT t.name FROM api_tokens t WHERE t.id = j.owner_token) AS token \
                      FROM jobs j \
                      WHERE ($1::text IS NULL OR state::text = $1) \
                        AND ($2::text IS NULL OR workflow = $2) \
@@ -683,13 +692,24 @@ impl Store {
                        AND ($8::boolean IS NULL OR (waiting IS NOT NULL AND finished_at IS NULL) = $8) \
                        AND ($10::jsonb IS NULL OR (request ? 'tags' AND request->'tags' @> $10)) \
                        AND ",
-                    $waiting_kind,
+                    $($waiting_kind)*,
                     " ORDER BY created_at DESC, id DESC \
                      LIMIT $7"
                 )
             };
         }
-        let text = if filter.waiting_kind.is_some() {
+        let computed = filter
+            .waiting_kind
+            .as_deref()
+            .is_some_and(|k| COMPUTED_WAIT_KINDS.contains(&k));
+        let text = if computed {
+            // Read, never stored: only keyed live jobs can wait so.
+            list!(
+                "concurrency_key IS NOT NULL AND finished_at IS NULL AND (",
+                waiting_now!(),
+                ")->>'kind' = $9"
+            )
+        } else if filter.waiting_kind.is_some() {
             list!("waiting IS NOT NULL AND finished_at IS NULL AND waiting->>'kind' = $9")
         } else {
             list!("$9::text IS NULL")

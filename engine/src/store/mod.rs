@@ -72,7 +72,9 @@ use crate::db::Db;
 use crate::error::StoreError;
 
 pub use group_writes::BatchKind;
-pub use jobs::{DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter};
+pub use jobs::{
+    DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter, COMPUTED_WAIT_KINDS,
+};
 pub use lease::{Checkpoint, Fence, Leased, NodeIdHold, Renewal};
 pub use ledger::Journaled;
 pub use rows::Channel;

@@ -108,6 +108,18 @@ function cell(row, text, cls) {
 
 // A live job that waits (a timer, a signal, an approval, children) reads
 // as waiting, not as the state it waits in.
+// What a job waits for, in words: a durable wait by its name, a key's
+// slots (concurrency, throttle) by the key, a budget by its day.
+function waitingText(w) {
+  const until = w.until ? " until " + when(w.until) : "";
+  switch (w.kind) {
+    case "concurrency": return "waiting for a slot of key " + w.key;
+    case "throttle": return "throttled: key " + w.key + until;
+    case "budget": return "budget spent" + until;
+    default: return "waiting for " + w.kind + (w.name ? " " + w.name : "") + until;
+  }
+}
+
 function shownState(state, waiting) {
   return waiting && LIVE.has(state) ? "waiting" : state;
 }
@@ -192,6 +204,7 @@ async function loadList(cursor) {
     td.className = "wrap";
     tr.appendChild(td);
     cell(tr, j.workflow);
+    cell(tr, j.token || "—", "wrap").dataset.fact = "token";
     stateCell(tr, j.state, j.waiting);
     cell(tr, j.attempts);
     cell(tr, when(j.created_at));
@@ -216,7 +229,7 @@ async function loadList(cursor) {
         td.appendChild(b);
       }
     } else {
-      cell(tr, j.dead_reason || (w ? "waiting for " + w.kind + " " + w.name : ""), "wrap");
+      cell(tr, j.dead_reason || (w && LIVE.has(j.state) ? waitingText(w) : ""), "wrap");
     }
     rows.appendChild(tr);
   }
@@ -289,7 +302,7 @@ async function loadJob(id) {
   fact(facts, "dead reason", job.dead_reason);
   if (job.parent) fact(facts, "parent", job.parent, "#/jobs/" + encodeURIComponent(job.parent));
   const waiting = job.waiting;
-  fact(facts, "waiting", waiting ? `${waiting.kind} ${waiting.name} until ${when(waiting.until)}` : null);
+  fact(facts, "waiting", waiting ? waitingText(waiting) : null);
   if (waiting && waiting.tool) {
     fact(facts, "tool", waiting.tool.name);
     fact(facts, "arguments", JSON.stringify(waiting.tool.arguments));
