@@ -55,12 +55,7 @@ impl Who {
 }
 
 pub(super) fn unauthorized(message: &str) -> HttpResponse {
-    let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", message, None);
-    r.headers_mut().insert(
-        actix_web::http::header::WWW_AUTHENTICATE,
-        actix_web::http::header::HeaderValue::from_static("Bearer"),
-    );
-    r
+    error(Code::Unauthorized, message, None)
 }
 
 /// Checks the request's token (never taken from the URL).
@@ -112,6 +107,56 @@ pub(super) async fn authenticate(state: &ApiState, req: &HttpRequest) -> Result<
             )),
             Err(e) => Err(unavailable(e)),
         },
+    }
+}
+
+/// The caller of a read, through the API's front door: the request's
+/// `Host` is one this API answers (else `421`), and its token checks out
+/// (else `401`; `503` when the database cannot say).
+pub(super) struct Reader(pub(super) Who);
+
+/// The caller of a write: as [`Reader`], and the request was not sent by
+/// another site's page (else `403`).
+pub(super) struct Writer(pub(super) Who);
+
+/// The checks every handler's request passes before the handler runs.
+async fn front_door(req: HttpRequest, write: bool) -> Result<Who, actix_web::Error> {
+    let state = req
+        .app_data::<web::Data<ApiState>>()
+        .cloned()
+        .expect("the API's state is registered with every route");
+    let refused = misdirected(&state, &req).or_else(|| {
+        if write {
+            cross_site(&state, &req)
+        } else {
+            None
+        }
+    });
+    if let Some(refused) = refused {
+        return Err(actix_web::error::InternalError::from_response("refused", refused).into());
+    }
+    authenticate(&state, &req).await.map_err(|refused| {
+        actix_web::error::InternalError::from_response("refused", refused).into()
+    })
+}
+
+impl actix_web::FromRequest for Reader {
+    type Error = actix_web::Error;
+    type Future = futures_util::future::LocalBoxFuture<'static, Result<Self, Self::Error>>;
+
+    fn from_request(req: &HttpRequest, _: &mut actix_web::dev::Payload) -> Self::Future {
+        let req = req.clone();
+        Box::pin(async move { front_door(req, false).await.map(Reader) })
+    }
+}
+
+impl actix_web::FromRequest for Writer {
+    type Error = actix_web::Error;
+    type Future = futures_util::future::LocalBoxFuture<'static, Result<Self, Self::Error>>;
+
+    fn from_request(req: &HttpRequest, _: &mut actix_web::dev::Payload) -> Self::Future {
+        let req = req.clone();
+        Box::pin(async move { front_door(req, true).await.map(Writer) })
     }
 }
 
@@ -178,8 +223,7 @@ pub(super) fn misdirected(state: &ApiState, req: &HttpRequest) -> Option<HttpRes
         .and_then(|v| v.to_str().ok());
     (!state.hosts.allows(host)).then(|| {
         error(
-            StatusCode::MISDIRECTED_REQUEST,
-            "misdirected",
+            Code::Misdirected,
             "this server does not answer for that Host; add the name to ONCEFLOW_ALLOWED_HOSTS",
             None,
         )
@@ -220,8 +264,7 @@ pub(super) fn cross_site(state: &ApiState, req: &HttpRequest) -> Option<HttpResp
     };
     (!same).then(|| {
         error(
-            StatusCode::FORBIDDEN,
-            "cross_site",
+            Code::CrossSite,
             "a page of another site may not call this API; \
              call it from the console or a client that is not a browser",
             None,
@@ -233,8 +276,7 @@ pub(super) fn cross_site(state: &ApiState, req: &HttpRequest) -> Option<HttpResp
 /// [`Bounds::body_timeout`].
 pub(super) fn body_timed_out(limits: &Bounds) -> HttpResponse {
     error(
-        StatusCode::REQUEST_TIMEOUT,
-        "body_timeout",
+        Code::BodyTimeout,
         format!(
             "the request body did not arrive within {} s",
             limits.body_timeout.as_secs_f64()

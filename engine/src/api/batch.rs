@@ -24,33 +24,25 @@ pub const MAX_BATCH: usize = 1_000;
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn submit_batch(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
         return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
+            Code::Draining,
             "this node is shutting down and takes no new jobs; retry",
             None,
         );
     }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     if !is_json(&req) {
         return not_json();
     }
     let limit = state.body_limit.saturating_mul(16);
     let body = match read_body(&state, payload, limit, || {
         error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
+            Code::TooLarge,
             format!("a batch's body is at most {limit} bytes"),
             None,
         )
@@ -64,8 +56,7 @@ pub(super) async fn submit_batch(
         Ok(serde_json::Value::Object(mut obj)) => match (obj.remove("jobs"), obj.keys().next()) {
             (_, Some(extra)) => {
                 return error(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "invalid",
+                    Code::Invalid,
                     format!("{extra}: unknown field"),
                     Some(extra),
                 )
@@ -76,8 +67,7 @@ pub(super) async fn submit_batch(
                 if let Some(i) = jobs.iter().position(|j| !j.is_object()) {
                     let field = format!("jobs[{i}]");
                     return error(
-                        StatusCode::UNPROCESSABLE_ENTITY,
-                        "invalid",
+                        Code::Invalid,
                         format!("{field}: must be a job, a JSON object"),
                         Some(&field),
                     );
@@ -86,8 +76,7 @@ pub(super) async fn submit_batch(
             }
             _ => {
                 return error(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "invalid",
+                    Code::Invalid,
                     format!("jobs: must be an array of 1 to {MAX_BATCH} jobs"),
                     Some("jobs"),
                 )
@@ -95,20 +84,12 @@ pub(super) async fn submit_batch(
         },
         Ok(_) => {
             return error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid",
+                Code::Invalid,
                 "body: must be {\"jobs\": [...]}",
                 Some("body"),
             )
         }
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "malformed_json",
-                e.to_string(),
-                None,
-            )
-        }
+        Err(e) => return error(Code::MalformedJson, e.to_string(), None),
     };
     // A few at a time, in order: the store batches concurrent inserts, and
     // the backlog count is read once, not once per job.
@@ -123,17 +104,16 @@ pub(super) async fn submit_batch(
 
 /// One job of a batch, answered as `POST /v1/jobs` would answer it.
 async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde_json::Value {
-    let refused = |status: StatusCode, code: &str, message: String, field: Option<&str>| {
+    let refused = |code: Code, message: String, field: Option<&str>| {
         json!({
-            "status": status.as_u16(),
-            "error": { "code": code, "message": message, "field": field },
+            "status": code.status().as_u16(),
+            "error": { "code": code.as_str(), "message": message, "field": field },
         })
     };
     let bytes = serde_json::to_vec(&job).expect("a JSON value serialises");
     if bytes.len() > state.body_limit {
         return refused(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
+            Code::TooLarge,
             format!("the job exceeds {} bytes", state.body_limit),
             None,
         );
@@ -141,19 +121,16 @@ async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde
     let job = match super::jobs::parse_job(state, who, &bytes) {
         Ok(job) => job,
         Err(refusal) => {
-            let (status, code, message, field) = refusal.parts();
-            return refused(status, code, message, field.as_deref());
+            let (code, message, field) = refusal.parts();
+            return refused(code, message, field.as_deref());
         }
     };
     match state.limits.admit(&state.store, who.owner()).await {
         Ok(Ok(())) => {}
-        Ok(Err(message)) => {
-            return refused(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None)
-        }
+        Ok(Err(message)) => return refused(Code::BacklogFull, message, None),
         Err(_) => {
             return refused(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
+                Code::Unavailable,
                 "the database is unavailable; retry".into(),
                 None,
             )
@@ -169,16 +146,14 @@ async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde
         Ok(Intake::Created(view)) => answer(StatusCode::CREATED, &view),
         Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {
             refused(
-                StatusCode::CONFLICT,
-                "conflict",
+                Code::Conflict,
                 format!("job id {:?} is not available", job.id),
                 Some("id"),
             )
         }
         Ok(Intake::Existing(view)) => answer(StatusCode::OK, &view),
         Ok(Intake::Conflict(_)) => refused(
-            StatusCode::CONFLICT,
-            "conflict",
+            Code::Conflict,
             format!(
                 "job {:?} already exists with a different request; the stored job is unchanged",
                 job.id
@@ -188,8 +163,7 @@ async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde
         Err(e) => {
             tracing::warn!(error = %e, job.id = %job.id, "a batch's job could not be stored");
             refused(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
+                Code::Unavailable,
                 "the database is unavailable; retry".into(),
                 None,
             )

@@ -6,14 +6,7 @@ use super::*;
 /// for an admin token, of all.
 #[utoipa::path(get, path = "/v1/stats", tag = "jobs",
     responses((status = 200, body = Stats), (status = 401, body = ErrorBody)))]
-pub(super) async fn stats(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
+pub(super) async fn stats(Reader(who): Reader, state: web::Data<ApiState>) -> HttpResponse {
     let counted = state.store.stats(who.scope()).await;
     let spent = state.store.spend_today(who.scope()).await;
     match (counted, spent) {

@@ -24,25 +24,17 @@ use super::*;
         (status = 429, description = "Too many open streams", body = ErrorBody),
     ))]
 pub(super) async fn job_events(
+    Reader(who): Reader,
     state: web::Data<ApiState>,
     req: HttpRequest,
     id: web::Path<String>,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     let after = match req.headers().get("last-event-id") {
         None => 0,
         Some(v) => match v.to_str().ok().and_then(|v| v.trim().parse::<i64>().ok()) {
             Some(n) if n >= 0 => n,
             _ => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_header",
+                return error(Code::InvalidHeader,
                     "Last-Event-ID must be the id of an event this stream sent (a non-negative integer)",
                     Some("Last-Event-ID"),
                 )
@@ -60,17 +52,9 @@ pub(super) async fn job_events(
     let slot = match state.limits.open_stream(who.owner()) {
         Ok(slot) => slot,
         Err(message) => {
-            let mut r = error(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too_many_streams",
-                message,
-                None,
-            );
-            r.headers_mut().insert(
-                actix_web::http::header::RETRY_AFTER,
-                actix_web::http::header::HeaderValue::from_static("5"),
-            );
-            return r;
+            return ApiError::new(Code::TooManyStreams, message)
+                .retry_after(5)
+                .into();
         }
     };
     let (tx, mut rx) = tokio::sync::mpsc::channel::<web::Bytes>(64);

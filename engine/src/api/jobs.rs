@@ -16,13 +16,11 @@ use super::*;
         (status = 503, description = "Draining or the database is down", body = ErrorBody),
     ))]
 pub(super) async fn submit(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     mut payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
     // A form or text/plain POST is what a web page can send cross-site
     // without a preflight: JSON only.
     let json = req
@@ -32,26 +30,16 @@ pub(super) async fn submit(
         .and_then(|v| v.split(';').next())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
-        let mut r = error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
+        return ApiError::new(
+            Code::Draining,
             "this node is shutting down and takes no new jobs; retry (another node, or this one restarted)",
-            None,
-        );
-        r.headers_mut().insert(
-            actix_web::http::header::RETRY_AFTER,
-            actix_web::http::header::HeaderValue::from_static("2"),
-        );
-        return r;
+        )
+        .retry_after(2)
+        .into();
     }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     if !json {
         return error(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            Code::UnsupportedMediaType,
             "the body must be JSON, sent with Content-Type: application/json",
             None,
         );
@@ -65,8 +53,7 @@ pub(super) async fn submit(
     let limit = state.body_limit;
     let too_large = || {
         error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
+            Code::TooLarge,
             format!("the request body exceeds {limit} bytes"),
             None,
         )
@@ -84,8 +71,7 @@ pub(super) async fn submit(
         while let Some(chunk) = payload.next().await {
             let Ok(chunk) = chunk else {
                 return Err(error(
-                    StatusCode::BAD_REQUEST,
-                    "bad_body",
+                    Code::BadBody,
                     "could not read the request body",
                     None,
                 ));
@@ -105,8 +91,8 @@ pub(super) async fn submit(
     let job = match parse_job(&state, who, &body) {
         Ok(job) => job,
         Err(refused) => {
-            let (status, code, message, field) = refused.parts();
-            return error(status, code, message, field.as_deref());
+            let (code, message, field) = refused.parts();
+            return error(code, message, field.as_deref());
         }
     };
     // The `submit` span continues the caller's trace when it sent one; its
@@ -210,8 +196,7 @@ pub(super) async fn submit(
         // Another token's job: the id is taken, and nothing more is said.
         Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {
             error(
-                StatusCode::CONFLICT,
-                "conflict",
+                Code::Conflict,
                 format!("job id {:?} is not available", job.id),
                 Some("id"),
             )
@@ -221,8 +206,7 @@ pub(super) async fn submit(
             HttpResponse::Ok().json(view)
         }
         Ok(Intake::Conflict(_)) => error(
-            StatusCode::CONFLICT,
-            "conflict",
+            Code::Conflict,
             format!(
                 "job {:?} already exists with a different request; the stored job is unchanged",
                 job.id
@@ -242,26 +226,14 @@ pub(super) async fn submit(
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn get_job(
+    Reader(who): Reader,
     state: web::Data<ApiState>,
-    req: HttpRequest,
     id: web::Path<String>,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     match state.store.job(&id).await {
         // Another token's job is as absent as a job that never was.
         Ok(Some(view)) if who.sees(view.owner_token) => HttpResponse::Ok().json(view),
-        Ok(_) => error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("no job {:?}", id.as_str()),
-            None,
-        ),
+        Ok(_) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
         Err(e) => unavailable(e),
     }
 }
@@ -339,26 +311,16 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
         (status = 401, body = ErrorBody),
         (status = 422, description = "A bad parameter (named)", body = ErrorBody),
     ))]
-pub(super) async fn list_jobs(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
+pub(super) async fn list_jobs(
+    Reader(who): Reader,
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+) -> HttpResponse {
     let query = match web::Query::<ListQuery>::from_query(req.query_string()) {
         Ok(q) => q.into_inner(),
         Err(e) => return bad_query(&e),
     };
-    let invalid = |field: &str, message: String| {
-        error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            message,
-            Some(field),
-        )
-    };
+    let invalid = |field: &str, message: String| error(Code::Invalid, message, Some(field));
     let job_state = match query
         .state
         .as_deref()
@@ -440,17 +402,10 @@ pub(super) struct Refusal(IntakeError);
 
 impl Refusal {
     /// The status, code, message and field of the answer.
-    pub(super) fn parts(&self) -> (StatusCode, &'static str, String, Option<String>) {
+    pub(super) fn parts(&self) -> (Code, String, Option<String>) {
         match &self.0 {
-            IntakeError::Malformed(m) => {
-                (StatusCode::BAD_REQUEST, "malformed_json", m.clone(), None)
-            }
-            IntakeError::Invalid(e) => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid",
-                e.to_string(),
-                Some(e.field.clone()),
-            ),
+            IntakeError::Malformed(m) => (Code::MalformedJson, m.clone(), None),
+            IntakeError::Invalid(e) => (Code::Invalid, e.to_string(), Some(e.field.clone())),
         }
     }
 }
@@ -482,10 +437,7 @@ pub(super) fn parse_job(
 
 /// `429 backlog_full` with `Retry-After`.
 pub(super) fn backlog_full(message: String) -> HttpResponse {
-    let mut r = error(StatusCode::TOO_MANY_REQUESTS, "backlog_full", message, None);
-    r.headers_mut().insert(
-        actix_web::http::header::RETRY_AFTER,
-        actix_web::http::header::HeaderValue::from_static("5"),
-    );
-    r
+    ApiError::new(Code::BacklogFull, message)
+        .retry_after(5)
+        .into()
 }

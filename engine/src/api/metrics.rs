@@ -8,21 +8,11 @@ use super::*;
     responses((status = 200, description = "`{\"status\": \"ok\"}`"), (status = 503, body = ErrorBody)))]
 pub(super) async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
-            "this node is shutting down",
-            None,
-        );
+        return error(Code::Draining, "this node is shutting down", None);
     }
     match state.store.healthy().await {
         Ok(true) => HttpResponse::Ok().json(json!({ "status": "ok" })),
-        Ok(false) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_migrated",
-            "the schema is not migrated",
-            None,
-        ),
+        Ok(false) => error(Code::NotMigrated, "the schema is not migrated", None),
         Err(e) => unavailable(e),
     }
 }
@@ -33,13 +23,7 @@ const GAUGE_READ: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[utoipa::path(get, path = "/metrics", tag = "operate",
     responses((status = 200, description = "Prometheus text", content_type = "text/plain", body = String), (status = 401, body = ErrorBody)))]
-pub(super) async fn metrics(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
-        return refused;
-    }
-    if let Err(refused) = authenticate(&state, &req).await {
-        return refused;
-    }
+pub(super) async fn metrics(_: Reader, state: web::Data<ApiState>) -> HttpResponse {
     // The gauges are read now, as a Prometheus collector reads at scrape
     // time: an idle node issues no statements of its own for them. Bounded:
     // a slow database leaves the last values rather than a hung scrape.

@@ -40,6 +40,7 @@ mod auth;
 mod batch;
 mod bounds;
 mod console;
+mod error;
 mod events;
 mod jobs;
 mod metrics;
@@ -54,6 +55,7 @@ pub use batch::MAX_BATCH;
 use batch::*;
 pub use bounds::Bounds;
 use console::*;
+use error::{ApiError, Code};
 use events::*;
 pub use jobs::MAX_PAGE;
 use jobs::*;
@@ -120,8 +122,7 @@ fn is_json(req: &HttpRequest) -> bool {
 /// The `415` for a body that is not JSON.
 fn not_json() -> HttpResponse {
     error(
-        StatusCode::UNSUPPORTED_MEDIA_TYPE,
-        "unsupported_media_type",
+        Code::UnsupportedMediaType,
         "the body must be JSON, sent with Content-Type: application/json",
         None,
     )
@@ -139,14 +140,8 @@ async fn read_body(
     let mut body = web::BytesMut::new();
     let read = async {
         while let Some(chunk) = payload.next().await {
-            let chunk = chunk.map_err(|_| {
-                error(
-                    StatusCode::BAD_REQUEST,
-                    "bad_body",
-                    "could not read the request body",
-                    None,
-                )
-            })?;
+            let chunk =
+                chunk.map_err(|_| error(Code::BadBody, "could not read the request body", None))?;
             if body.len() + chunk.len() > limit {
                 return Err(too_large());
             }
@@ -215,8 +210,7 @@ async fn hygiene(
     let mut res = match refused {
         Some(field) => {
             let answer = error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request",
+                Code::InvalidRequest,
                 format!("the {field} contains a NUL character (%00)"),
                 Some(field),
             );
@@ -231,27 +225,19 @@ async fn hygiene(
     Ok(res)
 }
 
-fn error(
-    status: StatusCode,
-    code: &str,
-    message: impl Into<String>,
-    field: Option<&str>,
-) -> HttpResponse {
-    let mut body = json!({ "error": { "code": code, "message": message.into() } });
-    if let Some(field) = field {
-        body["error"]["field"] = json!(field);
+/// The answer for `code` (its status), with `message` and the `field` it is about.
+fn error(code: Code, message: impl Into<String>, field: Option<&str>) -> HttpResponse {
+    let e = ApiError::new(code, message);
+    match field {
+        Some(field) => e.on(field),
+        None => e,
     }
-    HttpResponse::build(status).json(body)
+    .into()
 }
 
+/// `503 unavailable` for a database error (logged, never sent).
 fn unavailable(e: impl std::fmt::Display) -> HttpResponse {
-    tracing::error!(error = %e, "database error");
-    error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "unavailable",
-        "the database is unavailable; retry the request",
-        None,
-    )
+    ApiError::unavailable(e).into()
 }
 
 /// No route: `405` with `Allow` when the path is one the API serves with
@@ -260,8 +246,7 @@ fn unavailable(e: impl std::fmt::Display) -> HttpResponse {
 async fn not_found(req: HttpRequest) -> HttpResponse {
     if let Some(allowed) = openapi::methods_of(req.path()) {
         let mut answer = error(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method_not_allowed",
+            Code::MethodNotAllowed,
             format!(
                 "{} {} is not served; use {allowed}",
                 req.method(),
@@ -277,8 +262,7 @@ async fn not_found(req: HttpRequest) -> HttpResponse {
         return answer;
     }
     error(
-        StatusCode::NOT_FOUND,
-        "not_found",
+        Code::NotFound,
         format!("no route for {} {}", req.method(), req.path()),
         None,
     )
@@ -293,10 +277,5 @@ pub(crate) fn bad_query(e: &actix_web::error::QueryPayloadError) -> HttpResponse
         .and_then(|(_, rest)| rest.split_once('`'))
         .map_or("query", |(name, _)| name)
         .to_owned();
-    error(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid",
-        format!("{field}: {message}"),
-        Some(&field),
-    )
+    error(Code::Invalid, format!("{field}: {message}"), Some(&field))
 }

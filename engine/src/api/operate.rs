@@ -27,12 +27,7 @@ pub(super) async fn action_body(
     takes: &[&str],
 ) -> Result<ActionBody, HttpResponse> {
     let body = read_body(state, payload, 16 * 1024, || {
-        error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
-            "an action's body is at most 16 KiB",
-            None,
-        )
+        error(Code::TooLarge, "an action's body is at most 16 KiB", None)
     })
     .await?;
     if body.is_empty() {
@@ -45,8 +40,7 @@ pub(super) async fn action_body(
     // a `422` naming it, as at intake (`"limit": 99.0` as `"priority": 1.0`).
     let invalid = |field: &str, message: &str| {
         error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
+            Code::InvalidRequest,
             format!("{field}: {message}"),
             Some(field),
         )
@@ -60,14 +54,7 @@ pub(super) async fn action_body(
             map
         }
         Ok(_) => return Err(invalid("body", "must be a JSON object")),
-        Err(e) => {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                "malformed_json",
-                e.to_string(),
-                None,
-            ))
-        }
+        Err(e) => return Err(error(Code::MalformedJson, e.to_string(), None)),
     };
     let mut text = |field: &'static str| match fields.remove(field) {
         None | Some(serde_json::Value::Null) => Ok(None),
@@ -109,8 +96,7 @@ fn bulk_limit(limit: Option<i64>) -> Option<i64> {
 /// The answer to a bulk action's `limit` out of its range.
 fn bad_bulk_limit() -> HttpResponse {
     error(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid",
+        Code::Invalid,
         "limit: must be from 1 to 1000",
         Some("limit"),
     )
@@ -135,12 +121,7 @@ pub(super) async fn own_job(
 ) -> Result<crate::store::JobView, HttpResponse> {
     match state.store.job(id).await {
         Ok(Some(view)) if who.sees(view.owner_token) => Ok(view),
-        Ok(_) => Err(error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("no job {id:?}"),
-            None,
-        )),
+        Ok(_) => Err(error(Code::NotFound, format!("no job {id:?}"), None)),
         Err(e) => Err(unavailable(e)),
     }
 }
@@ -156,18 +137,12 @@ pub(super) async fn own_job(
         (status = 409, description = "Already finished", body = ErrorBody),
     ))]
 pub(super) async fn cancel(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     id: web::Path<String>,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     let body = match action_body(&state, &req, payload, &["reason"]).await {
         Ok(b) => b,
         Err(refused) => return refused,
@@ -188,29 +163,18 @@ pub(super) async fn cancel(
     match cancelled {
         Ok(Cancelled::Now | Cancelled::Already) => match state.store.job(&id).await {
             Ok(Some(view)) => HttpResponse::Accepted().json(view),
-            Ok(None) => error(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                format!("no job {:?}", id.as_str()),
-                None,
-            ),
+            Ok(None) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
             Err(e) => unavailable(e),
         },
         Ok(Cancelled::Finished(s)) => error(
-            StatusCode::CONFLICT,
-            "finished",
+            Code::Finished,
             format!(
                 "job {:?} already finished as {s}; only a live job can be cancelled",
                 id.as_str()
             ),
             None,
         ),
-        Ok(Cancelled::Missing) => error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("no job {:?}", id.as_str()),
-            None,
-        ),
+        Ok(Cancelled::Missing) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
         Err(e) => unavailable(e),
     }
 }
@@ -232,28 +196,15 @@ pub(super) struct RedriveQuery {
         (status = 409, description = "Not dead, or its webhook's outcome is unknown", body = ErrorBody),
     ))]
 pub(super) async fn redrive(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     id: web::Path<String>,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     let confirm = match web::Query::<RedriveQuery>::from_query(req.query_string()) {
         Ok(q) => q.confirm_unknown.unwrap_or(false),
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "bad_query",
-                e.to_string(),
-                Some("confirm_unknown"),
-            )
-        }
+        Err(e) => return error(Code::BadQuery, e.to_string(), Some("confirm_unknown")),
     };
     let body = match action_body(&state, &req, payload, &["reason"]).await {
         Ok(b) => b,
@@ -268,17 +219,11 @@ pub(super) async fn redrive(
     match state.store.redrive(&id, &by, &reason, confirm).await {
         Ok(Redriven::Resumed(_)) => match state.store.job(&id).await {
             Ok(Some(view)) => HttpResponse::Accepted().json(view),
-            Ok(None) => error(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                format!("no job {:?}", id.as_str()),
-                None,
-            ),
+            Ok(None) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
             Err(e) => unavailable(e),
         },
         Ok(Redriven::NotDead(s)) => error(
-            StatusCode::CONFLICT,
-            "not_dead",
+            Code::NotDead,
             format!(
                 "job {:?} is {s}; only a dead job can be redriven",
                 id.as_str()
@@ -286,18 +231,12 @@ pub(super) async fn redrive(
             None,
         ),
         Ok(Redriven::UnknownDelivery) => error(
-            StatusCode::CONFLICT,
-            "delivery_unknown",
+            Code::DeliveryUnknown,
             "its webhook may have reached the consumer (at-most-once, outcome unknown); \
              redrive with ?confirm_unknown=true to send it again under the same webhook-id",
             None,
         ),
-        Ok(Redriven::Missing) => error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("no job {:?}", id.as_str()),
-            None,
-        ),
+        Ok(Redriven::Missing) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
         Err(e) => unavailable(e),
     }
 }
@@ -315,27 +254,14 @@ pub(super) async fn redrive(
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn redrive_bulk(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     let confirm = match web::Query::<RedriveQuery>::from_query(req.query_string()) {
         Ok(q) => q.confirm_unknown.unwrap_or(false),
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "bad_query",
-                e.to_string(),
-                Some("confirm_unknown"),
-            )
-        }
+        Err(e) => return error(Code::BadQuery, e.to_string(), Some("confirm_unknown")),
     };
     let body = match action_body(&state, &req, payload, &["reason", "workflow", "limit"]).await {
         Ok(b) => b,
@@ -379,17 +305,11 @@ pub(super) async fn redrive_bulk(
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn cancel_bulk(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     let body = match action_body(
         &state,
         &req,
@@ -409,8 +329,7 @@ pub(super) async fn cancel_bulk(
             None => None,
             Some(Ok(s)) if !s.is_terminal() => Some(s),
             Some(_) => return error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid",
+                Code::Invalid,
                 "state: must be a live state (received, generated, persisted, claimed, delivered)",
                 Some("state"),
             ),
@@ -418,14 +337,7 @@ pub(super) async fn cancel_bulk(
     let tag = match body.tag.as_deref().map(super::jobs::parse_tag) {
         None => None,
         Some(Ok(tag)) => Some(tag),
-        Some(Err(message)) => {
-            return error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid",
-                format!("tag: {message}"),
-                Some("tag"),
-            )
-        }
+        Some(Err(message)) => return error(Code::Invalid, format!("tag: {message}"), Some("tag")),
     };
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "bulk cancel".into());
@@ -481,28 +393,17 @@ struct RerunBody {
         (status = 429, description = "The backlog is full (`Retry-After`)", body = ErrorBody),
     ))]
 pub(super) async fn rerun(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     id: web::Path<String>,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     if !is_json(&req) {
         return not_json();
     }
     let body = match read_body(&state, payload, 16 * 1024, || {
-        error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
-            "a rerun's body is at most 16 KiB",
-            None,
-        )
+        error(Code::TooLarge, "a rerun's body is at most 16 KiB", None)
     })
     .await
     {
@@ -513,28 +414,15 @@ pub(super) async fn rerun(
         Ok(b) => b.id,
         Err(e) if e.is_data() => {
             return error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid",
+                Code::Invalid,
                 format!("body: {e} (expected {{\"id\": \"<new job id>\"}})"),
                 Some("id"),
             )
         }
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "malformed_json",
-                e.to_string(),
-                None,
-            )
-        }
+        Err(e) => return error(Code::MalformedJson, e.to_string(), None),
     };
     if let Err(e) = crate::intake::validate_id(&new_id) {
-        return error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            e.to_string(),
-            Some("id"),
-        );
+        return error(Code::Invalid, e.to_string(), Some("id"));
     }
     let original = match own_job(&state, who, &id).await {
         Ok(view) => view,
@@ -542,8 +430,7 @@ pub(super) async fn rerun(
     };
     let Some(workflow) = state.registry.get(&original.workflow) else {
         return error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
+            Code::Invalid,
             format!(
                 "workflow {:?} is not registered on this node any more",
                 original.workflow
@@ -562,8 +449,7 @@ pub(super) async fn rerun(
     };
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
         return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
+            Code::Draining,
             "this node is shutting down and takes no new jobs; retry",
             None,
         );
@@ -586,8 +472,7 @@ pub(super) async fn rerun(
             HttpResponse::Ok().json(view)
         }
         Ok(_) => error(
-            StatusCode::CONFLICT,
-            "conflict",
+            Code::Conflict,
             format!("job id {:?} holds another job; nothing was created", job.id),
             Some("id"),
         ),

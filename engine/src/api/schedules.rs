@@ -17,12 +17,7 @@ pub const MAX_SCHEDULES_PER_TOKEN: i64 = 100;
 const SCHEDULE_PAGE: i64 = 1000;
 
 fn invalid(e: InvalidInput) -> HttpResponse {
-    error(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid",
-        e.to_string(),
-        Some(&e.field),
-    )
+    error(Code::Invalid, e.to_string(), Some(&e.field))
 }
 
 /// Validates a `POST /v1/schedules` body: the schedule's own fields here,
@@ -94,25 +89,18 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn create_schedule(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     if !is_json(&req) {
         return not_json();
     }
     let limit = state.body_limit;
     let body = match read_body(&state, payload, limit, || {
         error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
+            Code::TooLarge,
             format!("the request body exceeds {limit} bytes"),
             None,
         )
@@ -125,9 +113,7 @@ pub(super) async fn create_schedule(
     let (schedule, table) = match parse_schedule(&state, &body) {
         Ok(parsed) => parsed,
         Err(IntakeError::Invalid(e)) => return invalid(e),
-        Err(IntakeError::Malformed(m)) => {
-            return error(StatusCode::BAD_REQUEST, "malformed_json", m, None)
-        }
+        Err(IntakeError::Malformed(m)) => return error(Code::MalformedJson, m, None),
     };
     if who.scope().is_some() {
         // A tenant's bounds: how often its schedule fires, and how many.
@@ -156,8 +142,7 @@ pub(super) async fn create_schedule(
                     );
                     if !exists {
                         return error(
-                            StatusCode::CONFLICT,
-                            "too_many_schedules",
+                            Code::TooManySchedules,
                             format!(
                                 "this token has {n} schedules, as many as it may; delete one first"
                             ),
@@ -178,8 +163,7 @@ pub(super) async fn create_schedule(
         Ok(ScheduleIntake::Created(view)) => HttpResponse::Created().json(view),
         Ok(ScheduleIntake::Existing(view)) => HttpResponse::Ok().json(view),
         Ok(ScheduleIntake::Conflict) => error(
-            StatusCode::CONFLICT,
-            "schedule_conflict",
+            Code::ScheduleConflict,
             format!(
                 "schedule {:?} exists with another body; the stored one is unchanged",
                 schedule.id
@@ -210,14 +194,11 @@ struct ScheduleQuery {
         (status = 401, body = ErrorBody),
         (status = 422, description = "A bad parameter (named)", body = ErrorBody),
     ))]
-pub(super) async fn list_schedules(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
+pub(super) async fn list_schedules(
+    Reader(who): Reader,
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+) -> HttpResponse {
     let query = match web::Query::<ScheduleQuery>::from_query(req.query_string()) {
         Ok(q) => q.into_inner(),
         Err(e) => return bad_query(&e),
@@ -256,12 +237,7 @@ async fn own_schedule(
 ) -> Result<crate::store::schedules::ScheduleDetail, HttpResponse> {
     match state.store.schedule(id).await {
         Ok(Some(s)) if who.sees(s.schedule.owner_token) => Ok(s),
-        Ok(_) => Err(error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("no schedule {id:?}"),
-            None,
-        )),
+        Ok(_) => Err(error(Code::NotFound, format!("no schedule {id:?}"), None)),
         Err(e) => Err(unavailable(e)),
     }
 }
@@ -272,17 +248,10 @@ async fn own_schedule(
     params(("id" = String, Path)),
     responses((status = 200, body = ScheduleDetail), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub(super) async fn get_schedule(
+    Reader(who): Reader,
     state: web::Data<ApiState>,
-    req: HttpRequest,
     id: web::Path<String>,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     match own_schedule(&state, who, &id).await {
         Ok(s) => HttpResponse::Ok().json(s),
         Err(refused) => refused,
@@ -295,22 +264,14 @@ pub(super) async fn get_schedule(
     params(("id" = String, Path)),
     responses((status = 204, description = "Deleted"), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub(super) async fn delete_schedule(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
     id: web::Path<String>,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     match state.store.delete_schedule(&id, who.scope()).await {
         Ok(true) => HttpResponse::NoContent().finish(),
         Ok(false) => error(
-            StatusCode::NOT_FOUND,
-            "not_found",
+            Code::NotFound,
             format!("no schedule {:?}", id.as_str()),
             None,
         ),
@@ -324,11 +285,11 @@ pub(super) async fn delete_schedule(
     params(("id" = String, Path)),
     responses((status = 200, body = ScheduleView), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub(super) async fn pause_schedule(
+    writer: Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
     id: web::Path<String>,
 ) -> HttpResponse {
-    set_paused(state, req, id, true).await
+    set_paused(writer, state, id, true).await
 }
 
 /// `POST /v1/schedules/{id}/resume`: `200` and the schedule, next firing
@@ -338,32 +299,24 @@ pub(super) async fn pause_schedule(
     params(("id" = String, Path)),
     responses((status = 200, body = ScheduleView), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub(super) async fn resume_schedule(
+    writer: Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
     id: web::Path<String>,
 ) -> HttpResponse {
-    set_paused(state, req, id, false).await
+    set_paused(writer, state, id, false).await
 }
 
 async fn set_paused(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
     id: web::Path<String>,
     paused: bool,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     match state.store.set_paused(&id, who.scope(), paused).await {
         Ok(true) => {}
         Ok(false) => {
             return error(
-                StatusCode::NOT_FOUND,
-                "not_found",
+                Code::NotFound,
                 format!("no schedule {:?}", id.as_str()),
                 None,
             )

@@ -20,29 +20,15 @@ async fn signal_body(
     }
     let body = read_body(state, payload, MAX_SIGNAL_PAYLOAD + 4 * 1024, || {
         error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
+            Code::Invalid,
             format!("payload: at most {MAX_SIGNAL_PAYLOAD} bytes"),
             Some("payload"),
         )
     })
     .await?;
-    let value = crate::intake::parse_json(&body).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "malformed_json",
-            e.to_string(),
-            None,
-        )
-    })?;
-    CheckedSignal::parse(name, value).map_err(|e| {
-        error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid",
-            e.message,
-            Some(&e.field),
-        )
-    })
+    let value = crate::intake::parse_json(&body)
+        .map_err(|e| error(Code::MalformedJson, e.to_string(), None))?;
+    CheckedSignal::parse(name, value).map_err(|e| error(Code::Invalid, e.message, Some(&e.field)))
 }
 
 /// `202` the signal, recorded now · `200` the same id and payload again ·
@@ -64,18 +50,12 @@ async fn signal_body(
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn signal(
+    Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
     path: web::Path<(String, String)>,
     payload: web::Payload,
 ) -> HttpResponse {
-    if let Some(refused) = misdirected(&state, &req).or_else(|| cross_site(&state, &req)) {
-        return refused;
-    }
-    let who = match authenticate(&state, &req).await {
-        Ok(who) => who,
-        Err(refused) => return refused,
-    };
     let (id, name) = path.into_inner();
     let body = match signal_body(&state, &req, payload, &name).await {
         Ok(b) => b,
@@ -92,33 +72,23 @@ pub(super) async fn signal(
     {
         Ok(SignalOutcome::Created(view)) => HttpResponse::Accepted().json(view),
         Ok(SignalOutcome::Existing(view)) => HttpResponse::Ok().json(view),
-        Ok(SignalOutcome::Conflict) => error(
-            StatusCode::CONFLICT,
-            "signal_conflict",
+        Ok(SignalOutcome::Conflict) => error(Code::SignalConflict,
             format!("signal {signal_id:?} of {name:?} was recorded with another payload; the stored one is unchanged"),
             Some("payload"),
         ),
-        Ok(SignalOutcome::Finished) => error(
-            StatusCode::CONFLICT,
-            "job_finished",
+        Ok(SignalOutcome::Finished) => error(Code::JobFinished,
             format!("job {id:?} has finished; nothing waits for a signal any more"),
             None,
         ),
-        Ok(SignalOutcome::NotWaiting) => error(
-            StatusCode::CONFLICT,
-            "not_waiting",
+        Ok(SignalOutcome::NotWaiting) => error(Code::NotWaiting,
             format!("job {id:?} is not waiting for {name:?} due at that `until`: that wait is over (or not reached); nothing was recorded"),
             Some("until"),
         ),
-        Ok(SignalOutcome::Decided) => error(
-            StatusCode::CONFLICT,
-            "wait_decided",
+        Ok(SignalOutcome::Decided) => error(Code::WaitDecided,
             format!("the wait of job {id:?} for {name:?} due at that `until` has its decision already; nothing was recorded"),
             Some("until"),
         ),
-        Ok(SignalOutcome::TooMany) => error(
-            StatusCode::CONFLICT,
-            "too_many_signals",
+        Ok(SignalOutcome::TooMany) => error(Code::TooManySignals,
             format!(
                 "job {id:?} holds {} untaken signals (or {} bytes of them), as many as it may; nothing was recorded",
                 crate::store::waits::MAX_UNTAKEN_SIGNALS,
@@ -126,9 +96,7 @@ pub(super) async fn signal(
             ),
             None,
         ),
-        Ok(SignalOutcome::NotFound) => error(
-            StatusCode::NOT_FOUND,
-            "not_found",
+        Ok(SignalOutcome::NotFound) => error(Code::NotFound,
             format!("no job {id:?}"),
             None,
         ),

@@ -1,0 +1,220 @@
+//! The API's one error type: [`ApiError`], a [`Code`] (each with its one
+//! status) and a message naming what was wrong, sent as `{"error": {"code",
+//! "message", "field"?}}`. Nothing internal is put in a message: a database
+//! error is logged and answered `unavailable`.
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use serde_json::json;
+
+/// Every error code the API answers with; each has one status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Code {
+    BacklogFull,
+    BadBody,
+    BadQuery,
+    BodyTimeout,
+    Conflict,
+    CrossSite,
+    DeliveryUnknown,
+    Draining,
+    Finished,
+    Invalid,
+    InvalidHeader,
+    InvalidRequest,
+    JobFinished,
+    MalformedJson,
+    MethodNotAllowed,
+    Misdirected,
+    NotDead,
+    NotFound,
+    NotMigrated,
+    NotWaiting,
+    ScheduleConflict,
+    SignalConflict,
+    TooLarge,
+    TooManySchedules,
+    TooManySignals,
+    TooManyStreams,
+    Unauthorized,
+    Unavailable,
+    UnsupportedMediaType,
+    WaitDecided,
+}
+
+impl Code {
+    /// The code as the body names it (`snake_case`).
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Code::BacklogFull => "backlog_full",
+            Code::BadBody => "bad_body",
+            Code::BadQuery => "bad_query",
+            Code::BodyTimeout => "body_timeout",
+            Code::Conflict => "conflict",
+            Code::CrossSite => "cross_site",
+            Code::DeliveryUnknown => "delivery_unknown",
+            Code::Draining => "draining",
+            Code::Finished => "finished",
+            Code::Invalid => "invalid",
+            Code::InvalidHeader => "invalid_header",
+            Code::InvalidRequest => "invalid_request",
+            Code::JobFinished => "job_finished",
+            Code::MalformedJson => "malformed_json",
+            Code::MethodNotAllowed => "method_not_allowed",
+            Code::Misdirected => "misdirected",
+            Code::NotDead => "not_dead",
+            Code::NotFound => "not_found",
+            Code::NotMigrated => "not_migrated",
+            Code::NotWaiting => "not_waiting",
+            Code::ScheduleConflict => "schedule_conflict",
+            Code::SignalConflict => "signal_conflict",
+            Code::TooLarge => "too_large",
+            Code::TooManySchedules => "too_many_schedules",
+            Code::TooManySignals => "too_many_signals",
+            Code::TooManyStreams => "too_many_streams",
+            Code::Unauthorized => "unauthorized",
+            Code::Unavailable => "unavailable",
+            Code::UnsupportedMediaType => "unsupported_media_type",
+            Code::WaitDecided => "wait_decided",
+        }
+    }
+
+    /// The status every answer with this code has.
+    pub(crate) fn status(self) -> StatusCode {
+        match self {
+            Code::BadBody | Code::BadQuery | Code::InvalidHeader | Code::MalformedJson => {
+                StatusCode::BAD_REQUEST
+            }
+            Code::Unauthorized => StatusCode::UNAUTHORIZED,
+            Code::CrossSite => StatusCode::FORBIDDEN,
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Code::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            Code::Conflict
+            | Code::DeliveryUnknown
+            | Code::Finished
+            | Code::JobFinished
+            | Code::NotDead
+            | Code::NotWaiting
+            | Code::ScheduleConflict
+            | Code::SignalConflict
+            | Code::TooManySchedules
+            | Code::TooManySignals
+            | Code::WaitDecided => StatusCode::CONFLICT,
+            Code::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Code::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Code::Misdirected => StatusCode::MISDIRECTED_REQUEST,
+            Code::Invalid | Code::InvalidRequest => StatusCode::UNPROCESSABLE_ENTITY,
+            Code::BacklogFull | Code::TooManyStreams => StatusCode::TOO_MANY_REQUESTS,
+            Code::Draining | Code::NotMigrated | Code::Unavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+        }
+    }
+}
+
+/// An error answer: its code, a message for the caller, the field it is
+/// about (when one is), and the headers some codes carry.
+#[derive(Debug, Clone)]
+pub(crate) struct ApiError {
+    pub(crate) code: Code,
+    pub(crate) message: String,
+    pub(crate) field: Option<String>,
+    /// `Retry-After`, in seconds.
+    pub(crate) retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub(crate) fn new(code: Code, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+            field: None,
+            retry_after: None,
+        }
+    }
+
+    /// About `field` of the request.
+    pub(crate) fn on(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+
+    /// With `Retry-After: seconds`.
+    pub(crate) fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    /// `503 unavailable` for a database error, which is logged, never sent.
+    pub(crate) fn unavailable(e: impl std::fmt::Display) -> Self {
+        tracing::error!(error = %e, "database error");
+        ApiError::new(
+            Code::Unavailable,
+            "the database is unavailable; retry the request",
+        )
+    }
+
+    /// The body: `{"error": {"code", "message", "field"?}}`.
+    pub(crate) fn body(&self) -> serde_json::Value {
+        let mut body = json!({ "error": { "code": self.code.as_str(), "message": self.message } });
+        if let Some(field) = &self.field {
+            body["error"]["field"] = json!(field);
+        }
+        body
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code.as_str(), self.message)
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.code.status()
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut r = HttpResponse::build(self.code.status());
+        if self.code == Code::Unauthorized {
+            r.insert_header((actix_web::http::header::WWW_AUTHENTICATE, "Bearer"));
+        }
+        if let Some(seconds) = self.retry_after {
+            r.insert_header((actix_web::http::header::RETRY_AFTER, seconds.to_string()));
+        }
+        r.json(self.body())
+    }
+}
+
+impl From<ApiError> for HttpResponse {
+    fn from(e: ApiError) -> Self {
+        e.error_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_code_answers_with_its_status_and_its_name() {
+        let e = ApiError::new(Code::Invalid, "must be a string").on("id");
+        assert_eq!(
+            e.error_response().status(),
+            StatusCode::UNPROCESSABLE_ENTITY
+        );
+        assert_eq!(
+            e.body(),
+            json!({ "error": { "code": "invalid", "message": "must be a string", "field": "id" } })
+        );
+        let r = ApiError::new(Code::Unauthorized, "no token").error_response();
+        assert_eq!(r.headers().get("www-authenticate").unwrap(), "Bearer");
+        let r = ApiError::new(Code::Draining, "later")
+            .retry_after(2)
+            .error_response();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers().get("retry-after").unwrap(), "2");
+    }
+}
