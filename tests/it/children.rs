@@ -153,6 +153,20 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
         seen["lease_owner"].is_null() && seen["lease_expires_at"].is_null(),
         "waiting, the parent holds no lease: {seen}"
     );
+    // The wait says what it waits for: its join's name, its time, and the
+    // children still pending (as many as listed).
+    let waiting = &seen["waiting"];
+    assert_eq!(waiting["name"], "join:1", "{seen}");
+    assert!(waiting["until"].is_string(), "{seen}");
+    let pending = waiting["children"].as_array().cloned().unwrap_or_default();
+    assert!(!pending.is_empty(), "{seen}");
+    assert_eq!(waiting["pending"], json!(pending.len()), "{seen}");
+    for id in &pending {
+        assert!(
+            (0..3).any(|i| id == &json!(child("fan-1", i))),
+            "{id} is one of the children: {seen}"
+        );
+    }
     let view = env.wait_for("fan-1", JobState::Acked, WAIT).await;
     let out: Collected = serde_json::from_value(view.result.clone().unwrap()).unwrap();
     assert_eq!(out.answers.len(), 3);
@@ -702,4 +716,277 @@ async fn children_keep_their_parents_priority_and_a_failed_one_fails_the_parent_
     submit_plain(&env, "lonely", "test.joins_nobody", 0).await;
     let view = env.wait_for("lonely", JobState::Acked, WAIT).await;
     assert_eq!(view.result.unwrap(), json!("missing"));
+}
+
+/// Spawns one child as its input says (name, workflow, input) and joins it.
+struct SpawnsAsTold;
+
+impl Workflow for SpawnsAsTold {
+    const NAME: &'static str = "test.spawns_as_told";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, told: Value) -> Result<Value, StepError> {
+        let name = told["name"].as_str().unwrap_or("c0");
+        let workflow = told["workflow"].as_str().unwrap_or("completion");
+        let child = ctx.spawn(name, workflow, &told["input"]).await?;
+        let out = ctx.join(&[child], Duration::from_secs(300)).await?;
+        Ok(out.into_iter().next().expect("one child")?)
+    }
+}
+
+/// Spawns `b` ("first") then `a` ("second"): the spawn order is not the
+/// children's id order. Returns each answer in the join's order.
+struct Ordered;
+
+impl Workflow for Ordered {
+    const NAME: &'static str = "test.ordered";
+    type Input = Value;
+    type Output = Vec<String>;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Vec<String>, StepError> {
+        let mut children = Vec::new();
+        for (name, prompt) in [("b", "first"), ("a", "second")] {
+            let input =
+                json!({ "model": "m", "messages": [{ "role": "user", "content": prompt }] });
+            children.push(ctx.spawn(name, "completion", &input).await?);
+        }
+        let mut answers = Vec::new();
+        for outcome in ctx.join(&children, Duration::from_secs(300)).await? {
+            answers.push(outcome?["content"].as_str().unwrap_or_default().to_owned());
+        }
+        Ok(answers)
+    }
+}
+
+fn told_registry() -> Registry {
+    let mut r = registry();
+    r.register(SpawnsAsTold);
+    r.register(Ordered);
+    r.register(Strict);
+    r
+}
+
+async fn submit_told(env: &TestEnv, id: &str, told: Value) {
+    env.submit_job(NewJob {
+        tags: Default::default(),
+        id: id.into(),
+        workflow: SpawnsAsTold::NAME.into(),
+        workflow_version: 1,
+        input: told,
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+}
+
+/// A child must name a registered workflow, pass its input's validation and
+/// have a valid name: else the parent dies `invalid_child` and no child
+/// row exists (the guide promises it).
+#[actix_rt::test]
+async fn a_child_the_registry_refuses_is_invalid_child_and_makes_nothing() {
+    let env = TestEnv::new().await;
+    let _engine = env.start(told_registry(), env.config());
+    let good = json!({ "model": "m", "messages": [{ "role": "user", "content": "x" }] });
+    let cases = [
+        (
+            "unknown-wf",
+            json!({ "workflow": "no.such.workflow", "input": good }),
+        ),
+        (
+            "bad-input",
+            json!({ "workflow": "completion", "input": { "model": "m" } }),
+        ),
+        (
+            "bad-name",
+            json!({ "name": "a name with spaces", "input": good }),
+        ),
+    ];
+    for (id, told) in &cases {
+        submit_told(&env, id, told.clone()).await;
+    }
+    for (id, _) in &cases {
+        let view = env.wait_for(id, JobState::Dead, WAIT).await;
+        assert_eq!(view.last_error.unwrap().code, "invalid_child", "{id}");
+        assert_eq!(
+            count(
+                &env,
+                &format!("SELECT 1 FROM jobs WHERE parent_id = '{id}'")
+            )
+            .await,
+            0,
+            "{id}: no child"
+        );
+    }
+    assert_eq!(env.provider.requests().len(), 0, "no model call");
+}
+
+/// A cancel that lands while an attempt is about to commit its spawn (the
+/// attempt frozen there): the cancelled parent has no child and no model
+/// call is made for one. Two things stop it, and each alone holds (each
+/// was undone by hand with the other in place): the node aborts the
+/// cancelled job's attempt, and the spawn's commit is fenced by the lease
+/// epoch the cancel moved on.
+#[actix_rt::test]
+async fn a_spawn_after_its_parent_was_cancelled_makes_no_child() {
+    let env = TestEnv::new().await;
+    env.faults.arm(
+        Some("late-spawn"),
+        FailPoint::BeforeCommit("spawn"),
+        Action::Freeze(Duration::from_secs(2)),
+        1,
+    );
+    let _engine = env.start(told_registry(), env.config());
+    let good = json!({ "model": "m", "messages": [{ "role": "user", "content": "x" }] });
+    submit_told(&env, "late-spawn", json!({ "input": good })).await;
+    assert!(
+        wait_until(WAIT, || async {
+            env.faults
+                .fired_at("late-spawn", FailPoint::BeforeCommit("spawn"))
+        })
+        .await,
+        "the attempt reached the spawn's commit"
+    );
+    env.store
+        .cancel("late-spawn", "test", "cancelled mid-spawn")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(env.job("late-spawn").await.state, JobState::Cancelled);
+    assert_eq!(
+        count(&env, "SELECT 1 FROM jobs WHERE parent_id = 'late-spawn'").await,
+        0,
+        "the fenced spawn made no child"
+    );
+    assert_eq!(env.provider.requests().len(), 0, "nothing sent for one");
+}
+
+/// The join returns one result per child in the order the children were
+/// given, not their ids' order: `b` ("first") before `a` ("second").
+#[actix_rt::test]
+async fn a_join_returns_its_childrens_results_in_the_order_given() {
+    let env = TestEnv::new().await;
+    let _engine = env.start(told_registry(), env.config());
+    env.submit_job(NewJob {
+        tags: Default::default(),
+        id: "ordered".into(),
+        workflow: Ordered::NAME.into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let view = env.wait_for("ordered", JobState::Acked, WAIT).await;
+    let answers: Vec<String> = serde_json::from_value(view.result.unwrap()).unwrap();
+    assert_eq!(answers.len(), 2);
+    assert!(answers[0].starts_with("echo: first"), "{answers:?}");
+    assert!(answers[1].starts_with("echo: second"), "{answers:?}");
+}
+
+/// A child that ends makes its waiting parent due at once and wakes the
+/// nodes: with a poll of a minute, the parent still finishes within
+/// seconds of its child.
+#[actix_rt::test]
+async fn a_finished_child_wakes_its_parent_without_the_poll() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(500));
+    let mut config = env.config();
+    config.poll_interval = Duration::from_secs(60);
+    let _engine = env.start(registry(), config);
+    env.submit_job(parent(&env, "woken", &["a"], None)).await;
+    let view = env
+        .wait_for("woken", JobState::Acked, Duration::from_secs(20))
+        .await;
+    assert_eq!(view.state, JobState::Acked, "woken well before a poll");
+}
+
+/// A parent that died because its child failed (`child_failed`, passed on
+/// with `?`) dies again when redriven, even after the child was redriven
+/// and acked: the join it journaled is read back, never asked again.
+#[actix_rt::test]
+async fn a_redriven_parent_of_a_failed_child_dies_again() {
+    let env = TestEnv::new().await;
+    env.provider.push(Behaviour::Status(400, None));
+    let _engine = env.start(told_registry(), env.config());
+    submit_plain(&env, "strict", "test.strict", 0).await;
+    env.wait_for("strict", JobState::Dead, WAIT).await;
+    let child = "strict:child:c0";
+    assert_eq!(env.job(child).await.state, JobState::Dead);
+    env.store
+        .redrive(child, "test", "fixed", false)
+        .await
+        .unwrap();
+    env.wait_for(child, JobState::Acked, WAIT).await;
+    env.store
+        .redrive("strict", "test", "try again", false)
+        .await
+        .unwrap();
+    assert!(
+        wait_until(WAIT, || async {
+            env.job("strict").await.attempts >= 2 && env.job("strict").await.state == JobState::Dead
+        })
+        .await,
+        "the parent ran again and died again"
+    );
+    let view = env.job("strict").await;
+    assert_eq!(view.last_error.unwrap().code, "child_failed");
+    let joins = count(
+        &env,
+        "SELECT 1 FROM waits WHERE job_id = 'strict' AND kind = 'children'",
+    )
+    .await;
+    assert_eq!(joins, 1, "one join, journaled, read back");
+}
+
+/// Retention keeps a finished child while its parent is live (waiting) or
+/// dead, however old the child; it goes with its parent.
+#[actix_rt::test]
+async fn children_are_kept_while_their_parent_is_live_or_dead() {
+    let env = TestEnv::new().await;
+    env.provider.push(Behaviour::Status(400, None));
+    let _engine = env.start(told_registry(), env.config());
+    submit_plain(&env, "kept", "test.strict", 0).await;
+    env.wait_for("kept", JobState::Dead, WAIT).await;
+    env.execute(
+        "UPDATE jobs SET finished_at = now() - interval '30 days' WHERE id = 'kept:child:c0'",
+    )
+    .await;
+    env.store
+        .purge_finished_keeping_dead(1000, 365 * 24 * 3600 * 1000, 100)
+        .await
+        .unwrap();
+    assert_eq!(
+        count(&env, "SELECT 1 FROM jobs WHERE id = 'kept:child:c0'").await,
+        1,
+        "the dead parent's child is kept"
+    );
+}
+
+/// A cancel takes the job's live children and theirs: a parent whose
+/// child is itself a parent (a fan-out of two) cancels all four.
+#[actix_rt::test]
+async fn a_cancel_takes_grandchildren_too() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_secs(20));
+    let _engine = env.start(told_registry(), env.config());
+    submit_told(
+        &env,
+        "grand",
+        json!({ "workflow": FanOut::NAME, "input": { "prompts": ["x", "y"] } }),
+    )
+    .await;
+    assert!(
+        wait_until(WAIT, || async { env.provider.requests().len() == 2 }).await,
+        "two grandchildren in flight"
+    );
+    env.store.cancel("grand", "test", "stop").await.unwrap();
+    for id in [
+        "grand",
+        "grand:child:c0",
+        "grand:child:c0:child:c0",
+        "grand:child:c0:child:c1",
+    ] {
+        assert_eq!(env.job(id).await.state, JobState::Cancelled, "{id}");
+    }
 }
