@@ -263,6 +263,15 @@ mod tests {
         // On time (within a minute), "none" fires it.
         let (on_time, _) = hourly.due(at(5, 0, 0), at(5, 0, 1), CatchUp::None);
         assert_eq!(on_time, vec![at(5, 0, 0)]);
+        // The edge: 60 s late still fires, 61 s late is missed.
+        let (edge, _) = hourly.due(at(5, 0, 0), at(5, 1, 0), CatchUp::None);
+        assert_eq!(edge, vec![at(5, 0, 0)], "60 s late fires");
+        let (late, next) = hourly.due(at(5, 0, 0), at(5, 1, 1), CatchUp::None);
+        assert_eq!(
+            (late, next),
+            (vec![], Some(at(6, 0, 0))),
+            "61 s late is missed"
+        );
         // Not due yet: nothing, and the next time stays.
         assert_eq!(
             hourly.due(at(6, 0, 0), now, CatchUp::All),

@@ -990,3 +990,48 @@ async fn a_cancel_takes_grandchildren_too() {
         assert_eq!(env.job(id).await.state, JobState::Cancelled, "{id}");
     }
 }
+
+/// A bulk cancel (`POST /v1/jobs/cancel`) cancels a waiting parent as a
+/// single cancel would: its live children with it, uncounted
+/// (`{"cancelled": 1}`).
+#[actix_rt::test]
+async fn a_bulk_cancel_takes_each_parents_children_uncounted() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_secs(20));
+    let base = crate::support::serve_api(env.store.clone(), registry(), None);
+    let _engine = env.start(registry(), env.config());
+    env.submit_job(parent(&env, "bulk-parent", &["a", "b"], None))
+        .await;
+    assert!(
+        wait_until(WAIT, || async {
+            env.provider.requests().len() == 2
+                && env
+                    .job("bulk-parent")
+                    .await
+                    .waiting
+                    .is_some_and(|w| w["kind"] == "children")
+        })
+        .await,
+        "two children in flight, the parent waiting"
+    );
+    let r = reqwest::Client::new()
+        .post(format!("{base}/v1/jobs/cancel"))
+        .json(&json!({ "workflow": FanOut::NAME, "reason": "tidy" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        body,
+        json!({ "cancelled": 1 }),
+        "the parent alone is counted"
+    );
+    for id in [
+        "bulk-parent",
+        &child("bulk-parent", 0),
+        &child("bulk-parent", 1),
+    ] {
+        assert_eq!(env.job(id).await.state, JobState::Cancelled, "{id}");
+    }
+}

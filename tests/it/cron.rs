@@ -796,3 +796,102 @@ async fn the_schedule_cli_creates_lists_pauses_and_deletes() {
     let (ok, out) = cli(&["show", "nightly"]).await;
     assert!(!ok && out.contains("404"), "{out}");
 }
+
+/// A schedule's view lists its latest ten jobs, newest first; a fire time
+/// recorded once never makes a job again, even after its job was purged
+/// and the schedule is made to walk over that time again (a job purged
+/// shows `state: null`).
+#[actix_rt::test]
+async fn the_latest_ten_are_listed_and_a_purged_fire_time_never_fires_again() {
+    let env = TestEnv::new().await;
+    let base = api(&env, Auth::Off);
+    let url = format!("{base}/v1/schedules");
+    let mut body = schedule("tick", "* * * * * *", &env.consumer.url());
+    body["catch_up"] = json!("all");
+    let (status, answer) = call(reqwest::Method::POST, &url, None, Some(&body)).await;
+    assert_eq!(status, 201, "{answer}");
+    let engine = env.start(registry(), env.config());
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            fired(&env, "tick").await.len() >= 12
+        })
+        .await,
+        "the schedule fired 12 times"
+    );
+    let (status, _) = call(
+        reqwest::Method::POST,
+        &format!("{url}/tick/pause"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let times = fired(&env, "tick").await;
+    for t in &times {
+        let id = onceflow_engine::schedule::job_id("tick", *t);
+        env.wait_for(
+            &id,
+            onceflow_engine::JobState::Acked,
+            Duration::from_secs(20),
+        )
+        .await;
+    }
+    engine.shutdown();
+    let (_, shown) = call(reqwest::Method::GET, &format!("{url}/tick"), None, None).await;
+    let latest = shown["latest_jobs"].as_array().unwrap().clone();
+    let newest: Vec<Value> = times
+        .iter()
+        .rev()
+        .take(10)
+        .map(|t| json!(onceflow_engine::schedule::job_id("tick", *t)))
+        .collect();
+    let listed: Vec<Value> = latest.iter().map(|j| j["id"].clone()).collect();
+    assert_eq!(listed, newest, "the latest ten, newest first");
+
+    // Every job purged; the schedule walks over its fire times again.
+    let purged = env.store.purge_finished(0, 1000).await.unwrap();
+    assert_eq!(purged as usize, times.len(), "every fired job purged");
+    {
+        use diesel_async::RunQueryDsl;
+        let mut conn = env.store.db().conn().await.unwrap();
+        diesel::sql_query("UPDATE schedules SET paused = false, next_fire_at = $1")
+            .bind::<diesel::sql_types::Timestamptz, _>(times[0])
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    let (_, shown) = call(reqwest::Method::GET, &format!("{url}/tick"), None, None).await;
+    let states: Vec<Value> = shown["latest_jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["state"].clone())
+        .collect();
+    assert_eq!(states, vec![Value::Null; 10], "purged jobs show state null");
+    let fires_upto = format!(
+        "SELECT count(*) AS n FROM schedule_fires WHERE fire_at <= '{}'",
+        times.last().unwrap().to_rfc3339()
+    );
+    let fires_before = env.sql(&fires_upto).await[0]["n"].clone();
+    assert_eq!(fires_before, json!(times.len()));
+    let _again = env.start(registry(), env.config());
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            !fired(&env, "tick").await.is_empty()
+        })
+        .await,
+        "the schedule fires on, for its new fire times"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let refired: Vec<_> = fired(&env, "tick")
+        .await
+        .into_iter()
+        .filter(|t| times.contains(t))
+        .collect();
+    assert!(
+        refired.is_empty(),
+        "purged fire times fired again: {refired:?}"
+    );
+    let fires_after = env.sql(&fires_upto).await[0]["n"].clone();
+    assert_eq!(fires_after, fires_before, "no fire time recorded twice");
+}
