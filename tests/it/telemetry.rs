@@ -869,3 +869,74 @@ async fn a_tool_call_is_an_execute_tool_span_the_tool_saw() {
         "the tool saw its span"
     );
 }
+
+/// A spawn continues the parent's trace: each child has a `spawn` span
+/// (naming it) under one of its parent's `job` spans, and the child's own
+/// `job` span is a child of that `spawn` span.
+#[actix_rt::test]
+async fn a_spawn_has_its_span_and_the_childs_attempt_continues_it() {
+    let env = TestEnv::new().await;
+    let receiver = Receiver::start();
+    let endpoint = receiver.endpoint();
+    let config = TelemetryConfig::from_lookup(|k| match k {
+        "OTEL_EXPORTER_OTLP_ENDPOINT" => Some(endpoint.clone()),
+        "OTEL_SERVICE_NAME" => Some("onceflow-it".to_owned()),
+        _ => None,
+    })
+    .unwrap();
+    let telemetry = Arc::new(Telemetry::new(config).unwrap());
+    let mut registry = onceflow_engine::Registry::new();
+    registry.register(onceflow_workflows::Completion::default());
+    registry.register(crate::children::FanOut);
+    let mut config = env.config();
+    config.telemetry = telemetry.clone();
+    let engine = env.start(registry, config);
+    env.submit_job(onceflow_engine::intake::NewJob {
+        tags: Default::default(),
+        id: "traced-parent".into(),
+        workflow: "test.fan_out".into(),
+        workflow_version: 1,
+        input: json!({ "prompts": ["a", "b"] }),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    env.wait_for("traced-parent", JobState::Acked, WAIT).await;
+    engine.shutdown();
+    let tel = telemetry.clone();
+    tokio::task::spawn_blocking(move || tel.shutdown())
+        .await
+        .unwrap()
+        .expect("telemetry flushes");
+    let spans = receiver.spans();
+    let parent_jobs: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == SPAN_JOB && s.attr(JOB_ID) == "traced-parent")
+        .collect();
+    assert!(!parent_jobs.is_empty(), "the parent's attempts have spans");
+    for i in 0..2 {
+        let child = format!("traced-parent:child:c{i}");
+        let spawns: Vec<&Span> = spans
+            .iter()
+            .filter(|s| s.name == SPAN_SPAWN && s.attr("onceflow.child.id") == child)
+            .collect();
+        assert!(!spawns.is_empty(), "{child} has a spawn span: {spans:?}");
+        for spawn in &spawns {
+            assert!(
+                parent_jobs.iter().any(|j| j.span_id == spawn.parent),
+                "{child}'s spawn span is under a job span of its parent"
+            );
+        }
+        let child_jobs: Vec<&Span> = spans
+            .iter()
+            .filter(|s| s.name == SPAN_JOB && s.attr(JOB_ID) == child)
+            .collect();
+        assert!(!child_jobs.is_empty(), "{child} has its job span");
+        for j in &child_jobs {
+            assert!(
+                spawns.iter().any(|s| s.span_id == j.parent),
+                "{child}'s attempt continues its spawn span"
+            );
+        }
+    }
+}

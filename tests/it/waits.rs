@@ -1595,3 +1595,137 @@ async fn an_idle_node_issues_only_its_timer_poll() {
     drop(_engine);
     pg.stop().expect("stop PostgreSQL");
 }
+
+/// A decision for one wait, sent while the job waits and no node runs (so
+/// nothing is taken), through the typed `Client::signal_for_wait` and the
+/// `onceflow signal --until` command: a stale `until` is `409 not_waiting`
+/// and records nothing; the wait's own `until` is recorded; a second
+/// decision for it is `409 wait_decided`, and so is one sent after an
+/// untimed signal of that name that waits to be taken. A bad `until` is
+/// `422` naming it. When a node runs again, each job's first wait takes
+/// its one signal and the second wait times out.
+#[actix_rt::test]
+async fn a_decision_with_until_is_refused_for_another_wait_by_client_and_cli() {
+    use onceflow::{Client, ClientError};
+    let env = TestEnv::new().await;
+    let mut registry = Registry::new();
+    registry.register(GoTwice);
+    let engine = env.start(registry, env.config());
+    let mut api = Registry::new();
+    api.register(GoTwice);
+    let base = serve_api(env.store.clone(), api, None);
+    for id in ["typed", "cli", "untimed"] {
+        env.submit_job(NewJob {
+            tags: Default::default(),
+            id: id.to_owned(),
+            workflow: GoTwice::NAME.to_owned(),
+            workflow_version: 1,
+            input: json!({}),
+            webhook_url: env.consumer.url(),
+            schedule: Default::default(),
+        })
+        .await;
+    }
+    let mut untils = std::collections::HashMap::new();
+    for id in ["typed", "cli", "untimed"] {
+        let until = wait_for_wait(&env, id, "signal").await["until"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        untils.insert(id, until);
+    }
+    engine.shutdown();
+    let stale = |until: &str| {
+        let at =
+            chrono::DateTime::parse_from_rfc3339(until).unwrap() + chrono::Duration::seconds(1);
+        at.to_rfc3339()
+    };
+
+    // The typed client.
+    let client = Client::new(&base);
+    let until = untils["typed"].as_str();
+    match client
+        .signal_for_wait("typed", "go", "t-0", &json!(0), Some(&stale(until)))
+        .await
+    {
+        Err(ClientError::Conflict { code, .. }) => assert_eq!(code, "not_waiting"),
+        other => panic!("a stale until: {other:?}"),
+    }
+    match client
+        .signal_for_wait("typed", "go", "t-0", &json!(0), Some("tomorrow"))
+        .await
+    {
+        Err(ClientError::Invalid { field, .. }) => assert_eq!(field, "until"),
+        other => panic!("a bad until: {other:?}"),
+    }
+    let recorded = client
+        .signal_for_wait("typed", "go", "t-1", &json!(1), Some(until))
+        .await
+        .unwrap();
+    assert!(recorded, "the wait's own until is recorded");
+    match client
+        .signal_for_wait("typed", "go", "t-2", &json!(2), Some(until))
+        .await
+    {
+        Err(ClientError::Conflict { code, .. }) => assert_eq!(code, "wait_decided"),
+        other => panic!("a second decision: {other:?}"),
+    }
+
+    // The command line.
+    let cli = |id: &str, until: String| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_onceflow"));
+        command
+            .args(["signal", "cli", "go", "--id", id, "--payload", "5"])
+            .args(["--until", &until, "--server", &base]);
+        async move {
+            let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+                .await
+                .unwrap();
+            (
+                out.status.success(),
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            )
+        }
+    };
+    let (ok, text) = cli("c-0", stale(&untils["cli"])).await;
+    assert!(!ok && text.contains("not_waiting"), "{text}");
+    let (ok, text) = cli("c-1", untils["cli"].clone()).await;
+    assert!(ok && text.contains("recorded"), "{text}");
+    let (ok, text) = cli("c-2", untils["cli"].clone()).await;
+    assert!(!ok && text.contains("wait_decided"), "{text}");
+
+    // An untimed signal kept for the wait decides it too.
+    let (status, body) = signal(
+        &base,
+        "untimed",
+        "go",
+        json!({ "id": "free", "payload": 9 }),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+    let (status, body) = signal(
+        &base,
+        "untimed",
+        "go",
+        json!({ "id": "late", "payload": 10, "until": untils["untimed"] }),
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (409, Some("wait_decided")),
+        "{body}"
+    );
+
+    let mut registry = Registry::new();
+    registry.register(GoTwice);
+    let _again = env.start(registry, env.config());
+    for (id, first) in [("typed", 1), ("cli", 5), ("untimed", 9)] {
+        let job = env.wait_for(id, JobState::Acked, WAIT).await;
+        assert_eq!(job.result.unwrap(), json!([first, null]), "{id}");
+        assert_eq!(job.signals.len(), 1, "{id}: {:?}", job.signals);
+    }
+}
