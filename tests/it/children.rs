@@ -1014,6 +1014,19 @@ async fn a_bulk_cancel_takes_each_parents_children_uncounted() {
         .await,
         "two children in flight, the parent waiting"
     );
+    let listed: Value = reqwest::get(format!("{base}/v1/jobs?waiting=children"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = listed["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["bulk-parent"], "?waiting=children lists the parent alone");
     let r = reqwest::Client::new()
         .post(format!("{base}/v1/jobs/cancel"))
         .json(&json!({ "workflow": FanOut::NAME, "reason": "tidy" }))
