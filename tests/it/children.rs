@@ -1026,7 +1026,11 @@ async fn a_bulk_cancel_takes_each_parents_children_uncounted() {
         .iter()
         .map(|j| j["id"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, ["bulk-parent"], "?waiting=children lists the parent alone");
+    assert_eq!(
+        ids,
+        ["bulk-parent"],
+        "?waiting=children lists the parent alone"
+    );
     let r = reqwest::Client::new()
         .post(format!("{base}/v1/jobs/cancel"))
         .json(&json!({ "workflow": FanOut::NAME, "reason": "tidy" }))
@@ -1047,4 +1051,57 @@ async fn a_bulk_cancel_takes_each_parents_children_uncounted() {
     ] {
         assert_eq!(env.job(id).await.state, JobState::Cancelled, "{id}");
     }
+}
+
+/// Spawns child `c0` of `completion` on its first run, of `test.ordered`
+/// on every later one.
+struct Fickler {
+    runs: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl Workflow for Fickler {
+    const NAME: &'static str = "test.fickler";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        let n = self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n == 0 {
+            let input = json!({ "model": "m", "messages": [{ "role": "user", "content": "x" }] });
+            ctx.spawn("c0", "completion", &input).await?;
+        } else {
+            ctx.spawn("c0", Ordered::NAME, &json!({})).await?;
+        }
+        Ok(json!(n))
+    }
+}
+
+/// A replay that starts a name's child again as another workflow (same
+/// name, other workflow) fails the parent `child_conflict` and makes no
+/// second child, as another input does.
+#[actix_rt::test]
+async fn a_child_started_again_as_another_workflow_is_child_conflict() {
+    let env = TestEnv::new().await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    env.faults.arm(
+        Some("fickler"),
+        FailPoint::AfterCommit("spawn"),
+        Action::Crash,
+        1,
+    );
+    let mut registry = told_registry();
+    registry.register(Fickler { runs: runs.clone() });
+    let _engine = env.start(registry, env.config());
+    submit_plain(&env, "fickler", "test.fickler", 0).await;
+    let view = env.wait_for("fickler", JobState::Dead, WAIT).await;
+    assert!(env
+        .faults
+        .fired_at("fickler", FailPoint::AfterCommit("spawn")));
+    assert_eq!(view.last_error.unwrap().code, "child_conflict");
+    assert_eq!(
+        count(&env, "SELECT 1 FROM jobs WHERE parent_id = 'fickler'").await,
+        1,
+        "no second child"
+    );
+    assert_eq!(env.job("fickler:child:c0").await.workflow, "completion");
 }
