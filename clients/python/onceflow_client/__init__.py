@@ -1,38 +1,82 @@
-"""A small typed client for onceflow's HTTP API (see GET /v1/openapi.json).
+"""A typed client for onceflow's HTTP API (see GET /v1/openapi.json).
 
     from onceflow_client import Client
     client = Client("http://127.0.0.1:8080", token=os.environ["ONCEFLOW_TOKEN"])
     client.submit("order-42", "completion", {"model": "gpt-4o-mini", "messages": msgs}, hook_url)
     for event in client.events("order-42"):
         print(event.kind, event.data)
+    print(client.wait("order-42", timeout=60).result)
 
-Errors come back as OnceflowError with the API's status, code, message and
-the field at fault. Retried, at most `max_retries` times (after the
-answer's Retry-After, at most 30 s, or a backoff): a read on 429, 503 or a
-failed connection; a write on 429 (refused before any work) or a
-connection that could not be opened (never sent), and on nothing else, so
-a bulk cancel or a redrive is never done twice. Webhooks are verified with the Standard Webhooks
+``AsyncClient`` has the same calls, awaited (``async for`` for ``list``
+and ``events``). Answers are typed models (``Job``, ``JobSummary``,
+``Schedule``, ``Stats``, ``Signal``; each also the ``dict`` the server
+sent). Errors are ``OnceflowError`` with the API's status, code, message
+and the field at fault, raised as the subclass of their status
+(``Invalid`` for 422, ``Conflict`` for 409, ``NotFound``, ``RateLimited``,
+``Unavailable``, ``Unauthorized``, ``BadRequest``).
+
+Retried, at most ``max_retries`` times (after the answer's Retry-After, at
+most 30 s, or a backoff): a read on 429, 503 or a failed connection; a
+write on 429 (refused before any work) or a connection that could not be
+opened (never sent), and on nothing else, so a bulk cancel or a redrive is
+never done twice. Webhooks are verified with the Standard Webhooks
 reference library and de-duplicated by their webhook-id (WebhookReceiver).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Union
+from urllib.parse import quote
 
 import httpx
 import httpx_sse
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-__all__ = ["Client", "Event", "OnceflowError", "WebhookReceiver"]
+from .models import (
+    TERMINAL,
+    BatchAnswer,
+    Child,
+    Event,
+    HistoryEntry,
+    Job,
+    JobSummary,
+    Schedule,
+    ScheduledJob,
+    Signal,
+    Stats,
+)
 
-TERMINAL = {"acked", "dead", "cancelled"}
+__all__ = [
+    "AsyncClient",
+    "BadRequest",
+    "BatchAnswer",
+    "Child",
+    "Client",
+    "Conflict",
+    "Event",
+    "HistoryEntry",
+    "Invalid",
+    "Job",
+    "JobSummary",
+    "NotFound",
+    "OnceflowError",
+    "RateLimited",
+    "Schedule",
+    "ScheduledJob",
+    "Signal",
+    "Stats",
+    "Unauthorized",
+    "Unavailable",
+    "WebhookReceiver",
+]
 
 
 class OnceflowError(Exception):
-    """An answer other than 2xx: `{"error": {"code", "message", "field"?}}`."""
+    """An answer other than 2xx: ``{"error": {"code", "message", "field"?}}``."""
 
     def __init__(self, status: int, code: str, message: str, field: Optional[str] = None):
         super().__init__(f"{status} {code}: {message}" + (f" (field {field})" if field else ""))
@@ -42,13 +86,201 @@ class OnceflowError(Exception):
         self.field = field
 
 
-@dataclass(frozen=True)
-class Event:
-    """One event of a job's stream: `state`, `chunk` or `reset`."""
+class BadRequest(OnceflowError):
+    """400: the request could not be read (malformed JSON, a bad header)."""
 
-    id: int
-    kind: str
-    data: dict
+
+class Unauthorized(OnceflowError):
+    """401: the token is missing, unknown or revoked."""
+
+
+class NotFound(OnceflowError):
+    """404: no such job or schedule (or another token's)."""
+
+
+class Conflict(OnceflowError):
+    """409: the id holds another request, or the job is not in the state the call needs."""
+
+
+class Invalid(OnceflowError):
+    """422: ``field`` is invalid."""
+
+
+class RateLimited(OnceflowError):
+    """429: the backlog or the streams are full; retried by the client first."""
+
+
+class Unavailable(OnceflowError):
+    """503: the node is draining or its database is down; retried first on reads."""
+
+
+_BY_STATUS = {
+    400: BadRequest,
+    401: Unauthorized,
+    404: NotFound,
+    409: Conflict,
+    422: Invalid,
+    429: RateLimited,
+    503: Unavailable,
+}
+
+
+@dataclass
+class _Req:
+    """One call of the API: what to send, and how to type the answer."""
+
+    method: str
+    path: str
+    params: Optional[Dict[str, str]] = None
+    body: Any = None
+    wrap: Callable[[Any], Any] = field(default=lambda answer: answer)
+
+    def kwargs(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        if self.params:
+            out["params"] = self.params
+        if self.body is not None:
+            out["json"] = self.body
+        return out
+
+
+def _segment(text: str) -> str:
+    return quote(text, safe="")
+
+
+def _reason(reason: Optional[str]) -> Optional[dict]:
+    return {"reason": reason} if reason else None
+
+
+def _with(body: dict, **optional: Any) -> dict:
+    for key, value in optional.items():
+        if value is not None:
+            body[key] = value
+    return body
+
+
+class _Calls:
+    """The requests of every call, shared by ``Client`` and ``AsyncClient``."""
+
+    @staticmethod
+    def submit(id, workflow, input, webhook_url, priority, run_at, delay_ms, tags, concurrency_key) -> _Req:
+        body = _with(
+            {"id": id, "workflow": workflow, "input": input},
+            webhook_url=webhook_url,  # none: the job POSTs nothing
+            tags=tags or None,
+            priority=priority,
+            run_at=run_at,
+            delay_ms=delay_ms,
+            concurrency_key=concurrency_key,
+        )
+        return _Req("POST", "/v1/jobs", body=body, wrap=Job)
+
+    @staticmethod
+    def get(id: str) -> _Req:
+        return _Req("GET", f"/v1/jobs/{_segment(id)}", wrap=Job)
+
+    @staticmethod
+    def list_params(state, workflow, waiting, tag, page_size) -> Dict[str, str]:
+        params = {"limit": str(page_size)}
+        if state:
+            params["state"] = state
+        if workflow:
+            params["workflow"] = workflow
+        if tag:
+            params["tag"] = tag
+        if isinstance(waiting, str):
+            params["waiting"] = waiting
+        elif waiting is not None:
+            params["waiting"] = "true" if waiting else "false"
+        return params
+
+    @staticmethod
+    def cancel(id: str, reason: Optional[str]) -> _Req:
+        return _Req("POST", f"/v1/jobs/{_segment(id)}/cancel", body=_reason(reason), wrap=Job)
+
+    @staticmethod
+    def submit_batch(jobs: list) -> _Req:
+        return _Req(
+            "POST", "/v1/jobs/batch", body={"jobs": jobs},
+            wrap=lambda a: [BatchAnswer(x) for x in a["jobs"]],
+        )
+
+    @staticmethod
+    def cancel_all(reason, state, workflow, tag, limit) -> _Req:
+        body = _with(_reason(reason) or {}, state=state, workflow=workflow, tag=tag, limit=limit)
+        return _Req("POST", "/v1/jobs/cancel", body=body, wrap=lambda a: a["cancelled"])
+
+    @staticmethod
+    def rerun(id: str, new_id: str) -> _Req:
+        return _Req("POST", f"/v1/jobs/{_segment(id)}/rerun", body={"id": new_id}, wrap=Job)
+
+    @staticmethod
+    def redrive(id: str, reason: Optional[str], confirm_unknown: bool) -> _Req:
+        params = {"confirm_unknown": "true"} if confirm_unknown else None
+        return _Req(
+            "POST", f"/v1/jobs/{_segment(id)}/redrive", params=params,
+            body=_reason(reason), wrap=Job,
+        )
+
+    @staticmethod
+    def redrive_all(reason, workflow, limit, confirm_unknown) -> _Req:
+        params = {"confirm_unknown": "true"} if confirm_unknown else None
+        body = _with(_reason(reason) or {}, workflow=workflow, limit=limit)
+        return _Req("POST", "/v1/jobs/redrive", params=params, body=body)
+
+    @staticmethod
+    def signal(id, name, signal_id, payload, until) -> _Req:
+        body = _with({"id": signal_id, "payload": payload}, until=until)
+        return _Req(
+            "POST", f"/v1/jobs/{_segment(id)}/signals/{_segment(name)}", body=body, wrap=Signal
+        )
+
+    @staticmethod
+    def stats() -> _Req:
+        return _Req("GET", "/v1/stats", wrap=Stats)
+
+    @staticmethod
+    def create_schedule(id, cron, workflow, input, webhook_url, timezone, catch_up) -> _Req:
+        body = _with(
+            {"id": id, "cron": cron, "workflow": workflow, "input": input},
+            webhook_url=webhook_url,
+            timezone=timezone,
+            catch_up=catch_up,
+        )
+        return _Req("POST", "/v1/schedules", body=body, wrap=Schedule)
+
+    @staticmethod
+    def get_schedule(id: str) -> _Req:
+        return _Req("GET", f"/v1/schedules/{_segment(id)}", wrap=Schedule)
+
+    @staticmethod
+    def set_paused(id: str, paused: bool) -> _Req:
+        action = "pause" if paused else "resume"
+        return _Req("POST", f"/v1/schedules/{_segment(id)}/{action}", wrap=Schedule)
+
+    @staticmethod
+    def delete_schedule(id: str) -> _Req:
+        return _Req("DELETE", f"/v1/schedules/{_segment(id)}", wrap=lambda _: None)
+
+
+def _retry(method: str, attempt: int, max_retries: int, outcome: Union[httpx.Response, Exception]) -> Optional[float]:
+    """How long to wait before trying again, or ``None`` to stop here."""
+    if attempt >= max_retries:
+        return None
+    read = method == "GET"
+    if isinstance(outcome, Exception):
+        unsent = (httpx.TransportError,) if read else (httpx.ConnectError, httpx.ConnectTimeout)
+        return _backoff(attempt) if isinstance(outcome, unsent) else None
+    again = (429, 503) if read else (429,)
+    return _retry_after(outcome, attempt) if outcome.status_code in again else None
+
+
+def _event(sse: Any) -> Event:
+    return Event(int(sse.id), sse.event, json.loads(sse.data))
+
+
+def _is_last(event: Event) -> bool:
+    return event.kind == "state" and event.data.get("text") in TERMINAL
 
 
 class Client:
@@ -74,41 +306,21 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        read = method == "GET"
-        unsent = (httpx.TransportError,) if read else (httpx.ConnectError, httpx.ConnectTimeout)
-        again = (429, 503) if read else (429,)
+    def _call(self, req: _Req) -> Any:
         attempt = 0
         while True:
-            last = attempt >= self.max_retries
             try:
-                response = self._http.request(method, path, **kwargs)
-            except unsent:
-                if last:
+                response = self._http.request(req.method, req.path, **req.kwargs())
+            except httpx.TransportError as e:
+                pause = _retry(req.method, attempt, self.max_retries, e)
+                if pause is None:
                     raise
-                _sleep(_backoff(attempt))
-                attempt += 1
-                continue
-            if response.status_code in again and not last:
-                _sleep(_retry_after(response, attempt))
-                attempt += 1
-                continue
-            return _answer(response)
-
-    def wait(self, id: str, timeout: Optional[float] = None) -> dict:
-        """Waits for the job to reach a final state (acked, dead or
-        cancelled) and returns it; TimeoutError after `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.05
-        while True:
-            job = self.get(id)
-            if job["state"] in TERMINAL:
-                return job
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {id} is still {job['state']} after {timeout} s")
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            time.sleep(pause if left is None else min(pause, left))
-            pause = min(pause * 2, 1.0)
+            else:
+                pause = _retry(req.method, attempt, self.max_retries, response)
+                if pause is None:
+                    return req.wrap(_answer(response))
+            _sleep(pause)
+            attempt += 1
 
     def submit(
         self,
@@ -120,30 +332,34 @@ class Client:
         priority: Optional[int] = None,
         run_at: Optional[str] = None,
         delay_ms: Optional[int] = None,
-        tags: Optional[dict] = None,
+        tags: Optional[Dict[str, str]] = None,
         concurrency_key: Optional[str] = None,
-    ) -> dict:
+    ) -> Job:
         """Submits a job; the same job again returns the stored one (200).
 
         ``concurrency_key``: at most the token's (or workflow's) limit of
         this token's jobs with the same key run at once (1 by default)."""
-        body: dict = {"id": id, "workflow": workflow, "input": input}
-        if webhook_url is not None:  # none: the job POSTs nothing
-            body["webhook_url"] = webhook_url
-        if tags:
-            body["tags"] = tags
-        for key, value in (
-            ("priority", priority),
-            ("run_at", run_at),
-            ("delay_ms", delay_ms),
-            ("concurrency_key", concurrency_key),
-        ):
-            if value is not None:
-                body[key] = value
-        return self._call("POST", "/v1/jobs", json=body)
+        return self._call(_Calls.submit(
+            id, workflow, input, webhook_url, priority, run_at, delay_ms, tags, concurrency_key
+        ))
 
-    def get(self, id: str) -> dict:
-        return self._call("GET", f"/v1/jobs/{_segment(id)}")
+    def get(self, id: str) -> Job:
+        return self._call(_Calls.get(id))
+
+    def wait(self, id: str, timeout: Optional[float] = None) -> Job:
+        """Waits for the job to reach a final state (acked, dead or
+        cancelled) and returns it; TimeoutError after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.05
+        while True:
+            job = self.get(id)
+            if job.finished:
+                return job
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"job {id} is still {job.state} after {timeout} s")
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, 1.0)
 
     def list(
         self,
@@ -151,38 +367,32 @@ class Client:
         state: Optional[str] = None,
         workflow: Optional[str] = None,
         waiting: Union[bool, str, None] = None,
+        tag: Optional[str] = None,
         page_size: int = 50,
-    ) -> Iterator[dict]:
+    ) -> Iterator[JobSummary]:
         """Every matching job, newest first, page after page (keyset cursor).
 
         ``waiting``: ``True`` for the jobs that wait, ``False`` for the others,
-        or a kind (``"sleep"``, ``"signal"``, ``"approval"``, ``"children"``)."""
-        params: dict = {"limit": str(page_size)}
-        if state:
-            params["state"] = state
-        if workflow:
-            params["workflow"] = workflow
-        if isinstance(waiting, str):
-            params["waiting"] = waiting
-        elif waiting is not None:
-            params["waiting"] = "true" if waiting else "false"
+        or a kind (``"sleep"``, ``"signal"``, ``"approval"``, ``"children"``,
+        ``"budget"``, ``"concurrency"``, ``"throttle"``). ``tag``: ``label:value``."""
+        params = _Calls.list_params(state, workflow, waiting, tag, page_size)
         while True:
-            page = self._call("GET", "/v1/jobs", params=params)
-            yield from page["jobs"]
+            page = self._call(_Req("GET", "/v1/jobs", params=dict(params)))
+            yield from (JobSummary(j) for j in page["jobs"])
             if not page.get("next_cursor"):
                 return
             params["cursor"] = page["next_cursor"]
 
-    def cancel(self, id: str, reason: Optional[str] = None) -> dict:
-        return self._call("POST", f"/v1/jobs/{_segment(id)}/cancel", json=_reason(reason))
+    def cancel(self, id: str, reason: Optional[str] = None) -> Job:
+        return self._call(_Calls.cancel(id, reason))
 
-    def submit_batch(self, jobs: list) -> list:
-        """Submits up to 1,000 jobs (each a `POST /v1/jobs` body) in one request.
+    def submit_batch(self, jobs: List[dict]) -> List[BatchAnswer]:
+        """Submits up to 1,000 jobs (each a ``POST /v1/jobs`` body) in one request.
 
-        Returns one answer per job, in order: `{"status", "job"}` or
-        `{"status", "error"}`, as a single submit would have answered it.
+        Returns one answer per job, in order: ``status`` and ``job``, or
+        ``status`` and ``error``, as a single submit would have answered it.
         """
-        return self._call("POST", "/v1/jobs/batch", json={"jobs": jobs})["jobs"]
+        return self._call(_Calls.submit_batch(jobs))
 
     def cancel_all(
         self,
@@ -190,44 +400,84 @@ class Client:
         *,
         state: Optional[str] = None,
         workflow: Optional[str] = None,
+        tag: Optional[str] = None,
         limit: Optional[int] = None,
     ) -> int:
         """Cancels the caller's live jobs, oldest first, by filter; returns how many."""
-        body: dict = _reason(reason) or {}
-        for key, value in (("state", state), ("workflow", workflow), ("limit", limit)):
-            if value is not None:
-                body[key] = value
-        return self._call("POST", "/v1/jobs/cancel", json=body)["cancelled"]
+        return self._call(_Calls.cancel_all(reason, state, workflow, tag, limit))
 
-    def rerun(self, id: str, new_id: str) -> dict:
-        """Runs job `id`'s workflow again on its input as job `new_id` (idempotent by it)."""
-        return self._call("POST", f"/v1/jobs/{_segment(id)}/rerun", json={"id": new_id})
+    def rerun(self, id: str, new_id: str) -> Job:
+        """Runs job ``id``'s workflow again on its input as job ``new_id`` (idempotent by it)."""
+        return self._call(_Calls.rerun(id, new_id))
 
-    def redrive(self, id: str, reason: Optional[str] = None, confirm_unknown: bool = False) -> dict:
-        params = {"confirm_unknown": "true"} if confirm_unknown else None
-        return self._call(
-            "POST", f"/v1/jobs/{_segment(id)}/redrive", json=_reason(reason), params=params
-        )
+    def redrive(self, id: str, reason: Optional[str] = None, confirm_unknown: bool = False) -> Job:
+        return self._call(_Calls.redrive(id, reason, confirm_unknown))
 
-    def signal(self, id: str, name: str, signal_id: str, payload: Any, until: Optional[str] = None) -> dict:
-        """Sends job `id` the signal `name`, recorded once under `signal_id`.
+    def redrive_all(
+        self,
+        reason: Optional[str] = None,
+        *,
+        workflow: Optional[str] = None,
+        limit: Optional[int] = None,
+        confirm_unknown: bool = False,
+    ) -> dict:
+        """Redrives the caller's dead jobs: ``{"redriven", "skipped_unknown"}``."""
+        return self._call(_Calls.redrive_all(reason, workflow, limit, confirm_unknown))
 
-        With `until` (a wait's `waiting["until"]`), it is recorded only while
-        the job waits for `name` with that due time (else 409 `not_waiting`).
+    def signal(self, id: str, name: str, signal_id: str, payload: Any, until: Optional[str] = None) -> Signal:
+        """Sends job ``id`` the signal ``name``, recorded once under ``signal_id``.
+
+        With ``until`` (a wait's ``waiting["until"]``), it is recorded only
+        while the job waits for ``name`` with that due time (else
+        ``Conflict`` ``not_waiting``), and only once (``wait_decided``).
         """
-        body: dict = {"id": signal_id, "payload": payload}
-        if until is not None:
-            body["until"] = until
-        return self._call(
-            "POST",
-            f"/v1/jobs/{_segment(id)}/signals/{_segment(name)}",
-            json=body,
-        )
+        return self._call(_Calls.signal(id, name, signal_id, payload, until))
+
+    def stats(self) -> Stats:
+        """Jobs per state, and each budget's spend today."""
+        return self._call(_Calls.stats())
+
+    def create_schedule(
+        self,
+        id: str,
+        cron: str,
+        workflow: str,
+        input: dict,
+        webhook_url: Optional[str] = None,
+        *,
+        timezone: Optional[str] = None,
+        catch_up: Optional[str] = None,
+    ) -> Schedule:
+        """Creates a schedule: one job ``{id}:{fire time}`` per fire time of ``cron``."""
+        return self._call(_Calls.create_schedule(id, cron, workflow, input, webhook_url, timezone, catch_up))
+
+    def get_schedule(self, id: str) -> Schedule:
+        """The schedule, with its latest ten jobs (``latest_jobs``), newest first."""
+        return self._call(_Calls.get_schedule(id))
+
+    def schedules(self, page_size: int = 100) -> Iterator[Schedule]:
+        """Every schedule of the caller, by id, page after page."""
+        params = {"limit": str(page_size)}
+        while True:
+            page = self._call(_Req("GET", "/v1/schedules", params=dict(params)))
+            yield from (Schedule(s) for s in page["schedules"])
+            if not page.get("next_cursor"):
+                return
+            params["cursor"] = page["next_cursor"]
+
+    def pause_schedule(self, id: str) -> Schedule:
+        return self._call(_Calls.set_paused(id, True))
+
+    def resume_schedule(self, id: str) -> Schedule:
+        return self._call(_Calls.set_paused(id, False))
+
+    def delete_schedule(self, id: str) -> None:
+        self._call(_Calls.delete_schedule(id))
 
     def events(self, id: str, last_event_id: Optional[int] = None, reconnects: int = 5) -> Iterator[Event]:
-        """The job's events as they are journaled, from after `last_event_id`.
+        """The job's events as they are journaled, from after ``last_event_id``.
 
-        A dropped connection is resumed with `Last-Event-ID`, so nothing is
+        A dropped connection is resumed with ``Last-Event-ID``, so nothing is
         lost or repeated; the iteration ends after the job's final state,
         or at once (204) when resumed past the end of a finished job.
         """
@@ -246,23 +496,211 @@ class Client:
                         source.response.read()
                         _answer(source.response)
                     for sse in source.iter_sse():
-                        event = Event(int(sse.id), sse.event, json.loads(sse.data))
-                        last = event.id
-                        failures = 0
+                        event = _event(sse)
+                        last, failures = event.id, 0
                         yield event
-                        if event.kind == "state" and event.data.get("text") in TERMINAL:
+                        if _is_last(event):
                             return
                 # Ended before the final state (a restart, a proxy's
                 # timeout): resumed after `last`; a finished job says 204.
                 failures += 1
                 if failures > reconnects:
                     raise httpx.RemoteProtocolError("the event stream kept ending early")
-                time.sleep(_backoff(failures - 1))
             except httpx.TransportError:
                 failures += 1
                 if failures > reconnects:
                     raise
-                time.sleep(_backoff(failures - 1))
+            time.sleep(_backoff(failures - 1))
+
+
+class AsyncClient:
+    """``Client``'s calls for asyncio, over ``httpx.AsyncClient``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: Optional[str] = None,
+        timeout: float = 30.0,
+        max_retries: int = 3,
+    ):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.max_retries = max_retries
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def _call(self, req: _Req) -> Any:
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(req.method, req.path, **req.kwargs())
+            except httpx.TransportError as e:
+                pause = _retry(req.method, attempt, self.max_retries, e)
+                if pause is None:
+                    raise
+            else:
+                pause = _retry(req.method, attempt, self.max_retries, response)
+                if pause is None:
+                    return req.wrap(_answer(response))
+            await _asleep(pause)
+            attempt += 1
+
+    async def submit(
+        self,
+        id: str,
+        workflow: str,
+        input: dict,
+        webhook_url: Optional[str] = None,
+        *,
+        priority: Optional[int] = None,
+        run_at: Optional[str] = None,
+        delay_ms: Optional[int] = None,
+        tags: Optional[Dict[str, str]] = None,
+        concurrency_key: Optional[str] = None,
+    ) -> Job:
+        """See ``Client.submit``."""
+        return await self._call(_Calls.submit(
+            id, workflow, input, webhook_url, priority, run_at, delay_ms, tags, concurrency_key
+        ))
+
+    async def get(self, id: str) -> Job:
+        return await self._call(_Calls.get(id))
+
+    async def wait(self, id: str, timeout: Optional[float] = None) -> Job:
+        """See ``Client.wait``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.05
+        while True:
+            job = await self.get(id)
+            if job.finished:
+                return job
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"job {id} is still {job.state} after {timeout} s")
+            await asyncio.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, 1.0)
+
+    async def list(
+        self,
+        *,
+        state: Optional[str] = None,
+        workflow: Optional[str] = None,
+        waiting: Union[bool, str, None] = None,
+        tag: Optional[str] = None,
+        page_size: int = 50,
+    ) -> AsyncIterator[JobSummary]:
+        """See ``Client.list``."""
+        params = _Calls.list_params(state, workflow, waiting, tag, page_size)
+        while True:
+            page = await self._call(_Req("GET", "/v1/jobs", params=dict(params)))
+            for j in page["jobs"]:
+                yield JobSummary(j)
+            if not page.get("next_cursor"):
+                return
+            params["cursor"] = page["next_cursor"]
+
+    async def cancel(self, id: str, reason: Optional[str] = None) -> Job:
+        return await self._call(_Calls.cancel(id, reason))
+
+    async def submit_batch(self, jobs: List[dict]) -> List[BatchAnswer]:
+        return await self._call(_Calls.submit_batch(jobs))
+
+    async def cancel_all(
+        self,
+        reason: Optional[str] = None,
+        *,
+        state: Optional[str] = None,
+        workflow: Optional[str] = None,
+        tag: Optional[str] = None,
+        limit: Optional[int] = None,
+    ) -> int:
+        return await self._call(_Calls.cancel_all(reason, state, workflow, tag, limit))
+
+    async def rerun(self, id: str, new_id: str) -> Job:
+        return await self._call(_Calls.rerun(id, new_id))
+
+    async def redrive(self, id: str, reason: Optional[str] = None, confirm_unknown: bool = False) -> Job:
+        return await self._call(_Calls.redrive(id, reason, confirm_unknown))
+
+    async def redrive_all(
+        self,
+        reason: Optional[str] = None,
+        *,
+        workflow: Optional[str] = None,
+        limit: Optional[int] = None,
+        confirm_unknown: bool = False,
+    ) -> dict:
+        return await self._call(_Calls.redrive_all(reason, workflow, limit, confirm_unknown))
+
+    async def signal(self, id: str, name: str, signal_id: str, payload: Any, until: Optional[str] = None) -> Signal:
+        """See ``Client.signal``."""
+        return await self._call(_Calls.signal(id, name, signal_id, payload, until))
+
+    async def stats(self) -> Stats:
+        return await self._call(_Calls.stats())
+
+    async def create_schedule(
+        self,
+        id: str,
+        cron: str,
+        workflow: str,
+        input: dict,
+        webhook_url: Optional[str] = None,
+        *,
+        timezone: Optional[str] = None,
+        catch_up: Optional[str] = None,
+    ) -> Schedule:
+        return await self._call(_Calls.create_schedule(id, cron, workflow, input, webhook_url, timezone, catch_up))
+
+    async def get_schedule(self, id: str) -> Schedule:
+        return await self._call(_Calls.get_schedule(id))
+
+    async def pause_schedule(self, id: str) -> Schedule:
+        return await self._call(_Calls.set_paused(id, True))
+
+    async def resume_schedule(self, id: str) -> Schedule:
+        return await self._call(_Calls.set_paused(id, False))
+
+    async def delete_schedule(self, id: str) -> None:
+        await self._call(_Calls.delete_schedule(id))
+
+    async def events(self, id: str, last_event_id: Optional[int] = None, reconnects: int = 5) -> AsyncIterator[Event]:
+        """See ``Client.events``."""
+        last = last_event_id
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": str(last)} if last is not None else {}
+            try:
+                async with httpx_sse.aconnect_sse(
+                    self._http, "GET", f"/v1/jobs/{_segment(id)}/events", headers=headers,
+                    timeout=httpx.Timeout(self._http.timeout.connect, read=None),
+                ) as source:
+                    if source.response.status_code == 204:
+                        return
+                    if source.response.status_code != 200:
+                        await source.response.aread()
+                        _answer(source.response)
+                    async for sse in source.aiter_sse():
+                        event = _event(sse)
+                        last, failures = event.id, 0
+                        yield event
+                        if _is_last(event):
+                            return
+                failures += 1
+                if failures > reconnects:
+                    raise httpx.RemoteProtocolError("the event stream kept ending early")
+            except httpx.TransportError:
+                failures += 1
+                if failures > reconnects:
+                    raise
+            await asyncio.sleep(_backoff(failures - 1))
 
 
 class WebhookReceiver:
@@ -301,6 +739,10 @@ def _sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+async def _asleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
 def _backoff(attempt: int) -> float:
     return min(0.25 * (2**attempt), 8.0)
 
@@ -314,21 +756,12 @@ def _retry_after(response: httpx.Response, attempt: int) -> float:
     return _backoff(attempt) if seconds != seconds else min(max(seconds, 0.0), 30.0)
 
 
-def _segment(text: str) -> str:
-    from urllib.parse import quote
-
-    return quote(text, safe="")
-
-
-def _reason(reason: Optional[str]) -> Optional[dict]:
-    return {"reason": reason} if reason else None
-
-
 def _answer(response: httpx.Response) -> Any:
     if 200 <= response.status_code < 300:
         return response.json() if response.content else None
+    kind = _BY_STATUS.get(response.status_code, OnceflowError)
     try:
         error = response.json()["error"]
     except (ValueError, KeyError, TypeError):
-        raise OnceflowError(response.status_code, "http_error", response.text[:200]) from None
-    raise OnceflowError(response.status_code, error.get("code", ""), error.get("message", ""), error.get("field"))
+        raise kind(response.status_code, "http_error", response.text[:200]) from None
+    raise kind(response.status_code, error.get("code", ""), error.get("message", ""), error.get("field"))

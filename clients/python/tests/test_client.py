@@ -306,3 +306,92 @@ def test_wait_returns_the_final_job(node):
     with pytest.raises(TimeoutError):
         client.submit("py-later", "completion", completion("later"), hook, delay_ms=3_600_000)
         client.wait("py-later", timeout=0.3)
+
+
+def test_answers_are_typed_models_and_errors_the_class_of_their_status(node):
+    from onceflow_client import Conflict, Invalid, Job, JobSummary, NotFound, Signal
+
+    client, hook = node
+    job = client.submit("py-typed", "completion", completion("typed"), hook, tags={"team": "py"})
+    assert isinstance(job, Job) and job.id == "py-typed" and job.state == "received"
+    assert job.tags == {"team": "py"} and job["state"] == job.state  # also the dict sent
+    done = client.wait("py-typed", timeout=30)
+    assert done.finished and done.state == "acked" and done.result is not None
+    assert [h.state for h in done.history][-1] == "acked"
+    assert done.history[0].attempt == 0
+    listed = [j for j in client.list(tag="team:py")]
+    assert [j.id for j in listed] == ["py-typed"] and isinstance(listed[0], JobSummary)
+    assert listed[0].token == "py"  # the admin token that submitted it
+    later = client.submit("py-typed-later", "completion", completion("x"), hook, delay_ms=3_600_000)
+    sent = client.signal(later.id, "go", "sig-1", {"ok": True})
+    assert isinstance(sent, Signal) and sent.id == "sig-1" and sent.taken_by is None
+    assert client.get(later.id).signals[0].payload == {"ok": True}
+    with pytest.raises(Conflict) as conflict:
+        client.submit("py-typed", "completion", completion("other"), hook)
+    assert conflict.value.code == "conflict" and isinstance(conflict.value, OnceflowError)
+    with pytest.raises(Invalid) as invalid:
+        client.submit("py-typed-bad", "completion", {"model": "m"}, hook)
+    assert invalid.value.status == 422 and invalid.value.field.startswith("input")
+    with pytest.raises(NotFound):
+        client.get("py-typed-nobody")
+    stats = client.stats()
+    assert stats.states["acked"] >= 1, stats
+
+
+def test_schedules_are_created_shown_paused_and_deleted(node):
+    from onceflow_client import NotFound, Schedule
+
+    client, hook = node
+    made = client.create_schedule(
+        "py-nightly", "0 2 * * *", "completion", completion("nightly"), hook, timezone="Europe/Paris"
+    )
+    assert isinstance(made, Schedule) and made.cron == "0 2 * * *" and made.next_fire_at
+    assert made.timezone == "Europe/Paris" and not made.paused
+    assert [s.id for s in client.schedules() if s.id == "py-nightly"] == ["py-nightly"]
+    shown = client.get_schedule("py-nightly")
+    assert shown.latest_jobs == []
+    paused = client.pause_schedule("py-nightly")
+    assert paused.paused and paused.next_fire_at is None
+    assert not client.resume_schedule("py-nightly").paused
+    client.delete_schedule("py-nightly")
+    with pytest.raises(NotFound):
+        client.get_schedule("py-nightly")
+
+
+def test_the_async_client_submits_follows_waits_lists_signals_and_cancels(node):
+    import asyncio
+
+    from onceflow_client import AsyncClient, Conflict, Job
+
+    sync, hook = node
+    base = str(sync._http.base_url)
+    token = sync._http.headers["authorization"].split(" ", 1)[1]
+
+    async def scenario():
+        async with AsyncClient(base, token=token) as client:
+            job = await client.submit("py-async", "completion", completion("async"), hook)
+            assert isinstance(job, Job) and job.state == "received"
+            states = [e.data["text"] async for e in client.events("py-async") if e.kind == "state"]
+            assert states[-1] == "acked", states
+            done = await client.wait("py-async", timeout=30)
+            assert done.state == "acked" and done.result is not None
+            ids = [j.id async for j in client.list(state="acked", page_size=2)]
+            assert "py-async" in ids
+            later = await client.submit("py-async-later", "completion", completion("x"), hook, delay_ms=3_600_000)
+            assert (await client.signal(later.id, "go", "a-1", 1)).id == "a-1"
+            cancelled = await client.cancel(later.id, reason="not needed")
+            assert cancelled.state == "cancelled"
+            try:
+                await client.redrive(later.id)
+            except Conflict as e:
+                return e.code
+            return None
+
+    assert asyncio.run(scenario()) == "not_dead"
+    assert Provider.requests.count("job:py-async:generate") == 1
+    mine = [e for e in Consumer.processed if e["data"]["job_id"] == "py-async"]
+    deadline = time.time() + 10
+    while time.time() < deadline and not mine:
+        time.sleep(0.1)
+        mine = [e for e in Consumer.processed if e["data"]["job_id"] == "py-async"]
+    assert len(mine) == 1
