@@ -68,6 +68,13 @@ export interface Options {
   token?: string;
   /** Retries of a 429, a 503 or a failed connection (default 3). */
   maxRetries?: number;
+  /**
+   * How long one request may take, in milliseconds (default 30,000): a
+   * read that runs over is retried like a failed connection; a write is
+   * not (it may have been done), and rejects with a `TimeoutError`.
+   * The event stream has no such bound.
+   */
+  timeoutMs?: number;
 }
 
 type Answer<T> = { data?: T; error?: unknown; response: Response };
@@ -78,12 +85,18 @@ export class Onceflow {
   private readonly headers: Record<string, string>;
   private readonly baseUrl: string;
   readonly maxRetries: number;
+  readonly timeoutMs: number;
 
   constructor(options: Options) {
     this.baseUrl = options.baseUrl.replace(/\/+$/, "");
     this.headers = options.token ? { Authorization: `Bearer ${options.token}` } : {};
     this.maxRetries = options.maxRetries ?? 3;
-    this.api = createClient<paths>({ baseUrl: this.baseUrl, headers: this.headers });
+    this.timeoutMs = options.timeoutMs ?? 30_000;
+    this.api = createClient<paths>({
+      baseUrl: this.baseUrl,
+      headers: this.headers,
+      fetch: (request: Request) => fetch(request, { signal: AbortSignal.timeout(this.timeoutMs) }),
+    });
   }
 
   /** Submits a job; the same job again returns the stored one (200). */

@@ -188,3 +188,24 @@ test("a read's 503 is retried and the bound holds; a write's is not", async () =
   await assert.rejects(patient.cancel("j", "tidy"), (e: unknown) => e instanceof OnceflowError && e.status === 503);
   assert.equal(seen, 1, "a write's 503 is not retried");
 });
+
+test("a request past its timeout is given up; a read is retried, a write is not", async () => {
+  let seen = 0;
+  const silent = createServer(() => {
+    seen += 1; // never answers
+  });
+  servers.push(silent);
+  const base: string = await new Promise((ok) =>
+    silent.listen(0, "127.0.0.1", () => {
+      const address = silent.address();
+      ok(`http://127.0.0.1:${typeof address === "object" && address ? address.port : 0}`);
+    }),
+  );
+  const impatient = new Onceflow({ baseUrl: base, timeoutMs: 200, maxRetries: 1 });
+  await assert.rejects(impatient.get("j"), (e: unknown) => (e as Error).name === "TimeoutError");
+  assert.equal(seen, 2, "a read: one retry after the timeout");
+  seen = 0;
+  await assert.rejects(impatient.cancel("j"), (e: unknown) => (e as Error).name === "TimeoutError");
+  assert.equal(seen, 1, "a write is not sent again");
+  silent.closeAllConnections();
+});
