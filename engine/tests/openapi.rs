@@ -205,3 +205,50 @@ impl<const N: u8> onceflow_engine::Workflow for Named<N> {
         Ok(input)
     }
 }
+
+/// Every link names an operation of the document and fills its `id`
+/// parameter from the answer, and a submit links to get, signal and
+/// cancel; a schedule's creation to get, pause, resume and delete.
+#[test]
+fn links_chain_a_submit_and_a_schedule_to_operations_that_exist() {
+    let doc = onceflow_engine::api::openapi::document();
+    let mut operations = std::collections::BTreeMap::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            if let Some(id) = op["operationId"].as_str() {
+                operations.insert(id.to_owned(), (path.clone(), method.clone()));
+            }
+        }
+    }
+    let mut linked = std::collections::BTreeSet::new();
+    for item in doc["paths"].as_object().unwrap().values() {
+        for op in item.as_object().unwrap().values() {
+            for response in op["responses"]
+                .as_object()
+                .into_iter()
+                .flat_map(|r| r.values())
+            {
+                for (name, link) in response["links"].as_object().into_iter().flatten() {
+                    let target = link["operationId"].as_str().unwrap();
+                    let (path, _) = operations
+                        .get(target)
+                        .unwrap_or_else(|| panic!("link {name} names no operation"));
+                    assert!(path.contains("{id}"), "{target} takes an id");
+                    assert_eq!(link["parameters"]["id"], "$response.body#/id");
+                    linked.insert(target.to_owned());
+                }
+            }
+        }
+    }
+    for op in [
+        "get_job",
+        "signal",
+        "cancel",
+        "get_schedule",
+        "pause_schedule",
+        "resume_schedule",
+        "delete_schedule",
+    ] {
+        assert!(linked.contains(op), "nothing links to {op}: {linked:?}");
+    }
+}

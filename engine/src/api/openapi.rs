@@ -420,7 +420,54 @@ pub fn document() -> serde_json::Value {
     doc.info.version = env!("CARGO_PKG_VERSION").to_owned();
     let mut doc = serde_json::to_value(doc).expect("the document serialises");
     finish(&mut doc);
+    link(&mut doc);
     doc
+}
+
+/// OpenAPI `links`: what a created job or schedule leads to, with its id
+/// taken from the answer's body (`$response.body#/id`), so a tool that
+/// follows them (Schemathesis' stateful phase, a client generator) chains
+/// submit → get → signal → cancel, and create → get → pause → delete.
+fn link(doc: &mut serde_json::Value) {
+    let by_id = |operations: &[&str]| -> serde_json::Value {
+        operations
+            .iter()
+            .map(|op| {
+                (
+                    (*op).to_owned(),
+                    serde_json::json!({
+                        "operationId": op,
+                        "parameters": { "id": "$response.body#/id" },
+                    }),
+                )
+            })
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
+    let jobs = by_id(&["get_job", "signal", "cancel", "rerun", "redrive"]);
+    let schedules = by_id(&[
+        "get_schedule",
+        "pause_schedule",
+        "resume_schedule",
+        "delete_schedule",
+    ]);
+    for (path, method, statuses, links) in [
+        ("/v1/jobs", "post", &["200", "201"][..], &jobs),
+        ("/v1/jobs/{id}", "get", &["200"][..], &jobs),
+        ("/v1/schedules", "post", &["200", "201"][..], &schedules),
+    ] {
+        for status in statuses {
+            if let Some(response) = doc
+                .pointer_mut(&format!(
+                    "/paths/{}/{method}/responses/{status}",
+                    path.replace('~', "~0").replace('/', "~1")
+                ))
+                .and_then(serde_json::Value::as_object_mut)
+            {
+                response.insert("links".into(), links.clone());
+            }
+        }
+    }
 }
 
 /// What utoipa leaves out and OpenAPI 3.1 or a client generator needs:
