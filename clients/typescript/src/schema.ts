@@ -178,6 +178,9 @@ export interface paths {
          *     so what a watcher saw is always a prefix of the journal. `Last-Event-ID`
          *     resumes after that event; the stream ends after the job's final state,
          *     and a resume past a finished job's last event is `204 No Content`.
+         *     A generated client's plain request would wait for the whole stream:
+         *     follow it with an EventSource client (npm `eventsource`, Python
+         *     `httpx-sse`), as onceflow's Python and TypeScript clients do.
          */
         get: operations["job_events"];
         put?: never;
