@@ -133,7 +133,7 @@ async fn demo(args: &DemoArgs, database: &onceflow::config::Database) -> anyhow:
             let id = format!("demo-{run_id}-{}-{i:02}", group.prefix);
             (group.inject)(&faults, &consumer, &id);
             store
-                .submit(&NewJob {
+                .submit(&onceflow_engine::store::Submission::new(&NewJob {
                     tags: Default::default(),
                     id: id.clone(),
                     workflow: "completion".to_owned(),
@@ -141,7 +141,7 @@ async fn demo(args: &DemoArgs, database: &onceflow::config::Database) -> anyhow:
                     input: json!({ "model": "demo", "messages": [{ "role": "user", "content": format!("Say hello to {id}") }] }),
                     webhook_url: consumer.url(),
                     schedule: Default::default(),
-                })
+                }))
                 .await?;
             ids.push((group, id));
         }

@@ -196,3 +196,65 @@ impl Drop for Reservation {
         }
     }
 }
+
+/// Records a job submitted to this node's API (`submission`, whose
+/// `hand_to` is filled here) and, when it is new and due
+/// now and this node has room (`handoff`), hands it to this node in
+/// intake's own commit and adopts it. The store's work runs on a task of
+/// its own: a caller that goes away while the batch commits must not
+/// strand a handed-off job (committed leased, never adopted).
+pub(crate) async fn submit(
+    store: &crate::store::Store,
+    handoff: Option<&Handoff>,
+    submission: crate::store::Submission<'_>,
+) -> Result<crate::store::Intake, StoreError> {
+    use crate::store::{Intake, Submission, Submitted};
+    let job = submission.job;
+    // A job scheduled for later goes through the queue: no room is held.
+    let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
+    let reservation = handoff
+        .filter(|_| !later)
+        .and_then(|h| h.reserve(&job.workflow, job.workflow_version));
+    let (store, job) = (store.clone(), job.clone());
+    let (trace, owner, notify) = (
+        submission.trace,
+        submission.owner,
+        submission.notify_failures,
+    );
+    let submitting = actix_web::rt::spawn(async move {
+        let mut reservation = reservation;
+        let hand_to = reservation.as_mut().and_then(|r| r.hand_to(&job.id));
+        let submission = Submission::new(&job)
+            .traced(trace)
+            .owned(owner, notify)
+            .handed_to(hand_to);
+        let Submitted { intake, leased } = match store.submit(&submission).await {
+            Ok(done) => done,
+            Err(e) => {
+                // The commit may have landed leased to this node.
+                if let Some(reservation) = reservation {
+                    reservation.orphaned();
+                }
+                return Err(e);
+            }
+        };
+        match (reservation, leased) {
+            (Some(reservation), Some(leased)) => reservation.adopt(leased).await?,
+            // A job found rather than created, leased once and still
+            // `received`, may be this very request's own row whose first
+            // answer was lost (a failed batch is written again one by one).
+            (Some(reservation), None) => {
+                if let Intake::Existing(view) = &intake {
+                    if view.attempts == 1 && view.state == crate::lifecycle::JobState::Received {
+                        reservation.orphaned();
+                    }
+                }
+            }
+            (None, _) => {}
+        }
+        Ok::<_, StoreError>(intake)
+    });
+    submitting
+        .await
+        .unwrap_or_else(|e| Err(BatchError::Task(e).into()))
+}

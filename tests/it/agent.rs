@@ -378,11 +378,23 @@ async fn retention_purges_expired_jobs_so_their_ids_are_new_again() {
         schedule: Default::default(),
     };
     assert!(matches!(
-        env.store.submit(&different("old-1")).await.unwrap(),
+        env.store
+            .submit(&onceflow_engine::store::Submission::new(&different(
+                "old-1"
+            )))
+            .await
+            .unwrap()
+            .intake,
         Intake::Created(_)
     ));
     assert!(matches!(
-        env.store.submit(&different("recent-1")).await.unwrap(),
+        env.store
+            .submit(&onceflow_engine::store::Submission::new(&different(
+                "recent-1"
+            )))
+            .await
+            .unwrap()
+            .intake,
         Intake::Conflict(_)
     ));
     assert_eq!(env.job("recent-1").await.state, JobState::Acked);

@@ -130,7 +130,11 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
     let job = parent(&env, "fan-1", &["a", "b", "c"], None);
     let trace = onceflow_engine::traceparent::TraceParent::new_root();
     env.store
-        .submit_owned(&job, trace, owner, false)
+        .submit(
+            &onceflow_engine::store::Submission::new(&job)
+                .traced(trace)
+                .owned(owner, false),
+        )
         .await
         .unwrap();
     // One read of the row: while it waits for its children, no lease.

@@ -199,7 +199,7 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
     let ids: Vec<String> = (0..60).map(|i| format!("fo-{i}")).collect();
     for id in &ids {
         store
-            .submit(&NewJob {
+            .submit(&onceflow_engine::store::Submission::new(&NewJob {
                 tags: Default::default(),
                 id: id.clone(),
                 workflow: "completion".into(),
@@ -207,7 +207,7 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
                 input: json!({"model": "m", "messages": [{"role": "user", "content": id}]}),
                 webhook_url: env.consumer.url(),
                 schedule: Default::default(),
-            })
+            }))
             .await
             .unwrap();
     }

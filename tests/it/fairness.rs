@@ -9,7 +9,6 @@ use std::time::Duration;
 use onceflow_engine::request::{NewJob, Schedule};
 use onceflow_engine::store::tokens::Share;
 use onceflow_engine::testkit::{wait_until, ProviderRequest, TestEnv};
-use onceflow_engine::traceparent::TraceParent;
 use onceflow_engine::{JobState, Registry};
 use onceflow_workflows::Completion;
 use serde_json::json;
@@ -53,7 +52,7 @@ async fn submit(env: &TestEnv, owner: i64, id: &str, key: Option<&str>) {
         tags: Default::default(),
     };
     env.store
-        .submit_owned(&job, TraceParent::new_root(), Some(owner), false)
+        .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(owner), false))
         .await
         .unwrap();
 }

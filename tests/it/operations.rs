@@ -586,14 +586,10 @@ async fn submit_notifying(env: &TestEnv, id: &str, notify: bool) {
     };
     let created = env
         .store
-        .submit_owned(
-            &job,
-            onceflow_engine::traceparent::TraceParent::new_root(),
-            None,
-            notify,
-        )
+        .submit(&onceflow_engine::store::Submission::new(&job).owned(None, notify))
         .await
-        .unwrap();
+        .unwrap()
+        .intake;
     assert!(matches!(
         created,
         onceflow_engine::store::Intake::Created(_)

@@ -1686,7 +1686,7 @@ async fn tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation
 async fn a_tenant_token_created_over_development_mode_jobs_says_it_will_not_see_them() {
     let env = TestEnv::new().await;
     env.store
-        .submit(&NewJob {
+        .submit(&onceflow_engine::store::Submission::new(&NewJob {
             tags: Default::default(),
             id: "dev-1".into(),
             workflow: "completion".into(),
@@ -1694,7 +1694,7 @@ async fn a_tenant_token_created_over_development_mode_jobs_says_it_will_not_see_
             input: json!({ "model": "m", "messages": [{ "role": "user", "content": "hi" }] }),
             webhook_url: env.consumer.url(),
             schedule: Default::default(),
-        })
+        }))
         .await
         .unwrap();
     let create = |name: &str| {

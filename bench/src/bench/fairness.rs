@@ -19,7 +19,6 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::RunQueryDsl;
 use onceflow_engine::intake::NewJob;
 use onceflow_engine::testkit::FakeProvider;
-use onceflow_engine::traceparent::TraceParent;
 use onceflow_engine::{Db, Engine, EngineConfig, Faults, Registry, Store};
 use serde_json::json;
 
@@ -176,7 +175,7 @@ pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
             let job = job(format!("a-{i}"));
             async move {
                 store
-                    .submit_owned(&job, TraceParent::new_root(), Some(a), false)
+                    .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(a), false))
                     .await
             }
         });
@@ -202,7 +201,9 @@ pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
     for i in 0..30 {
         let id = format!("b-{i}");
         store
-            .submit_owned(&job(id.clone()), TraceParent::new_root(), Some(b), false)
+            .submit(
+                &onceflow_engine::store::Submission::new(&job(id.clone())).owned(Some(b), false),
+            )
             .await?;
         let submitted = Instant::now();
         let key = format!("job:{id}:");

@@ -111,24 +111,26 @@ pub(super) async fn run(
         .collect();
     for (i, id) in ids.iter().enumerate() {
         store
-            .submit(&onceflow_engine::intake::NewJob {
-                tags: Default::default(),
-                id: id.clone(),
-                workflow: "completion".to_owned(),
-                workflow_version: 1,
-                input: json!({
-                    "model": "bench",
-                    "stream": true,
-                    "messages": [{ "role": "user", "content": "hi" }]
-                }),
-                webhook_url: consumer.url(),
-                // Started over the ramp, as streams arrive in a service, so
-                // that all of them run at once from its end on.
-                schedule: onceflow_engine::intake::Schedule {
-                    delay_ms: Some(1000 + (i as u64 * args.stream_ramp_ms) / streams as u64),
-                    ..Default::default()
+            .submit(&onceflow_engine::store::Submission::new(
+                &onceflow_engine::intake::NewJob {
+                    tags: Default::default(),
+                    id: id.clone(),
+                    workflow: "completion".to_owned(),
+                    workflow_version: 1,
+                    input: json!({
+                        "model": "bench",
+                        "stream": true,
+                        "messages": [{ "role": "user", "content": "hi" }]
+                    }),
+                    webhook_url: consumer.url(),
+                    // Started over the ramp, as streams arrive in a service, so
+                    // that all of them run at once from its end on.
+                    schedule: onceflow_engine::intake::Schedule {
+                        delay_ms: Some(1000 + (i as u64 * args.stream_ramp_ms) / streams as u64),
+                        ..Default::default()
+                    },
                 },
-            })
+            ))
             .await?;
     }
     let client = reqwest::Client::builder()

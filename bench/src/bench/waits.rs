@@ -174,7 +174,11 @@ async fn submit(
                     webhook_url: url.to_owned(),
                     schedule: Default::default(),
                 };
-                async move { store.submit(&job).await }
+                async move {
+                    store
+                        .submit(&onceflow_engine::store::Submission::new(&job))
+                        .await
+                }
             })
             .collect();
         for r in futures_util::future::join_all(batch).await {

@@ -5,7 +5,6 @@
 
 use super::*;
 use crate::store::Intake;
-use crate::traceparent::TraceParent;
 
 /// Most jobs one batch submits.
 pub const MAX_BATCH: usize = 1_000;
@@ -140,8 +139,9 @@ async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde
     let answer = |status: StatusCode, view: &crate::store::JobView| json!({ "status": status.as_u16(), "job": view });
     match state
         .store
-        .submit_owned(&job, TraceParent::new_root(), who.owner(), notify)
+        .submit(&crate::store::Submission::new(&job).owned(who.owner(), notify))
         .await
+        .map(|s| s.intake)
     {
         Ok(Intake::Created(view)) => answer(StatusCode::CREATED, &view),
         Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {

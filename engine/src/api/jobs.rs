@@ -19,16 +19,8 @@ pub(super) async fn submit(
     Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
-    mut payload: web::Payload,
+    payload: web::Payload,
 ) -> HttpResponse {
-    // A form or text/plain POST is what a web page can send cross-site
-    // without a preflight: JSON only.
-    let json = req
-        .headers()
-        .get(actix_web::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
         return ApiError::new(
             Code::Draining,
@@ -37,12 +29,10 @@ pub(super) async fn submit(
         .retry_after(2)
         .into();
     }
-    if !json {
-        return error(
-            Code::UnsupportedMediaType,
-            "the body must be JSON, sent with Content-Type: application/json",
-            None,
-        );
+    // A form or text/plain POST is what a web page can send cross-site
+    // without a preflight: JSON only.
+    if !is_json(&req) {
+        return not_json();
     }
     // Refuse before reading the body when the backlog is full.
     match state.limits.admit(&state.store, who.owner()).await {
@@ -66,28 +56,10 @@ pub(super) async fn submit(
     if declared.is_some_and(|n| n > limit) {
         return too_large();
     }
-    let mut body = web::BytesMut::new();
-    let read = async {
-        while let Some(chunk) = payload.next().await {
-            let Ok(chunk) = chunk else {
-                return Err(error(
-                    Code::BadBody,
-                    "could not read the request body",
-                    None,
-                ));
-            };
-            if body.len() + chunk.len() > limit {
-                return Err(too_large());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(())
+    let body = match read_body(&state, payload, limit, too_large).await {
+        Ok(body) => body,
+        Err(refused) => return refused,
     };
-    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
-        Ok(Ok(())) => {}
-        Ok(Err(refused)) => return refused,
-        Err(_) => return body_timed_out(&state.limits),
-    }
     let job = match parse_job(&state, who, &body) {
         Ok(job) => job,
         Err(refused) => {
@@ -95,88 +67,17 @@ pub(super) async fn submit(
             return error(code, message, field.as_deref());
         }
     };
-    // The `submit` span continues the caller's trace when it sent one; its
-    // context is stored with the job, so every attempt is its child.
-    let caller = req
-        .headers()
-        .get("traceparent")
-        .and_then(|v| v.to_str().ok())
-        .and_then(TraceParent::parse);
-    let parent = caller
-        .as_ref()
-        .map(crate::attempt_spans::remote_context)
-        .unwrap_or_default();
-    let tracer = state.telemetry.tracer();
-    let mut span = tracer
-        .span_builder(SPAN_SUBMIT)
-        .with_kind(SpanKind::Server)
-        .with_attributes([
-            KeyValue::new(JOB_ID, job.id.clone()),
-            KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
-        ])
-        .start_with_context(tracer, &parent);
-    let trace = crate::attempt_spans::trace_parent(span.span_context())
-        .or(caller)
-        .unwrap_or_else(TraceParent::new_root);
-    let submitted = |outcome: &'static str| {
-        state.telemetry.metrics().jobs_submitted.add(
-            1,
-            &[
-                KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
-                KeyValue::new(SUBMIT_OUTCOME, outcome),
-            ],
-        );
-    };
+    let (mut span, trace) = submit_span(&state, &req, &job);
     // Failure events go where the completion would: nowhere without a webhook.
     let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
-    // A job scheduled for later goes through the queue: no room is held.
-    let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
-    let reservation = state
-        .handoff
-        .as_ref()
-        .filter(|_| !later)
-        .and_then(|h| h.reserve(&job.workflow, job.workflow_version));
-    // On a task of its own: a caller that goes away while the batch commits
-    // must not strand a handed-off job (committed leased, never adopted).
-    let submitting = {
-        let (store, job, owner) = (state.store.clone(), job.clone(), who.owner());
-        actix_web::rt::spawn(async move {
-            let mut reservation = reservation;
-            let hand_to = reservation.as_mut().and_then(|r| r.hand_to(&job.id));
-            let submitted = store
-                .submit_handed(&job, trace, owner, notify, hand_to)
-                .await;
-            let (intake, leased) = match submitted {
-                Ok(done) => done,
-                Err(e) => {
-                    // The commit may have landed leased to this node.
-                    if let Some(reservation) = reservation {
-                        reservation.orphaned();
-                    }
-                    return Err(e);
-                }
-            };
-            match (reservation, leased) {
-                (Some(reservation), Some(leased)) => reservation.adopt(leased).await?,
-                // A job found rather than created, leased once and still
-                // `received`, may be this very request's own row whose first
-                // answer was lost (a failed batch is written again one by one).
-                (Some(reservation), None) => {
-                    if let Intake::Existing(view) = &intake {
-                        if view.attempts == 1 && view.state == crate::lifecycle::JobState::Received
-                        {
-                            reservation.orphaned();
-                        }
-                    }
-                }
-                (None, _) => {}
-            }
-            Ok::<_, crate::error::StoreError>(intake)
-        })
-    };
-    let result = submitting
-        .await
-        .unwrap_or_else(|e| Err(crate::error::BatchError::Task(e).into()));
+    let result = crate::handoff::submit(
+        &state.store,
+        state.handoff.as_ref(),
+        crate::store::Submission::new(&job)
+            .traced(trace)
+            .owned(who.owner(), notify),
+    )
+    .await;
     let outcome = match &result {
         Ok(Intake::Created(_)) => "created",
         Ok(Intake::Existing(_)) => "existing",
@@ -188,28 +89,76 @@ pub(super) async fn submit(
         span.set_status(Status::error(outcome));
     }
     span.end();
+    // Counted as the caller sees it: another token's job is a conflict.
+    let counted = match &result {
+        Ok(Intake::Created(_)) => true,
+        Ok(Intake::Existing(view)) => who.sees(view.owner_token),
+        _ => false,
+    };
+    if counted {
+        state.telemetry.metrics().jobs_submitted.add(
+            1,
+            &[
+                KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
+                KeyValue::new(SUBMIT_OUTCOME, outcome),
+            ],
+        );
+    }
+    intake_answer(who, &job.id, result)
+}
+
+/// The `submit` span, continuing the caller's trace when it sent one, and
+/// the trace the job is stored with (so every attempt is the span's child).
+fn submit_span(
+    state: &ApiState,
+    req: &HttpRequest,
+    job: &crate::request::NewJob,
+) -> (opentelemetry::global::BoxedSpan, TraceParent) {
+    let caller = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
+    let parent = caller
+        .as_ref()
+        .map(crate::attempt_spans::remote_context)
+        .unwrap_or_default();
+    let tracer = state.telemetry.tracer();
+    let span = tracer
+        .span_builder(SPAN_SUBMIT)
+        .with_kind(SpanKind::Server)
+        .with_attributes([
+            KeyValue::new(JOB_ID, job.id.clone()),
+            KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
+        ])
+        .start_with_context(tracer, &parent);
+    let trace = crate::attempt_spans::trace_parent(span.span_context())
+        .or(caller)
+        .unwrap_or_else(TraceParent::new_root);
+    (span, trace)
+}
+
+/// `POST /v1/jobs`'s answer for what intake did.
+fn intake_answer(
+    who: Who,
+    id: &str,
+    result: Result<Intake, crate::error::StoreError>,
+) -> HttpResponse {
     match result {
-        Ok(Intake::Created(view)) => {
-            submitted("created");
-            HttpResponse::Created().json(view)
-        }
+        Ok(Intake::Created(view)) => HttpResponse::Created().json(view),
         // Another token's job: the id is taken, and nothing more is said.
         Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {
             error(
                 Code::Conflict,
-                format!("job id {:?} is not available", job.id),
+                format!("job id {id:?} is not available"),
                 Some("id"),
             )
         }
-        Ok(Intake::Existing(view)) => {
-            submitted("existing");
-            HttpResponse::Ok().json(view)
-        }
+        Ok(Intake::Existing(view)) => HttpResponse::Ok().json(view),
         Ok(Intake::Conflict(_)) => error(
             Code::Conflict,
             format!(
-                "job {:?} already exists with a different request; the stored job is unchanged",
-                job.id
+                "job {id:?} already exists with a different request; the stored job is unchanged"
             ),
             Some("id"),
         ),

@@ -464,8 +464,13 @@ pub(super) async fn rerun(
     let trace = crate::traceparent::TraceParent::new_root();
     match state
         .store
-        .submit_owned(&job, trace, who.owner(), notify)
+        .submit(
+            &crate::store::Submission::new(&job)
+                .traced(trace)
+                .owned(who.owner(), notify),
+        )
         .await
+        .map(|s| s.intake)
     {
         Ok(crate::store::Intake::Created(view)) => HttpResponse::Created().json(view),
         Ok(crate::store::Intake::Existing(view)) if who.sees(view.owner_token) => {

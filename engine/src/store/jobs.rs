@@ -25,6 +25,64 @@ pub struct HandTo {
     pub lease_ms: i64,
 }
 
+/// A job to record, in whose trace, for whom, and whether it is handed to
+/// a node in intake's commit: what [`Store::submit`] takes.
+#[derive(Debug, Clone)]
+pub struct Submission<'a> {
+    /// The job.
+    pub job: &'a NewJob,
+    /// The caller's trace, which the job's attempts continue (a new root
+    /// unless given).
+    pub trace: TraceParent,
+    /// The API token the job belongs to (`None`: development mode).
+    pub owner: Option<i64>,
+    /// Whether the job sends its failure events to its webhook.
+    pub notify_failures: bool,
+    /// The node to hand a new job due now to (see [`crate::handoff`]).
+    pub hand_to: Option<HandTo>,
+}
+
+impl<'a> Submission<'a> {
+    /// `job`, in a trace of its own, of no token, handed to no node.
+    pub fn new(job: &'a NewJob) -> Self {
+        Submission {
+            job,
+            trace: TraceParent::new_root(),
+            owner: None,
+            notify_failures: false,
+            hand_to: None,
+        }
+    }
+
+    /// In the caller's trace.
+    pub fn traced(mut self, trace: TraceParent) -> Self {
+        self.trace = trace;
+        self
+    }
+
+    /// On behalf of API token `owner`, sending failure events or not.
+    pub fn owned(mut self, owner: Option<i64>, notify_failures: bool) -> Self {
+        self.owner = owner;
+        self.notify_failures = notify_failures;
+        self
+    }
+
+    /// Handed to `node` if it is new and due now.
+    pub fn handed_to(mut self, node: Option<HandTo>) -> Self {
+        self.hand_to = node;
+        self
+    }
+}
+
+/// What a submission did.
+#[derive(Debug)]
+pub struct Submitted {
+    /// The job created, found, or in conflict.
+    pub intake: Intake,
+    /// The lease of a job handed off in intake's commit, for its node to adopt.
+    pub leased: Option<Leased>,
+}
+
 /// The outcome of a submission.
 #[derive(Debug)]
 pub enum Intake {
@@ -313,49 +371,22 @@ impl Store {
     /// Records a new job in `received` with its first history row, or reports
     /// what is already stored under that id. Race-safe: the primary key
     /// decides, and a losing concurrent insert waits for the winner to commit.
-    pub async fn submit(&self, job: &NewJob) -> Result<Intake, StoreError> {
-        self.submit_traced(job, TraceParent::new_root()).await
-    }
-
-    /// [`submit`](Self::submit) in the caller's trace: the job's attempts and
-    /// outgoing requests continue `trace` (stored with a new job; an existing
-    /// job keeps its own).
-    pub async fn submit_traced(
-        &self,
-        job: &NewJob,
-        trace: TraceParent,
-    ) -> Result<Intake, StoreError> {
-        self.submit_owned(job, trace, None, false).await
-    }
-
-    /// [`submit_traced`](Self::submit_traced) on behalf of API token
-    /// `owner`: the job belongs to it.
-    pub async fn submit_owned(
-        &self,
-        job: &NewJob,
-        trace: TraceParent,
-        owner: Option<i64>,
-        notify_failures: bool,
-    ) -> Result<Intake, StoreError> {
-        let (intake, _) = self
-            .submit_handed(job, trace, owner, notify_failures, None)
-            .await?;
-        Ok(intake)
-    }
-
-    /// [`submit_owned`](Self::submit_owned), handing a new job that is due
-    /// now to the node that reserved room for it: the job is inserted
-    /// leased to `hand_to` in the same commit, and what was leased is
-    /// returned for the caller to adopt (see [`crate::handoff`]). A job that
-    /// exists already, or is scheduled for later, is not leased.
-    pub async fn submit_handed(
-        &self,
-        job: &NewJob,
-        trace: TraceParent,
-        owner: Option<i64>,
-        notify_failures: bool,
-        hand_to: Option<HandTo>,
-    ) -> Result<(Intake, Option<Leased>), StoreError> {
+    ///
+    /// The job's attempts and outgoing requests continue the submission's
+    /// trace (stored with a new job; an existing job keeps its own), and it
+    /// belongs to its `owner`. A new job due now is handed to
+    /// `hand_to`, the node that reserved room for it: it is inserted
+    /// leased to that node in the same commit, and the lease is returned
+    /// for the node to adopt (see [`crate::handoff`]); a job that exists
+    /// already, is scheduled for later, or has a concurrency key is not.
+    pub async fn submit(&self, submission: &Submission<'_>) -> Result<Submitted, StoreError> {
+        let Submission {
+            job,
+            trace,
+            owner,
+            notify_failures,
+            hand_to,
+        } = submission.clone();
         let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
         // A job with a concurrency key takes a slot of its key when an
         // acquire leases it; it is never born leased.
@@ -441,7 +472,10 @@ impl Store {
                 parent: None,
                 children: Vec::new(),
             });
-            return Ok((created, leased));
+            return Ok(Submitted {
+                intake: created,
+                leased,
+            });
         }
         let mut conn = self.db.conn().await?;
         let (view, stored_hash) = self
@@ -453,7 +487,10 @@ impl Store {
         } else {
             Intake::Conflict(view)
         };
-        Ok((intake, None))
+        Ok(Submitted {
+            intake,
+            leased: None,
+        })
     }
 
     /// The job with its history and delivery, or `None`.

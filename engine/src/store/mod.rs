@@ -73,7 +73,8 @@ use crate::error::StoreError;
 
 pub use group_writes::BatchKind;
 pub use jobs::{
-    DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter, COMPUTED_WAIT_KINDS,
+    DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter, Submission, Submitted,
+    COMPUTED_WAIT_KINDS,
 };
 pub use lease::{Checkpoint, Fence, Leased, NodeIdHold, Renewal};
 pub use ledger::Journaled;

@@ -108,7 +108,12 @@ impl TestEnv {
 
     /// Submits any job; panics unless it is new.
     pub async fn submit_job(&self, job: NewJob) -> JobView {
-        match self.store.submit(&job).await.expect("submit") {
+        let submitted = self
+            .store
+            .submit(&crate::store::Submission::new(&job))
+            .await
+            .expect("submit");
+        match submitted.intake {
             Intake::Created(view) => view,
             other => panic!("job {} was not new: {other:?}", job.id),
         }
