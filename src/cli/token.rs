@@ -125,93 +125,10 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
         let store = onceflow_engine::Store::new(db);
         match args.command {
             TokenCommand::Create { name, admin, share } => {
-                let share = share.share();
-                share.check()?;
-                let first = !store.tokens_exist().await?;
-                let token = store.create_token(&name, admin).await?;
-                if share != Default::default() {
-                    store.set_token_share(&name, share).await?;
-                }
-                if first {
-                    eprintln!(
-                        "warning: this is the first token, so the API now requires one: every \
-                         request without it gets 401, /metrics included. Give the running \
-                         Prometheus scrape an admin token (`authorization: credentials: <token>`) \
-                         or it stops silently"
-                    );
-                }
-                let unowned = store.unowned_jobs().await?;
-                if unowned > 0 && !admin {
-                    eprintln!(
-                        "warning: {unowned} jobs submitted in development mode belong to no \
-                         token: this token does not see them (an admin token sees every job)"
-                    );
-                }
-                if let Some(secret) = store.token_secret(&name).await? {
-                    eprintln!(
-                        "its jobs' webhooks are signed with this secret of its own (Standard \
-                         Webhooks); give it to the consumer that receives them:"
-                    );
-                    println!("webhook-secret {secret}");
-                }
-                eprintln!(
-                    "created {} token {name:?}; it is shown once, below. Send it as \
-                     `Authorization: Bearer <token>` (the CLI reads ONCEFLOW_TOKEN).",
-                    if admin { "an admin" } else { "a" }
-                );
-                println!("{token}");
+                create(&store, &name, admin, share.share()).await?
             }
-            TokenCommand::List => {
-                let tokens = store.list_tokens().await?;
-                if tokens.is_empty() {
-                    println!("no tokens (the API answers without one on loopback only)");
-                }
-                for t in tokens {
-                    println!(
-                        "{:<30} {:<6} weight {:<4} key-concurrency {:<5} key-throttle {:<9} daily-tokens {:<12} created {}{}",
-                        t.name,
-                        if t.admin { "admin" } else { "" },
-                        t.weight,
-                        t.key_concurrency
-                            .map_or_else(|| "-".to_owned(), |k| k.to_string()),
-                        throttle_text(t.key_throttle, t.key_throttle_period_s, "-"),
-                        t.daily_token_budget.map_or_else(
-                            || "-".to_owned(),
-                            |b| format!("{b} ({})", t.budget_exhausted)
-                        ),
-                        t.created_at.format("%Y-%m-%d %H:%M:%S"),
-                        t.revoked_at
-                            .map(|r| format!(", revoked {}", r.format("%Y-%m-%d %H:%M:%S")))
-                            .unwrap_or_default()
-                    );
-                }
-            }
-            TokenCommand::Set { name, share } => {
-                let share = share.share();
-                if share == Default::default() {
-                    anyhow::bail!(
-                        "nothing to change: give --weight, --key-concurrency, --key-throttle, \
-                         --daily-token-budget or --on-budget-exhausted"
-                    );
-                }
-                store.set_token_share(&name, share).await?;
-                let now = store
-                    .list_tokens()
-                    .await?
-                    .into_iter()
-                    .find(|t| t.name == name)
-                    .ok_or_else(|| anyhow::anyhow!("no token named {name:?}"))?;
-                println!(
-                    "token {name:?}: weight {}, key concurrency {}, key throttle {}, daily token budget {} (then {})",
-                    now.weight,
-                    now.key_concurrency
-                        .map_or_else(|| "the workflow's (or 1)".to_owned(), |k| k.to_string()),
-                    throttle_text(now.key_throttle, now.key_throttle_period_s, "the workflow's (or none)"),
-                    now.daily_token_budget
-                        .map_or_else(|| "none".to_owned(), |b| b.to_string()),
-                    now.budget_exhausted
-                );
-            }
+            TokenCommand::List => list(&store).await?,
+            TokenCommand::Set { name, share } => set(&store, &name, share.share()).await?,
             TokenCommand::Revoke { name } => {
                 if store.revoke_token(&name).await? {
                     println!("revoked {name:?}");
@@ -242,12 +159,15 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
             TokenCommand::OpenDevelopmentMode { yes } => {
                 if !yes {
                     anyhow::bail!(
-                        "this lets a loopback server answer anyone on this machine without a                          token, and show them every job; pass --yes if you mean it"
+                        "this lets a loopback server answer anyone on this machine without a \
+                         token, and show them every job; pass --yes if you mean it"
                     );
                 }
                 let released = store.open_development_mode().await?;
                 eprintln!(
-                    "WARNING: DEVELOPMENT MODE reopened ({released} revoked token(s) released):                      with no live token, a server listening on loopback answers requests without                      a token and shows every job. `onceflow token create` closes it again."
+                    "WARNING: DEVELOPMENT MODE reopened ({released} revoked token(s) released): \
+                     with no live token, a server listening on loopback answers requests without \
+                     a token and shows every job. `onceflow token create` closes it again."
                 );
             }
         }
@@ -257,6 +177,109 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
         let _ = pg.stop();
     }
     result
+}
+
+type Share = onceflow_engine::store::tokens::Share;
+
+/// `token create`: the token (shown once), its webhook secret, and the
+/// warnings a first token or development-mode jobs call for.
+async fn create(
+    store: &onceflow_engine::Store,
+    name: &str,
+    admin: bool,
+    share: Share,
+) -> anyhow::Result<()> {
+    share.check()?;
+    let first = !store.tokens_exist().await?;
+    let token = store.create_token(name, admin).await?;
+    if share != Default::default() {
+        store.set_token_share(name, share).await?;
+    }
+    if first {
+        eprintln!(
+            "warning: this is the first token, so the API now requires one: every \
+             request without it gets 401, /metrics included. Give the running \
+             Prometheus scrape an admin token (`authorization: credentials: <token>`) \
+             or it stops silently"
+        );
+    }
+    let unowned = store.unowned_jobs().await?;
+    if unowned > 0 && !admin {
+        eprintln!(
+            "warning: {unowned} jobs submitted in development mode belong to no \
+             token: this token does not see them (an admin token sees every job)"
+        );
+    }
+    if let Some(secret) = store.token_secret(name).await? {
+        eprintln!(
+            "its jobs' webhooks are signed with this secret of its own (Standard \
+             Webhooks); give it to the consumer that receives them:"
+        );
+        println!("webhook-secret {secret}");
+    }
+    eprintln!(
+        "created {} token {name:?}; it is shown once, below. Send it as \
+         `Authorization: Bearer <token>` (the CLI reads ONCEFLOW_TOKEN).",
+        if admin { "an admin" } else { "a" }
+    );
+    println!("{token}");
+    Ok(())
+}
+
+/// `token list`: every token with its share of the nodes.
+async fn list(store: &onceflow_engine::Store) -> anyhow::Result<()> {
+    let tokens = store.list_tokens().await?;
+    if tokens.is_empty() {
+        println!("no tokens (the API answers without one on loopback only)");
+    }
+    for t in tokens {
+        println!(
+            "{:<30} {:<6} weight {:<4} key-concurrency {:<5} key-throttle {:<9} daily-tokens {:<12} created {}{}",
+            t.name,
+            if t.admin { "admin" } else { "" },
+            t.weight,
+            t.key_concurrency
+                .map_or_else(|| "-".to_owned(), |k| k.to_string()),
+            throttle_text(t.key_throttle, t.key_throttle_period_s, "-"),
+            t.daily_token_budget.map_or_else(
+                || "-".to_owned(),
+                |b| format!("{b} ({})", t.budget_exhausted)
+            ),
+            t.created_at.format("%Y-%m-%d %H:%M:%S"),
+            t.revoked_at
+                .map(|r| format!(", revoked {}", r.format("%Y-%m-%d %H:%M:%S")))
+                .unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// `token set`: changes a token's share, then shows it.
+async fn set(store: &onceflow_engine::Store, name: &str, share: Share) -> anyhow::Result<()> {
+    if share == Default::default() {
+        anyhow::bail!(
+            "nothing to change: give --weight, --key-concurrency, --key-throttle, \
+             --daily-token-budget or --on-budget-exhausted"
+        );
+    }
+    store.set_token_share(name, share).await?;
+    let now = store
+        .list_tokens()
+        .await?
+        .into_iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| anyhow::anyhow!("no token named {name:?}"))?;
+    println!(
+        "token {name:?}: weight {}, key concurrency {}, key throttle {}, daily token budget {} (then {})",
+        now.weight,
+        now.key_concurrency
+            .map_or_else(|| "the workflow's (or 1)".to_owned(), |k| k.to_string()),
+        throttle_text(now.key_throttle, now.key_throttle_period_s, "the workflow's (or none)"),
+        now.daily_token_budget
+            .map_or_else(|| "none".to_owned(), |b| b.to_string()),
+        now.budget_exhausted
+    );
+    Ok(())
 }
 
 /// A throttle as `token list` shows it: `10/60s`, or `none`.
