@@ -449,121 +449,8 @@ impl Store {
                     let Some(target) = fireable.iter().find(|f| f.workflow == row.workflow) else {
                         continue;
                     };
-                    let (times, next) = match Timetable::parse(&row.cron, &row.timezone) {
-                        Ok(table) => table.due(
-                            row.next_fire_at,
-                            row.db_now,
-                            CatchUp::parse(&row.catch_up).unwrap_or(CatchUp::Latest),
-                        ),
-                        Err(e) => {
-                            tracing::warn!(schedule = row.id, error = %e, "a stored schedule no longer parses; paused");
-                            (Vec::new(), None)
-                        }
-                    };
-                    let rows: Vec<NewRow> = times
-                        .iter()
-                        .map(|at| {
-                            let request = JobRequest {
-                                workflow: row.workflow.clone(),
-                                input: row.input.clone(),
-                                webhook_url: row.webhook_url.clone(),
-                                ..JobRequest::default()
-                            };
-                            let stored = request.to_value();
-                            NewRow {
-                                id: job_id(&row.id, *at),
-                                workflow: row.workflow.clone(),
-                                workflow_version: target.version,
-                                request_hash: canonical_hash(&stored),
-                                request: stored,
-                                trace: crate::traceparent::TraceParent::new_root().to_string(),
-                                        key_limit: None,
-                                        throttle: None,
-                                owner: row.owner_token,
-                                notify_failures: target.notify_failures
-                                    && !row.webhook_url.is_empty(),
-                                priority: 0,
-                                run_at: None,
-                                delay_ms: None,
-                                lease: None,
-                                parent: None,
-                            }
-                        })
-                        .collect();
-                    // The token's room: fire times past it are skipped.
-                    let room = match (row.owner_token, backlog) {
-                        (Some(owner), Some(limit)) => {
-                            #[derive(QueryableByName)]
-                            struct Open {
-                                #[diesel(sql_type = BigInt)]
-                                n: i64,
-                            }
-                            let open: Open = sql(
-                                "SELECT count(*) AS n FROM jobs WHERE owner_token = $1 AND finished_at IS NULL",
-                            )
-                            .bind::<BigInt, _>(owner)
-                            .get_result(conn)
-                            .await?;
-                            usize::try_from((limit - open.n).max(0)).unwrap_or(usize::MAX)
-                        }
-                        _ => usize::MAX,
-                    };
-                    let mut rows = rows;
-                    if rows.len() > room {
-                        let skipped: Vec<NewRow> = rows.split_off(room);
-                        let ids: Vec<&str> = skipped.iter().map(|r| r.id.as_str()).collect();
-                        let at: Vec<DateTime<Utc>> = times[room..].to_vec();
-                        tracing::warn!(schedule = row.id, skipped = ids.len(), "its token's backlog is full: fire times skipped");
-                        sql(
-                            "INSERT INTO schedule_fires (schedule_id, fire_at, job_id, skipped) \
-                             SELECT $1, f.at, f.id, 'backlog_full' \
-                             FROM unnest($2::timestamptz[], $3::text[]) AS f(at, id) \
-                             ON CONFLICT DO NOTHING",
-                        )
-                        .bind::<Text, _>(&row.id)
-                        .bind::<Array<Timestamptz>, _>(&at)
-                        .bind::<Array<Text>, _>(&ids)
-                        .execute(conn)
-                        .await?;
-                    }
-                    let times = &times[..rows.len()];
-                    if !rows.is_empty() {
-                        #[derive(QueryableByName)]
-                        struct Recorded {
-                            #[diesel(sql_type = Text)]
-                            job_id: String,
-                        }
-                        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
-                        // A fire time recorded before (its job maybe purged
-                        // since) makes no job again.
-                        let recorded: Vec<Recorded> = sql(
-                            "INSERT INTO schedule_fires (schedule_id, fire_at, job_id) \
-                             SELECT $1, f.at, f.id FROM unnest($2::timestamptz[], $3::text[]) AS f(at, id) \
-                             ON CONFLICT DO NOTHING RETURNING job_id",
-                        )
-                        .bind::<Text, _>(&row.id)
-                        .bind::<Array<Timestamptz>, _>(times)
-                        .bind::<Array<Text>, _>(&ids)
-                        .load(conn)
-                        .await?;
-                        let new: Vec<NewRow> = rows
-                            .into_iter()
-                            .filter(|r| recorded.iter().any(|x| x.job_id == r.id))
-                            .collect();
-                        if !new.is_empty() {
-                            let inserted = intake_on(conn, &new).await?;
-                            fired.jobs += inserted.iter().filter(|r| r.is_some()).count();
-                        }
-                    }
+                    fired.jobs += fire_one(conn, &row, target, backlog).await?;
                     fired.schedules += 1;
-                    sql(
-                        "UPDATE schedules SET next_fire_at = coalesce($2, next_fire_at), \
-                             paused = paused OR $2 IS NULL, updated_at = now() WHERE id = $1",
-                    )
-                    .bind::<Text, _>(&row.id)
-                    .bind::<Nullable<Timestamptz>, _>(next)
-                    .execute(conn)
-                    .await?;
                 }
                 Ok(fired)
             })
@@ -600,4 +487,148 @@ impl Store {
             .ms
             .map(|ms| std::time::Duration::from_millis(ms.max(0) as u64)))
     }
+}
+
+/// Fires one due schedule in the firing's transaction: a job per fire time
+/// its catch-up gives (as many as its token's backlog has room for; the
+/// rest recorded `skipped`), each fire time recorded once (one recorded
+/// before, its job maybe purged since, makes no job again), and its next
+/// fire time (none: paused). Returns how many jobs it made.
+async fn fire_one(
+    conn: &mut diesel_async::AsyncPgConnection,
+    row: &DueRow,
+    target: &Fireable,
+    backlog: Option<i64>,
+) -> Result<usize, StoreError> {
+    let (times, next) = match Timetable::parse(&row.cron, &row.timezone) {
+        Ok(table) => table.due(
+            row.next_fire_at,
+            row.db_now,
+            CatchUp::parse(&row.catch_up).unwrap_or(CatchUp::Latest),
+        ),
+        Err(e) => {
+            tracing::warn!(schedule = row.id, error = %e, "a stored schedule no longer parses; paused");
+            (Vec::new(), None)
+        }
+    };
+    let mut rows: Vec<NewRow> = times.iter().map(|at| fired_job(row, target, *at)).collect();
+    // The token's room: fire times past it are skipped.
+    let room = room_of(conn, row.owner_token, backlog).await?;
+    if rows.len() > room {
+        let skipped: Vec<NewRow> = rows.split_off(room);
+        let ids: Vec<&str> = skipped.iter().map(|r| r.id.as_str()).collect();
+        tracing::warn!(
+            schedule = row.id,
+            skipped = ids.len(),
+            "its token's backlog is full: fire times skipped"
+        );
+        sql(
+            "INSERT INTO schedule_fires (schedule_id, fire_at, job_id, skipped) \
+             SELECT $1, f.at, f.id, 'backlog_full' \
+             FROM unnest($2::timestamptz[], $3::text[]) AS f(at, id) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind::<Text, _>(&row.id)
+        .bind::<Array<Timestamptz>, _>(&times[room..])
+        .bind::<Array<Text>, _>(&ids)
+        .execute(conn)
+        .await?;
+    }
+    let made = record_and_insert(conn, &row.id, &times[..rows.len()], rows).await?;
+    sql(
+        "UPDATE schedules SET next_fire_at = coalesce($2, next_fire_at), \
+             paused = paused OR $2 IS NULL, updated_at = now() WHERE id = $1",
+    )
+    .bind::<Text, _>(&row.id)
+    .bind::<Nullable<Timestamptz>, _>(next)
+    .execute(conn)
+    .await?;
+    Ok(made)
+}
+
+/// The job of schedule `row` for fire time `at`.
+fn fired_job(row: &DueRow, target: &Fireable, at: DateTime<Utc>) -> NewRow {
+    let request = JobRequest {
+        workflow: row.workflow.clone(),
+        input: row.input.clone(),
+        webhook_url: row.webhook_url.clone(),
+        ..JobRequest::default()
+    };
+    let stored = request.to_value();
+    NewRow {
+        id: job_id(&row.id, at),
+        workflow: row.workflow.clone(),
+        workflow_version: target.version,
+        request_hash: canonical_hash(&stored),
+        request: stored,
+        trace: crate::traceparent::TraceParent::new_root().to_string(),
+        key_limit: None,
+        throttle: None,
+        owner: row.owner_token,
+        notify_failures: target.notify_failures && !row.webhook_url.is_empty(),
+        priority: 0,
+        run_at: None,
+        delay_ms: None,
+        lease: None,
+        parent: None,
+    }
+}
+
+/// How many more unfinished jobs token `owner` may have (`backlog`).
+async fn room_of(
+    conn: &mut diesel_async::AsyncPgConnection,
+    owner: Option<i64>,
+    backlog: Option<i64>,
+) -> Result<usize, StoreError> {
+    let (Some(owner), Some(limit)) = (owner, backlog) else {
+        return Ok(usize::MAX);
+    };
+    #[derive(QueryableByName)]
+    struct Open {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let open: Open =
+        sql("SELECT count(*) AS n FROM jobs WHERE owner_token = $1 AND finished_at IS NULL")
+            .bind::<BigInt, _>(owner)
+            .get_result(conn)
+            .await?;
+    Ok(usize::try_from((limit - open.n).max(0)).unwrap_or(usize::MAX))
+}
+
+/// Records each fire time of schedule `schedule` once, and makes the jobs
+/// of those recorded now: a fire time recorded before (its job maybe
+/// purged since) makes no job again. Returns how many jobs it made.
+async fn record_and_insert(
+    conn: &mut diesel_async::AsyncPgConnection,
+    schedule: &str,
+    times: &[DateTime<Utc>],
+    rows: Vec<NewRow>,
+) -> Result<usize, StoreError> {
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    #[derive(QueryableByName)]
+    struct Recorded {
+        #[diesel(sql_type = Text)]
+        job_id: String,
+    }
+    let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+    let recorded: Vec<Recorded> = sql("INSERT INTO schedule_fires (schedule_id, fire_at, job_id) \
+         SELECT $1, f.at, f.id FROM unnest($2::timestamptz[], $3::text[]) AS f(at, id) \
+         ON CONFLICT DO NOTHING RETURNING job_id")
+    .bind::<Text, _>(schedule)
+    .bind::<Array<Timestamptz>, _>(times)
+    .bind::<Array<Text>, _>(&ids)
+    .load(conn)
+    .await?;
+    let new: Vec<NewRow> = rows
+        .into_iter()
+        .filter(|r| recorded.iter().any(|x| x.job_id == r.id))
+        .collect();
+    if new.is_empty() {
+        return Ok(0);
+    }
+    let inserted = intake_on(conn, &new).await?;
+    Ok(inserted.iter().filter(|r| r.is_some()).count())
 }
