@@ -237,7 +237,11 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
 async fn a_dead_child_is_an_error_the_parent_handles() {
     let env = TestEnv::new().await;
     env.provider.push(Behaviour::Status(400, None));
-    let _engine = env.start(registry(), env.config());
+    // Room enough that a loaded machine never gives up on the refused
+    // call (a timeout is retried under its key, and the retry answered).
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(20);
+    let _engine = env.start(registry(), config);
     env.submit_job(parent(&env, "fan-dead", &["a", "b"], None))
         .await;
     let view = env.wait_for("fan-dead", JobState::Acked, WAIT).await;

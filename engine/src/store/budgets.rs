@@ -121,18 +121,7 @@ impl Store {
         let waiting = serde_json::json!({ "kind": "budget", "until": until });
         retrying!(self, "wait_for_budget", async || {
             let mut conn = self.db().conn().await?;
-            let n = sql(
-                "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, key_slot = NULL, \
-                     lease_expires_at = NULL, updated_at = now() \
-                 WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
-            )
-            .bind::<Text, _>(&fence.job_id)
-            .bind::<BigInt, _>(fence.epoch)
-            .bind::<diesel::sql_types::Jsonb, _>(&waiting)
-            .bind::<Timestamptz, _>(until)
-            .execute(&mut conn)
-            .await?;
-            Ok(n == 1)
+            super::waits::release_until(&mut conn, fence, &waiting, until).await
         })
         .await
     }

@@ -12,8 +12,7 @@
 //! journaled the first time all are over (or the join times out), so a
 //! replay never reads the children again.
 
-use chrono::{DateTime, Utc};
-use diesel::sql_types::{Array, BigInt, Bool, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, Bool, Jsonb, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, RunQueryDsl};
 use serde_json::{json, Value};
@@ -104,17 +103,6 @@ impl Store {
         timeout_ms: i64,
     ) -> Result<WaitStep, StoreError> {
         #[derive(QueryableByName)]
-        struct WaitRow {
-            #[diesel(sql_type = Timestamptz)]
-            until: DateTime<Utc>,
-            #[diesel(sql_type = Nullable<Jsonb>)]
-            outcome: Option<Value>,
-            #[diesel(sql_type = Bool)]
-            due: bool,
-            #[diesel(sql_type = BigInt)]
-            left_ms: i64,
-        }
-        #[derive(QueryableByName)]
         struct ChildRow {
             #[diesel(sql_type = Text)]
             id: String,
@@ -135,18 +123,15 @@ impl Store {
                 if !Store::hold_fence(conn, fence).await? {
                     return Ok(WaitStep::LeaseLost);
                 }
-                let wait: WaitRow = sql(
-                    "INSERT INTO waits (job_id, wait_key, kind, name, until) \
-                     VALUES ($1, $2, 'children', $3, clock_timestamp() + $4 * interval '1 millisecond') \
-                     ON CONFLICT (job_id, wait_key) DO UPDATE SET kind = waits.kind \
-                     RETURNING until, outcome, clock_timestamp() >= until AS due, \
-                         greatest(0, ceil(extract(epoch FROM until - clock_timestamp()) * 1000))::bigint AS left_ms",
+                let wait = super::waits::journal_wait(
+                    conn,
+                    &fence.job_id,
+                    key,
+                    "children",
+                    name,
+                    Some(timeout_ms),
+                    None,
                 )
-                .bind::<Text, _>(&fence.job_id)
-                .bind::<Text, _>(key)
-                .bind::<Text, _>(name)
-                .bind::<BigInt, _>(timeout_ms)
-                .get_result(conn)
                 .await?;
                 if let Some(outcome) = wait.outcome {
                     return Ok(WaitStep::Done(outcome));
@@ -187,16 +172,7 @@ impl Store {
                             }),
                         }).collect::<Vec<_>>(),
                     });
-                    sql(
-                        "WITH done AS (UPDATE waits SET outcome = $3, done_at = now() \
-                             WHERE job_id = $1 AND wait_key = $2) \
-                         UPDATE jobs SET waiting = NULL WHERE id = $1 AND waiting IS NOT NULL",
-                    )
-                    .bind::<Text, _>(&fence.job_id)
-                    .bind::<Text, _>(key)
-                    .bind::<Jsonb, _>(&outcome)
-                    .execute(conn)
-                    .await?;
+                    super::waits::close_wait(conn, &fence.job_id, key, &outcome).await?;
                     return Ok(WaitStep::Done(outcome));
                 }
                 let waiting = json!({
@@ -206,17 +182,7 @@ impl Store {
                     "children": pending.iter().take(SHOWN_PENDING).collect::<Vec<_>>(),
                     "pending": pending.len(),
                 });
-                sql(
-                    "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, key_slot = NULL, \
-                         lease_expires_at = NULL, updated_at = now() \
-                     WHERE id = $1 AND lease_epoch = $2",
-                )
-                .bind::<Text, _>(&fence.job_id)
-                .bind::<BigInt, _>(fence.epoch)
-                .bind::<Jsonb, _>(&waiting)
-                .bind::<Timestamptz, _>(wait.until)
-                .execute(conn)
-                .await?;
+                super::waits::release_until(conn, fence, &waiting, wait.until).await?;
                 Ok(WaitStep::Waiting {
                     until: wait.until,
                     due: super::waits::due_in(wait.left_ms),

@@ -133,16 +133,88 @@ enum OpenWait {
     Open(String),
 }
 
+/// A wait as journaled: its due time, its outcome once over, and whether
+/// (and in how long) it is due by the database's clock.
 #[derive(QueryableByName)]
-struct WaitRow {
+pub(super) struct WaitRow {
     #[diesel(sql_type = Timestamptz)]
-    until: DateTime<Utc>,
+    pub(super) until: DateTime<Utc>,
     #[diesel(sql_type = Nullable<Jsonb>)]
-    outcome: Option<Value>,
+    pub(super) outcome: Option<Value>,
     #[diesel(sql_type = Bool)]
-    due: bool,
+    pub(super) due: bool,
     #[diesel(sql_type = BigInt)]
-    left_ms: i64,
+    pub(super) left_ms: i64,
+}
+
+/// Journals the wait `key` of job `job_id` the first time it is reached
+/// (due `after_ms` from now, or `at`), and returns it as journaled.
+pub(super) async fn journal_wait(
+    conn: &mut diesel_async::AsyncPgConnection,
+    job_id: &str,
+    key: &str,
+    kind: &str,
+    name: &str,
+    after_ms: Option<i64>,
+    at: Option<DateTime<Utc>>,
+) -> Result<WaitRow, StoreError> {
+    Ok(sql(
+        "INSERT INTO waits (job_id, wait_key, kind, name, until) \
+         VALUES ($1, $2, $3, $4, coalesce($6, clock_timestamp() + $5 * interval '1 millisecond')) \
+         ON CONFLICT (job_id, wait_key) DO UPDATE SET kind = waits.kind \
+         RETURNING until, outcome, clock_timestamp() >= until AS due, \
+             greatest(0, ceil(extract(epoch FROM until - clock_timestamp()) * 1000))::bigint AS left_ms",
+    )
+    .bind::<Text, _>(job_id)
+    .bind::<Text, _>(key)
+    .bind::<Text, _>(kind)
+    .bind::<Text, _>(name)
+    .bind::<Nullable<BigInt>, _>(after_ms)
+    .bind::<Nullable<Timestamptz>, _>(at)
+    .get_result(conn)
+    .await?)
+}
+
+/// Records the wait's outcome (it is over), and clears the job's `waiting`.
+pub(super) async fn close_wait(
+    conn: &mut diesel_async::AsyncPgConnection,
+    job_id: &str,
+    key: &str,
+    outcome: &Value,
+) -> Result<(), StoreError> {
+    sql(
+        "WITH done AS (UPDATE waits SET outcome = $3, done_at = now() \
+             WHERE job_id = $1 AND wait_key = $2) \
+         UPDATE jobs SET waiting = NULL WHERE id = $1 AND waiting IS NOT NULL",
+    )
+    .bind::<Text, _>(job_id)
+    .bind::<Text, _>(key)
+    .bind::<Jsonb, _>(outcome)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Lets the attempt's job go until `until`, showing `waiting`: no lease
+/// (nor key slot) is held meanwhile. False when the lease is lost.
+pub(super) async fn release_until(
+    conn: &mut diesel_async::AsyncPgConnection,
+    fence: &Fence,
+    waiting: &Value,
+    until: DateTime<Utc>,
+) -> Result<bool, StoreError> {
+    let n = sql(
+        "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, key_slot = NULL, \
+             lease_expires_at = NULL, updated_at = now() \
+         WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
+    )
+    .bind::<Text, _>(&fence.job_id)
+    .bind::<BigInt, _>(fence.epoch)
+    .bind::<Jsonb, _>(waiting)
+    .bind::<Timestamptz, _>(until)
+    .execute(conn)
+    .await?;
+    Ok(n == 1)
 }
 
 /// The instant, on this process's monotonic clock, by which `left_ms` (the
@@ -182,21 +254,8 @@ impl Store {
                     Until::After(d) => (Some(i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2)), None),
                     Until::At(at) => (None, Some(at)),
                 };
-                let row: WaitRow = sql(
-                    "INSERT INTO waits (job_id, wait_key, kind, name, until) \
-                     VALUES ($1, $2, $3, $4, coalesce($6, clock_timestamp() + $5 * interval '1 millisecond')) \
-                     ON CONFLICT (job_id, wait_key) DO UPDATE SET kind = waits.kind \
-                     RETURNING until, outcome, clock_timestamp() >= until AS due, \
-                         greatest(0, ceil(extract(epoch FROM until - clock_timestamp()) * 1000))::bigint AS left_ms",
-                )
-                .bind::<Text, _>(&fence.job_id)
-                .bind::<Text, _>(ask.key)
-                .bind::<Text, _>(ask.kind.as_str())
-                .bind::<Text, _>(ask.name)
-                .bind::<Nullable<BigInt>, _>(after_ms)
-                .bind::<Nullable<Timestamptz>, _>(at)
-                .get_result(conn)
-                .await?;
+                let row = journal_wait(conn, &fence.job_id, ask.key, ask.kind.as_str(), ask.name, after_ms, at)
+                    .await?;
                 // Journaled before: a replay returns it as it is (the
                 // machine's first rule), byte for byte.
                 if let Some(raw) = row.outcome {
@@ -229,16 +288,7 @@ impl Store {
                 match decide(ask.kind, None, signal, row.due) {
                     Decision::Over(outcome) => {
                         let outcome = outcome.to_json();
-                        sql(
-                            "WITH done AS (UPDATE waits SET outcome = $3, done_at = now() \
-                                 WHERE job_id = $1 AND wait_key = $2) \
-                             UPDATE jobs SET waiting = NULL WHERE id = $1 AND waiting IS NOT NULL",
-                        )
-                        .bind::<Text, _>(&fence.job_id)
-                        .bind::<Text, _>(ask.key)
-                        .bind::<Jsonb, _>(&outcome)
-                        .execute(conn)
-                        .await?;
+                        close_wait(conn, &fence.job_id, ask.key, &outcome).await?;
                         Ok(WaitStep::Done(outcome))
                     }
                     Decision::Wait => {
@@ -275,17 +325,7 @@ impl Store {
                             .execute(conn)
                             .await?;
                         }
-                        sql(
-                            "UPDATE jobs SET waiting = $3, run_at = $4, lease_owner = NULL, key_slot = NULL, \
-                                 lease_expires_at = NULL, updated_at = now() \
-                             WHERE id = $1 AND lease_epoch = $2",
-                        )
-                        .bind::<Text, _>(&fence.job_id)
-                        .bind::<BigInt, _>(fence.epoch)
-                        .bind::<Jsonb, _>(&waiting)
-                        .bind::<Timestamptz, _>(row.until)
-                        .execute(conn)
-                        .await?;
+                        release_until(conn, fence, &waiting, row.until).await?;
                         Ok(WaitStep::Waiting {
                             until: row.until,
                             due: due_in(row.left_ms),
