@@ -94,6 +94,15 @@ fn parent(env: &TestEnv, id: &str, prompts: &[&str], child_webhook: Option<&str>
     }
 }
 
+/// The test config with room enough that a loaded machine never gives up
+/// on a refused model call: a call it gave up on is retried under its key,
+/// and the retry answered, so the refusal a test scripted would be lost.
+fn patient(env: &TestEnv) -> onceflow_engine::EngineConfig {
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(20);
+    config
+}
+
 fn child(parent: &str, i: usize) -> String {
     format!("{parent}:child:c{i}")
 }
@@ -237,11 +246,7 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
 async fn a_dead_child_is_an_error_the_parent_handles() {
     let env = TestEnv::new().await;
     env.provider.push(Behaviour::Status(400, None));
-    // Room enough that a loaded machine never gives up on the refused
-    // call (a timeout is retried under its key, and the retry answered).
-    let mut config = env.config();
-    config.provider.timeout = Duration::from_secs(20);
-    let _engine = env.start(registry(), config);
+    let _engine = env.start(registry(), patient(&env));
     env.submit_job(parent(&env, "fan-dead", &["a", "b"], None))
         .await;
     let view = env.wait_for("fan-dead", JobState::Acked, WAIT).await;
@@ -708,7 +713,7 @@ async fn children_keep_their_parents_priority_and_a_failed_one_fails_the_parent_
     let env = TestEnv::new().await;
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     env.provider.push(Behaviour::Status(400, None));
-    let _engine = env.start(promise_registry(&runs), env.config());
+    let _engine = env.start(promise_registry(&runs), patient(&env));
     submit_plain(&env, "urgent", "test.strict", 7).await;
     let view = env.wait_for("urgent", JobState::Dead, WAIT).await;
     let child = env.job("urgent:child:c0").await;
@@ -916,7 +921,7 @@ async fn a_finished_child_wakes_its_parent_without_the_poll() {
 async fn a_redriven_parent_of_a_failed_child_dies_again() {
     let env = TestEnv::new().await;
     env.provider.push(Behaviour::Status(400, None));
-    let _engine = env.start(told_registry(), env.config());
+    let _engine = env.start(told_registry(), patient(&env));
     submit_plain(&env, "strict", "test.strict", 0).await;
     env.wait_for("strict", JobState::Dead, WAIT).await;
     let child = "strict:child:c0";
@@ -953,7 +958,7 @@ async fn a_redriven_parent_of_a_failed_child_dies_again() {
 async fn children_are_kept_while_their_parent_is_live_or_dead() {
     let env = TestEnv::new().await;
     env.provider.push(Behaviour::Status(400, None));
-    let _engine = env.start(told_registry(), env.config());
+    let _engine = env.start(told_registry(), patient(&env));
     submit_plain(&env, "kept", "test.strict", 0).await;
     env.wait_for("kept", JobState::Dead, WAIT).await;
     env.execute(
