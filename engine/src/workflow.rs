@@ -64,7 +64,8 @@ pub trait Workflow: Send + Sync + 'static {
     /// At most this many jobs of this workflow start per period per
     /// `concurrency_key` of one tenant, across every node (default: none;
     /// a token's own throttle, if set). When both this and the token set
-    /// one, the slower holds. Taken at intake, like
+    /// one, the fewer starts over the longer period holds (at least as
+    /// strict as each). Taken at intake, like
     /// [`concurrency_per_key`](Self::concurrency_per_key); the concurrency
     /// limit holds beside it.
     fn throttle_per_key(&self) -> Option<crate::request::Throttle> {

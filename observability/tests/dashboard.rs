@@ -29,6 +29,8 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
     m.actors_in_flight.add(1, &[]);
     m.jobs.record(1, &[KeyValue::new("onceflow.state", "dead")]);
     m.jobs_unrunnable.record(1, &[]);
+    m.budget_spent.record(1, &[KeyValue::new(TOKEN, "tenant")]);
+    m.budget_limit.record(2, &[KeyValue::new(TOKEN, "tenant")]);
     m.step_duration.record(
         0.1,
         &[
@@ -62,8 +64,8 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
 #[test]
 fn every_dashboard_query_names_a_metric_onceflow_exports() {
     let (families, labels) = exported();
-    // 16 of onceflow's own, and `target_info` (the node's identity).
-    assert_eq!(families.len(), 17, "{families:?}");
+    // 18 of onceflow's own, and `target_info` (the node's identity).
+    assert_eq!(families.len(), 19, "{families:?}");
     assert!(families.contains("target_info"), "{families:?}");
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -145,17 +147,20 @@ fn a_fresh_node_exports_every_dashboard_series_at_zero() {
         {
             // The step-duration histogram has no meaningful zero; the
             // provider-limit series are per provider and model, which a node
-            // learns from its first limited call; label names
+            // learns from its first limited call; the budgets' are per token
+            // with a budget, read from the database; label names
             // (`onceflow_state="…"`) are not series.
-            const LABELS: [&str; 5] = [
+            const LABELS: [&str; 6] = [
                 "onceflow_step",
                 "onceflow_state",
                 "onceflow_outcome",
                 "onceflow_submit_outcome",
                 "onceflow_retry",
+                "onceflow_token",
             ];
             if name.starts_with("onceflow_step_duration")
                 || name.starts_with("onceflow_limit_")
+                || name.starts_with("onceflow_budget_")
                 || name.starts_with("onceflow_stream_")
                 || name.starts_with("onceflow_provider_throttled")
                 || LABELS.contains(&name)

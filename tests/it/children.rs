@@ -75,14 +75,19 @@ impl Workflow for FanOut {
     }
 }
 
-fn registry() -> Registry {
+pub(crate) fn registry() -> Registry {
     let mut r = Registry::new();
     r.register(Completion::default());
     r.register(FanOut);
     r
 }
 
-fn parent(env: &TestEnv, id: &str, prompts: &[&str], child_webhook: Option<&str>) -> NewJob {
+pub(crate) fn parent(
+    env: &TestEnv,
+    id: &str,
+    prompts: &[&str],
+    child_webhook: Option<&str>,
+) -> NewJob {
     NewJob {
         tags: Default::default(),
         id: id.to_owned(),

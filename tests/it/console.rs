@@ -666,19 +666,13 @@ async fn the_console_links_a_parent_and_its_children() {
     {
         // The jobs run on an engine that has the fan-out workflow; the
         // console's node only shows them.
-        let mut registry = onceflow_engine::Registry::new();
-        registry.register(onceflow_workflows::Completion::default());
-        registry.register(crate::children::FanOut);
-        let engine = env.start(registry, env.config());
-        env.submit_job(onceflow_engine::intake::NewJob {
-            tags: Default::default(),
-            id: "ui-parent".into(),
-            workflow: "test.fan_out".into(),
-            workflow_version: 1,
-            input: json!({ "prompts": ["a", "b"] }),
-            webhook_url: env.consumer.url(),
-            schedule: Default::default(),
-        })
+        let engine = env.start(crate::children::registry(), env.config());
+        env.submit_job(crate::children::parent(
+            &env,
+            "ui-parent",
+            &["a", "b"],
+            None,
+        ))
         .await;
         env.wait_for(
             "ui-parent",

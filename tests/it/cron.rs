@@ -89,6 +89,31 @@ async fn every_second(env: &TestEnv, id: &str, owner: i64) {
         .unwrap();
 }
 
+/// Creates schedule `tick` through the API at `url`: every second,
+/// catching up every missed fire time.
+async fn create_tick(env: &TestEnv, url: &str) {
+    let mut body = schedule("tick", "* * * * * *", &env.consumer.url());
+    body["catch_up"] = json!("all");
+    let (status, answer) = call(reqwest::Method::POST, url, None, Some(&body)).await;
+    assert_eq!(status, 201, "{answer}");
+}
+
+/// Pauses schedule `tick` once it fired `n` times (within `within`).
+async fn pause_after(env: &TestEnv, url: &str, n: usize, within: Duration) {
+    assert!(
+        wait_until(within, || async { fired(env, "tick").await.len() >= n }).await,
+        "the schedule did not fire {n} times"
+    );
+    let (status, _) = call(
+        reqwest::Method::POST,
+        &format!("{url}/tick/pause"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+}
+
 /// Job `id` was created once: its first incarnation, one `received` row.
 async fn assert_created_once(env: &TestEnv, id: &str) {
     let job = env.job(id).await;
@@ -444,27 +469,10 @@ async fn each_fire_time_is_one_job_across_two_nodes_and_none_after_pause_or_dele
     config.node_id = "node-b".into();
     let _b = env.start(registry(), config);
     let url = format!("{base}/v1/schedules");
-    let mut body = schedule("tick", "* * * * * *", &env.consumer.url());
     // Catching up everything: a fire time of the pause that fired after the
     // resume would show.
-    body["catch_up"] = json!("all");
-    let (status, answer) = call(reqwest::Method::POST, &url, None, Some(&body)).await;
-    assert_eq!(status, 201, "{answer}");
-    assert!(
-        wait_until(Duration::from_secs(20), || async {
-            fired(&env, "tick").await.len() >= 5
-        })
-        .await,
-        "the schedule did not fire"
-    );
-    let (status, _) = call(
-        reqwest::Method::POST,
-        &format!("{url}/tick/pause"),
-        None,
-        None,
-    )
-    .await;
-    assert_eq!(status, 200);
+    create_tick(&env, &url).await;
+    pause_after(&env, &url, 5, Duration::from_secs(20)).await;
     let at_pause = fired(&env, "tick").await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let times = fired(&env, "tick").await;
@@ -806,26 +814,9 @@ async fn the_latest_ten_are_listed_and_a_purged_fire_time_never_fires_again() {
     let env = TestEnv::new().await;
     let base = api(&env, Auth::Off);
     let url = format!("{base}/v1/schedules");
-    let mut body = schedule("tick", "* * * * * *", &env.consumer.url());
-    body["catch_up"] = json!("all");
-    let (status, answer) = call(reqwest::Method::POST, &url, None, Some(&body)).await;
-    assert_eq!(status, 201, "{answer}");
+    create_tick(&env, &url).await;
     let engine = env.start(registry(), env.config());
-    assert!(
-        wait_until(Duration::from_secs(30), || async {
-            fired(&env, "tick").await.len() >= 12
-        })
-        .await,
-        "the schedule fired 12 times"
-    );
-    let (status, _) = call(
-        reqwest::Method::POST,
-        &format!("{url}/tick/pause"),
-        None,
-        None,
-    )
-    .await;
-    assert_eq!(status, 200);
+    pause_after(&env, &url, 12, Duration::from_secs(30)).await;
     let times = fired(&env, "tick").await;
     for t in &times {
         let id = onceflow_engine::schedule::job_id("tick", *t);

@@ -57,6 +57,41 @@ async fn submit(env: &TestEnv, owner: i64, id: &str, key: Option<&str>) {
         .unwrap();
 }
 
+/// The environment of a `serve` node named `name` on the test's database
+/// and provider (leases of 1 s, a poll of 100 ms, 8 in flight), with a
+/// model timeout when given.
+fn node_vars(
+    env: &TestEnv,
+    name: &str,
+    model_timeout_ms: Option<&str>,
+) -> Vec<(&'static str, String)> {
+    let mut vars = vec![
+        ("DATABASE_URL", env.db_url.clone()),
+        ("OPENAI_BASE_URL", env.provider.base_url()),
+        ("ONCEFLOW_NODE_ID", name.to_owned()),
+        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+        ("ONCEFLOW_POLL_MS", "100".to_owned()),
+        ("ONCEFLOW_MAX_IN_FLIGHT", "8".to_owned()),
+    ];
+    if let Some(ms) = model_timeout_ms {
+        vars.push(("ONCEFLOW_MODEL_TIMEOUT_MS", ms.to_owned()));
+    }
+    vars
+}
+
+/// Whether node `node` leases a live job that holds a `slot` column (a key
+/// slot, a throttle's start slot).
+async fn holds(env: &TestEnv, node: &str, slot: &str) -> bool {
+    env.sql(&format!(
+        "SELECT count(*) AS n FROM jobs WHERE lease_owner = '{node}' AND {slot} IS NOT NULL \
+         AND finished_at IS NULL"
+    ))
+    .await[0]["n"]
+        .as_i64()
+        .unwrap_or(0)
+        > 0
+}
+
 /// The job a provider request was made for (keys are `job:{id}:…`).
 fn job_of(r: &ProviderRequest) -> String {
     let key = r.idempotency_key.as_deref().unwrap_or_default();
@@ -351,17 +386,7 @@ async fn a_concurrency_key_holds_through_kill_9() {
     let t = keyed_tenant(&env, "tenant-t").await;
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("serve.log");
-    let vars = |name: &str| {
-        vec![
-            ("DATABASE_URL", env.db_url.clone()),
-            ("OPENAI_BASE_URL", env.provider.base_url()),
-            ("ONCEFLOW_NODE_ID", name.to_owned()),
-            ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
-            ("ONCEFLOW_POLL_MS", "100".to_owned()),
-            ("ONCEFLOW_MAX_IN_FLIGHT", "8".to_owned()),
-            ("ONCEFLOW_MODEL_TIMEOUT_MS", "3000".to_owned()),
-        ]
-    };
+    let vars = |name: &str| node_vars(&env, name, Some("3000"));
     let mut killed = ServeProcess::start(&vars("kept-dying"), &log).await;
     let _steady = ServeProcess::start(&vars("steady"), &log).await;
     let mut keyed = std::collections::HashSet::new();
@@ -376,14 +401,7 @@ async fn a_concurrency_key_holds_through_kill_9() {
     for round in 0..2 {
         // Killed while it holds a slot of the key: the slot dies with it.
         assert!(
-            wait_until(WAIT, || async {
-                env.sql("SELECT count(*) AS n FROM jobs WHERE lease_owner = 'kept-dying' AND key_slot IS NOT NULL AND finished_at IS NULL")
-                    .await[0]["n"]
-                    .as_i64()
-                    .unwrap_or(0)
-                    > 0
-            })
-            .await,
+            wait_until(WAIT, || holds(&env, "kept-dying", "key_slot")).await,
             "the node holds a slot of the key before kill {round}"
         );
         killed.sigkill();
@@ -752,30 +770,14 @@ async fn a_key_throttle_holds_through_kill_9() {
     let t = throttled_tenant(&env, "tenant-t", 4, 3600).await;
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("serve.log");
-    let vars = |name: &str| {
-        vec![
-            ("DATABASE_URL", env.db_url.clone()),
-            ("OPENAI_BASE_URL", env.provider.base_url()),
-            ("ONCEFLOW_NODE_ID", name.to_owned()),
-            ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
-            ("ONCEFLOW_POLL_MS", "100".to_owned()),
-            ("ONCEFLOW_MAX_IN_FLIGHT", "8".to_owned()),
-        ]
-    };
+    let vars = |name: &str| node_vars(&env, name, None);
     let mut killed = ServeProcess::start(&vars("kept-dying"), &log).await;
     let _steady = ServeProcess::start(&vars("steady"), &log).await;
     for i in 0..8 {
         submit(&env, t, &format!("k-{i}"), Some("conv-1")).await;
     }
     assert!(
-        wait_until(WAIT, || async {
-            env.sql("SELECT count(*) AS n FROM jobs WHERE lease_owner = 'kept-dying' AND throttle_slot IS NOT NULL AND finished_at IS NULL")
-                .await[0]["n"]
-                .as_i64()
-                .unwrap_or(0)
-                > 0
-        })
-        .await,
+        wait_until(WAIT, || holds(&env, "kept-dying", "throttle_slot")).await,
         "the node runs a throttled job before the kill"
     );
     killed.sigkill();
@@ -798,4 +800,139 @@ async fn a_key_throttle_holds_through_kill_9() {
         .clone();
     assert_eq!(stamped["n"], 4, "4 start slots taken: {stamped}");
     assert_eq!(stamped["slots"], 4, "each its own: {stamped}");
+}
+
+/// Jobs of one key under different throttles (the token's throttle changed
+/// between them): one acquire gives start slots under one throttle only,
+/// so two lists of free slots never hand out one slot twice in a statement
+/// (which failed every acquire of every node until the older slot aged).
+/// Every job runs, another tenant's included.
+#[actix_rt::test]
+async fn jobs_of_one_key_under_two_throttles_never_wedge_the_acquire() {
+    let env = TestEnv::new().await;
+    let t = throttled_tenant(&env, "tenant-t", 2, 3600).await;
+    let other = tenant(&env, "tenant-o", Share::default()).await;
+    // Slot 0 of the key was taken ten minutes ago.
+    submit(&env, t, "first", Some("k")).await;
+    {
+        let engine = env.start(registry(), env.config());
+        env.wait_for("first", JobState::Acked, WAIT).await;
+        engine.shutdown();
+    }
+    env.execute("UPDATE jobs SET throttle_at = now() - interval '10 minutes' WHERE id = 'first'")
+        .await;
+    // X: 2 per hour (slot 0 not free for it); Y: 2 per minute (both free).
+    submit(&env, t, "x", Some("k")).await;
+    let per_minute = Share {
+        key_throttle: Some((2, 60)),
+        ..Default::default()
+    };
+    env.store
+        .set_token_share("tenant-t", per_minute)
+        .await
+        .unwrap();
+    submit(&env, t, "y", Some("k")).await;
+    submit(&env, other, "z", None).await;
+    let rows = env
+        .sql("SELECT id, throttle_limit, throttle_period_s FROM jobs WHERE id IN ('x', 'y') ORDER BY id")
+        .await;
+    assert_eq!(rows[0]["throttle_period_s"], 3600, "{rows}");
+    assert_eq!(rows[1]["throttle_period_s"], 60, "{rows}");
+    let _engine = env.start(registry(), env.config());
+    for id in ["x", "y", "z"] {
+        env.wait_for(id, JobState::Acked, WAIT).await;
+    }
+    let slots = env
+        .sql("SELECT count(DISTINCT (throttle_slot, throttle_gen)) AS n FROM jobs WHERE concurrency_key = 'k'")
+        .await;
+    assert_eq!(slots[0]["n"], 3, "each start its own slot generation");
+}
+
+/// A workflow that sets a throttle per key (30 starts a minute) and does
+/// nothing else.
+struct ThrottledFlow;
+
+impl onceflow_engine::Workflow for ThrottledFlow {
+    const NAME: &'static str = "test.throttled";
+    type Input = serde_json::Value;
+    type Output = serde_json::Value;
+
+    async fn run(
+        &self,
+        _: &mut onceflow_engine::Context,
+        _: serde_json::Value,
+    ) -> Result<serde_json::Value, onceflow_engine::StepError> {
+        Ok(json!("done"))
+    }
+
+    fn throttle_per_key(&self) -> Option<onceflow_engine::Throttle> {
+        Some(onceflow_engine::Throttle::new(30, Duration::from_secs(60)))
+    }
+}
+
+/// With both a token's throttle (1 a second) and a workflow's (30 a
+/// minute), a job takes the fewer starts over the longer period (1 a
+/// minute): as strict as each, never the looser of them.
+#[actix_rt::test]
+async fn a_token_and_a_workflow_throttle_together_are_as_strict_as_each() {
+    let env = TestEnv::new().await;
+    let t = throttled_tenant(&env, "tenant-t", 1, 1).await;
+    let mut registry = registry();
+    registry.register(ThrottledFlow);
+    let body = json!({
+        "id": "both", "workflow": "test.throttled", "input": {}, "concurrency_key": "k",
+    });
+    let job = onceflow_engine::intake::parse(
+        body.to_string().as_bytes(),
+        &registry,
+        &onceflow_engine::UrlGuard::allow_private(),
+    )
+    .unwrap();
+    env.store
+        .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(t), false))
+        .await
+        .unwrap();
+    let row = env
+        .sql("SELECT throttle_limit, throttle_period_s FROM jobs WHERE id = 'both'")
+        .await[0]
+        .clone();
+    assert_eq!(
+        (
+            row["throttle_limit"].clone(),
+            row["throttle_period_s"].clone()
+        ),
+        (json!(1), json!(60)),
+        "{row}"
+    );
+}
+
+/// Retention keeps a finished job whose throttle start is still within its
+/// period (its row is what counts the start), then purges it.
+#[actix_rt::test]
+async fn retention_keeps_a_throttle_start_until_its_period_is_over() {
+    let env = TestEnv::new().await;
+    let t = throttled_tenant(&env, "tenant-t", 1, 3600).await;
+    submit(&env, t, "started", Some("k")).await;
+    let engine = env.start(registry(), env.config());
+    env.wait_for("started", JobState::Acked, WAIT).await;
+    engine.shutdown();
+    env.execute("UPDATE jobs SET finished_at = now() - interval '2 days' WHERE id = 'started'")
+        .await;
+    let purged = env.store.purge_finished(1000, 100).await.unwrap();
+    assert_eq!(purged, 0, "kept: its start counts for the hour");
+    submit(&env, t, "next", Some("k")).await;
+    let _engine = env.start(registry(), env.config());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        env.provider.requests_for("job:next:generate"),
+        0,
+        "the key's one start this hour is used"
+    );
+    env.execute(
+        "UPDATE jobs SET throttle_at = throttle_at - interval '2 hours' WHERE id = 'started'",
+    )
+    .await;
+    let purged = env.store.purge_finished(1000, 100).await.unwrap();
+    assert_eq!(purged, 1, "its period over, it goes");
+    env.wait_for("next", JobState::Acked, WAIT).await;
 }

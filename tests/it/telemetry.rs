@@ -252,6 +252,18 @@ fn completion(id: &str, hook: &str) -> Value {
     })
 }
 
+/// Telemetry of service `onceflow-it` exporting to `receiver` over OTLP.
+fn exporting_to(receiver: &Receiver) -> Arc<Telemetry> {
+    let endpoint = receiver.endpoint();
+    let config = TelemetryConfig::from_lookup(|k| match k {
+        "OTEL_EXPORTER_OTLP_ENDPOINT" => Some(endpoint.clone()),
+        "OTEL_SERVICE_NAME" => Some("onceflow-it".to_owned()),
+        _ => None,
+    })
+    .unwrap();
+    Arc::new(Telemetry::new(config).unwrap())
+}
+
 /// A metric name and its attributes.
 type Series<'a> = (&'a str, Vec<(&'a str, &'a str)>);
 
@@ -261,14 +273,7 @@ type Series<'a> = (&'a str, Vec<(&'a str, &'a str)>);
 async fn spans_and_metrics_arrive_over_otlp_and_match_what_the_fakes_recorded() {
     let env = TestEnv::new().await;
     let receiver = Receiver::start();
-    let endpoint = receiver.endpoint();
-    let config = TelemetryConfig::from_lookup(|k| match k {
-        "OTEL_EXPORTER_OTLP_ENDPOINT" => Some(endpoint.clone()),
-        "OTEL_SERVICE_NAME" => Some("onceflow-it".to_owned()),
-        _ => None,
-    })
-    .unwrap();
-    let telemetry = Arc::new(Telemetry::new(config).unwrap());
+    let telemetry = exporting_to(&receiver);
     let registry = onceflow_workflows::registry();
     let base = serve_api_state(ApiState {
         store: env.store.clone(),
@@ -684,14 +689,7 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     let env = TestEnv::new().await;
     env.provider.set_stream_shape(8, Duration::from_millis(10));
     let receiver = Receiver::start();
-    let endpoint = receiver.endpoint();
-    let config = TelemetryConfig::from_lookup(|k| match k {
-        "OTEL_EXPORTER_OTLP_ENDPOINT" => Some(endpoint.clone()),
-        "OTEL_SERVICE_NAME" => Some("onceflow-it".to_owned()),
-        _ => None,
-    })
-    .unwrap();
-    let telemetry = Arc::new(Telemetry::new(config).unwrap());
+    let telemetry = exporting_to(&receiver);
     env.submit_job(onceflow_engine::intake::NewJob {
         tags: Default::default(),
         id: "otel-stream".into(),
@@ -877,29 +875,16 @@ async fn a_tool_call_is_an_execute_tool_span_the_tool_saw() {
 async fn a_spawn_has_its_span_and_the_childs_attempt_continues_it() {
     let env = TestEnv::new().await;
     let receiver = Receiver::start();
-    let endpoint = receiver.endpoint();
-    let config = TelemetryConfig::from_lookup(|k| match k {
-        "OTEL_EXPORTER_OTLP_ENDPOINT" => Some(endpoint.clone()),
-        "OTEL_SERVICE_NAME" => Some("onceflow-it".to_owned()),
-        _ => None,
-    })
-    .unwrap();
-    let telemetry = Arc::new(Telemetry::new(config).unwrap());
-    let mut registry = onceflow_engine::Registry::new();
-    registry.register(onceflow_workflows::Completion::default());
-    registry.register(crate::children::FanOut);
+    let telemetry = exporting_to(&receiver);
     let mut config = env.config();
     config.telemetry = telemetry.clone();
-    let engine = env.start(registry, config);
-    env.submit_job(onceflow_engine::intake::NewJob {
-        tags: Default::default(),
-        id: "traced-parent".into(),
-        workflow: "test.fan_out".into(),
-        workflow_version: 1,
-        input: json!({ "prompts": ["a", "b"] }),
-        webhook_url: env.consumer.url(),
-        schedule: Default::default(),
-    })
+    let engine = env.start(crate::children::registry(), config);
+    env.submit_job(crate::children::parent(
+        &env,
+        "traced-parent",
+        &["a", "b"],
+        None,
+    ))
     .await;
     env.wait_for("traced-parent", JobState::Acked, WAIT).await;
     engine.shutdown();

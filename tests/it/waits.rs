@@ -980,6 +980,25 @@ impl Workflow for GoTwice {
     }
 }
 
+fn go_twice() -> Registry {
+    let mut registry = Registry::new();
+    registry.register(GoTwice);
+    registry
+}
+
+async fn submit_go_twice(env: &TestEnv, id: &str) {
+    env.submit_job(NewJob {
+        tags: Default::default(),
+        id: id.to_owned(),
+        workflow: GoTwice::NAME.to_owned(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+}
+
 /// Two decisions sent at once for one wait (its `until`), under different
 /// ids (two operators, a client retrying with a fresh id): one is recorded,
 /// the other is refused `409` (`wait_decided`, or `not_waiting` once the
@@ -988,22 +1007,9 @@ impl Workflow for GoTwice {
 #[actix_rt::test]
 async fn a_decision_for_one_wait_is_never_taken_by_a_later_wait() {
     let env = TestEnv::new().await;
-    let mut registry = Registry::new();
-    registry.register(GoTwice);
-    let _engine = env.start(registry, env.config());
-    let mut api = Registry::new();
-    api.register(GoTwice);
-    let base = serve_api(env.store.clone(), api, None);
-    env.submit_job(NewJob {
-        tags: Default::default(),
-        id: "go2".to_owned(),
-        workflow: GoTwice::NAME.to_owned(),
-        workflow_version: 1,
-        input: json!({}),
-        webhook_url: env.consumer.url(),
-        schedule: Default::default(),
-    })
-    .await;
+    let _engine = env.start(go_twice(), env.config());
+    let base = serve_api(env.store.clone(), go_twice(), None);
+    submit_go_twice(&env, "go2").await;
     let until = wait_for_wait(&env, "go2", "signal").await["until"].clone();
     let one = json!({ "id": "op-1", "payload": 1, "until": until });
     let two = json!({ "id": "op-2", "payload": 2, "until": until });
@@ -1614,23 +1620,10 @@ async fn an_idle_node_issues_only_its_timer_poll() {
 async fn a_decision_with_until_is_refused_for_another_wait_by_client_and_cli() {
     use onceflow::{Client, ClientError};
     let env = TestEnv::new().await;
-    let mut registry = Registry::new();
-    registry.register(GoTwice);
-    let engine = env.start(registry, env.config());
-    let mut api = Registry::new();
-    api.register(GoTwice);
-    let base = serve_api(env.store.clone(), api, None);
+    let engine = env.start(go_twice(), env.config());
+    let base = serve_api(env.store.clone(), go_twice(), None);
     for id in ["typed", "cli", "untimed"] {
-        env.submit_job(NewJob {
-            tags: Default::default(),
-            id: id.to_owned(),
-            workflow: GoTwice::NAME.to_owned(),
-            workflow_version: 1,
-            input: json!({}),
-            webhook_url: env.consumer.url(),
-            schedule: Default::default(),
-        })
-        .await;
+        submit_go_twice(&env, id).await;
     }
     let mut untils = std::collections::HashMap::new();
     for id in ["typed", "cli", "untimed"] {
@@ -1726,9 +1719,7 @@ async fn a_decision_with_until_is_refused_for_another_wait_by_client_and_cli() {
         "{body}"
     );
 
-    let mut registry = Registry::new();
-    registry.register(GoTwice);
-    let _again = env.start(registry, env.config());
+    let _again = env.start(go_twice(), env.config());
     for (id, first) in [("typed", 1), ("cli", 5), ("untimed", 9)] {
         let job = env.wait_for(id, JobState::Acked, WAIT).await;
         assert_eq!(job.result.unwrap(), json!([first, null]), "{id}");

@@ -612,14 +612,12 @@ pub(crate) async fn intake_on(
                      least(coalesce(k.key_concurrency, i.key_limit, 1), \
                            coalesce(i.key_limit, k.key_concurrency, 1)) END, \
                  CASE WHEN i.request ? 'concurrency_key' THEN \
-                     CASE WHEN wf.slower THEN i.t_starts ELSE k.key_throttle END END, \
+                     coalesce(least(i.t_starts, k.key_throttle), i.t_starts, k.key_throttle) END, \
                  CASE WHEN i.request ? 'concurrency_key' THEN \
-                     CASE WHEN wf.slower THEN i.t_period ELSE k.key_throttle_period_s END END \
+                     coalesce(greatest(i.t_period, k.key_throttle_period_s), \
+                              i.t_period, k.key_throttle_period_s) END \
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
                  LEFT JOIN api_tokens k ON k.id = i.owner_token \
-                 CROSS JOIN LATERAL (SELECT i.t_starts IS NOT NULL AND (k.key_throttle IS NULL \
-                     OR i.t_starts::float8 / i.t_period \
-                        <= k.key_throttle::float8 / k.key_throttle_period_s) AS slower) wf \
              ORDER BY i.id \
              ON CONFLICT (id) DO NOTHING \
              RETURNING id, created_at, incarnation, run_at, lease_epoch, attempts, \

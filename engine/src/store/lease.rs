@@ -159,9 +159,12 @@ macro_rules! runnable {
 /// - `lines`: each ready tenant's first `limit` runnable jobs in its own
 ///   order (priority, then due time); `krn` numbers, within its key, the
 ///   jobs of a key that need a new slot, and `trn` those of a throttled
-///   key that have never started (a start slot each).
+///   key that have never started (a start slot each); `key_t_*` is the
+///   throttle of the first of them.
 /// - `heads`: the lines without the keyed jobs their key has no free slot
-///   (or start slot) for (so a busy key neither holds back its tenant's other jobs nor
+///   (or start slot) for, nor those whose throttle is not the one of their
+///   key's first job (one statement gives a key's start slots under one
+///   throttle only: two lists of free slots could name the same slot) (so a busy key neither holds back its tenant's other jobs nor
 ///   counts against the tenant's turns); `rn` is a job's place in its
 ///   tenant's line.
 /// - `ranked`: a job's turn is its tenant's pass plus `(rn - 1) / weight`;
@@ -207,7 +210,9 @@ const ACQUIRE: &str = concat!(
              CASE WHEN c.t_limit IS NOT NULL AND c.own_tslot IS NULL THEN \
                  row_number() OVER (PARTITION BY c.tenant, c.concurrency_key, \
                                         c.t_limit IS NOT NULL AND c.own_tslot IS NULL \
-                                    ORDER BY c.priority DESC, c.run_at, c.id) END AS trn \
+                                    ORDER BY c.priority DESC, c.run_at, c.id) END AS trn, \
+             first_value(c.t_limit) OVER key_line AS key_t_limit, \
+             first_value(c.t_period) OVER key_line AS key_t_period \
          FROM ready t CROSS JOIN LATERAL ( \
              SELECT j.id, j.tenant, j.priority, j.run_at, j.lease_epoch, j.concurrency_key, \
                  coalesce(j.concurrency_limit, 1) AS key_limit, j.key_slot AS own_slot, \
@@ -215,15 +220,19 @@ const ACQUIRE: &str = concat!(
                  j.throttle_slot AS own_tslot \
              FROM jobs j WHERE j.tenant = t.tenant AND ",
     runnable!(),
-    " ORDER BY j.priority DESC, j.run_at LIMIT $2) c), \
+    " ORDER BY j.priority DESC, j.run_at LIMIT $2) c \
+         WINDOW key_line AS (PARTITION BY c.tenant, c.concurrency_key, \
+                                 c.t_limit IS NOT NULL AND c.own_tslot IS NULL \
+                             ORDER BY c.priority DESC, c.run_at, c.id)), \
      heads AS ( \
          SELECT l.*, row_number() OVER (PARTITION BY l.tenant ORDER BY l.priority DESC, l.run_at, l.id) AS rn \
          FROM lines l \
          WHERE (l.krn IS NULL OR l.krn <= l.key_limit - (SELECT count(*) FROM jobs k \
              WHERE k.tenant = l.tenant AND k.concurrency_key = l.concurrency_key \
                AND k.key_slot IS NOT NULL)) \
-           AND (l.trn IS NULL OR l.trn <= (SELECT count(*) FROM throttle_free_slots( \
-               l.tenant, l.concurrency_key, l.t_limit, l.t_period)))), \
+           AND (l.trn IS NULL OR (l.t_limit = l.key_t_limit AND l.t_period = l.key_t_period \
+               AND l.trn <= (SELECT count(*) FROM throttle_free_slots( \
+                   l.tenant, l.concurrency_key, l.t_limit, l.t_period))))), \
      ranked AS ( \
          SELECT h.*, h.pass + (h.rn - 1) / h.weight AS turn, \
              CASE WHEN h.tenant = 0 THEN greatest(h.priority, 0) ELSE 0 END AS cut \
@@ -267,7 +276,7 @@ const ACQUIRE: &str = concat!(
          throttle_slot = coalesce(j.throttle_slot, picked.tslot), \
          throttle_gen = coalesce(j.throttle_gen, picked.tgen), \
          throttle_at = CASE WHEN j.throttle_slot IS NULL AND picked.tslot IS NOT NULL \
-             THEN now() ELSE j.throttle_at END, \
+             THEN clock_timestamp() ELSE j.throttle_at END, \
          waiting = CASE WHEN j.id IN (SELECT job_id FROM fired) OR j.waiting->>'kind' = 'budget' \
              THEN NULL ELSE j.waiting END \
      FROM picked WHERE j.id = picked.id \

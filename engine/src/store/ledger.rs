@@ -479,7 +479,8 @@ impl Store {
         // epoch), so a resubmission is a new incarnation with keys of its own
         // and epochs that continue. A child job stays while its parent is
         // live or dead (a redrive): the parent's replay must find it, not
-        // start it again.
+        // start it again. A job stamped with a throttle's start stays while
+        // its period runs: its row is what counts the start.
         let purged: Count = sql("WITH gone AS ( \
                  DELETE FROM jobs WHERE id IN ( \
                      SELECT id FROM jobs \
@@ -488,6 +489,8 @@ impl Store {
                            * interval '1 millisecond' \
                        AND NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = jobs.parent_id \
                            AND (p.finished_at IS NULL OR p.state = 'dead')) \
+                       AND (throttle_at IS NULL \
+                           OR throttle_at <= now() - make_interval(secs => throttle_period_s)) \
                      ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
                  RETURNING id, incarnation, lease_epoch), \
              tombstones AS ( \
