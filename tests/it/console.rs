@@ -181,6 +181,13 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
     )
     .await;
     let token = env.store.create_token("console", true).await.unwrap();
+    // A tenant with a daily budget: the header shows what it spent today.
+    env.store.create_token("budgeted", false).await.unwrap();
+    let budget = onceflow_engine::store::tokens::Share {
+        daily_token_budget: Some(5000),
+        ..Default::default()
+    };
+    env.store.set_token_share("budgeted", budget).await.unwrap();
     env.consumer
         .push_for("ui-dead", Behaviour::Status(410, None));
     env.consumer
@@ -229,6 +236,13 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
                 == "console")
             .await,
         "the list names the token (the tenant) that submitted each job"
+    );
+    assert!(
+        browser
+            .wait_text("#budgets li[data-token=\"budgeted\"]", |t| t
+                == "budgeted: 0 of 5000 model tokens today")
+            .await,
+        "the header shows each budget's spend today"
     );
     assert!(
         browser

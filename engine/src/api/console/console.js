@@ -175,6 +175,17 @@ async function loadCounts() {
     li.appendChild(a);
     list.appendChild(li);
   }
+  // Each token with a daily model-token budget: what it spent today (UTC).
+  const budgets = $("budgets");
+  budgets.replaceChildren();
+  for (const b of stats.budgets || []) {
+    const li = document.createElement("li");
+    li.dataset.token = b.token;
+    li.textContent = `${b.token}: ${b.spent_today} of ${b.daily_budget} model tokens today`;
+    if (b.spent_today >= b.daily_budget) li.className = "spent";
+    budgets.appendChild(li);
+  }
+  budgets.hidden = budgets.children.length === 0;
 }
 
 async function loadList(cursor) {
