@@ -41,38 +41,7 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
                 config.node_id
             );
         };
-        // Off loopback, tokens are required, and there must be one to use.
-        let loopback = args.listen.ip().is_loopback();
-        let tokens = store.tokens_exist().await.context("reading the API tokens")?;
-        if !loopback && !tokens {
-            anyhow::bail!(
-                "refusing to listen on {} without API tokens: anyone who reaches the port could \
-                 spend your model budget and read every job. Create one first \
-                 (`onceflow token create --name NAME`, sent as `Authorization: Bearer <token>`), \
-                 or listen on 127.0.0.1 for development",
-                args.listen
-            );
-        }
-        if loopback && !tokens {
-            tracing::warn!(
-                listen = %args.listen,
-                "DEVELOPMENT MODE: no API tokens exist, so the API answers anyone on this machine \
-                 without one. Create a token (`onceflow token create --name NAME`) and every \
-                 request will need it"
-            );
-        }
-        let unkeyed = store
-            .tokens_without_secret()
-            .await
-            .context("reading the API tokens")?;
-        if !unkeyed.is_empty() {
-            tracing::warn!(
-                tokens = %unkeyed.join(", "),
-                "these tokens have no webhook signing secret of their own, so their jobs are \
-                 signed with ONCEFLOW_WEBHOOK_SECRET, which every tenant's consumer trusts; give \
-                 each one its own with `onceflow token secret rotate NAME`"
-            );
-        }
+        let loopback = check_tokens(&store, args.listen).await?;
         registry.with_failure_events(args.failure_events);
         let config_guard = config.url_guard.clone();
         let config_secret = config.webhook_secret.clone();
@@ -85,26 +54,16 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
             tracing::warn!("ONCEFLOW_ALLOW_PRIVATE_URLS is set: webhooks and tools may reach loopback, private and link-local addresses (the SSRF guard is off). For local development and tests only");
         }
         let draining = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let state = ApiState {
+        let state = api_state(
+            &args,
             store,
             registry,
-            body_limit: args.body_limit,
-            telemetry: telemetry.clone(),
-            url_guard: config_guard,
-            hosts: api::Hosts::for_listen(args.listen, &args.allowed_hosts),
-            auth: api::Auth::Tokens { loopback },
-            limits: {
-                let mut limits = api::Bounds::backlog(args.max_backlog, args.max_backlog_per_token);
-                limits.max_streams = args.max_streams;
-                limits.max_streams_per_token = args.max_streams_per_token;
-                limits.min_schedule_interval = args.min_schedule_interval;
-                limits
-            },
-            draining: draining.clone(),
-            trace_url: args.trace_url.clone(),
-            // A job this node has room for runs here without a queue round trip.
-            handoff: Some(engine.handoff()),
-        };
+            telemetry.clone(),
+            config_guard,
+            loopback,
+            draining.clone(),
+            engine.handoff(),
+        );
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))
         })
@@ -136,20 +95,7 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
                 };
             }
         }
-        // Drain: no new jobs (intake and /healthz answer 503), requests in
-        // flight answered and recorded, then the leases handed over.
-        draining.store(true, std::sync::atomic::Ordering::Release);
-        tracing::info!(
-            timeout_s = args.drain_timeout.as_secs_f64(),
-            "draining: taking no new work; requests in flight finish and are recorded"
-        );
-        match engine.drain(args.drain_timeout).await {
-            Ok(released) => tracing::info!(
-                released,
-                "drained: leases released, other nodes resume those jobs at once"
-            ),
-            Err(e) => tracing::warn!(error = %e, "could not release the leases; they will expire"),
-        }
+        drain(&engine, &draining, args.drain_timeout).await;
         http.stop(true).await;
         let _ = serving.await;
         anyhow::Ok(())
@@ -184,4 +130,103 @@ pub fn migrate(args: DbArgs) -> anyhow::Result<()> {
         let _ = pg.stop();
     }
     result
+}
+
+/// The API's tokens as this node starts: off loopback, tokens are required
+/// and there must be one to use; on loopback without any, development mode
+/// (said loudly); tokens without a signing secret of their own, named.
+/// Returns whether the node listens on loopback.
+async fn check_tokens(store: &Store, listen: std::net::SocketAddr) -> anyhow::Result<bool> {
+    // Off loopback, tokens are required, and there must be one to use.
+    let loopback = listen.ip().is_loopback();
+    let tokens = store
+        .tokens_exist()
+        .await
+        .context("reading the API tokens")?;
+    if !loopback && !tokens {
+        anyhow::bail!(
+            "refusing to listen on {} without API tokens: anyone who reaches the port could \
+             spend your model budget and read every job. Create one first \
+             (`onceflow token create --name NAME`, sent as `Authorization: Bearer <token>`), \
+             or listen on 127.0.0.1 for development",
+            listen
+        );
+    }
+    if loopback && !tokens {
+        tracing::warn!(
+            listen = %listen,
+            "DEVELOPMENT MODE: no API tokens exist, so the API answers anyone on this machine \
+             without one. Create a token (`onceflow token create --name NAME`) and every \
+             request will need it"
+        );
+    }
+    let unkeyed = store
+        .tokens_without_secret()
+        .await
+        .context("reading the API tokens")?;
+    if !unkeyed.is_empty() {
+        tracing::warn!(
+            tokens = %unkeyed.join(", "),
+            "these tokens have no webhook signing secret of their own, so their jobs are \
+             signed with ONCEFLOW_WEBHOOK_SECRET, which every tenant's consumer trusts; give \
+             each one its own with `onceflow token secret rotate NAME`"
+        );
+    }
+    Ok(loopback)
+}
+
+/// The API's state: its bounds from the flags, tokens required (but on
+/// loopback while none exist), and new jobs handed to this node's engine.
+#[allow(clippy::too_many_arguments)]
+fn api_state(
+    args: &ServeArgs,
+    store: Store,
+    registry: onceflow_engine::Registry,
+    telemetry: Arc<Telemetry>,
+    url_guard: onceflow_engine::UrlGuard,
+    loopback: bool,
+    draining: Arc<std::sync::atomic::AtomicBool>,
+    handoff: onceflow_engine::handoff::Handoff,
+) -> ApiState {
+    ApiState {
+        store,
+        registry,
+        body_limit: args.body_limit,
+        telemetry,
+        url_guard,
+        hosts: api::Hosts::for_listen(args.listen, &args.allowed_hosts),
+        auth: api::Auth::Tokens { loopback },
+        limits: {
+            let mut limits = api::Bounds::backlog(args.max_backlog, args.max_backlog_per_token);
+            limits.max_streams = args.max_streams;
+            limits.max_streams_per_token = args.max_streams_per_token;
+            limits.min_schedule_interval = args.min_schedule_interval;
+            limits
+        },
+        draining,
+        trace_url: args.trace_url.clone(),
+        // A job this node has room for runs here without a queue round trip.
+        handoff: Some(handoff),
+    }
+}
+
+/// Drains the node: no new jobs (intake and /healthz answer 503), requests
+/// in flight answered and recorded, then the leases handed over.
+async fn drain(
+    engine: &Engine,
+    draining: &std::sync::atomic::AtomicBool,
+    timeout: std::time::Duration,
+) {
+    draining.store(true, std::sync::atomic::Ordering::Release);
+    tracing::info!(
+        timeout_s = timeout.as_secs_f64(),
+        "draining: taking no new work; requests in flight finish and are recorded"
+    );
+    match engine.drain(timeout).await {
+        Ok(released) => tracing::info!(
+            released,
+            "drained: leases released, other nodes resume those jobs at once"
+        ),
+        Err(e) => tracing::warn!(error = %e, "could not release the leases; they will expire"),
+    }
 }
