@@ -423,115 +423,131 @@ impl JobRun {
                     return self.settled(Checkpoint::Moved, JobState::Dead, "dead");
                 }
                 DeliveryStart::Send { attempt, url, body } => {
-                    let mut span = step(Some(attempt));
-                    let sender = webhook::Sender {
-                        client: &self.shared.client,
-                        guard: &config.url_guard,
-                        secret: secret.as_deref(),
-                        timeout: config.webhook_timeout,
-                    };
-                    let sent = webhook::send(
-                        sender,
-                        &url,
-                        &key,
-                        &body,
-                        &span.traceparent(),
-                        &self.shared.faults,
-                        &self.fence.job_id,
-                    )
-                    .await;
-                    let failure = match sent {
-                        Ok(status) => {
-                            span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
-                            // One commit records the delivery and the ack.
-                            let ack = self.ctx.scope.step(
-                                SPAN_ACK,
-                                SpanKind::Internal,
-                                vec![
-                                    KeyValue::new(TRANSITION, "delivered->acked"),
-                                    KeyValue::new(SHARED_COMMIT, true),
-                                ],
-                            );
-                            let c = store
-                                .mark_delivered(
-                                    &self.fence,
-                                    &key,
-                                    i32::from(status),
-                                    &self.shared.faults,
-                                )
-                                .await?;
-                            if c == Checkpoint::Moved {
-                                metrics.delivery(OUTCOME_DELIVERED);
-                            }
-                            span.end(checkpoint_outcome(c));
-                            ack.end(checkpoint_outcome(c));
-                            return self.settled(c, JobState::Acked, "delivered");
-                        }
-                        Err(PostError::Injected(i)) => {
-                            // A failpoint after the send: to the engine, a lost answer.
-                            if matches!(i, Injected::Fail(_)) {
-                                metrics.delivery(OUTCOME_RETRIED);
-                                span.end(OUTCOME_RETRIED);
-                            }
-                            return Err(i.into());
-                        }
-                        Err(PostError::Failed(f)) => f,
-                    };
-                    let error = failure.envelope();
-                    if let Some(status) = failure.status() {
-                        span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
-                    }
-                    span.set(KeyValue::new(ERROR_CODE, error.code.clone()));
-                    let sends = attempt.max(1) as u32;
-                    let verdict = on_send_failure(
-                        self.workflow.delivery_policy(),
-                        SendFailure {
-                            may_have_arrived: !failure.never_sent(),
-                            retryable: failure.is_retryable(),
-                            sends,
-                        },
-                        &config.webhook_retry,
-                    );
-                    let closes = verdict.closes(&error.code, sends);
-                    metrics.delivery(if closes.is_some() {
-                        OUTCOME_DEAD
-                    } else {
-                        OUTCOME_RETRIED
-                    });
-                    span.end(if closes.is_some() {
-                        OUTCOME_FAILED
-                    } else {
-                        OUTCOME_RETRIED
-                    });
-                    // The failure's record and, when the job is over, its
-                    // death: one transaction, so no interleaving leaves a
-                    // row that looks unsent under a dead-end job.
-                    let kill = closes.as_ref().map(|(outbox_status, reason)| KillWith {
-                        reason,
-                        outbox_status: *outbox_status,
-                    });
-                    let c = store
-                        .fail_delivery(
-                            &self.fence,
-                            &key,
-                            &FailedSend {
-                                error: error.clone(),
-                                status: failure.status().map(i32::from),
-                            },
-                            kill,
-                        )
-                        .await?;
-                    if kill.is_some() || c != Checkpoint::Moved {
-                        return self.settled(c, JobState::Dead, "dead");
-                    }
-                    return Err(StepError::Retry {
-                        error,
-                        attempt: attempt.max(1) as u32,
-                        retry_after: failure.retry_after(),
-                    });
+                    let span = step(Some(attempt));
+                    return self
+                        .send_webhook(&key, attempt, &url, &body, secret.as_deref(), span)
+                        .await;
                 }
             }
         }
+    }
+
+    /// Sends the completion webhook (send `attempt` under `key`), then
+    /// records what came of it: delivered and acked in one commit; or the
+    /// failure, with the job's death when its delivery policy says the
+    /// delivery is over (one transaction), else a retry.
+    async fn send_webhook(
+        &self,
+        key: &str,
+        attempt: i32,
+        url: &str,
+        body: &Value,
+        secret: Option<&webhook::WebhookSecret>,
+        mut span: crate::attempt_spans::StepSpan,
+    ) -> Result<JobState, StepError> {
+        let store = &self.shared.store;
+        let config = &self.shared.config;
+        let metrics = self.ctx.scope.metrics().clone();
+        let sender = webhook::Sender {
+            client: &self.shared.client,
+            guard: &config.url_guard,
+            secret,
+            timeout: config.webhook_timeout,
+        };
+        let sent = webhook::send(
+            sender,
+            url,
+            key,
+            body,
+            &span.traceparent(),
+            &self.shared.faults,
+            &self.fence.job_id,
+        )
+        .await;
+        let failure = match sent {
+            Ok(status) => {
+                span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
+                // One commit records the delivery and the ack.
+                let ack = self.ctx.scope.step(
+                    SPAN_ACK,
+                    SpanKind::Internal,
+                    vec![
+                        KeyValue::new(TRANSITION, "delivered->acked"),
+                        KeyValue::new(SHARED_COMMIT, true),
+                    ],
+                );
+                let c = store
+                    .mark_delivered(&self.fence, key, i32::from(status), &self.shared.faults)
+                    .await?;
+                if c == Checkpoint::Moved {
+                    metrics.delivery(OUTCOME_DELIVERED);
+                }
+                span.end(checkpoint_outcome(c));
+                ack.end(checkpoint_outcome(c));
+                return self.settled(c, JobState::Acked, "delivered");
+            }
+            Err(PostError::Injected(i)) => {
+                // A failpoint after the send: to the engine, a lost answer.
+                if matches!(i, Injected::Fail(_)) {
+                    metrics.delivery(OUTCOME_RETRIED);
+                    span.end(OUTCOME_RETRIED);
+                }
+                return Err(i.into());
+            }
+            Err(PostError::Failed(f)) => f,
+        };
+        let error = failure.envelope();
+        if let Some(status) = failure.status() {
+            span.set(KeyValue::new(HTTP_STATUS, i64::from(status)));
+        }
+        span.set(KeyValue::new(ERROR_CODE, error.code.clone()));
+        let sends = attempt.max(1) as u32;
+        let verdict = on_send_failure(
+            self.workflow.delivery_policy(),
+            SendFailure {
+                may_have_arrived: !failure.never_sent(),
+                retryable: failure.is_retryable(),
+                sends,
+            },
+            &config.webhook_retry,
+        );
+        let closes = verdict.closes(&error.code, sends);
+        metrics.delivery(if closes.is_some() {
+            OUTCOME_DEAD
+        } else {
+            OUTCOME_RETRIED
+        });
+        span.end(if closes.is_some() {
+            OUTCOME_FAILED
+        } else {
+            OUTCOME_RETRIED
+        });
+        // The failure's record and, when the job is over, its
+        // death: one transaction, so no interleaving leaves a
+        // row that looks unsent under a dead-end job.
+        let kill = closes.as_ref().map(|(outbox_status, reason)| KillWith {
+            reason,
+            outbox_status: *outbox_status,
+        });
+        let c = store
+            .fail_delivery(
+                &self.fence,
+                key,
+                &FailedSend {
+                    error: error.clone(),
+                    status: failure.status().map(i32::from),
+                },
+                kill,
+            )
+            .await?;
+        if kill.is_some() || c != Checkpoint::Moved {
+            return self.settled(c, JobState::Dead, "dead");
+        }
+        Err(StepError::Retry {
+            error,
+            attempt: attempt.max(1) as u32,
+            retry_after: failure.retry_after(),
+        })
     }
 
     async fn current_state(&self) -> Result<JobState, StepError> {
