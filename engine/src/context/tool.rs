@@ -141,7 +141,7 @@ impl Context {
         F: FnOnce(ToolInvocation) -> Fut,
         Fut: std::future::Future<Output = Result<String, StepError>>,
     {
-        use crate::store::ledger::{Position, ToolCallSpec, ToolCallStart};
+        use crate::store::ledger::{Position, ToolCallSpec};
         let position = Position { turn, index };
         let hash = canonical_hash(arguments);
         let spec = ToolCallSpec {
@@ -165,7 +165,7 @@ impl Context {
         self.follow_journal(&format!("tool:{turn}:{index}"), &key, false)
             .await?;
         let metrics = self.scope.metrics().clone();
-        let mut span = self.scope.step(
+        let span = self.scope.step(
             SPAN_TOOL,
             SpanKind::Client,
             vec![
@@ -176,44 +176,9 @@ impl Context {
                 KeyValue::new(GEN_AI_TOOL_CALL_ID, tool_call_id.to_owned()),
             ],
         );
-        let attempt = loop {
-            self.not_draining()?;
-            match self
-                .store
-                .begin_tool_call(&self.fence, &spec, in_flight_ms)
-                .await?
-            {
-                ToolCallStart::Completed(result) => {
-                    metrics.tool(OUTCOME_REPLAYED);
-                    span.end(OUTCOME_REPLAYED);
-                    self.tool_event(&key, REPLAYED, tool_name, tool_call_id)
-                        .await?;
-                    return Ok(result);
-                }
-                ToolCallStart::Execute { attempt } => break attempt,
-                ToolCallStart::InFlight { .. } => tokio::time::sleep(self.wait_poll).await,
-                ToolCallStart::LeaseLost => {
-                    span.end(OUTCOME_SUPPRESSED);
-                    return Err(StepError::LeaseLost);
-                }
-                ToolCallStart::Conflict {
-                    stored_id,
-                    stored_hash,
-                } => {
-                    metrics.tool(OUTCOME_FAILED);
-                    span.set(KeyValue::new(ERROR_CODE, "tool_call_conflict"));
-                    return Err(StepError::permanent(
-                        "tool_call_conflict",
-                        format!(
-                            "tool call {tool_call_id} at turn {turn}, index {index} does not match the ledger"
-                        ),
-                        format!(
-                            "the ledger holds call {stored_id} with arguments hash {stored_hash}; this call has \
-                             arguments hash {hash}; nothing was executed"
-                        ),
-                    ));
-                }
-            }
+        let (attempt, mut span) = match self.admit_tool(&spec, &key, in_flight_ms, span).await? {
+            Ok(admitted) => admitted,
+            Err(replayed) => return Ok(replayed),
         };
         self.tool_event(&key, STARTED, tool_name, tool_call_id)
             .await?;
@@ -239,15 +204,15 @@ impl Context {
                 metrics.tool(outcome);
                 span.set(KeyValue::new(ERROR_CODE, error.envelope().code));
                 span.end(outcome);
-                if !self
-                    .store
-                    .fail_tool_call(&self.fence, position, &error.envelope(), permanent)
-                    .await?
-                {
-                    return Err(StepError::LeaseLost);
-                }
-                self.tool_event(&key, FAILED, tool_name, tool_call_id)
-                    .await?;
+                self.record_tool_failure(
+                    &key,
+                    position,
+                    &error.envelope(),
+                    permanent,
+                    tool_name,
+                    tool_call_id,
+                )
+                .await?;
                 return Err(match error {
                     StepError::Retry {
                         error, retry_after, ..
@@ -271,14 +236,7 @@ impl Context {
             metrics.tool(OUTCOME_FAILED);
             span.set(KeyValue::new(ERROR_CODE, "invalid_tool_result"));
             span.end(OUTCOME_FAILED);
-            if !self
-                .store
-                .fail_tool_call(&self.fence, position, &error, true)
-                .await?
-            {
-                return Err(StepError::LeaseLost);
-            }
-            self.tool_event(&key, FAILED, tool_name, tool_call_id)
+            self.record_tool_failure(&key, position, &error, true, tool_name, tool_call_id)
                 .await?;
             return Err(StepError::Permanent {
                 reason: format!("invalid tool result ({tool_name})"),
@@ -301,5 +259,81 @@ impl Context {
         self.tool_event(&key, FINISHED, tool_name, tool_call_id)
             .await?;
         Ok(result)
+    }
+
+    /// Waits until the ledger admits the call: `Ok((attempt, span))`, this
+    /// attempt executes it (under the tool's span); `Err(result)`, it was
+    /// done before (a replay, its result journaled); a conflict with the
+    /// ledger fails it for good.
+    async fn admit_tool(
+        &mut self,
+        spec: &crate::store::ledger::ToolCallSpec<'_>,
+        key: &str,
+        in_flight_ms: i64,
+        mut span: crate::attempt_spans::StepSpan,
+    ) -> Result<Result<(i32, crate::attempt_spans::StepSpan), String>, StepError> {
+        use crate::store::ledger::ToolCallStart;
+        let (turn, index) = (spec.position.turn, spec.position.index);
+        let (tool_call_id, hash) = (spec.tool_call_id, spec.arguments_hash);
+        loop {
+            self.not_draining()?;
+            match self
+                .store
+                .begin_tool_call(&self.fence, spec, in_flight_ms)
+                .await?
+            {
+                ToolCallStart::Completed(result) => {
+                    self.scope.metrics().tool(OUTCOME_REPLAYED);
+                    span.end(OUTCOME_REPLAYED);
+                    self.tool_event(key, REPLAYED, spec.tool_name, spec.tool_call_id)
+                        .await?;
+                    return Ok(Err(result));
+                }
+                ToolCallStart::Execute { attempt } => return Ok(Ok((attempt, span))),
+                ToolCallStart::InFlight { .. } => tokio::time::sleep(self.wait_poll).await,
+                ToolCallStart::LeaseLost => {
+                    span.end(OUTCOME_SUPPRESSED);
+                    return Err(StepError::LeaseLost);
+                }
+                ToolCallStart::Conflict {
+                    stored_id,
+                    stored_hash,
+                } => {
+                    self.scope.metrics().tool(OUTCOME_FAILED);
+                    span.set(KeyValue::new(ERROR_CODE, "tool_call_conflict"));
+                    return Err(StepError::permanent(
+                        "tool_call_conflict",
+                        format!(
+                            "tool call {tool_call_id} at turn {turn}, index {index} does not match the ledger"
+                        ),
+                        format!(
+                            "the ledger holds call {stored_id} with arguments hash {stored_hash}; this call has \
+                             arguments hash {hash}; nothing was executed"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Records a tool call's failure in the ledger (fenced; `permanent`:
+    /// never run again) and its `failed` event.
+    async fn record_tool_failure(
+        &mut self,
+        key: &str,
+        position: crate::store::ledger::Position,
+        error: &crate::error::ErrorEnvelope,
+        permanent: bool,
+        tool_name: &str,
+        tool_call_id: &str,
+    ) -> Result<(), StepError> {
+        if !self
+            .store
+            .fail_tool_call(&self.fence, position, error, permanent)
+            .await?
+        {
+            return Err(StepError::LeaseLost);
+        }
+        self.tool_event(key, FAILED, tool_name, tool_call_id).await
     }
 }
