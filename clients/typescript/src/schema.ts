@@ -967,8 +967,9 @@ export interface components {
              *     at once, across every node. The limit is fixed at intake; a job
              *     starts only while fewer than its own limit of the key's jobs run.
              *     The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
-             *     A throttle (the token's `--key-throttle`, or the workflow's; the
-             *     slower of the two) also bounds how many of the key's jobs start per
+             *     A throttle (the token's `--key-throttle`, or the workflow's; with
+             *     both, the fewer starts over the longer period) also bounds how many
+             *     of the key's jobs start per
              *     period: the rest wait, shown as `waiting: {"kind": "throttle",
              *     "key", "until"}` (never a 429).
              */
@@ -1043,8 +1044,9 @@ export interface components {
              *     at once, across every node. The limit is fixed at intake; a job
              *     starts only while fewer than its own limit of the key's jobs run.
              *     The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
-             *     A throttle (the token's `--key-throttle`, or the workflow's; the
-             *     slower of the two) also bounds how many of the key's jobs start per
+             *     A throttle (the token's `--key-throttle`, or the workflow's; with
+             *     both, the fewer starts over the longer period) also bounds how many
+             *     of the key's jobs start per
              *     period: the rest wait, shown as `waiting: {"kind": "throttle",
              *     "key", "until"}` (never a 429).
              */
