@@ -662,6 +662,17 @@ class AsyncClient:
     async def get_schedule(self, id: str) -> Schedule:
         return await self._call(_Calls.get_schedule(id))
 
+    async def schedules(self, page_size: int = 100) -> AsyncIterator[Schedule]:
+        """See ``Client.schedules``."""
+        params = {"limit": str(page_size)}
+        while True:
+            page = await self._call(_Req("GET", "/v1/schedules", params=dict(params)))
+            for s in page["schedules"]:
+                yield Schedule(s)
+            if not page.get("next_cursor"):
+                return
+            params["cursor"] = page["next_cursor"]
+
     async def pause_schedule(self, id: str) -> Schedule:
         return await self._call(_Calls.set_paused(id, True))
 

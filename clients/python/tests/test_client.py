@@ -379,6 +379,9 @@ def test_the_async_client_submits_follows_waits_lists_signals_and_cancels(node):
             assert "py-async" in ids
             later = await client.submit("py-async-later", "completion", completion("x"), hook, delay_ms=3_600_000)
             assert (await client.signal(later.id, "go", "a-1", 1)).id == "a-1"
+            made = await client.create_schedule("py-async-nightly", "0 3 * * *", "completion", completion("n"))
+            assert [x.id async for x in client.schedules(page_size=1) if x.id == made.id] == [made.id]
+            await client.delete_schedule(made.id)
             cancelled = await client.cancel(later.id, reason="not needed")
             assert cancelled.state == "cancelled"
             try:
