@@ -9,9 +9,9 @@ ALTER TABLE api_tokens ADD COLUMN key_throttle_period_s INTEGER
 ALTER TABLE api_tokens ADD CONSTRAINT api_tokens_key_throttle_whole
     CHECK ((key_throttle IS NULL) = (key_throttle_period_s IS NULL));
 
--- A keyed job's throttle, fixed at intake (the workflow's or its token's,
--- the slower of the two), and its place in it once it started: a key has
--- `throttle_limit` start slots, and slot s is free again `throttle_period_s`
+-- A keyed job's throttle, fixed at intake (the workflow's or its token's;
+-- with both, the fewer starts over the longer period), and its place in it
+-- once it started: a key has `throttle_limit` start slots, and slot s is free again `throttle_period_s`
 -- after its latest start (`throttle_at`). Each start of a slot takes the
 -- next generation, so the unique index decides a race between two nodes
 -- for one slot (the later acquire fails and is run again). A job keeps its
