@@ -18,6 +18,7 @@ use diesel_async::{AsyncConnection, RunQueryDsl};
 use serde_json::{json, Value};
 
 use super::group_writes::{intake_on, NewRow};
+use super::rows::NEW_JOB_CHANNEL;
 use super::sql::sql;
 use super::waits::WaitStep;
 use super::{Fence, Store};
@@ -116,6 +117,8 @@ impl Store {
             error: Option<Value>,
             #[diesel(sql_type = Nullable<Text>)]
             dead_reason: Option<String>,
+            #[diesel(sql_type = Bool)]
+            queued: bool,
         }
         retrying!(self, "join_children", async || {
             let mut conn = self.db().conn().await?;
@@ -143,7 +146,9 @@ impl Store {
                 // and one that finished first is read finished.
                 let rows: Vec<ChildRow> = sql(
                     "SELECT j.id, j.state::text AS state, j.finished_at IS NOT NULL AS finished, \
-                         r.output AS result, j.last_error AS error, j.dead_reason \
+                         r.output AS result, j.last_error AS error, j.dead_reason, \
+                         j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
+                             AS queued \
                      FROM jobs j LEFT JOIN results r ON r.job_id = j.id \
                      WHERE j.id = ANY($1) AND j.parent_id = $2 \
                      ORDER BY j.id FOR SHARE OF j",
@@ -174,6 +179,19 @@ impl Store {
                     });
                     super::waits::close_wait(conn, &fence.job_id, key, &outcome).await?;
                     return Ok(WaitStep::Done(outcome));
+                }
+                // An acquire that met a queued child's row under this
+                // share lock skipped it (`SKIP LOCKED`): it is announced
+                // again at this commit, or it would wait for the next poll.
+                if pending
+                    .iter()
+                    .any(|id| by_id.get(id.as_str()).is_some_and(|r| r.queued))
+                {
+                    sql("SELECT pg_notify($1, $2)")
+                        .bind::<Text, _>(NEW_JOB_CHANNEL)
+                        .bind::<Text, _>(&fence.job_id)
+                        .execute(conn)
+                        .await?;
                 }
                 let waiting = json!({
                     "kind": "children",
