@@ -151,11 +151,13 @@ macro_rules! runnable {
 /// - `shares`, `clock`: each such tenant's pass and weight; the clock is
 ///   the latest a tenant that has been taking its turns can be behind
 ///   (its pass less one start), so a pass below it is raised to it.
-/// - `ready`: the `limit` tenants with the earliest pass among those with
-///   a job that may run now (found by one probe each: the tenant's first
-///   such job); tenant 0 (admin tokens, development mode) comes first only
-///   while that job has a priority above 0. No more tenants can start in
-///   one acquire, so no more tenants' lines are read.
+/// - `turns`, `ready`: the tenants in order of pass, then, walking that
+///   order, the first `limit` with a job that may run now (one probe each,
+///   the walk ending at `limit`: with every tenant backlogged, `limit`
+///   probes however many tenants there are); tenant 0 (admin tokens,
+///   development mode) comes first only while its first runnable job has
+///   a priority above 0. No more tenants can start in one acquire, so no
+///   more tenants' lines are read.
 /// - `lines`: each ready tenant's first `limit` runnable jobs in its own
 ///   order (priority, then due time); `krn` numbers, within its key, the
 ///   jobs of a key that need a new slot, and `trn` those of a throttled
@@ -172,10 +174,14 @@ macro_rules! runnable {
 /// - `slotted`: the `krn`-th free slot of its key, or none (the job waits);
 ///   likewise the `trn`-th free start slot, with its next generation
 ///   (`jobs_throttle_slots` decides a race for it, as for a key slot).
-/// - `picked`: the first `limit` by turn, locked; the lease is checked
-///   again on each row's latest version, so a job another node leased
-///   meanwhile is skipped. The rows are found by id through the primary
-///   key (`= ANY`): a join would let the planner hash the whole table.
+/// - `queue`, `locked`, `picked`: the candidates' ids (and the epochs they
+///   were read at) in order of turn, one array each; the first `limit` of
+///   them locked in that order, the lease checked again on each row's
+///   latest version, so a job another node leased meanwhile is skipped.
+///   The rows are found through the primary key by the array (`= ANY`),
+///   one probe per candidate: joined to `slotted` instead, the planner
+///   probed the whole array once per candidate (256 × 256 at 16 tenants)
+///   or could hash the whole table.
 /// - `advanced`: each tenant taken from moves past its last start (never
 ///   back, should two nodes take its jobs at once).
 /// - `fired`, then the update: as before, a due timer's outcome and the
@@ -194,14 +200,19 @@ const ACQUIRE: &str = concat!(
              LEFT JOIN api_tokens w ON w.id = t.tenant AND t.tenant <> 0 \
          WHERE t.tenant IS NOT NULL), \
      clock AS (SELECT coalesce(max(pass - 1 / weight), 0) AS now FROM shares), \
-     ready AS ( \
+     turns AS MATERIALIZED ( \
          SELECT s.tenant, s.weight, greatest(coalesce(s.pass, c.now), c.now) AS pass, \
-             CASE WHEN s.tenant = 0 THEN greatest(top.priority, 0) ELSE 0 END AS cut \
-         FROM shares s CROSS JOIN clock c CROSS JOIN LATERAL ( \
-             SELECT j.priority FROM jobs j WHERE j.tenant = s.tenant AND ",
+             CASE WHEN s.tenant = 0 THEN coalesce(( \
+                 SELECT greatest(j.priority, 0) FROM jobs j WHERE j.tenant = 0 AND ",
     runnable!(),
-    " ORDER BY j.priority DESC, j.run_at LIMIT 1) top \
-         ORDER BY 4 DESC, 3 LIMIT $2), \
+    " ORDER BY j.priority DESC, j.run_at LIMIT 1), 0) ELSE 0 END AS cut \
+         FROM shares s CROSS JOIN clock c ORDER BY 4 DESC, 3), \
+     ready AS ( \
+         SELECT t.* FROM turns t \
+         WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = t.tenant AND ",
+    runnable!(),
+    ") \
+         LIMIT $2), \
      lines AS ( \
          SELECT c.*, t.weight, t.pass, \
              CASE WHEN c.concurrency_key IS NOT NULL AND c.own_slot IS NULL THEN \
@@ -247,19 +258,23 @@ const ACQUIRE: &str = concat!(
              SELECT f.slot AS tslot, f.gen AS tgen \
              FROM throttle_free_slots(r.tenant, r.concurrency_key, r.t_limit, r.t_period) f \
              WHERE r.trn IS NOT NULL ORDER BY f.slot OFFSET r.trn - 1 LIMIT 1) t ON true), \
-     picked AS ( \
-         SELECT j.id, j.lease_owner, j.waiting, s.slot, s.tslot, s.tgen, s.tenant, s.turn, s.weight \
-         FROM jobs j JOIN slotted s ON s.id = j.id \
-         WHERE j.id = ANY (ARRAY(SELECT id FROM slotted \
-                                 WHERE (krn IS NULL OR slot IS NOT NULL) \
-                                   AND (trn IS NULL OR tslot IS NOT NULL))) \
-           AND (s.krn IS NULL OR s.slot IS NOT NULL) AND (s.trn IS NULL OR s.tslot IS NOT NULL) \
-           AND j.lease_epoch = s.lease_epoch AND j.finished_at IS NULL \
+     queue AS ( \
+         SELECT array_agg(id::text ORDER BY cut DESC, turn, priority DESC, run_at) AS ids, \
+             array_agg(lease_epoch ORDER BY cut DESC, turn, priority DESC, run_at) AS epochs \
+         FROM slotted WHERE (krn IS NULL OR slot IS NOT NULL) AND (trn IS NULL OR tslot IS NOT NULL)), \
+     locked AS ( \
+         SELECT j.id, j.lease_owner, j.waiting FROM jobs j \
+         WHERE j.id::text = ANY ((SELECT ids FROM queue)::text[]) \
+           AND j.lease_epoch = (SELECT epochs FROM queue)[array_position((SELECT ids FROM queue), j.id::text)] \
+           AND j.finished_at IS NULL \
            AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
                 OR ($4 AND j.lease_owner = $1)) \
-         ORDER BY s.cut DESC, s.turn, s.priority DESC, s.run_at \
+         ORDER BY array_position((SELECT ids FROM queue), j.id::text) \
          LIMIT $2 \
          FOR UPDATE OF j SKIP LOCKED), \
+     picked AS ( \
+         SELECT l.id, l.lease_owner, l.waiting, s.slot, s.tslot, s.tgen, s.tenant, s.turn, s.weight \
+         FROM locked l JOIN slotted s ON s.id = l.id), \
      advanced AS ( \
          INSERT INTO tenant_turns (tenant, pass) \
          SELECT tenant, max(turn + 1 / weight) FROM picked GROUP BY tenant ORDER BY tenant \
