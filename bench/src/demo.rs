@@ -133,7 +133,7 @@ async fn demo(args: &DemoArgs, database: &onceflow::config::Database) -> anyhow:
             let id = format!("demo-{run_id}-{}-{i:02}", group.prefix);
             (group.inject)(&faults, &consumer, &id);
             store
-                .submit(&onceflow_engine::store::Submission::new(&NewJob {
+                .jobs().submit(&onceflow_engine::store::Submission::new(&NewJob {
                     tags: Default::default(),
                     id: id.clone(),
                     workflow: "completion".to_owned(),
@@ -151,7 +151,12 @@ async fn demo(args: &DemoArgs, database: &onceflow::config::Database) -> anyhow:
     loop {
         let mut finished = 0;
         for (_, id) in &ids {
-            if store.job(id).await?.is_some_and(|j| j.state.is_terminal()) {
+            if store
+                .jobs()
+                .get(id)
+                .await?
+                .is_some_and(|j| j.state.is_terminal())
+            {
                 finished += 1;
             }
         }
@@ -194,7 +199,8 @@ async fn demo(args: &DemoArgs, database: &onceflow::config::Database) -> anyhow:
         let mut keys = HashSet::new();
         for id in &mine {
             if store
-                .job(id)
+                .jobs()
+                .get(id)
                 .await?
                 .is_some_and(|j| j.state == JobState::Acked)
             {

@@ -232,15 +232,16 @@ impl JobRun {
                     Box::pin(self.commit_result(&output)).await?
                 }
                 Step::Claim => {
-                    let output = Box::pin(self.shared.store.result_of(&self.fence.job_id))
-                        .await?
-                        .ok_or_else(|| {
-                            StepError::permanent(
-                                "missing_result",
-                                "persisted without a result row",
-                                "schema invariant broken",
-                            )
-                        })?;
+                    let output =
+                        Box::pin(self.shared.store.journal().result_of(&self.fence.job_id))
+                            .await?
+                            .ok_or_else(|| {
+                                StepError::permanent(
+                                    "missing_result",
+                                    "persisted without a result row",
+                                    "schema invariant broken",
+                                )
+                            })?;
                     Box::pin(self.commit_result(&output)).await?
                 }
                 Step::Deliver => Box::pin(self.deliver()).await?,
@@ -284,7 +285,7 @@ impl JobRun {
             .faults
             .hit(&self.fence.job_id, FailPoint::Ack)
             .await?;
-        let c = self.shared.store.ack(&self.fence).await?;
+        let c = self.shared.store.journal().ack(&self.fence).await?;
         span.end(checkpoint_outcome(c));
         self.settled(c, JobState::Acked, "acked")
     }
@@ -328,6 +329,7 @@ impl JobRun {
         let c = self
             .shared
             .store
+            .journal()
             .commit_result(&self.fence, self.state, output, &claim, &self.shared.faults)
             .await?;
         if let Some(span) = persist {
@@ -360,6 +362,7 @@ impl JobRun {
             // URL and status 0).
             self.first_send = None;
             let c = store
+                .journal()
                 .mark_delivered(&self.fence, &key, 0, &self.shared.faults)
                 .await?;
             return self.settled(c, JobState::Acked, "delivered");
@@ -386,7 +389,7 @@ impl JobRun {
                 // attempt was paused or slow), the fence is read first.
                 Some((url, body, committing)) => {
                     if committing.elapsed() >= self.shared.config.lease / 2
-                        && !store.holds(&self.fence).await?
+                        && !store.leases().holds(&self.fence).await?
                     {
                         return Err(StepError::LeaseLost);
                     }
@@ -398,6 +401,7 @@ impl JobRun {
                 }
                 None => {
                     store
+                        .journal()
                         .begin_delivery(&self.fence, &key, at_most_once, in_flight_ms)
                         .await?
                 }
@@ -477,6 +481,7 @@ impl JobRun {
                     ],
                 );
                 let c = store
+                    .journal()
                     .mark_delivered(&self.fence, key, i32::from(status), &self.shared.faults)
                     .await?;
                 if c == Checkpoint::Moved {
@@ -530,6 +535,7 @@ impl JobRun {
             outbox_status: *outbox_status,
         });
         let c = store
+            .journal()
             .fail_delivery(
                 &self.fence,
                 key,
@@ -553,6 +559,7 @@ impl JobRun {
     async fn current_state(&self) -> Result<JobState, StepError> {
         self.shared
             .store
+            .jobs()
             .state_of(&self.fence.job_id)
             .await?
             .ok_or(StepError::LeaseLost)
@@ -623,6 +630,7 @@ impl JobRun {
             match self
                 .shared
                 .store
+                .leases()
                 .reschedule(
                     &self.fence,
                     delay,
@@ -648,6 +656,7 @@ impl JobRun {
             match self
                 .shared
                 .store
+                .journal()
                 .kill(&self.fence, reason, &error.envelope(), outbox)
                 .await?
             {

@@ -228,7 +228,7 @@ pub(crate) async fn submit(
             .traced(trace)
             .owned(owner, notify)
             .handed_to(hand_to);
-        let Submitted { intake, leased } = match store.submit(&submission).await {
+        let Submitted { intake, leased } = match store.jobs().submit(&submission).await {
             Ok(done) => done,
             Err(e) => {
                 // The commit may have landed leased to this node.

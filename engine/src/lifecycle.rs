@@ -49,9 +49,9 @@ pub enum JobState {
     /// Finished; out of the runnable set. Terminal (purged after retention).
     Acked,
     /// A permanent failure, kept with its reason. Terminal until re-driven:
-    /// `Store::redrive` moves it back to the last live state it reached.
+    /// `Jobs::redrive` moves it back to the last live state it reached.
     Dead,
-    /// An operator cancelled it (`Store::cancel`, from any live state). Final:
+    /// An operator cancelled it (`Jobs::cancel`, from any live state). Final:
     /// the cancel bumps the lease epoch, so an attempt still running records
     /// nothing more and starts no new side effect.
     Cancelled,
@@ -109,7 +109,7 @@ impl JobState {
     }
 
     /// Whether `self → to` is a transition of the lifecycle (a redrive,
-    /// `dead →` a live state, is the operator's and checked by `Store::redrive`).
+    /// `dead →` a live state, is the operator's and checked by `Jobs::redrive`).
     pub fn can_move_to(self, to: JobState) -> bool {
         (matches!(to, JobState::Dead | JobState::Cancelled) && !self.is_terminal())
             || self.successor() == Some(to)
@@ -141,7 +141,7 @@ impl FromStr for JobState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     /// Run the workflow body (it replays journaled calls), then commit
-    /// `generated`, `persisted` and `claimed` together (`Store::commit_result`).
+    /// `generated`, `persisted` and `claimed` together (`Journal::commit_result`).
     RunBody,
     /// Replay the body from the journal, then commit `persisted` and `claimed`.
     Persist,

@@ -131,7 +131,7 @@ impl Limiter {
             stale
         };
         if stale {
-            if let Ok(keys) = store.learned_limit_keys().await {
+            if let Ok(keys) = store.limits().learned_keys().await {
                 self.learned.lock().expect("lock").1 = keys.into_iter().collect();
             }
         }

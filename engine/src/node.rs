@@ -173,7 +173,7 @@ impl Shared {
         faults: Faults,
         config: EngineConfig,
     ) -> Self {
-        let token_changes = std::sync::Mutex::new(store.watch_token_changes());
+        let token_changes = std::sync::Mutex::new(store.tokens().watch_changes());
         let child_rules = Arc::new(NodeChildRules {
             registry: registry.clone(),
             guard: config.url_guard.clone(),
@@ -247,7 +247,7 @@ impl Shared {
                 return Ok(secret.clone().or_else(|| self.node_secret.clone()));
             }
         }
-        let secret = match self.store.token_secret_of(owner).await? {
+        let secret = match self.store.tokens().secret_of(owner).await? {
             Some(text) => match text.parse::<WebhookSecret>() {
                 Ok(secret) => Some(Arc::new(secret)),
                 Err(e) => {
@@ -354,7 +354,7 @@ impl Default for Gate {
 /// A failed read keeps the last values.
 pub async fn refresh_gauges(store: &Store, registry: &Registry, telemetry: &Telemetry) {
     let metrics = telemetry.metrics();
-    match store.count_live_and_dead().await {
+    match store.retention().count_live_and_dead().await {
         Ok(counts) => {
             for (state, n) in counts {
                 metrics.jobs.record(
@@ -368,11 +368,15 @@ pub async fn refresh_gauges(store: &Store, registry: &Registry, telemetry: &Tele
         }
         Err(e) => tracing::debug!(error = %e, "could not count jobs by state"),
     }
-    match store.count_unrunnable(&registry.runnable()).await {
+    match store
+        .retention()
+        .count_unrunnable(&registry.runnable())
+        .await
+    {
         Ok(n) => metrics.jobs_unrunnable.record(n, &[]),
         Err(e) => tracing::debug!(error = %e, "could not count unrunnable jobs"),
     }
-    match store.spend_today(None).await {
+    match store.waits().spend_today(None).await {
         Ok(spend) => {
             for s in spend {
                 let token = [opentelemetry::KeyValue::new(

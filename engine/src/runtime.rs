@@ -50,7 +50,7 @@ impl Engine {
         let slots = store.clone();
         let node = node_id.clone();
         actix::spawn(async move {
-            if let Err(e) = slots.release_node_slots(&node).await {
+            if let Err(e) = slots.limits().release_node_slots(&node).await {
                 tracing::warn!(error = %e, "could not free this node's old provider slots");
             }
         });
@@ -155,7 +155,7 @@ impl Engine {
             tracing::warn!(left, "drain timed out; aborting the attempts still running");
         }
         let _ = self.supervisor.send(Shutdown).await;
-        self.store.release_leases(&self.node_id).await
+        self.store.leases().release_all(&self.node_id).await
     }
 
     /// Whether [`drain`](Self::drain) has begun.
@@ -168,7 +168,7 @@ impl Engine {
     pub async fn shutdown_gracefully(&self) -> Result<usize, crate::error::StoreError> {
         let _ = self.stop_listener.send(true);
         let _ = self.supervisor.send(Shutdown).await;
-        self.store.release_leases(&self.node_id).await
+        self.store.leases().release_all(&self.node_id).await
     }
 }
 
@@ -240,9 +240,9 @@ async fn listen_on(
         let n = n?;
         match Channel::parse(&n.channel) {
             Some(Channel::Limits) => limiter.wake(&n.payload),
-            Some(Channel::Stream) => store.stream_moved(&n.payload),
+            Some(Channel::Stream) => store.events().moved(&n.payload),
             Some(Channel::Cancelled) => supervisor.do_send(crate::supervisor::Cancelled(n.payload)),
-            Some(Channel::Tokens) => store.token_changed(&n.payload),
+            Some(Channel::Tokens) => store.tokens().changed(&n.payload),
             Some(Channel::Schedules) => supervisor.do_send(crate::supervisor::SchedulesChanged),
             Some(Channel::Events) => supervisor.do_send(crate::supervisor::SendEvents),
             Some(Channel::NewJob) | None => supervisor.do_send(Poll),

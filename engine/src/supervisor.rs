@@ -306,6 +306,7 @@ impl Handler<Poll> for Supervisor {
             let workflows = shared.registry.runnable();
             shared
                 .store
+                .leases()
                 .acquire(
                     &shared.config.node_id,
                     capacity as i64,
@@ -561,6 +562,7 @@ impl Handler<Heartbeat> for Supervisor {
             let lease_ms = shared.config.lease.as_millis() as i64;
             let renewal = shared
                 .store
+                .leases()
                 .renew(&shared.config.node_id, &held, lease_ms)
                 .await;
             (held, renewal)
@@ -613,12 +615,16 @@ impl Handler<Purge> for Supervisor {
             let dead_retention_ms = shared.config.dead_retention.as_millis() as i64;
             let store = &shared.store;
             let n = store
+                .retention()
                 .purge_finished_keeping_dead(retention_ms, dead_retention_ms, PURGE_BATCH)
                 .await?;
             if n as i64 == PURGE_BATCH {
                 return Ok((n, Some(std::time::Duration::ZERO)));
             }
-            let next = store.next_purge_in(retention_ms, dead_retention_ms).await?;
+            let next = store
+                .retention()
+                .next_purge_in(retention_ms, dead_retention_ms)
+                .await?;
             Ok::<_, crate::error::StoreError>((n, next))
         };
         ctx.spawn(purge.into_actor(self).map(|result, act, ctx| {
@@ -717,7 +723,7 @@ impl Handler<FireSchedules> for Supervisor {
         ctx.spawn(
             async move {
                 let backlog = shared.config.max_backlog_per_token;
-                let fired = shared.store.fire_schedules(&fireable, backlog).await;
+                let fired = shared.store.schedules().fire(&fireable, backlog).await;
                 // A seam for tests: a firing held after it read when the next is due.
                 let _ = shared
                     .faults
@@ -820,7 +826,7 @@ impl Handler<SendEvents> for Supervisor {
                 // A full batch: more may be due.
                 return Ok(Some(std::time::Duration::ZERO));
             }
-            shared.store.next_event_in().await
+            shared.store.events().next_in().await
         };
         ctx.spawn(sweep.into_actor(self).map(|result, act, ctx| {
             act.sending_events = false;
@@ -851,14 +857,19 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
     let config = &shared.config;
     let in_flight_ms =
         (config.webhook_timeout + std::time::Duration::from_secs(5)).as_millis() as i64;
-    let events = shared.store.claim_events(EVENT_BATCH, in_flight_ms).await?;
+    let events = shared
+        .store
+        .events()
+        .claim(EVENT_BATCH, in_flight_ms)
+        .await?;
     let n = events.len();
     for event in events {
         // Read before the send is marked begun (see the actor's delivery).
         let secret = shared.signing_secret(event.owner_token).await?;
         if !shared
             .store
-            .mark_event_sending(&event, in_flight_ms)
+            .events()
+            .mark_sending(&event, in_flight_ms)
             .await?
         {
             tracing::debug!(key = %event.idempotency_key, "another node claimed this event meanwhile");
@@ -887,7 +898,8 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
                 metrics.delivery(onceflow_observability::names::OUTCOME_DELIVERED);
                 shared
                     .store
-                    .event_outcome(
+                    .events()
+                    .outcome(
                         &event.idempotency_key,
                         event.attempts,
                         Some(i32::from(status)),
@@ -911,7 +923,8 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
                 });
                 shared
                     .store
-                    .event_outcome(
+                    .events()
+                    .outcome(
                         &event.idempotency_key,
                         event.attempts,
                         failure.status().map(i32::from),

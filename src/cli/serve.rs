@@ -30,7 +30,7 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
         // One live node per name, held until this process ends (checked
         // once a lease, and taken again after a dropped connection).
         let Some(mut node_name) = store
-            .hold_node_id(&config.node_id, config.lease)
+            .leases().hold_node_id(&config.node_id, config.lease)
             .await
             .context("taking the node's name (ONCEFLOW_NODE_ID)")?
         else {
@@ -140,7 +140,8 @@ async fn check_tokens(store: &Store, listen: std::net::SocketAddr) -> anyhow::Re
     // Off loopback, tokens are required, and there must be one to use.
     let loopback = listen.ip().is_loopback();
     let tokens = store
-        .tokens_exist()
+        .tokens()
+        .exist()
         .await
         .context("reading the API tokens")?;
     if !loopback && !tokens {
@@ -161,7 +162,8 @@ async fn check_tokens(store: &Store, listen: std::net::SocketAddr) -> anyhow::Re
         );
     }
     let unkeyed = store
-        .tokens_without_secret()
+        .tokens()
+        .without_secret()
         .await
         .context("reading the API tokens")?;
     if !unkeyed.is_empty() {

@@ -130,7 +130,7 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
             TokenCommand::List => list(&store).await?,
             TokenCommand::Set { name, share } => set(&store, &name, share.share()).await?,
             TokenCommand::Revoke { name } => {
-                if store.revoke_token(&name).await? {
+                if store.tokens().revoke(&name).await? {
                     println!("revoked {name:?}");
                 } else {
                     anyhow::bail!("no live token named {name:?}");
@@ -138,7 +138,7 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
             }
             TokenCommand::Secret {
                 command: SecretCommand::Show { name },
-            } => match store.token_secret(&name).await? {
+            } => match store.tokens().secret(&name).await? {
                 Some(secret) => println!("{secret}"),
                 None => anyhow::bail!(
                     "token {name:?} has no secret of its own (an admin token, or one made before \
@@ -149,7 +149,7 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
             TokenCommand::Secret {
                 command: SecretCommand::Rotate { name },
             } => {
-                let secret = store.rotate_token_secret(&name).await?;
+                let secret = store.tokens().rotate_secret(&name).await?;
                 eprintln!(
                     "token {name:?} signs with a new secret (and the previous one, until the next \
                      rotation); nodes use it within 30 s:"
@@ -163,7 +163,7 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
                          token, and show them every job; pass --yes if you mean it"
                     );
                 }
-                let released = store.open_development_mode().await?;
+                let released = store.tokens().open_development_mode().await?;
                 eprintln!(
                     "WARNING: DEVELOPMENT MODE reopened ({released} revoked token(s) released): \
                      with no live token, a server listening on loopback answers requests without \
@@ -190,10 +190,10 @@ async fn create(
     share: Share,
 ) -> anyhow::Result<()> {
     share.check()?;
-    let first = !store.tokens_exist().await?;
-    let token = store.create_token(name, admin).await?;
+    let first = !store.tokens().exist().await?;
+    let token = store.tokens().create(name, admin).await?;
     if share != Default::default() {
-        store.set_token_share(name, share).await?;
+        store.tokens().set_share(name, share).await?;
     }
     if first {
         eprintln!(
@@ -203,14 +203,14 @@ async fn create(
              or it stops silently"
         );
     }
-    let unowned = store.unowned_jobs().await?;
+    let unowned = store.tokens().unowned_jobs().await?;
     if unowned > 0 && !admin {
         eprintln!(
             "warning: {unowned} jobs submitted in development mode belong to no \
              token: this token does not see them (an admin token sees every job)"
         );
     }
-    if let Some(secret) = store.token_secret(name).await? {
+    if let Some(secret) = store.tokens().secret(name).await? {
         eprintln!(
             "its jobs' webhooks are signed with this secret of its own (Standard \
              Webhooks); give it to the consumer that receives them:"
@@ -228,7 +228,7 @@ async fn create(
 
 /// `token list`: every token with its share of the nodes.
 async fn list(store: &onceflow_engine::Store) -> anyhow::Result<()> {
-    let tokens = store.list_tokens().await?;
+    let tokens = store.tokens().list().await?;
     if tokens.is_empty() {
         println!("no tokens (the API answers without one on loopback only)");
     }
@@ -262,9 +262,10 @@ async fn set(store: &onceflow_engine::Store, name: &str, share: Share) -> anyhow
              --daily-token-budget or --on-budget-exhausted"
         );
     }
-    store.set_token_share(name, share).await?;
+    store.tokens().set_share(name, share).await?;
     let now = store
-        .list_tokens()
+        .tokens()
+        .list()
         .await?
         .into_iter()
         .find(|t| t.name == name)

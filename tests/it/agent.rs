@@ -355,7 +355,7 @@ async fn retention_purges_expired_jobs_so_their_ids_are_new_again() {
     engine.purge_now();
     assert!(
         wait_until(WAIT, || async {
-            env.store.job("old-1").await.unwrap().is_none()
+            env.store.jobs().get("old-1").await.unwrap().is_none()
         })
         .await,
         "the supervisor purged the expired job"
@@ -379,6 +379,7 @@ async fn retention_purges_expired_jobs_so_their_ids_are_new_again() {
     };
     assert!(matches!(
         env.store
+            .jobs()
             .submit(&onceflow_engine::store::Submission::new(&different(
                 "old-1"
             )))
@@ -389,6 +390,7 @@ async fn retention_purges_expired_jobs_so_their_ids_are_new_again() {
     ));
     assert!(matches!(
         env.store
+            .jobs()
             .submit(&onceflow_engine::store::Submission::new(&different(
                 "recent-1"
             )))

@@ -133,9 +133,10 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
     let env = TestEnv::new().await;
     // The children take a while: the parent reaches its join first.
     env.provider.set_latency(Duration::from_millis(300));
-    let token = env.store.create_token("tenant", false).await.unwrap();
+    let token = env.store.tokens().create("tenant", false).await.unwrap();
     let owner = env
         .store
+        .tokens()
         .authenticate(&token)
         .await
         .unwrap()
@@ -144,6 +145,7 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
     let job = parent(&env, "fan-1", &["a", "b", "c"], None);
     let trace = onceflow_engine::traceparent::TraceParent::new_root();
     env.store
+        .jobs()
         .submit(
             &onceflow_engine::store::Submission::new(&job)
                 .traced(trace)
@@ -284,6 +286,7 @@ async fn cancelling_a_parent_cancels_its_live_children() {
     .await;
     assert!(started, "three children in flight, the parent waiting");
     env.store
+        .jobs()
         .cancel("fan-cancel", "test", "no longer needed")
         .await
         .unwrap();
@@ -341,7 +344,7 @@ async fn a_cascade_cancel_is_all_or_nothing_and_a_repeat_finishes_it() {
     })
     .await;
     assert!(started, "six children in flight, both parents waiting");
-    let failed = env.store.cancel("fan-atomic", "test", "stop").await;
+    let failed = env.store.jobs().cancel("fan-atomic", "test", "stop").await;
     assert!(failed.is_err(), "the injected fault fired: {failed:?}");
     let live = "SELECT id FROM jobs WHERE (id = 'fan-atomic' OR parent_id = 'fan-atomic') \
                 AND finished_at IS NULL";
@@ -349,6 +352,7 @@ async fn a_cascade_cancel_is_all_or_nothing_and_a_repeat_finishes_it() {
     env.execute("DROP TRIGGER refuse_cancel ON jobs").await;
     let cancelled = env
         .store
+        .jobs()
         .cancel("fan-atomic", "test", "stop")
         .await
         .unwrap();
@@ -362,7 +366,12 @@ async fn a_cascade_cancel_is_all_or_nothing_and_a_repeat_finishes_it() {
              lease_expires_at = NULL, lease_epoch = lease_epoch + 1 WHERE id = 'fan-cut'",
     )
     .await;
-    let again = env.store.cancel("fan-cut", "test", "stop").await.unwrap();
+    let again = env
+        .store
+        .jobs()
+        .cancel("fan-cut", "test", "stop")
+        .await
+        .unwrap();
     assert_eq!(again, onceflow_engine::store::operate::Cancelled::Already);
     for i in 0..3 {
         assert_eq!(
@@ -392,7 +401,12 @@ async fn a_new_incarnation_of_a_parent_makes_new_children() {
     // The parent's retention has passed; its child's has not.
     env.execute("UPDATE jobs SET finished_at = now() - interval '2 hours' WHERE id = 'inc'")
         .await;
-    let purged = env.store.purge_finished(3_600_000, 100).await.unwrap();
+    let purged = env
+        .store
+        .retention()
+        .purge_finished(3_600_000, 100)
+        .await
+        .unwrap();
     assert_eq!(purged, 1, "the parent alone");
     assert_eq!(env.job("inc:child:c0").await.state, JobState::Acked);
     env.submit_job(parent(&env, "inc", &["a"], None)).await;
@@ -534,6 +548,7 @@ async fn a_cancelled_child_ends_its_parents_join_at_once() {
     .await;
     assert!(waiting, "the parent waits for its child");
     env.store
+        .jobs()
         .cancel("patient:child:slow", "test", "not needed")
         .await
         .unwrap();
@@ -866,6 +881,7 @@ async fn a_spawn_after_its_parent_was_cancelled_makes_no_child() {
         "the attempt reached the spawn's commit"
     );
     env.store
+        .jobs()
         .cancel("late-spawn", "test", "cancelled mid-spawn")
         .await
         .unwrap();
@@ -932,11 +948,13 @@ async fn a_redriven_parent_of_a_failed_child_dies_again() {
     let child = "strict:child:c0";
     assert_eq!(env.job(child).await.state, JobState::Dead);
     env.store
+        .jobs()
         .redrive(child, "test", "fixed", false)
         .await
         .unwrap();
     env.wait_for(child, JobState::Acked, WAIT).await;
     env.store
+        .jobs()
         .redrive("strict", "test", "try again", false)
         .await
         .unwrap();
@@ -971,6 +989,7 @@ async fn children_are_kept_while_their_parent_is_live_or_dead() {
     )
     .await;
     env.store
+        .retention()
         .purge_finished_keeping_dead(1000, 365 * 24 * 3600 * 1000, 100)
         .await
         .unwrap();
@@ -998,7 +1017,11 @@ async fn a_cancel_takes_grandchildren_too() {
         wait_until(WAIT, || async { env.provider.requests().len() == 2 }).await,
         "two grandchildren in flight"
     );
-    env.store.cancel("grand", "test", "stop").await.unwrap();
+    env.store
+        .jobs()
+        .cancel("grand", "test", "stop")
+        .await
+        .unwrap();
     for id in [
         "grand",
         "grand:child:c0",

@@ -180,14 +180,18 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
         &dir.path().join("serve.log"),
     )
     .await;
-    let token = env.store.create_token("console", true).await.unwrap();
+    let token = env.store.tokens().create("console", true).await.unwrap();
     // A tenant with a daily budget: the header shows what it spent today.
-    env.store.create_token("budgeted", false).await.unwrap();
+    env.store.tokens().create("budgeted", false).await.unwrap();
     let budget = onceflow_engine::store::tokens::Share {
         daily_token_budget: Some(5000),
         ..Default::default()
     };
-    env.store.set_token_share("budgeted", budget).await.unwrap();
+    env.store
+        .tokens()
+        .set_share("budgeted", budget)
+        .await
+        .unwrap();
     env.consumer
         .push_for("ui-dead", Behaviour::Status(410, None));
     env.consumer
@@ -281,7 +285,8 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
     browser.click("#redrive").await;
     let acked = wait_until(Duration::from_secs(20), || async {
         env.store
-            .job("ui-dead")
+            .jobs()
+            .get("ui-dead")
             .await
             .ok()
             .flatten()
@@ -353,7 +358,8 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
     browser.click("#redrive-dead").await;
     let acked = wait_until(Duration::from_secs(20), || async {
         env.store
-            .job("ui-dead-2")
+            .jobs()
+            .get("ui-dead-2")
             .await
             .ok()
             .flatten()
@@ -362,7 +368,7 @@ async fn the_console_lists_shows_and_redrives_jobs_in_a_real_browser() {
     .await;
     assert!(acked, "the bulk redrive brought ui-dead-2 to acked");
     assert_eq!(env.consumer.processed_for("ui-dead-2"), 1, "one delivery");
-    let job = env.store.job("ui-dead-2").await.unwrap().unwrap();
+    let job = env.store.jobs().get("ui-dead-2").await.unwrap().unwrap();
     assert!(
         job.history
             .iter()
@@ -399,7 +405,7 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
         &dir.path().join("serve.log"),
     )
     .await;
-    let token = env.store.create_token("console", true).await.unwrap();
+    let token = env.store.tokens().create("console", true).await.unwrap();
     for id in ["ui-approve", "ui-reject"] {
         let r = client()
             .post(format!("{}/v1/jobs", serve.base))
@@ -415,7 +421,8 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
         assert_eq!(r.status().as_u16(), 201);
         let waiting = wait_until(Duration::from_secs(20), || async {
             env.store
-                .job(id)
+                .jobs()
+                .get(id)
                 .await
                 .ok()
                 .flatten()
@@ -456,7 +463,8 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
         .await;
     let until = env
         .store
-        .job("ui-reject")
+        .jobs()
+        .get("ui-reject")
         .await
         .unwrap()
         .unwrap()
@@ -468,7 +476,8 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     browser.click("tr[data-id=\"ui-reject\"] .row-reject").await;
     let rejected = wait_until(Duration::from_secs(20), || async {
         env.store
-            .job("ui-reject")
+            .jobs()
+            .get("ui-reject")
             .await
             .ok()
             .flatten()
@@ -476,7 +485,7 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     })
     .await;
     assert!(rejected, "the list's Reject button let the job go on");
-    let job = env.store.job("ui-reject").await.unwrap().unwrap();
+    let job = env.store.jobs().get("ui-reject").await.unwrap().unwrap();
     assert_eq!(job.result.unwrap()["tool_calls"], 0);
     assert_eq!(job.signals.len(), 1, "{:?}", job.signals);
     assert_eq!(job.signals[0].payload, json!({ "approved": false }));
@@ -568,7 +577,8 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
     browser.click("#approve").await;
     let acked = wait_until(Duration::from_secs(20), || async {
         env.store
-            .job("ui-approve")
+            .jobs()
+            .get("ui-approve")
             .await
             .ok()
             .flatten()
@@ -581,7 +591,7 @@ async fn the_console_approves_a_waiting_tool_call_in_a_real_browser() {
         1,
         "the tool ran once"
     );
-    let job = env.store.job("ui-approve").await.unwrap().unwrap();
+    let job = env.store.jobs().get("ui-approve").await.unwrap().unwrap();
     assert_eq!(
         job.signals[0].payload,
         json!({ "approved": true, "note": "checked the order" })
@@ -606,8 +616,8 @@ async fn the_console_lists_schedules_with_their_next_fire_time() {
         &dir.path().join("serve.log"),
     )
     .await;
-    let token = env.store.create_token("console", false).await.unwrap();
-    let other = env.store.create_token("other", false).await.unwrap();
+    let token = env.store.tokens().create("console", false).await.unwrap();
+    let other = env.store.tokens().create("other", false).await.unwrap();
     for (id, cron, owner) in [
         ("every-second", "* * * * * *", &token),
         ("nightly", "0 2 * * *", &token),
@@ -676,7 +686,7 @@ async fn the_console_lists_schedules_with_their_next_fire_time() {
 #[actix_rt::test]
 async fn the_console_links_a_parent_and_its_children() {
     let env = TestEnv::new().await;
-    let token = env.store.create_token("console", true).await.unwrap();
+    let token = env.store.tokens().create("console", true).await.unwrap();
     {
         // The jobs run on an engine that has the fan-out workflow; the
         // console's node only shows them.
@@ -754,7 +764,7 @@ async fn the_console_shows_a_streamed_jobs_output_as_it_comes() {
         &dir.path().join("serve.log"),
     )
     .await;
-    let token = env.store.create_token("console", true).await.unwrap();
+    let token = env.store.tokens().create("console", true).await.unwrap();
     let browser = Browser::start().await;
     browser.go(&format!("{}/", serve.base)).await;
     assert!(
@@ -786,7 +796,7 @@ async fn the_console_shows_a_streamed_jobs_output_as_it_comes() {
             .await,
         "the first chunks show"
     );
-    let job = env.store.job("ui-stream").await.unwrap().unwrap();
+    let job = env.store.jobs().get("ui-stream").await.unwrap().unwrap();
     assert_eq!(
         job.state,
         onceflow_engine::JobState::Received,
@@ -798,7 +808,8 @@ async fn the_console_shows_a_streamed_jobs_output_as_it_comes() {
         .await;
     let acked = wait_until(Duration::from_secs(30), || async {
         env.store
-            .job("ui-stream")
+            .jobs()
+            .get("ui-stream")
             .await
             .ok()
             .flatten()
@@ -808,7 +819,8 @@ async fn the_console_shows_a_streamed_jobs_output_as_it_comes() {
     assert!(acked);
     let content = env
         .store
-        .job("ui-stream")
+        .jobs()
+        .get("ui-stream")
         .await
         .unwrap()
         .unwrap()

@@ -84,7 +84,8 @@ async fn every_second(env: &TestEnv, id: &str, owner: i64) {
         catch_up: onceflow_engine::schedule::CatchUp::All,
     };
     env.store
-        .create_schedule(&new, &table, Some(owner))
+        .schedules()
+        .create(&new, &table, Some(owner))
         .await
         .unwrap();
 }
@@ -130,8 +131,8 @@ async fn assert_created_once(env: &TestEnv, id: &str) {
 async fn the_schedule_api_answers_each_case_with_its_status() {
     let env = TestEnv::new().await;
     let base = api(&env, Auth::Tokens { loopback: false });
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let bob = env.store.create_token("bob", false).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
     let url = format!("{base}/v1/schedules");
     let body = schedule("digest", "0 2 * * *", &env.consumer.url());
     let post = reqwest::Method::POST;
@@ -276,8 +277,8 @@ async fn a_schedule_created_during_a_firing_fires() {
 async fn a_tenants_schedules_are_bounded() {
     let env = TestEnv::new().await;
     let base = api(&env, Auth::Tokens { loopback: false });
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let admin = env.store.create_token("root", true).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let admin = env.store.tokens().create("root", true).await.unwrap();
     let url = format!("{base}/v1/schedules");
     let post = reqwest::Method::POST;
     let hook = env.consumer.url();
@@ -397,8 +398,15 @@ async fn a_tenants_schedules_are_bounded() {
 async fn a_fired_job_counts_against_its_tokens_backlog() {
     let env = TestEnv::new().await;
     env.provider.set_latency(Duration::from_secs(30));
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let owner = env.store.authenticate(&alice).await.unwrap().unwrap().token;
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let owner = env
+        .store
+        .tokens()
+        .authenticate(&alice)
+        .await
+        .unwrap()
+        .unwrap()
+        .token;
     let mut config = env.config();
     config.provider.timeout = Duration::from_secs(60);
     config.max_backlog_per_token = Some(3);
@@ -418,7 +426,7 @@ async fn a_fired_job_counts_against_its_tokens_backlog() {
         3,
         "3 jobs, then none while they run"
     );
-    let shown = env.store.schedule("busy").await.unwrap().unwrap();
+    let shown = env.store.schedules().get("busy").await.unwrap().unwrap();
     assert!(
         shown
             .latest_jobs
@@ -434,8 +442,15 @@ async fn a_fired_job_counts_against_its_tokens_backlog() {
 #[actix_rt::test]
 async fn a_revoked_tokens_schedules_stop_firing() {
     let env = TestEnv::new().await;
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let owner = env.store.authenticate(&alice).await.unwrap().unwrap().token;
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let owner = env
+        .store
+        .tokens()
+        .authenticate(&alice)
+        .await
+        .unwrap()
+        .unwrap()
+        .token;
     let _node = env.start(registry(), env.config());
     every_second(&env, "gone", owner).await;
     assert!(
@@ -445,7 +460,7 @@ async fn a_revoked_tokens_schedules_stop_firing() {
         .await,
         "the schedule fires"
     );
-    assert!(env.store.revoke_token("alice").await.unwrap());
+    assert!(env.store.tokens().revoke("alice").await.unwrap());
     let revoked = Utc::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
     let late: Vec<_> = fired(&env, "gone")
@@ -642,7 +657,7 @@ async fn no_fire_time_is_lost_or_doubled_through_kill_9() {
         ("ONCEFLOW_MIN_SCHEDULE_INTERVAL", "1s".to_owned()),
     ];
     let mut serve = ServeProcess::start(&vars, &log).await;
-    let token = env.store.create_token("cron", false).await.unwrap();
+    let token = env.store.tokens().create("cron", false).await.unwrap();
     let url = format!("{}/v1/schedules", serve.base);
     let mut body = schedule("beat", "* * * * * *", &env.consumer.url());
     body["catch_up"] = json!("all");
@@ -680,7 +695,8 @@ async fn no_fire_time_is_lost_or_doubled_through_kill_9() {
     let times = fired(&env, "beat").await;
     let owner = env
         .store
-        .list_tokens()
+        .tokens()
+        .list()
         .await
         .unwrap()
         .into_iter()
@@ -840,7 +856,7 @@ async fn the_latest_ten_are_listed_and_a_purged_fire_time_never_fires_again() {
     assert_eq!(listed, newest, "the latest ten, newest first");
 
     // Every job purged; the schedule walks over its fire times again.
-    let purged = env.store.purge_finished(0, 1000).await.unwrap();
+    let purged = env.store.retention().purge_finished(0, 1000).await.unwrap();
     assert_eq!(purged as usize, times.len(), "every fired job purged");
     {
         use diesel_async::RunQueryDsl;

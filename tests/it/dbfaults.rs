@@ -340,6 +340,7 @@ async fn batch_statements_lock_every_row_they_name_first() {
         let store = env.store.clone();
         let probe = actix_rt::spawn(async move {
             store
+                .group_commit()
                 .probe_batch_locks(kind, &fences, Duration::from_secs(2))
                 .await
         });
@@ -430,17 +431,20 @@ async fn one_refused_row_never_fails_its_batchmates() {
     )
     .await;
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), long_lease(&env));
-    env.store.hold_batches(true);
+    env.store.group_commit().hold_batches(true);
     env.submit("batch-bad", "one").await;
     env.submit("batch-good", "two").await;
     // Both answers are back and queued behind the held batch.
-    let both = wait_until(WAIT, || async { env.store.queued_batch_requests() == 2 }).await;
+    let both = wait_until(WAIT, || async {
+        env.store.group_commit().queued_batch_requests() == 2
+    })
+    .await;
     assert!(both, "both answers queued behind the held batch");
-    env.store.hold_batches(false);
+    env.store.group_commit().hold_batches(false);
     let bad = env.wait_for("batch-bad", JobState::Dead, WAIT).await;
     env.wait_for("batch-good", JobState::Acked, WAIT).await;
     assert!(
-        env.store.largest_model_answer_batch() >= 2,
+        env.store.group_commit().largest_model_answer_batch() >= 2,
         "the two answers shared a batch"
     );
     assert!(fault.fired(&env).await >= 1);
@@ -509,14 +513,21 @@ async fn small_batches_wait_for_the_running_one_and_grow() {
     }
     // None ran alone in the free slot: all three wait, queued together, for
     // as long as the running batch runs.
-    let together = wait_until(WAIT, || async { env.store.queued_batch_requests() == 3 }).await;
+    let together = wait_until(WAIT, || async {
+        env.store.group_commit().queued_batch_requests() == 3
+    })
+    .await;
     assert!(
         together,
         "queued: {} (a small batch ran beside the running one)",
-        env.store.queued_batch_requests()
+        env.store.group_commit().queued_batch_requests()
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(env.store.queued_batch_requests(), 3, "still waiting");
+    assert_eq!(
+        env.store.group_commit().queued_batch_requests(),
+        3,
+        "still waiting"
+    );
     // Once eight have gathered they stop waiting and run beside it: the
     // eight jobs finish while the first is still held.
     let quick: Vec<String> = (1..=8).map(|i| format!("grow-{i}")).collect();
@@ -539,7 +550,7 @@ async fn small_batches_wait_for_the_running_one_and_grow() {
         assert_eq!(posts(&env, id), 1, "{id}");
     }
     assert!(
-        env.store.largest_model_answer_batch() >= 8,
+        env.store.group_commit().largest_model_answer_batch() >= 8,
         "the eight answers went in one statement"
     );
 }
@@ -555,6 +566,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     let hash = "a".repeat(64);
     assert_eq!(
         env.store
+            .journal()
             .begin_model_call(&old, &key, &hash, 60_000)
             .await
             .unwrap(),
@@ -565,6 +577,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     assert!(new.epoch > old.epoch);
     assert_eq!(
         env.store
+            .journal()
             .begin_model_call(&new, &key, &hash, 60_000)
             .await
             .unwrap(),
@@ -581,6 +594,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     // fail_model_call: fenced.
     assert!(!env
         .store
+        .journal()
         .fail_model_call(&old, &key, &failed)
         .await
         .unwrap());
@@ -595,6 +609,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     let answer = |s: &str| json!({"choices": [{"message": {"content": s}}]});
     assert_eq!(
         env.store
+            .journal()
             .complete_model_call(&old, &key, &answer("zombie"), (Some(1), Some(1)), &faults)
             .await
             .unwrap(),
@@ -602,6 +617,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     );
     assert_eq!(
         env.store
+            .journal()
             .complete_model_call(&new, &key, &answer("newer"), (Some(1), Some(1)), &faults)
             .await
             .unwrap(),
@@ -623,6 +639,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     .await;
     assert_eq!(
         env.store
+            .journal()
             .fail_delivery(&old, "job:zombie-f:completed", &failed, None)
             .await
             .unwrap(),
@@ -647,6 +664,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     };
     assert_eq!(
         env.store
+            .journal()
             .begin_tool_call(&new, &spec, 60_000)
             .await
             .unwrap(),
@@ -654,6 +672,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     );
     assert!(!env
         .store
+        .journal()
         .fail_tool_call(&old, position, &failed.error, true)
         .await
         .unwrap());
@@ -839,6 +858,7 @@ async fn the_jobs_gauge_counts_live_and_dead_jobs_only() {
     )
     .await;
     env.store
+        .jobs()
         .cancel("gauge-cancelled", "test", "not wanted")
         .await
         .expect("cancel");
@@ -972,6 +992,7 @@ async fn a_failed_send_and_its_kill_commit_or_roll_back_together() {
     };
     let refused = env
         .store
+        .journal()
         .fail_delivery(&fence, "job:atomic-1:completed", &failed, Some(kill))
         .await;
     assert!(refused.is_err(), "{refused:?}");
@@ -985,6 +1006,7 @@ async fn a_failed_send_and_its_kill_commit_or_roll_back_together() {
     // Once the death is allowed, both commit.
     assert_eq!(
         env.store
+            .journal()
             .fail_delivery(&fence, "job:atomic-1:completed", &failed, Some(kill))
             .await
             .unwrap(),

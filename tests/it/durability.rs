@@ -429,6 +429,7 @@ async fn renewal_calls_lost_only_what_was_taken_over() {
         .await;
     let renewal = env
         .store
+        .leases()
         .renew(
             "node-a",
             &[
@@ -677,9 +678,9 @@ async fn group_committed_checkpoints_keep_each_rows_guard() {
         .await;
     // Three acks at once: two attempts of a sharing its lease, and b's zombie.
     let (a1, a2, stale) = tokio::join!(
-        env.store.ack(&a.fence),
-        env.store.ack(&a.fence),
-        env.store.ack(&b.fence),
+        env.store.journal().ack(&a.fence),
+        env.store.journal().ack(&a.fence),
+        env.store.journal().ack(&b.fence),
     );
     let mut of_a = vec![a1.unwrap(), a2.unwrap()];
     of_a.sort_by_key(|c| format!("{c:?}"));

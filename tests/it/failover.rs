@@ -199,6 +199,7 @@ async fn a_promoted_synchronous_standby_finishes_every_job_once() {
     let ids: Vec<String> = (0..60).map(|i| format!("fo-{i}")).collect();
     for id in &ids {
         store
+            .jobs()
             .submit(&onceflow_engine::store::Submission::new(&NewJob {
                 tags: Default::default(),
                 id: id.clone(),

@@ -23,9 +23,15 @@ fn registry() -> Registry {
 
 /// A token of a tenant (not admin), with its share; returns its id.
 async fn tenant(env: &TestEnv, name: &str, share: Share) -> i64 {
-    let token = env.store.create_token(name, false).await.unwrap();
-    env.store.set_token_share(name, share).await.unwrap();
-    env.store.authenticate(&token).await.unwrap().unwrap().token
+    let token = env.store.tokens().create(name, false).await.unwrap();
+    env.store.tokens().set_share(name, share).await.unwrap();
+    env.store
+        .tokens()
+        .authenticate(&token)
+        .await
+        .unwrap()
+        .unwrap()
+        .token
 }
 
 /// A tenant whose keys run at most 2 jobs at once.
@@ -52,6 +58,7 @@ async fn submit(env: &TestEnv, owner: i64, id: &str, key: Option<&str>) {
         tags: Default::default(),
     };
     env.store
+        .jobs()
         .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(owner), false))
         .await
         .unwrap();
@@ -483,7 +490,7 @@ async fn a_spent_budget_makes_the_next_job_wait_for_the_next_day() {
         0,
         "nothing sent"
     );
-    let spend = env.store.spend_today(Some(t)).await.unwrap();
+    let spend = env.store.waits().spend_today(Some(t)).await.unwrap();
     assert_eq!(
         (spend[0].spent_today, spend[0].daily_budget),
         (20, 15),
@@ -828,7 +835,8 @@ async fn jobs_of_one_key_under_two_throttles_never_wedge_the_acquire() {
         ..Default::default()
     };
     env.store
-        .set_token_share("tenant-t", per_minute)
+        .tokens()
+        .set_share("tenant-t", per_minute)
         .await
         .unwrap();
     submit(&env, t, "y", Some("k")).await;
@@ -889,6 +897,7 @@ async fn a_token_and_a_workflow_throttle_together_are_as_strict_as_each() {
     )
     .unwrap();
     env.store
+        .jobs()
         .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(t), false))
         .await
         .unwrap();
@@ -918,7 +927,12 @@ async fn retention_keeps_a_throttle_start_until_its_period_is_over() {
     engine.shutdown();
     env.execute("UPDATE jobs SET finished_at = now() - interval '2 days' WHERE id = 'started'")
         .await;
-    let purged = env.store.purge_finished(1000, 100).await.unwrap();
+    let purged = env
+        .store
+        .retention()
+        .purge_finished(1000, 100)
+        .await
+        .unwrap();
     assert_eq!(purged, 0, "kept: its start counts for the hour");
     submit(&env, t, "next", Some("k")).await;
     let _engine = env.start(registry(), env.config());
@@ -932,7 +946,12 @@ async fn retention_keeps_a_throttle_start_until_its_period_is_over() {
         "UPDATE jobs SET throttle_at = throttle_at - interval '2 hours' WHERE id = 'started'",
     )
     .await;
-    let purged = env.store.purge_finished(1000, 100).await.unwrap();
+    let purged = env
+        .store
+        .retention()
+        .purge_finished(1000, 100)
+        .await
+        .unwrap();
     assert_eq!(purged, 1, "its period over, it goes");
     env.wait_for("next", JobState::Acked, WAIT).await;
 }

@@ -116,6 +116,7 @@ async fn a_cancel_wakes_a_parked_model_call_at_once() {
     );
     let cancelled_at = std::time::Instant::now();
     env.store
+        .jobs()
         .cancel("wake-parked", "test", "no longer wanted")
         .await
         .unwrap();
@@ -243,9 +244,9 @@ async fn dead_with_events(env: &TestEnv, prefix: &str, n: usize) {
 async fn claimed_failure_events_are_not_claimed_twice() {
     let env = TestEnv::new().await;
     dead_with_events(&env, "claim", 3).await;
-    let first = env.store.claim_events(32, 60_000).await.unwrap();
+    let first = env.store.events().claim(32, 60_000).await.unwrap();
     assert_eq!(first.len(), 3);
-    let second = env.store.claim_events(32, 60_000).await.unwrap();
+    let second = env.store.events().claim(32, 60_000).await.unwrap();
     assert_eq!(
         second.len(),
         0,
@@ -260,12 +261,17 @@ async fn claimed_failure_events_are_not_claimed_twice() {
 async fn a_late_event_outcome_does_not_clear_a_newer_claim() {
     let env = TestEnv::new().await;
     dead_with_events(&env, "late", 1).await;
-    let a = env.store.claim_events(32, 1).await.unwrap();
+    let a = env.store.events().claim(32, 1).await.unwrap();
     assert_eq!(a.len(), 1);
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let b = env.store.claim_events(32, 60_000).await.unwrap();
+    let b = env.store.events().claim(32, 60_000).await.unwrap();
     assert_eq!(b.len(), 1, "A's mark lapsed: B claims the event");
-    assert!(env.store.mark_event_sending(&b[0], 60_000).await.unwrap());
+    assert!(env
+        .store
+        .events()
+        .mark_sending(&b[0], 60_000)
+        .await
+        .unwrap());
     // A's send failed; its "retry now" arrives after B's claim.
     let envelope = onceflow_engine::ErrorEnvelope {
         code: "http_503".into(),
@@ -273,7 +279,8 @@ async fn a_late_event_outcome_does_not_clear_a_newer_claim() {
         retryable: true,
     };
     env.store
-        .event_outcome(
+        .events()
+        .outcome(
             &a[0].idempotency_key,
             a[0].attempts,
             Some(503),
@@ -282,11 +289,12 @@ async fn a_late_event_outcome_does_not_clear_a_newer_claim() {
         )
         .await
         .unwrap();
-    let c = env.store.claim_events(32, 60_000).await.unwrap();
+    let c = env.store.events().claim(32, 60_000).await.unwrap();
     assert_eq!(c.len(), 0, "B's send is still in flight: C must not send");
     // B's own outcome is recorded.
     env.store
-        .event_outcome(&b[0].idempotency_key, b[0].attempts, Some(200), None, None)
+        .events()
+        .outcome(&b[0].idempotency_key, b[0].attempts, Some(200), None, None)
         .await
         .unwrap();
     assert_eq!(
@@ -360,7 +368,7 @@ async fn heartbeats_and_token_lookups_do_not_queue_behind_a_saturated_pool() {
     let _held = (db.conn().await.unwrap(), db.conn().await.unwrap());
     let renewal = tokio::time::timeout(
         Duration::from_secs(5),
-        store.renew(
+        store.leases().renew(
             "node-a",
             &[("saturated".into(), leased.fence.epoch)],
             60_000,
@@ -371,10 +379,11 @@ async fn heartbeats_and_token_lookups_do_not_queue_behind_a_saturated_pool() {
     .unwrap();
     assert_eq!(renewal.renewed, 1);
     assert!(renewal.lost.is_empty());
-    let looked_up = tokio::time::timeout(Duration::from_secs(5), store.authenticate("bogus"))
-        .await
-        .expect("the token lookup did not wait for the saturated pool")
-        .unwrap();
+    let looked_up =
+        tokio::time::timeout(Duration::from_secs(5), store.tokens().authenticate("bogus"))
+            .await
+            .expect("the token lookup did not wait for the saturated pool")
+            .unwrap();
     assert!(looked_up.is_none());
 }
 
@@ -389,7 +398,8 @@ async fn a_zombie_writes_no_stream_chunks() {
         .await;
     let written = env
         .store
-        .journal_stream(
+        .journal()
+        .stream(
             &old,
             "job:stream-zombie:generate",
             1,

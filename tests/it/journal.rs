@@ -205,7 +205,7 @@ async fn a_purged_id_runs_again_as_a_new_incarnation_with_its_own_keys() {
     // finish it saw, so it is told to purge now.
     engine.purge_now();
     let purged = onceflow_engine::testkit::wait_until(WAIT, || async {
-        env.store.job("again-1").await.unwrap().is_none()
+        env.store.jobs().get("again-1").await.unwrap().is_none()
     })
     .await;
     assert!(purged, "the supervisor purged the expired job");

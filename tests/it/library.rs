@@ -329,7 +329,11 @@ async fn the_typed_client_sends_a_signal_once_and_maps_its_refusals() {
         Err(ClientError::NotFound(_)) => {}
         other => panic!("an unknown job: {other:?}"),
     }
-    env.store.cancel("sig-1", "test", "done").await.unwrap();
+    env.store
+        .jobs()
+        .cancel("sig-1", "test", "done")
+        .await
+        .unwrap();
     match client.signal("sig-1", "go", "s-3", &payload).await {
         Err(ClientError::Conflict { code, .. }) => assert_eq!(code, "job_finished"),
         other => panic!("a finished job: {other:?}"),

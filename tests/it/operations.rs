@@ -117,7 +117,7 @@ async fn sigterm_drains_and_hands_jobs_over_without_paying_twice() {
         assert_eq!(history.last().unwrap()["worker"], "second", "{stored}");
     }
     assert!(
-        env.store.job("late-1").await.unwrap().is_none(),
+        env.store.jobs().get("late-1").await.unwrap().is_none(),
         "no job taken while draining"
     );
 }
@@ -154,8 +154,8 @@ fn ids_of(page: &Value) -> Vec<String> {
 async fn jobs_are_listed_newest_first_in_stable_pages() {
     let env = TestEnv::new().await;
     let base = list_api(&env, onceflow_engine::api::Auth::Tokens { loopback: true });
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let admin = env.store.create_token("ops", true).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let admin = env.store.tokens().create("ops", true).await.unwrap();
     let hook = env.consumer.url();
     for i in 0..7 {
         let r = client()
@@ -586,6 +586,7 @@ async fn submit_notifying(env: &TestEnv, id: &str, notify: bool) {
     };
     let created = env
         .store
+        .jobs()
         .submit(&onceflow_engine::store::Submission::new(&job).owned(None, notify))
         .await
         .unwrap()
@@ -623,6 +624,7 @@ async fn a_dead_event_is_not_sent_after_a_redrive() {
         "the first send of job.dead"
     );
     env.store
+        .jobs()
         .redrive("dead-again", "test", "fixed", false)
         .await
         .unwrap();
@@ -727,6 +729,7 @@ async fn dead_and_cancelled_jobs_send_their_event_once() {
     let answered_by = std::time::Instant::now() + Duration::from_millis(3500);
     assert_eq!(
         env.store
+            .jobs()
             .cancel("cancel-ev", "test", "no longer needed")
             .await
             .unwrap(),
@@ -799,8 +802,8 @@ async fn dead_letters_are_kept_longer_than_finished_jobs() {
     // finish it saw, so it is told to purge now.
     engine.purge_now();
     let purged = wait_until(Duration::from_secs(20), || async {
-        env.store.job("gone-acked").await.unwrap().is_none()
-            && env.store.job("old-dead").await.unwrap().is_none()
+        env.store.jobs().get("gone-acked").await.unwrap().is_none()
+            && env.store.jobs().get("old-dead").await.unwrap().is_none()
     })
     .await;
     assert!(

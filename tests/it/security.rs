@@ -504,8 +504,8 @@ async fn event_streams_are_bounded_per_token_and_per_node() {
         Auth::Tokens { loopback: true },
         limits,
     );
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let bob = env.store.create_token("bob", false).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
     for (id, token) in [("st-a", &alice), ("st-b", &bob)] {
         let mut job = job_body(id, &env.consumer.url());
         job["delay_ms"] = json!(3_600_000); // never ends while the test runs
@@ -586,9 +586,9 @@ async fn tokens_scope_every_job_to_its_owner() {
         .unwrap();
     assert_eq!(proxied.status().as_u16(), 401);
 
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let bob = env.store.create_token("bob", false).await.unwrap();
-    let admin = env.store.create_token("ops", true).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
+    let admin = env.store.tokens().create("ops", true).await.unwrap();
     assert!(alice.starts_with("of_") && alice != bob);
     let stored = env.sql("SELECT token_hash FROM api_tokens").await;
     assert!(!stored.to_string().contains(&alice), "stored hashed");
@@ -666,7 +666,7 @@ async fn tokens_scope_every_job_to_its_owner() {
     let (status, _, _) = call(Method::GET, &format!("{base}/healthz"), None, None).await;
     assert_eq!(status, 200);
     // Revoked: 401.
-    assert!(env.store.revoke_token("alice").await.unwrap());
+    assert!(env.store.tokens().revoke("alice").await.unwrap());
     let (status, _, _) = call(Method::GET, &format!("{jobs}/a-1"), Some(&alice), None).await;
     assert_eq!(status, 401);
 }
@@ -684,9 +684,9 @@ async fn a_signal_reaches_only_its_own_tokens_job() {
         Hosts::Any,
         Auth::Tokens { loopback: false },
     );
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let bob = env.store.create_token("bob", false).await.unwrap();
-    let admin = env.store.create_token("ops", true).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
+    let admin = env.store.tokens().create("ops", true).await.unwrap();
     let mut job = job_body("sig-a", &env.consumer.url());
     job["delay_ms"] = json!(3_600_000); // never runs while the test does
     let (status, body, _) = call(
@@ -767,12 +767,12 @@ async fn off_loopback_every_request_needs_a_token_even_with_none_left() {
     let jobs = format!("{base}/v1/jobs");
     let body = job_body("x-1", &env.consumer.url());
     assert_eq!(call(Method::POST, &jobs, None, Some(&body)).await.0, 401);
-    let token = env.store.create_token("only", false).await.unwrap();
+    let token = env.store.tokens().create("only", false).await.unwrap();
     assert_eq!(
         call(Method::POST, &jobs, Some(&token), Some(&body)).await.0,
         201
     );
-    assert!(env.store.revoke_token("only").await.unwrap());
+    assert!(env.store.tokens().revoke("only").await.unwrap());
     assert_eq!(
         call(Method::GET, &format!("{jobs}/x-1"), None, None)
             .await
@@ -891,8 +891,8 @@ async fn a_full_backlog_is_refused_with_retry_after() {
         Auth::Tokens { loopback: true },
         Bounds::backlog(3, 2),
     );
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let bob = env.store.create_token("bob", false).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
     let jobs = format!("{base}/v1/jobs");
     let hook = env.consumer.url();
     for id in ["b-1", "b-2"] {
@@ -956,7 +956,7 @@ async fn a_burst_of_submits_stops_at_the_backlog_limit() {
         Auth::Tokens { loopback: true },
         Bounds::backlog(1_000, 5),
     );
-    let alice = env.store.create_token("alice", false).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
     let jobs = format!("{base}/v1/jobs");
     let hook = env.consumer.url();
     let sends = (0..40).map(|i| {
@@ -996,7 +996,7 @@ async fn small_bounds_are_answered_alike() {
         Auth::Tokens { loopback: false },
         Bounds::default(),
     );
-    let alice = env.store.create_token("alice", false).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
     let jobs = format!("{base}/v1/jobs");
     let hook = env.consumer.url();
     for scheme in ["bearer", "BEARER", "Bearer"] {
@@ -1073,8 +1073,8 @@ async fn bulk_rerun_batch_and_tags_keep_to_the_callers_token() {
         Auth::Tokens { loopback: false },
         Bounds::default(),
     );
-    let alice = env.store.create_token("alice", false).await.unwrap();
-    let bob = env.store.create_token("bob", false).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
     let jobs = format!("{base}/v1/jobs");
     let mut body = job_body("a-1", &env.consumer.url());
     body["tags"] = json!({ "team": "a" });
@@ -1188,21 +1188,21 @@ async fn revoking_the_last_token_keeps_the_api_closed() {
         200,
         "no token has ever existed: development mode"
     );
-    let token = env.store.create_token("only", false).await.unwrap();
+    let token = env.store.tokens().create("only", false).await.unwrap();
     assert_eq!(call(Method::GET, &stats, None, None).await.0, 401);
     assert_eq!(call(Method::GET, &stats, Some(&token), None).await.0, 200);
     assert!(
-        env.store.open_development_mode().await.is_err(),
+        env.store.tokens().open_development_mode().await.is_err(),
         "refused while a live token exists"
     );
-    assert!(env.store.revoke_token("only").await.unwrap());
+    assert!(env.store.tokens().revoke("only").await.unwrap());
     let (status, answer, _) = call(Method::GET, &stats, None, None).await;
     assert_eq!(
         status, 401,
         "the last token revoked: still closed ({answer})"
     );
     assert_eq!(call(Method::GET, &stats, Some(&token), None).await.0, 401);
-    assert_eq!(env.store.open_development_mode().await.unwrap(), 1);
+    assert_eq!(env.store.tokens().open_development_mode().await.unwrap(), 1);
     assert_eq!(
         call(Method::GET, &stats, None, None).await.0,
         200,
@@ -1397,8 +1397,8 @@ async fn each_tokens_webhooks_are_signed_with_its_own_secret() {
     );
     let mut tokens = Vec::new();
     for (name, admin) in [("tenant-a", false), ("tenant-b", false), ("operator", true)] {
-        let token = env.store.create_token(name, admin).await.unwrap();
-        let secret = env.store.token_secret(name).await.unwrap();
+        let token = env.store.tokens().create(name, admin).await.unwrap();
+        let secret = env.store.tokens().secret(name).await.unwrap();
         assert_eq!(secret.is_some(), !admin, "{name}");
         tokens.push((name, token, secret));
     }
@@ -1439,12 +1439,12 @@ async fn each_tokens_webhooks_are_signed_with_its_own_secret() {
     assert!(!verifies("sig-tenant-b", node_secret));
     assert!(verifies("sig-operator", node_secret));
     // Rotation: the new secret first, the previous one kept beside it.
-    let new = env.store.rotate_token_secret("tenant-a").await.unwrap();
+    let new = env.store.tokens().rotate_secret("tenant-a").await.unwrap();
     assert_eq!(
-        env.store.token_secret("tenant-a").await.unwrap(),
+        env.store.tokens().secret("tenant-a").await.unwrap(),
         Some(format!("{new} {a}"))
     );
-    assert!(env.store.rotate_token_secret("operator").await.is_err());
+    assert!(env.store.tokens().rotate_secret("operator").await.is_err());
 }
 
 /// A token that is not admin may not push its jobs ahead of everyone's:
@@ -1459,8 +1459,8 @@ async fn a_tenants_priority_is_bounded() {
         Hosts::Any,
         Auth::Tokens { loopback: false },
     );
-    let tenant = env.store.create_token("tenant", false).await.unwrap();
-    let admin = env.store.create_token("admin", true).await.unwrap();
+    let tenant = env.store.tokens().create("tenant", false).await.unwrap();
+    let admin = env.store.tokens().create("admin", true).await.unwrap();
     let submit = |id: &str, token: &str, priority: i64| {
         let mut body = job_body(id, &env.consumer.url());
         body["priority"] = json!(priority);
@@ -1491,7 +1491,7 @@ async fn a_revoked_tokens_stream_ends_at_once() {
         Hosts::Any,
         Auth::Tokens { loopback: true },
     );
-    let alice = env.store.create_token("alice", false).await.unwrap();
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
     let mut job = job_body("rv-1", &env.consumer.url());
     job["delay_ms"] = json!(3_600_000); // never ends while the test runs
     let url = format!("{base}/v1/jobs");
@@ -1514,7 +1514,7 @@ async fn a_revoked_tokens_stream_ends_at_once() {
     assert!(followed, "the stream is open");
     let cli =
         onceflow_engine::Store::new(onceflow_engine::Db::connect(&env.db_url, 1).await.unwrap());
-    assert!(cli.revoke_token("alice").await.unwrap());
+    assert!(cli.tokens().revoke("alice").await.unwrap());
     let ended = tokio::time::timeout(Duration::from_secs(5), async {
         while let Some(_chunk) = stream.chunk().await.expect("reading events") {}
     })
@@ -1601,10 +1601,22 @@ async fn tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation
         trace_url: None,
         handoff: None,
     });
-    let a = env.store.create_token("tenant-a", false).await.unwrap();
-    env.store.create_token("tenant-b", false).await.unwrap();
-    let a_secret = env.store.token_secret("tenant-a").await.unwrap().unwrap();
-    let b_secret = env.store.token_secret("tenant-b").await.unwrap().unwrap();
+    let a = env.store.tokens().create("tenant-a", false).await.unwrap();
+    env.store.tokens().create("tenant-b", false).await.unwrap();
+    let a_secret = env
+        .store
+        .tokens()
+        .secret("tenant-a")
+        .await
+        .unwrap()
+        .unwrap();
+    let b_secret = env
+        .store
+        .tokens()
+        .secret("tenant-b")
+        .await
+        .unwrap()
+        .unwrap();
     let submit = |id: &'static str| {
         let (base, a, hook) = (base.clone(), a.clone(), env.consumer.url());
         async move {
@@ -1664,7 +1676,7 @@ async fn tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation
         );
     }
     // Rotated while the node runs (and has A's old secret cached).
-    let rotated = env.store.rotate_token_secret("tenant-a").await.unwrap();
+    let rotated = env.store.tokens().rotate_secret("tenant-a").await.unwrap();
     submit("ref-rotated").await;
     env.wait_for("ref-rotated", JobState::Acked, WAIT).await;
     let after = env.consumer.deliveries_for("ref-rotated").remove(0);
@@ -1686,6 +1698,7 @@ async fn tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation
 async fn a_tenant_token_created_over_development_mode_jobs_says_it_will_not_see_them() {
     let env = TestEnv::new().await;
     env.store
+        .jobs()
         .submit(&onceflow_engine::store::Submission::new(&NewJob {
             tags: Default::default(),
             id: "dev-1".into(),
@@ -1722,7 +1735,7 @@ async fn a_tenant_token_created_over_development_mode_jobs_says_it_will_not_see_
 #[actix_rt::test]
 async fn the_openapi_document_is_served_open_and_is_the_engines() {
     let env = TestEnv::new().await;
-    env.store.create_token("someone", false).await.unwrap();
+    env.store.tokens().create("someone", false).await.unwrap();
     let base = api_with(
         &env,
         UrlGuard::allow_private(),
@@ -1761,7 +1774,7 @@ async fn the_openapi_document_is_served_open_and_is_the_engines() {
 #[actix_rt::test]
 async fn the_open_openapi_document_names_no_workflow_without_a_token() {
     let env = TestEnv::new().await;
-    let token = env.store.create_token("reader", false).await.unwrap();
+    let token = env.store.tokens().create("reader", false).await.unwrap();
     let base = api_with(
         &env,
         UrlGuard::allow_private(),

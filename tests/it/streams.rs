@@ -797,6 +797,7 @@ async fn an_idle_stream_reads_nothing_and_a_transition_wakes_it() {
     let other_node =
         onceflow_engine::Store::new(onceflow_engine::Db::connect(&env.db_url, 1).await.unwrap());
     other_node
+        .jobs()
         .cancel("idle-1", "test", "done waiting")
         .await
         .unwrap();

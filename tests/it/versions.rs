@@ -401,6 +401,7 @@ async fn a_wait_the_changed_body_no_longer_makes_is_a_journal_mismatch() {
     changed.register(GateChangedInPlace);
     let _second = env.start(changed, env.config());
     env.store
+        .waits()
         .signal(
             "gate-1",
             "go",

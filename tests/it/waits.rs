@@ -116,7 +116,7 @@ async fn a_waiting_job_holds_no_lease_and_a_signal_is_recorded_once() {
         limit: 10,
         ..Default::default()
     };
-    let (listed, _) = env.store.list_jobs(&filter).await.unwrap();
+    let (listed, _) = env.store.jobs().list(&filter).await.unwrap();
     assert_eq!(
         listed.iter().map(|j| j.id.as_str()).collect::<Vec<_>>(),
         ["w-1"]
@@ -216,6 +216,7 @@ async fn signals_sent_before_the_wait_are_kept_and_taken_oldest_first() {
     for (id, payload) in [("first", json!("a")), ("second", json!("b"))] {
         let outcome = env
             .store
+            .waits()
             .signal(
                 "w-2",
                 "go",
@@ -269,6 +270,7 @@ async fn a_node_stopped_during_a_wait_changes_nothing() {
 
     // The signal arrives while no node runs; a new node finishes the job.
     env.store
+        .waits()
         .signal(
             "w-4",
             "go",
@@ -529,18 +531,21 @@ async fn jobs_that_wake_together_read_their_own_journals_in_one_batch() {
     let env = TestEnv::new().await;
     let acted = Arc::new(AtomicU32::new(0));
     let _engine = env.start(registry(&acted), env.config());
-    env.store.hold_journal_reads(true);
+    env.store.group_commit().hold_journal_reads(true);
     let ids: Vec<String> = (0..12).map(|i| format!("wj-{i:02}")).collect();
     for id in &ids {
         submit(&env, id, 500, 200).await;
     }
-    let queued = wait_until(WAIT, || async { env.store.queued_journal_reads() == 12 }).await;
+    let queued = wait_until(WAIT, || async {
+        env.store.group_commit().queued_journal_reads() == 12
+    })
+    .await;
     assert!(
         queued,
         "the reruns' journal reads queue behind the held batch: {}",
-        env.store.queued_journal_reads()
+        env.store.group_commit().queued_journal_reads()
     );
-    env.store.hold_journal_reads(false);
+    env.store.group_commit().hold_journal_reads(false);
     for id in &ids {
         let job = env.wait_for(id, JobState::Acked, WAIT).await;
         assert_eq!(job.result.unwrap()["go"], Value::Null, "{id}");
@@ -552,9 +557,9 @@ async fn jobs_that_wake_together_read_their_own_journals_in_one_batch() {
         assert_eq!(env.consumer.processed_for(id), 1, "{id}");
     }
     assert!(
-        env.store.largest_journal_batch() >= 12,
+        env.store.group_commit().largest_journal_batch() >= 12,
         "the twelve reads ran as one statement: largest batch {}",
-        env.store.largest_journal_batch()
+        env.store.group_commit().largest_journal_batch()
     );
     assert_eq!(acted.load(Ordering::SeqCst), 12);
 }
@@ -581,7 +586,7 @@ async fn a_batched_journal_read_is_each_jobs_own_journal_in_order() {
         env.wait_for(id, JobState::Acked, WAIT).await;
     }
 
-    env.store.hold_journal_reads(true);
+    env.store.group_commit().hold_journal_reads(true);
     let reads = ["jb-p1", "jb-a1", "jb-p2"].map(|id| {
         let store = env.store.clone();
         let fence = onceflow_engine::store::Fence {
@@ -591,16 +596,22 @@ async fn a_batched_journal_read_is_each_jobs_own_journal_in_order() {
             attempt: 9,
             worker: "reader".to_owned(),
         };
-        tokio::spawn(async move { store.journal_keys(&fence).await.unwrap() })
+        tokio::spawn(async move { store.journal().keys(&fence).await.unwrap() })
     });
-    let queued = wait_until(WAIT, || async { env.store.queued_journal_reads() == 3 }).await;
+    let queued = wait_until(WAIT, || async {
+        env.store.group_commit().queued_journal_reads() == 3
+    })
+    .await;
     assert!(queued, "the three reads queue behind the held batch");
-    env.store.hold_journal_reads(false);
+    env.store.group_commit().hold_journal_reads(false);
     let mut batched = Vec::new();
     for read in reads {
         batched.push(read.await.unwrap());
     }
-    assert!(env.store.largest_journal_batch() >= 3, "one batch of three");
+    assert!(
+        env.store.group_commit().largest_journal_batch() >= 3,
+        "one batch of three"
+    );
 
     for (id, got) in ["jb-p1", "jb-a1", "jb-p2"].into_iter().zip(batched) {
         let got: Vec<Value> = got
@@ -761,6 +772,7 @@ async fn a_refused_or_unanswered_tool_call_never_runs() {
     wait_for_wait(&env, "ap-2", "approval").await;
     let refusal = json!({ "approved": false, "note": "not this customer" });
     env.store
+        .waits()
         .signal(
             "ap-2",
             "approval:call_1",
@@ -1131,6 +1143,7 @@ async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
         );
     }
     env.store
+        .waits()
         .signal(
             "moot-decided",
             "approval:c-1",
@@ -1139,6 +1152,7 @@ async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
         .await
         .unwrap();
     env.store
+        .jobs()
         .cancel("moot-cancelled", "test", "not needed")
         .await
         .unwrap();
@@ -1205,7 +1219,7 @@ async fn an_approval_list_naming_no_tool_is_refused_and_fails_closed() {
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["field"], "input.approval[1]", "{body}");
     assert!(
-        env.store.job("ap-typo").await.unwrap().is_none(),
+        env.store.jobs().get("ap-typo").await.unwrap().is_none(),
         "nothing stored"
     );
     let response = submit("ap-named", json!(["http_post"])).await.unwrap();
@@ -1247,6 +1261,7 @@ async fn a_cancel_of_a_waiting_job_is_at_once() {
     submit_agent(&env, "ap-4", json!("all")).await;
     wait_for_wait(&env, "ap-4", "approval").await;
     env.store
+        .jobs()
         .cancel("ap-4", "test", "changed my mind")
         .await
         .unwrap();
@@ -1257,6 +1272,7 @@ async fn a_cancel_of_a_waiting_job_is_at_once() {
     let approval = json!({ "approved": true });
     let outcome = env
         .store
+        .waits()
         .signal(
             "ap-4",
             "approval:call_1",
@@ -1314,7 +1330,7 @@ async fn an_approval_survives_kill_9_of_the_real_binary() {
         ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
     ];
     let mut serve = ServeProcess::start(&vars, &log).await;
-    let token = env.store.create_token("waits", true).await.unwrap();
+    let token = env.store.tokens().create("waits", true).await.unwrap();
     let r = client()
         .post(format!("{}/v1/jobs", serve.base))
         .bearer_auth(&token)
@@ -1490,6 +1506,7 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
         wait_for_wait(&env, id, "signal").await;
     }
     env.store
+        .waits()
         .signal(
             "ct-1",
             "stray",
@@ -1498,6 +1515,7 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
         .await
         .unwrap();
     env.store
+        .waits()
         .signal(
             "ct-1",
             "n",
@@ -1518,6 +1536,7 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
     );
 
     env.store
+        .waits()
         .signal(
             "ct-2",
             "n",

@@ -77,7 +77,7 @@ pub(super) async fn run(
                     schedule: Default::default(),
                 };
                 async move {
-                    store.submit(&onceflow_engine::store::Submission::new(&job)).await?;
+                    store.jobs().submit(&onceflow_engine::store::Submission::new(&job)).await?;
                     Ok(())
                 }
             })

@@ -24,7 +24,7 @@ use serde_json::json;
 
 use super::BenchArgs;
 
-/// The acquire as it was before fairness (afce946's `Store::acquire`, its
+/// The acquire as it was before fairness (afce946's `Leases::acquire`, its
 /// lease update kept and its timer and filters dropped), kept here only to measure against.
 const ACQUIRE_BEFORE: &str = "WITH picked AS ( \
          SELECT id FROM jobs \
@@ -119,6 +119,7 @@ pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
             let store = store.clone();
             async move {
                 Ok(store
+                    .leases()
                     .acquire("bench-node", 16, 60_000, false, None, &[])
                     .await?
                     .len())
@@ -155,10 +156,20 @@ pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
     println!("2. tenant B's first start behind tenant A's 10,000 queued jobs (16 in flight, 100 ms calls)");
     let provider = FakeProvider::start();
     provider.set_latency(Duration::from_millis(100));
-    let a = store.create_token("tenant-a", false).await?;
-    let a = store.authenticate(&a).await?.context("tenant a")?.token;
-    let b = store.create_token("tenant-b", false).await?;
-    let b = store.authenticate(&b).await?.context("tenant b")?.token;
+    let a = store.tokens().create("tenant-a", false).await?;
+    let a = store
+        .tokens()
+        .authenticate(&a)
+        .await?
+        .context("tenant a")?
+        .token;
+    let b = store.tokens().create("tenant-b", false).await?;
+    let b = store
+        .tokens()
+        .authenticate(&b)
+        .await?
+        .context("tenant b")?
+        .token;
     let job = |id: String| NewJob {
         tags: Default::default(),
         id: id.clone(),
@@ -175,6 +186,7 @@ pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
             let job = job(format!("a-{i}"));
             async move {
                 store
+                    .jobs()
                     .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(a), false))
                     .await
             }
@@ -201,6 +213,7 @@ pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
     for i in 0..30 {
         let id = format!("b-{i}");
         store
+            .jobs()
             .submit(
                 &onceflow_engine::store::Submission::new(&job(id.clone())).owned(Some(b), false),
             )

@@ -1230,7 +1230,7 @@ async fn hold(
                     schedule: Default::default(),
                 };
                 async move {
-                    store.submit(&onceflow_engine::store::Submission::new(&job)).await?;
+                    store.jobs().submit(&onceflow_engine::store::Submission::new(&job)).await?;
                     Ok(())
                 }
             })

@@ -111,6 +111,7 @@ pub(super) async fn run(
         .collect();
     for (i, id) in ids.iter().enumerate() {
         store
+            .jobs()
             .submit(&onceflow_engine::store::Submission::new(
                 &onceflow_engine::intake::NewJob {
                     tags: Default::default(),

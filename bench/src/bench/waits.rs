@@ -176,6 +176,7 @@ async fn submit(
                 };
                 async move {
                     store
+                        .jobs()
                         .submit(&onceflow_engine::store::Submission::new(&job))
                         .await
                 }
@@ -308,7 +309,7 @@ pub(super) async fn run(
         };
         let started = Instant::now();
         for _ in 0..20 {
-            store.list_jobs(&filter).await?;
+            store.jobs().list(&filter).await?;
         }
         println!(
             "GET /v1/jobs{what} (a page of 50) with {n} waiting: {:.2} ms a read",

@@ -79,7 +79,7 @@ pub(super) async fn authenticate(state: &ApiState, req: &HttpRequest) -> Result<
                     "the Authorization header must be `Bearer <token>`",
                 ));
             };
-            match state.store.authenticate(token).await {
+            match state.store.tokens().authenticate(token).await {
                 Ok(Some(caller)) => Ok(Who::Token(caller)),
                 Ok(None) => Err(unauthorized("the token is unknown or revoked")),
                 Err(e) => Err(unavailable(e)),
@@ -100,7 +100,7 @@ pub(super) async fn authenticate(state: &ApiState, req: &HttpRequest) -> Result<
                  direct loopback requests; create a token with `onceflow token create --name NAME`",
             ))
         }
-        None => match state.store.tokens_exist().await {
+        None => match state.store.tokens().exist().await {
             Ok(false) => Ok(Who::Anyone),
             Ok(true) => Err(unauthorized(
                 "an API token is required: send `Authorization: Bearer <token>`",

@@ -139,6 +139,7 @@ async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde
     let answer = |status: StatusCode, view: &crate::store::JobView| json!({ "status": status.as_u16(), "job": view });
     match state
         .store
+        .jobs()
         .submit(&crate::store::Submission::new(&job).owned(who.owner(), notify))
         .await
         .map(|s| s.intake)

@@ -128,7 +128,7 @@ impl Bounds {
                 .is_some_and(|(at, _, _)| at.elapsed() < std::time::Duration::from_secs(1))
         };
         if !fresh(&self.seen.lock().expect("limits lock")) {
-            let (total, mine) = store.backlog(owner).await?;
+            let (total, mine) = store.retention().backlog(owner).await?;
             let mut seen = self.seen.lock().expect("limits lock");
             // A read that raced this one's may have taken places since.
             if !fresh(&seen) {

@@ -7,8 +7,8 @@ use super::*;
 #[utoipa::path(get, path = "/v1/stats", tag = "jobs",
     responses((status = 200, body = Stats), (status = 401, body = ErrorBody)))]
 pub(super) async fn stats(Reader(who): Reader, state: web::Data<ApiState>) -> HttpResponse {
-    let counted = state.store.stats(who.scope()).await;
-    let spent = state.store.spend_today(who.scope()).await;
+    let counted = state.store.jobs().stats(who.scope()).await;
+    let spent = state.store.waits().spend_today(who.scope()).await;
     match (counted, spent) {
         (Ok(counts), Ok(spend)) => {
             let states: serde_json::Map<String, serde_json::Value> = counts

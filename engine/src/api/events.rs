@@ -67,7 +67,7 @@ pub(super) async fn job_events(
         let _slot = slot; // held until the stream ends
                           // Transitions of a followed job are announced (NOTIFY) by the
                           // database; without the row the stream still works, polling.
-        let followed = match store.follow(&id).await {
+        let followed = match store.events().follow(&id).await {
             Ok(row) => Some(row),
             Err(e) => {
                 tracing::warn!(error = %e, job.id = id, "cannot record a stream; it polls instead");
@@ -76,7 +76,7 @@ pub(super) async fn job_events(
         };
         follow_events(store.clone(), id, after, token, followed.is_some(), tx).await;
         if let Some(row) = followed {
-            if let Err(e) = store.unfollow(row).await {
+            if let Err(e) = store.events().unfollow(row).await {
                 tracing::warn!(error = %e, "cannot remove a closed stream's row; the purge will");
             }
         }
@@ -101,10 +101,10 @@ async fn finished_before(store: &Store, id: &str, after: i64) -> bool {
     if after == 0 {
         return false; // a first connection gets the whole journal
     }
-    if !matches!(store.job(id).await, Ok(Some(view)) if view.state.is_terminal()) {
+    if !matches!(store.jobs().get(id).await, Ok(Some(view)) if view.state.is_terminal()) {
         return false;
     }
-    matches!(store.job_events(id, after, 1).await, Ok(events) if events.is_empty())
+    matches!(store.events().of_job(id, after, 1).await, Ok(events) if events.is_empty())
 }
 
 /// Sends `job_id`'s events after `after` to `tx` as they are journaled,
@@ -117,7 +117,7 @@ async fn finished_before(store: &Store, id: &str, after: i64) -> bool {
 /// once a minute as a safety net (a `NOTIFY` lost while the node's `LISTEN`
 /// reconnected), checking its token then; a revocation announced by
 /// `NOTIFY` ends the token's streams at once. Without the `followed` row
-/// (`Store::follow` failed) it reads every second.
+/// (`Events::follow` failed) it reads every second.
 pub(super) async fn follow_events(
     store: Store,
     job_id: String,
@@ -141,10 +141,10 @@ pub(super) async fn follow_events(
         ))
     };
     // Subscribed before the first read, so a commit in between is not missed.
-    let mut moved = store.watch_stream(&job_id);
-    let mut revocations = store.watch_token_changes();
+    let mut moved = store.events().watch(&job_id);
+    let mut revocations = store.tokens().watch_changes();
     loop {
-        let events = match store.job_events(&job_id, after, 500).await {
+        let events = match store.events().of_job(&job_id, after, 500).await {
             Ok(events) => events,
             Err(e) => {
                 tracing::warn!(error = %e, job.id = job_id, "reading a job's events");
@@ -172,7 +172,7 @@ pub(super) async fn follow_events(
         }
         if events.is_empty() {
             // Resumed past the end of a finished job: nothing more will come.
-            if let Ok(Some(view)) = store.job(&job_id).await {
+            if let Ok(Some(view)) = store.jobs().get(&job_id).await {
                 if view.state.is_terminal() {
                     return;
                 }
@@ -196,7 +196,7 @@ pub(super) async fn follow_events(
                     Ok(p) if p.upto.is_some_and(|upto| upto <= after) => {}
                     Ok(_) | Err(RecvError::Lagged(_)) => break,
                     Err(RecvError::Closed) => {
-                        moved = store.watch_stream(&job_id);
+                        moved = store.events().watch(&job_id);
                         break;
                     }
                 },
@@ -204,7 +204,7 @@ pub(super) async fn follow_events(
                     if read_at.elapsed() >= safety {
                         // A revoked token's stream ends.
                         if let Some(token) = token {
-                            if matches!(store.token_live(token).await, Ok(false)) {
+                            if matches!(store.tokens().live(token).await, Ok(false)) {
                                 return;
                             }
                         }
@@ -221,10 +221,10 @@ pub(super) async fn follow_events(
                 // A revoked token's stream ends at once (announced by NOTIFY).
                 revoked = revocations.recv(), if token.is_some() => match revoked {
                     Ok(id) if Some(id) != token => {}
-                    Err(RecvError::Closed) => revocations = store.watch_token_changes(),
+                    Err(RecvError::Closed) => revocations = store.tokens().watch_changes(),
                     Ok(_) | Err(RecvError::Lagged(_)) => {
                         if let Some(token) = token {
-                            if matches!(store.token_live(token).await, Ok(false)) {
+                            if matches!(store.tokens().live(token).await, Ok(false)) {
                                 return;
                             }
                         }

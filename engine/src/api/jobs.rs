@@ -179,7 +179,7 @@ pub(super) async fn get_job(
     state: web::Data<ApiState>,
     id: web::Path<String>,
 ) -> HttpResponse {
-    match state.store.job(&id).await {
+    match state.store.jobs().get(&id).await {
         // Another token's job is as absent as a job that never was.
         Ok(Some(view)) if who.sees(view.owner_token) => HttpResponse::Ok().json(view),
         Ok(_) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
@@ -335,7 +335,7 @@ pub(super) async fn list_jobs(
         waiting,
         waiting_kind,
     };
-    match state.store.list_jobs(&filter).await {
+    match state.store.jobs().list(&filter).await {
         Ok((jobs, more)) => {
             let next_cursor = more
                 .then(|| jobs.last().map(|j| encode_cursor(j.created_at, &j.id)))

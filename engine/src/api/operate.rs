@@ -106,7 +106,7 @@ fn bad_bulk_limit() -> HttpResponse {
 pub(super) async fn caller_name(state: &ApiState, who: Who) -> String {
     match who {
         Who::Anyone => "api".to_owned(),
-        Who::Token(c) => match state.store.token_name(c.token).await {
+        Who::Token(c) => match state.store.tokens().name(c.token).await {
             Ok(Some(name)) => format!("token:{name}"),
             _ => format!("token#{}", c.token),
         },
@@ -119,7 +119,7 @@ pub(super) async fn own_job(
     who: Who,
     id: &str,
 ) -> Result<crate::store::JobView, HttpResponse> {
-    match state.store.job(id).await {
+    match state.store.jobs().get(id).await {
         Ok(Some(view)) if who.sees(view.owner_token) => Ok(view),
         Ok(_) => Err(error(Code::NotFound, format!("no job {id:?}"), None)),
         Err(e) => Err(unavailable(e)),
@@ -153,7 +153,7 @@ pub(super) async fn cancel(
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "no reason given".into());
     use crate::store::operate::Cancelled;
-    let cancelled = state.store.cancel(&id, &by, &reason).await;
+    let cancelled = state.store.jobs().cancel(&id, &by, &reason).await;
     if let Ok(Cancelled::Now) = cancelled {
         state
             .telemetry
@@ -161,7 +161,7 @@ pub(super) async fn cancel(
             .transition(crate::lifecycle::JobState::Cancelled.as_str());
     }
     match cancelled {
-        Ok(Cancelled::Now | Cancelled::Already) => match state.store.job(&id).await {
+        Ok(Cancelled::Now | Cancelled::Already) => match state.store.jobs().get(&id).await {
             Ok(Some(view)) => HttpResponse::Accepted().json(view),
             Ok(None) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
             Err(e) => unavailable(e),
@@ -216,8 +216,8 @@ pub(super) async fn redrive(
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "no reason given".into());
     use crate::store::operate::Redriven;
-    match state.store.redrive(&id, &by, &reason, confirm).await {
-        Ok(Redriven::Resumed(_)) => match state.store.job(&id).await {
+    match state.store.jobs().redrive(&id, &by, &reason, confirm).await {
+        Ok(Redriven::Resumed(_)) => match state.store.jobs().get(&id).await {
             Ok(Some(view)) => HttpResponse::Accepted().json(view),
             Ok(None) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
             Err(e) => unavailable(e),
@@ -274,6 +274,7 @@ pub(super) async fn redrive_bulk(
     let reason = body.reason.unwrap_or_else(|| "bulk redrive".into());
     let ids = match state
         .store
+        .jobs()
         .dead_ids(body.workflow.as_deref(), who.scope(), limit)
         .await
     {
@@ -283,7 +284,7 @@ pub(super) async fn redrive_bulk(
     let (mut redriven, mut skipped) = (0u64, 0u64);
     for id in ids {
         use crate::store::operate::Redriven;
-        match state.store.redrive(&id, &by, &reason, confirm).await {
+        match state.store.jobs().redrive(&id, &by, &reason, confirm).await {
             Ok(Redriven::Resumed(_)) => redriven += 1,
             Ok(Redriven::UnknownDelivery) => skipped += 1,
             Ok(Redriven::NotDead(_) | Redriven::Missing) => {}
@@ -343,6 +344,7 @@ pub(super) async fn cancel_bulk(
     let reason = body.reason.unwrap_or_else(|| "bulk cancel".into());
     let ids = match state
         .store
+        .jobs()
         .live_ids(only, body.workflow.as_deref(), tag, who.scope(), limit)
         .await
     {
@@ -352,7 +354,7 @@ pub(super) async fn cancel_bulk(
     let mut cancelled = 0u64;
     for id in ids {
         use crate::store::operate::Cancelled;
-        match state.store.cancel(&id, &by, &reason).await {
+        match state.store.jobs().cancel(&id, &by, &reason).await {
             Ok(Cancelled::Now) => {
                 cancelled += 1;
                 state
@@ -464,6 +466,7 @@ pub(super) async fn rerun(
     let trace = crate::traceparent::TraceParent::new_root();
     match state
         .store
+        .jobs()
         .submit(
             &crate::store::Submission::new(&job)
                 .traced(trace)

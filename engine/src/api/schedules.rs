@@ -132,12 +132,12 @@ pub(super) async fn create_schedule(
             }
         }
         if let Some(owner) = who.owner() {
-            match state.store.schedule_count(owner).await {
+            match state.store.schedules().count(owner).await {
                 Ok(n) if n >= MAX_SCHEDULES_PER_TOKEN => {
                     // Its own schedule again is still found; another
                     // token's id says nothing more here.
                     let exists = matches!(
-                        state.store.schedule(&schedule.id).await,
+                        state.store.schedules().get(&schedule.id).await,
                         Ok(Some(s)) if s.schedule.owner_token == Some(owner)
                     );
                     if !exists {
@@ -157,7 +157,8 @@ pub(super) async fn create_schedule(
     }
     match state
         .store
-        .create_schedule(&schedule, &table, who.owner())
+        .schedules()
+        .create(&schedule, &table, who.owner())
         .await
     {
         Ok(ScheduleIntake::Created(view)) => HttpResponse::Created().json(view),
@@ -216,7 +217,8 @@ pub(super) async fn list_schedules(
     let scope = who.scope();
     match state
         .store
-        .schedules(scope.is_none(), scope, query.cursor.as_deref(), limit)
+        .schedules()
+        .list(scope.is_none(), scope, query.cursor.as_deref(), limit)
         .await
     {
         Ok(list) => {
@@ -235,7 +237,7 @@ async fn own_schedule(
     who: Who,
     id: &str,
 ) -> Result<crate::store::schedules::ScheduleDetail, HttpResponse> {
-    match state.store.schedule(id).await {
+    match state.store.schedules().get(id).await {
         Ok(Some(s)) if who.sees(s.schedule.owner_token) => Ok(s),
         Ok(_) => Err(error(Code::NotFound, format!("no schedule {id:?}"), None)),
         Err(e) => Err(unavailable(e)),
@@ -268,7 +270,7 @@ pub(super) async fn delete_schedule(
     state: web::Data<ApiState>,
     id: web::Path<String>,
 ) -> HttpResponse {
-    match state.store.delete_schedule(&id, who.scope()).await {
+    match state.store.schedules().delete(&id, who.scope()).await {
         Ok(true) => HttpResponse::NoContent().finish(),
         Ok(false) => error(
             Code::NotFound,
@@ -312,7 +314,12 @@ async fn set_paused(
     id: web::Path<String>,
     paused: bool,
 ) -> HttpResponse {
-    match state.store.set_paused(&id, who.scope(), paused).await {
+    match state
+        .store
+        .schedules()
+        .set_paused(&id, who.scope(), paused)
+        .await
+    {
         Ok(true) => {}
         Ok(false) => {
             return error(

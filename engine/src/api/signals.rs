@@ -67,7 +67,7 @@ pub(super) async fn signal(
     }
     match state
         .store
-        .signal(&id, &name, &body)
+        .waits().signal(&id, &name, &body)
         .await
     {
         Ok(SignalOutcome::Created(view)) => HttpResponse::Accepted().json(view),

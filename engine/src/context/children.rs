@@ -143,6 +143,7 @@ impl Context {
             Err(e) => {
                 if self
                     .store
+                    .waits()
                     .is_child_of(&id, self.job_id(), workflow, input)
                     .await?
                 {
@@ -200,7 +201,7 @@ impl Context {
         self.faults
             .hit(self.job_id(), FailPoint::BeforeCommit("spawn"))
             .await?;
-        match Box::pin(self.store.spawn_child(&self.fence, row)).await? {
+        match Box::pin(self.store.waits().spawn_child(&self.fence, row)).await? {
             Spawned::Created | Spawned::Existing => {}
             Spawned::LeaseLost => return Err(StepError::LeaseLost),
             Spawned::Conflict => {
@@ -248,12 +249,14 @@ impl Context {
                 self.faults
                     .hit(self.job_id(), FailPoint::BeforeCommit("join"))
                     .await?;
-                let step =
-                    Box::pin(
-                        self.store
-                            .join_children(&self.fence, &key, &name, &ids, timeout_ms),
-                    )
-                    .await?;
+                let step = Box::pin(self.store.waits().join_children(
+                    &self.fence,
+                    &key,
+                    &name,
+                    &ids,
+                    timeout_ms,
+                ))
+                .await?;
                 if step != WaitStep::LeaseLost {
                     self.faults
                         .hit(self.job_id(), FailPoint::AfterCommit("join"))

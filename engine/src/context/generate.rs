@@ -105,6 +105,7 @@ impl Drop for SlotGuard {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
                 let _ = store
+                    .limits()
                     .end_call(&key, &holder, CallEnd::Other, cap, 0.0)
                     .await;
             });
@@ -133,7 +134,7 @@ impl Context {
         loop {
             self.not_draining()?;
             ask.refresh_node = waited && place.is_best();
-            match self.store.take_slot(ask).await? {
+            match self.store.limits().take_slot(ask).await? {
                 Admission::Admitted { saturation } => {
                     metrics.limit_saturation(provider, model, saturation);
                     if waited {
@@ -186,7 +187,7 @@ impl Context {
         traceparent: &str,
         (provider, model): (&str, &str),
     ) -> Result<(Result<(Value, Usage, u16), PostError>, usize), StepError> {
-        let journaled = self.store.journaled_stream(self.job_id(), key).await?;
+        let journaled = self.store.journal().streamed(self.job_id(), key).await?;
         let mut tape = Tape::new(journaled);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let started = std::time::Instant::now();
@@ -265,7 +266,8 @@ impl Context {
         let chunks = rows.iter().filter(|r| r.kind == "chunk").count();
         match self
             .store
-            .journal_stream(&self.fence, key, tape.generation, rows)
+            .journal()
+            .stream(&self.fence, key, tape.generation, rows)
             .await?
         {
             Checkpoint::Moved => Ok(chunks),
@@ -445,7 +447,7 @@ impl Context {
     /// by what they use.
     async fn within_budget(&self, call: &Call<'_>) -> Result<(), StepError> {
         use crate::store::budgets::Budget;
-        match Box::pin(self.store.budget(self.owner_token, &call.key)).await? {
+        match Box::pin(self.store.waits().budget(self.owner_token, &call.key)).await? {
             Budget::Open => Ok(()),
             Budget::Die { budget, spent } => Err(StepError::permanent(
                 "budget_exhausted",
@@ -453,7 +455,7 @@ impl Context {
                 format!("spent {spent} of {budget} model tokens today (UTC); nothing was sent"),
             )),
             Budget::Wait { until, left_ms } => {
-                if !Box::pin(self.store.wait_for_budget(&self.fence, until)).await? {
+                if !Box::pin(self.store.waits().wait_for_budget(&self.fence, until)).await? {
                     return Err(StepError::LeaseLost);
                 }
                 Err(StepError::Waiting {
@@ -474,7 +476,7 @@ impl Context {
             self.not_draining()?;
             // Boxed: the journal writes are not live while the model call
             // waits, so they need not widen the future every job keeps.
-            match Box::pin(self.store.begin_model_call(
+            match Box::pin(self.store.journal().begin_model_call(
                 &self.fence,
                 &call.key,
                 &call.hash,
@@ -587,6 +589,7 @@ impl Context {
                     .then_some((quota.limit_key.as_str(), quota.holder.as_str()));
                 if let Err(e) = self
                     .store
+                    .limits()
                     .renew_call(&call.key, self.fence.epoch, slot, call.in_flight_ms)
                     .await
                 {
@@ -636,6 +639,7 @@ impl Context {
         if quota.limited || end == CallEnd::Throttled {
             if let Err(e) = self
                 .store
+                .limits()
                 .end_call(
                     &quota.limit_key,
                     &quota.holder,
@@ -694,6 +698,7 @@ impl Context {
             };
             if !self
                 .store
+                .journal()
                 .fail_model_call(&self.fence, key, &failed)
                 .await?
             {
@@ -706,6 +711,7 @@ impl Context {
         }
         match self
             .store
+            .journal()
             .complete_model_call(
                 &self.fence,
                 key,
@@ -767,6 +773,7 @@ impl Context {
         };
         if !self
             .store
+            .journal()
             .fail_model_call(&self.fence, &call.key, &failed)
             .await?
         {

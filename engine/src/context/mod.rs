@@ -131,7 +131,7 @@ impl Context {
         }
         let journal = match self.replay.journal.take() {
             Some(journal) => journal,
-            None => self.store.journal_keys(&self.fence).await?,
+            None => self.store.journal().keys(&self.fence).await?,
         };
         self.replay.asked.insert(key.to_owned());
         let replayed = journal.iter().any(|k| k.key == key);

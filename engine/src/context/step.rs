@@ -177,7 +177,7 @@ impl Context {
         );
         // Fenced before the work runs: a cancelled or taken-over attempt
         // runs no step body.
-        match self.store.begin_step(&self.fence, &key).await? {
+        match self.store.journal().begin_step(&self.fence, &key).await? {
             None => {
                 span.end(OUTCOME_SUPPRESSED);
                 return Err(StepError::LeaseLost);
@@ -203,7 +203,12 @@ impl Context {
             .await?;
         let text =
             serde_json::to_string(&output).map_err(|e| StepError::Serialize(e.to_string()))?;
-        match self.store.record_step(&self.fence, &key, &text).await? {
+        match self
+            .store
+            .journal()
+            .record_step(&self.fence, &key, &text)
+            .await?
+        {
             Some(stored) => {
                 span.end(OUTCOME_PERFORMED);
                 decode(&stored)

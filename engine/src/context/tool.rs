@@ -115,7 +115,8 @@ impl Context {
         };
         match self
             .store
-            .journal_stream(&self.fence, key, self.fence.attempt.max(1), vec![row])
+            .journal()
+            .stream(&self.fence, key, self.fence.attempt.max(1), vec![row])
             .await?
         {
             crate::store::Checkpoint::Moved => Ok(()),
@@ -248,6 +249,7 @@ impl Context {
             .await?;
         if !self
             .store
+            .journal()
             .complete_tool_call(&self.fence, position, &result)
             .await?
         {
@@ -279,6 +281,7 @@ impl Context {
             self.not_draining()?;
             match self
                 .store
+                .journal()
                 .begin_tool_call(&self.fence, spec, in_flight_ms)
                 .await?
             {
@@ -329,6 +332,7 @@ impl Context {
     ) -> Result<(), StepError> {
         if !self
             .store
+            .journal()
             .fail_tool_call(&self.fence, position, error, permanent)
             .await?
         {

@@ -167,7 +167,7 @@ impl Context {
         self.faults
             .hit(self.job_id(), FailPoint::BeforeCommit("wait"))
             .await?;
-        let step = Box::pin(self.store.wait(&self.fence, &ask)).await?;
+        let step = Box::pin(self.store.waits().wait(&self.fence, &ask)).await?;
         if step != WaitStep::LeaseLost {
             self.faults
                 .hit(self.job_id(), FailPoint::AfterCommit("wait"))

@@ -8,7 +8,7 @@ use diesel_async::RunQueryDsl;
 
 use super::lease::Fence;
 use super::sql::sql;
-use super::Store;
+use super::Waits;
 use crate::error::StoreError;
 
 /// What a tenant with a budget may do before its next model call.
@@ -63,11 +63,11 @@ pub struct Spend {
     pub daily_budget: i64,
 }
 
-impl Store {
+impl Waits<'_> {
     /// Whether a job of token `owner` may send model call `key` now. Only
     /// a token that is not admin and has a budget has one to check; a call
     /// already answered is a replay, which spends nothing.
-    pub async fn budget(&self, owner: Option<i64>, key: &str) -> Result<Budget, StoreError> {
+    pub async fn budget(self, owner: Option<i64>, key: &str) -> Result<Budget, StoreError> {
         let Some(owner) = owner else {
             return Ok(Budget::Open);
         };
@@ -114,7 +114,7 @@ impl Store {
     /// {"kind": "budget", "until"}`, no lease; the next acquire after
     /// `until` clears it). False when the lease is lost.
     pub async fn wait_for_budget(
-        &self,
+        self,
         fence: &Fence,
         until: chrono::DateTime<chrono::Utc>,
     ) -> Result<bool, StoreError> {
@@ -128,7 +128,7 @@ impl Store {
 
     /// Today's spend of every token with a budget (`owner`: that token's
     /// alone), by name.
-    pub async fn spend_today(&self, owner: Option<i64>) -> Result<Vec<Spend>, StoreError> {
+    pub async fn spend_today(self, owner: Option<i64>) -> Result<Vec<Spend>, StoreError> {
         let mut conn = self.db().conn().await?;
         Ok(sql(
             "SELECT t.name AS token, coalesce(s.tokens, 0) AS spent_today, \

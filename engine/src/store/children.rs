@@ -21,6 +21,7 @@ use super::group_writes::{intake_on, NewRow};
 use super::rows::NEW_JOB_CHANNEL;
 use super::sql::sql;
 use super::waits::WaitStep;
+use super::Waits;
 use super::{Fence, Store};
 use crate::error::StoreError;
 
@@ -41,11 +42,11 @@ pub enum Spawned {
 /// Most children one join shows in the parent's `waiting`.
 const SHOWN_PENDING: usize = 100;
 
-impl Store {
+impl Waits<'_> {
     /// Starts child `row` of the job `fence` holds (see the module's
     /// documentation).
     pub(crate) async fn spawn_child(
-        &self,
+        self,
         fence: &Fence,
         row: NewRow,
     ) -> Result<Spawned, StoreError> {
@@ -96,7 +97,7 @@ impl Store {
     /// over or the join timed out, or releases the parent until a child
     /// finishes.
     pub(crate) async fn join_children(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         name: &str,
@@ -215,7 +216,7 @@ impl Store {
     /// `input`: a replay finds the child it made, whatever this node has
     /// registered (another input is no find: `child_conflict` stays).
     pub(crate) async fn is_child_of(
-        &self,
+        self,
         id: &str,
         parent: &str,
         workflow: &str,

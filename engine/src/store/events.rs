@@ -10,7 +10,7 @@ use diesel_async::RunQueryDsl;
 use serde_json::Value;
 
 use super::sql::sql;
-use super::Store;
+use super::Events;
 use crate::error::{ErrorEnvelope, StoreError};
 
 /// Announces a failure event written by SQL (a death, an approval's wait):
@@ -60,15 +60,11 @@ pub struct EventSend {
     pub owner_token: Option<i64>,
 }
 
-impl Store {
+impl Events<'_> {
     /// Claims up to `limit` due event sends, marking each in flight for
     /// `in_flight_ms` (a node that dies mid-send leaves the mark to expire;
     /// the next claim sends again under the same key: at least once).
-    pub async fn claim_events(
-        &self,
-        limit: i64,
-        in_flight_ms: i64,
-    ) -> Result<Vec<EventSend>, StoreError> {
+    pub async fn claim(self, limit: i64, in_flight_ms: i64) -> Result<Vec<EventSend>, StoreError> {
         let mut conn = self.db().conn().await?;
         // Those whose moment has passed are closed first, with the reason.
         let moot = serde_json::to_value(ErrorEnvelope {
@@ -114,8 +110,8 @@ impl Store {
     /// batch are sent to a slow consumer; this one covers each send. False:
     /// another node has it, or its moment passed since the claim (the next
     /// claim closes it): do not send.
-    pub async fn mark_event_sending(
-        &self,
+    pub async fn mark_sending(
+        self,
         event: &EventSend,
         in_flight_ms: i64,
     ) -> Result<bool, StoreError> {
@@ -144,8 +140,8 @@ impl Store {
     /// `run_at` becomes `infinity`: the index of due events keeps closed ones
     /// until the purge, and the claim, which walks it in `run_at` order up to
     /// now, then never reaches them.
-    pub async fn event_outcome(
-        &self,
+    pub async fn outcome(
+        self,
         key: &str,
         attempts: i32,
         status: Option<i32>,
@@ -184,7 +180,7 @@ impl Store {
     /// mark lapses if that node died — or `None` when none is pending.
     /// Zero when one is due now. Read through `outbox_events_due`: closed
     /// events sit at `run_at = infinity`, outside the range read.
-    pub async fn next_event_in(&self) -> Result<Option<std::time::Duration>, StoreError> {
+    pub async fn next_in(self) -> Result<Option<std::time::Duration>, StoreError> {
         #[derive(QueryableByName)]
         struct Next {
             #[diesel(sql_type = Nullable<BigInt>)]

@@ -28,7 +28,7 @@ use super::group_commit::{Batcher, ForJob, Keyed};
 use super::rows::{lock_in_order, IdRow, INTAKE_WORKER, NEW_JOB_CHANNEL};
 use super::sql::sql;
 use super::streams::stream_on;
-use super::{Checkpoint, Fence, Store};
+use super::{Checkpoint, Fence, GroupCommit, Store};
 use crate::db::Db;
 use crate::error::{BatchError, StoreError};
 
@@ -735,44 +735,44 @@ pub enum BatchKind {
     Renew,
 }
 
-impl Store {
+impl GroupCommit<'_> {
     /// Test seam: while held, model answers queue and no model-answer batch
     /// starts; releasing runs everything queued (up to the batch limit) as
     /// one batch. (Intake and the other kinds keep running, so jobs can be
     /// submitted and reach their model call meanwhile.)
     #[doc(hidden)]
-    pub fn hold_batches(&self, hold: bool) {
+    pub fn hold_batches(self, hold: bool) {
         self.batches.model_answer.hold(hold);
     }
 
     /// Model answers handed in and not yet taken into a batch.
     #[doc(hidden)]
-    pub fn queued_batch_requests(&self) -> usize {
+    pub fn queued_batch_requests(self) -> usize {
         self.batches.model_answer.queued()
     }
 
     /// The most requests one batch of model answers has held.
     #[doc(hidden)]
-    pub fn largest_model_answer_batch(&self) -> usize {
+    pub fn largest_model_answer_batch(self) -> usize {
         self.batches.model_answer.largest()
     }
 
     /// Test seam: while held, reruns' journal reads queue and no batch of
     /// them starts; releasing runs everything queued as one batch.
     #[doc(hidden)]
-    pub fn hold_journal_reads(&self, hold: bool) {
+    pub fn hold_journal_reads(self, hold: bool) {
         self.batches.journal.hold(hold);
     }
 
     /// Journal reads handed in and not yet taken into a batch.
     #[doc(hidden)]
-    pub fn queued_journal_reads(&self) -> usize {
+    pub fn queued_journal_reads(self) -> usize {
         self.batches.journal.queued()
     }
 
     /// The most journal reads one batch has held.
     #[doc(hidden)]
-    pub fn largest_journal_batch(&self) -> usize {
+    pub fn largest_journal_batch(self) -> usize {
         self.batches.journal.largest()
     }
 
@@ -782,7 +782,7 @@ impl Store {
     /// rolls it back. A test checks meanwhile which rows are locked.
     #[doc(hidden)]
     pub async fn probe_batch_locks(
-        &self,
+        self,
         kind: BatchKind,
         fences: &[Fence],
         hold: std::time::Duration,

@@ -10,7 +10,8 @@ use serde_json::Value;
 use super::rows::parse_state;
 pub use super::rows::{INTAKE_WORKER, NEW_JOB_CHANNEL};
 use super::sql::sql;
-use super::{Leased, Store};
+use super::Jobs;
+use super::Leased;
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::lifecycle::JobState;
 use crate::request::{JobRequest, NewJob};
@@ -26,7 +27,7 @@ pub struct HandTo {
 }
 
 /// A job to record, in whose trace, for whom, and whether it is handed to
-/// a node in intake's commit: what [`Store::submit`] takes.
+/// a node in intake's commit: what [`Jobs::submit`] takes.
 #[derive(Debug, Clone)]
 pub struct Submission<'a> {
     /// The job.
@@ -367,7 +368,7 @@ const SELECT_JOB: &str = concat!("SELECT j.id, j.workflow, j.workflow_version, j
      waiting_now!(), " AS waiting, j.parent_id \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1");
 
-impl Store {
+impl Jobs<'_> {
     /// Records a new job in `received` with its first history row, or reports
     /// what is already stored under that id. Race-safe: the primary key
     /// decides, and a losing concurrent insert waits for the winner to commit.
@@ -379,7 +380,7 @@ impl Store {
     /// leased to that node in the same commit, and the lease is returned
     /// for the node to adopt (see [`crate::handoff`]); a job that exists
     /// already, is scheduled for later, or has a concurrency key is not.
-    pub async fn submit(&self, submission: &Submission<'_>) -> Result<Submitted, StoreError> {
+    pub async fn submit(self, submission: &Submission<'_>) -> Result<Submitted, StoreError> {
         let Submission {
             job,
             trace,
@@ -494,13 +495,13 @@ impl Store {
     }
 
     /// The job with its history and delivery, or `None`.
-    pub async fn job(&self, id: &str) -> Result<Option<JobView>, StoreError> {
+    pub async fn get(self, id: &str) -> Result<Option<JobView>, StoreError> {
         let mut conn = self.db.conn().await?;
         Ok(self.load_view(&mut conn, id).await?.map(|(view, _)| view))
     }
 
     async fn load_view(
-        &self,
+        self,
         conn: &mut diesel_async::AsyncPgConnection,
         id: &str,
     ) -> Result<Option<(JobView, String)>, StoreError> {
@@ -694,15 +695,12 @@ pub struct ListFilter {
     pub limit: i64,
 }
 
-impl Store {
+impl Jobs<'_> {
     /// Jobs newest first by (created_at, id), at most `filter.limit`, and
     /// whether more follow. Keyset-paginated: a page continues strictly
     /// after the last row of the previous one, so jobs submitted meanwhile
     /// (newer) never shift or repeat a page.
-    pub async fn list_jobs(
-        &self,
-        filter: &ListFilter,
-    ) -> Result<(Vec<JobSummary>, bool), StoreError> {
+    pub async fn list(self, filter: &ListFilter) -> Result<(Vec<JobSummary>, bool), StoreError> {
         let mut conn = self.db.conn().await?;
         let (before_at, before_id) = match &filter.before {
             Some((at, id)) => (Some(*at), Some(id.as_str())),
@@ -775,7 +773,7 @@ impl Store {
     }
 
     /// Jobs per state (every state, zeros included), of `owner` or of all.
-    pub async fn stats(&self, owner: Option<i64>) -> Result<Vec<(JobState, u64)>, StoreError> {
+    pub async fn stats(self, owner: Option<i64>) -> Result<Vec<(JobState, u64)>, StoreError> {
         let mut conn = self.db.conn().await?;
         let rows: Vec<StateCount> = sql("SELECT state::text AS state, count(*) AS n FROM jobs \
              WHERE ($1::bigint IS NULL OR owner_token = $1) GROUP BY state")

@@ -18,6 +18,7 @@ use serde_json::Value;
 
 use super::rows::IdRow;
 use super::sql::sql;
+use super::Journal;
 use super::{Checkpoint, Fence, Store};
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::faults::{FailPoint, Faults};
@@ -224,12 +225,12 @@ pub struct KillWith<'a> {
     pub outbox_status: OutboxStatus,
 }
 
-impl Store {
+impl Journal<'_> {
     /// Journals the intent to call the model under `key` (before anything is
     /// sent) and decides whether this attempt sends. Waits for a concurrent
     /// attempt that is committing this key's response.
     pub async fn begin_model_call(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         request_hash: &str,
@@ -243,7 +244,7 @@ impl Store {
     }
 
     async fn begin_model_call_once(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         request_hash: &str,
@@ -348,7 +349,7 @@ impl Store {
 
     /// Journals the model's response under `key`.
     pub async fn complete_model_call(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         response: &Value,
@@ -389,7 +390,7 @@ impl Store {
     /// Fenced: false (nothing written) when the lease is lost, so a zombie
     /// never clears a newer attempt's in-flight mark.
     pub async fn fail_model_call(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         failed: &FailedSend,
@@ -420,7 +421,7 @@ impl Store {
     }
 
     /// The persisted result of a job.
-    pub async fn result_of(&self, job_id: &str) -> Result<Option<Value>, StoreError> {
+    pub async fn result_of(self, job_id: &str) -> Result<Option<Value>, StoreError> {
         retrying!(self, "result_of", async || {
             let mut conn = self.db().conn().await?;
             let rows: Vec<OutputRow> = sql("SELECT output FROM results WHERE job_id = $1")
@@ -444,7 +445,7 @@ impl Store {
     ///   inserted, with its first send marked in flight for this attempt:
     ///   on `Moved` the caller sends attempt 1 at once.
     pub async fn commit_result(
-        &self,
+        self,
         fence: &Fence,
         from: JobState,
         output: &Value,
@@ -496,7 +497,7 @@ impl Store {
     /// `unknown`) under a live job closes the job too, so no attempt can
     /// loop on it.
     pub async fn begin_delivery(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         at_most_once: bool,
@@ -510,7 +511,7 @@ impl Store {
     }
 
     async fn begin_delivery_once(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         at_most_once: bool,
@@ -616,7 +617,7 @@ impl Store {
     /// keeps its guard (state and epoch) and its history row, as
     /// `generated → persisted → claimed` do; the job is finished and unleased.
     pub async fn mark_delivered(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         status: i32,
@@ -646,7 +647,7 @@ impl Store {
     /// never be found "not in flight" and sent again). Fenced: `LeaseLost`
     /// writes nothing.
     pub async fn fail_delivery(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         failed: &FailedSend,
@@ -687,7 +688,7 @@ impl Store {
     /// `delivered → acked`: the job is finished and leaves the runnable set.
     /// One statement (the guarded move with its history row); the ack seam is
     /// [`FailPoint::Ack`], hit by the actor just before.
-    pub async fn ack(&self, fence: &Fence) -> Result<Checkpoint, StoreError> {
+    pub async fn ack(self, fence: &Fence) -> Result<Checkpoint, StoreError> {
         retrying!(self, "ack", async || {
             self.batches
                 .ack
@@ -701,7 +702,7 @@ impl Store {
 
     /// Dead-letters the job (and its outbox row, if `outbox_status` is given).
     pub async fn kill(
-        &self,
+        self,
         fence: &Fence,
         reason: &str,
         error: &ErrorEnvelope,

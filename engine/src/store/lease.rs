@@ -14,6 +14,7 @@ pub use super::rows::Checkpoint;
 use super::rows::{lock_in_order, parse_state, IdRow};
 use super::sql::sql;
 use super::Store;
+use super::{Jobs, Leases};
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::lifecycle::JobState;
 use crate::request::JobRequest;
@@ -95,7 +96,7 @@ struct LeasedRow {
 }
 
 /// What one heartbeat did: how many leases it extended, and which it found
-/// lost (see [`Store::renew`]). A job its own attempt finished or released
+/// lost (see [`Leases::renew`]). A job its own attempt finished or released
 /// meanwhile is in neither.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Renewal {
@@ -299,7 +300,7 @@ const ACQUIRE: &str = concat!(
          picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token"
 );
 
-impl Store {
+impl Leases<'_> {
     /// Leases up to `limit` runnable jobs to `node` for `lease_ms`: jobs due
     /// to run that nobody holds, and jobs whose lease expired (a crashed or
     /// stalled attempt, on any node). With `reclaim_own`, also jobs still
@@ -322,7 +323,7 @@ impl Store {
     /// a due timer's outcome is fixed (`{"slept": true}`), so the attempt's
     /// replay reads it from the journal instead of a transaction of its own.
     pub async fn acquire(
-        &self,
+        self,
         node: &str,
         limit: i64,
         lease_ms: i64,
@@ -393,7 +394,7 @@ impl Store {
     /// job the attempt finished or released itself keeps its epoch and is in
     /// neither.
     pub async fn renew(
-        &self,
+        self,
         node: &str,
         held: &[(String, i64)],
         lease_ms: i64,
@@ -402,9 +403,170 @@ impl Store {
             return Ok(Renewal::default());
         }
         let mut conn = self.db().lease_conn().await?;
-        Self::renew_on(&mut conn, node, held, lease_ms).await
+        Store::renew_on(&mut conn, node, held, lease_ms).await
     }
 
+    /// Takes node name `node` on a dedicated connection of its own and keeps
+    /// it for as long as the returned hold lives: `None` when another live
+    /// node has it. Every `every`, the connection is checked (`SELECT 1`);
+    /// when it has dropped or hangs for 5 s (a database restart, a
+    /// failover), the name is taken again on a new connection, and if it is
+    /// still taken at the third check (a twin took it meanwhile) the hold
+    /// reports it lost ([`NodeIdHold::lost`]): the node must stop, as
+    /// the twin would have refused to start had the connection stayed up.
+    pub async fn hold_node_id(
+        self,
+        node: &str,
+        every: std::time::Duration,
+    ) -> Result<Option<NodeIdHold>, StoreError> {
+        let mut conn = self.db().dedicated().await?;
+        if !Store::lock_node_id(&mut conn, node).await? {
+            return Ok(None);
+        }
+        let (tx, lost) = tokio::sync::oneshot::channel();
+        let (db, node) = (self.db().clone(), node.to_owned());
+        self.db().spawn(async move {
+            let mut tx = tx;
+            let mut conn = Some(conn);
+            let mut refused = 0;
+            loop {
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                if let Some(c) = conn.as_mut() {
+                    // Bounded: a half-open connection must not hide a drop.
+                    let alive = tokio::time::timeout(
+                        std::time::Duration::from_secs(5),
+                        diesel_async::SimpleAsyncConnection::batch_execute(c, "SELECT 1"),
+                    )
+                    .await;
+                    if matches!(alive, Ok(Ok(()))) {
+                        refused = 0;
+                        continue;
+                    }
+                    tracing::warn!(node = %node, "the connection holding this node's name dropped; taking the name again");
+                    conn = None;
+                }
+                let taken = match db.dedicated().await {
+                    Ok(mut c) => Store::lock_node_id(&mut c, &node).await.map(|t| (t, c)),
+                    Err(e) => Err(e),
+                };
+                match taken {
+                    Ok((true, c)) => {
+                        tracing::warn!(node = %node, "this node's name is held again");
+                        conn = Some(c);
+                    }
+                    // The old backend may hold the lock a little longer
+                    // (it has not noticed the dropped connection yet): a
+                    // lock still refused after three checks is a twin's.
+                    Ok((false, _)) if refused < 2 => {
+                        refused += 1;
+                        tracing::warn!(node = %node, "this node's name is still locked (the old connection's backend, or a twin); checking again");
+                    }
+                    Ok((false, _)) => {
+                        let said = format!(
+                            "another node took the name {node:?} (ONCEFLOW_NODE_ID) while this \
+                             node's connection was down: two nodes under one name would renew and \
+                             release each other's leases, so this one stops"
+                        );
+                        tracing::error!("{said}");
+                        let _ = tx.send(said);
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, node = %node, "could not take this node's name again; will retry");
+                    }
+                }
+            }
+        });
+        Ok(Some(NodeIdHold { lost }))
+    }
+
+    /// Whether `fence` still holds its unfinished job (no cancel, no
+    /// takeover): the check before a send that follows no fenced write.
+    pub async fn holds(self, fence: &Fence) -> Result<bool, StoreError> {
+        retrying!(self, "holds", async || {
+            let mut conn = self.db().conn().await?;
+            let rows: Vec<IdRow> = sql(
+                "SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
+            )
+            .bind::<Text, _>(&fence.job_id)
+            .bind::<BigInt, _>(fence.epoch)
+            .load(&mut conn)
+            .await?;
+            Ok(rows.len() == 1)
+        })
+        .await
+    }
+
+    /// Releases the lease and schedules the job to run again `delay` from
+    /// now by the database's clock (every node's `run_at <= now()` reads
+    /// the same clock), keeping its state (a retry after a transient
+    /// failure); `store_failure` counts a database error that ended the
+    /// attempt.
+    pub async fn reschedule(
+        self,
+        fence: &Fence,
+        delay: std::time::Duration,
+        error: &ErrorEnvelope,
+        store_failure: bool,
+    ) -> Result<Checkpoint, StoreError> {
+        retrying!(self, "reschedule", async || {
+            self.reschedule_once(fence, delay, error, store_failure)
+                .await
+        })
+        .await
+    }
+
+    async fn reschedule_once(
+        self,
+        fence: &Fence,
+        delay: std::time::Duration,
+        error: &ErrorEnvelope,
+        store_failure: bool,
+    ) -> Result<Checkpoint, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX / 2);
+        let moved = sql(
+            "UPDATE jobs SET run_at = clock_timestamp() + $3 * interval '1 millisecond', last_error = $4, \
+                 lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, updated_at = now(), \
+                 store_failures = store_failures + CASE WHEN $5 THEN 1 ELSE 0 END \
+             WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
+        )
+        .bind::<Text, _>(&fence.job_id)
+        .bind::<BigInt, _>(fence.epoch)
+        .bind::<BigInt, _>(delay_ms)
+        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
+        .bind::<Bool, _>(store_failure)
+        .execute(&mut conn)
+        .await?;
+        if moved == 1 {
+            return Ok(Checkpoint::Moved);
+        }
+        Store::why_not(&mut conn, fence).await
+    }
+
+    /// Releases every lease `node` holds, so another node resumes those jobs
+    /// at once instead of after the lease expires (a graceful shutdown).
+    /// Returns how many were released.
+    pub async fn release_all(self, node: &str) -> Result<usize, StoreError> {
+        let mut conn = self.db().conn().await?;
+        let released = sql(
+            "UPDATE jobs SET lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, updated_at = now() \
+             WHERE lease_owner = $1 AND finished_at IS NULL",
+        )
+        .bind::<Text, _>(node)
+        .execute(&mut conn)
+        .await?;
+        drop(conn);
+        // Its provider slots too (calls it abandoned hold none).
+        self.limits().release_node_slots(node).await?;
+        Ok(released)
+    }
+}
+
+impl Store {
     pub(crate) async fn renew_on(
         conn: &mut AsyncPgConnection,
         node: &str,
@@ -458,83 +620,6 @@ impl Store {
         })
     }
 
-    /// Takes node name `node` on a dedicated connection of its own and keeps
-    /// it for as long as the returned hold lives: `None` when another live
-    /// node has it. Every `every`, the connection is checked (`SELECT 1`);
-    /// when it has dropped or hangs for 5 s (a database restart, a
-    /// failover), the name is taken again on a new connection, and if it is
-    /// still taken at the third check (a twin took it meanwhile) the hold
-    /// reports it lost ([`NodeIdHold::lost`]): the node must stop, as
-    /// the twin would have refused to start had the connection stayed up.
-    pub async fn hold_node_id(
-        &self,
-        node: &str,
-        every: std::time::Duration,
-    ) -> Result<Option<NodeIdHold>, StoreError> {
-        let mut conn = self.db().dedicated().await?;
-        if !Self::lock_node_id(&mut conn, node).await? {
-            return Ok(None);
-        }
-        let (tx, lost) = tokio::sync::oneshot::channel();
-        let (db, node) = (self.db().clone(), node.to_owned());
-        self.db().spawn(async move {
-            let mut tx = tx;
-            let mut conn = Some(conn);
-            let mut refused = 0;
-            loop {
-                tokio::select! {
-                    _ = tx.closed() => return,
-                    _ = tokio::time::sleep(every) => {}
-                }
-                if let Some(c) = conn.as_mut() {
-                    // Bounded: a half-open connection must not hide a drop.
-                    let alive = tokio::time::timeout(
-                        std::time::Duration::from_secs(5),
-                        diesel_async::SimpleAsyncConnection::batch_execute(c, "SELECT 1"),
-                    )
-                    .await;
-                    if matches!(alive, Ok(Ok(()))) {
-                        refused = 0;
-                        continue;
-                    }
-                    tracing::warn!(node = %node, "the connection holding this node's name dropped; taking the name again");
-                    conn = None;
-                }
-                let taken = match db.dedicated().await {
-                    Ok(mut c) => Self::lock_node_id(&mut c, &node).await.map(|t| (t, c)),
-                    Err(e) => Err(e),
-                };
-                match taken {
-                    Ok((true, c)) => {
-                        tracing::warn!(node = %node, "this node's name is held again");
-                        conn = Some(c);
-                    }
-                    // The old backend may hold the lock a little longer
-                    // (it has not noticed the dropped connection yet): a
-                    // lock still refused after three checks is a twin's.
-                    Ok((false, _)) if refused < 2 => {
-                        refused += 1;
-                        tracing::warn!(node = %node, "this node's name is still locked (the old connection's backend, or a twin); checking again");
-                    }
-                    Ok((false, _)) => {
-                        let said = format!(
-                            "another node took the name {node:?} (ONCEFLOW_NODE_ID) while this \
-                             node's connection was down: two nodes under one name would renew and \
-                             release each other's leases, so this one stops"
-                        );
-                        tracing::error!("{said}");
-                        let _ = tx.send(said);
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, node = %node, "could not take this node's name again; will retry");
-                    }
-                }
-            }
-        });
-        Ok(Some(NodeIdHold { lost }))
-    }
-
     /// Takes node name `node` for as long as `conn` (a dedicated
     /// connection) stays open: a session advisory lock on the name. False
     /// when another live node holds it; two nodes under one name would
@@ -553,23 +638,6 @@ impl Store {
             .get_result(conn)
             .await?;
         Ok(row.locked)
-    }
-
-    /// Whether `fence` still holds its unfinished job (no cancel, no
-    /// takeover): the check before a send that follows no fenced write.
-    pub async fn holds(&self, fence: &Fence) -> Result<bool, StoreError> {
-        retrying!(self, "holds", async || {
-            let mut conn = self.db().conn().await?;
-            let rows: Vec<IdRow> = sql(
-                "SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
-            )
-            .bind::<Text, _>(&fence.job_id)
-            .bind::<BigInt, _>(fence.epoch)
-            .load(&mut conn)
-            .await?;
-            Ok(rows.len() == 1)
-        })
-        .await
     }
 
     pub(crate) async fn hold_fence(
@@ -633,89 +701,7 @@ impl Store {
         if moved == 1 {
             return Ok(Checkpoint::Moved);
         }
-        Self::why_not(conn, fence).await
-    }
-
-    /// Releases the lease and schedules the job to run again `delay` from
-    /// now by the database's clock (every node's `run_at <= now()` reads
-    /// the same clock), keeping its state (a retry after a transient
-    /// failure); `store_failure` counts a database error that ended the
-    /// attempt.
-    pub async fn reschedule(
-        &self,
-        fence: &Fence,
-        delay: std::time::Duration,
-        error: &ErrorEnvelope,
-        store_failure: bool,
-    ) -> Result<Checkpoint, StoreError> {
-        retrying!(self, "reschedule", async || {
-            self.reschedule_once(fence, delay, error, store_failure)
-                .await
-        })
-        .await
-    }
-
-    async fn reschedule_once(
-        &self,
-        fence: &Fence,
-        delay: std::time::Duration,
-        error: &ErrorEnvelope,
-        store_failure: bool,
-    ) -> Result<Checkpoint, StoreError> {
-        let mut conn = self.db().conn().await?;
-        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX / 2);
-        let moved = sql(
-            "UPDATE jobs SET run_at = clock_timestamp() + $3 * interval '1 millisecond', last_error = $4, \
-                 lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, updated_at = now(), \
-                 store_failures = store_failures + CASE WHEN $5 THEN 1 ELSE 0 END \
-             WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL",
-        )
-        .bind::<Text, _>(&fence.job_id)
-        .bind::<BigInt, _>(fence.epoch)
-        .bind::<BigInt, _>(delay_ms)
-        .bind::<Jsonb, _>(serde_json::to_value(error).expect("envelope serialises"))
-        .bind::<Bool, _>(store_failure)
-        .execute(&mut conn)
-        .await?;
-        if moved == 1 {
-            return Ok(Checkpoint::Moved);
-        }
-        Self::why_not(&mut conn, fence).await
-    }
-
-    /// Releases every lease `node` holds, so another node resumes those jobs
-    /// at once instead of after the lease expires (a graceful shutdown).
-    /// Returns how many were released.
-    pub async fn release_leases(&self, node: &str) -> Result<usize, StoreError> {
-        let mut conn = self.db().conn().await?;
-        let released = sql(
-            "UPDATE jobs SET lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, updated_at = now() \
-             WHERE lease_owner = $1 AND finished_at IS NULL",
-        )
-        .bind::<Text, _>(node)
-        .execute(&mut conn)
-        .await?;
-        drop(conn);
-        // Its provider slots too (calls it abandoned hold none).
-        self.release_node_slots(node).await?;
-        Ok(released)
-    }
-
-    /// The current state of a job (for an attempt that lost a race).
-    pub async fn state_of(&self, job_id: &str) -> Result<Option<JobState>, StoreError> {
-        retrying!(self, "state_of", async || {
-            let mut conn = self.db().conn().await?;
-            let rows: Vec<StateRow> =
-                sql("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
-                    .bind::<Text, _>(job_id)
-                    .load(&mut conn)
-                    .await?;
-            rows.into_iter()
-                .next()
-                .map(|r| parse_state(&r.state))
-                .transpose()
-        })
-        .await
+        Store::why_not(conn, fence).await
     }
 
     /// Why a guarded update changed nothing.
@@ -737,7 +723,26 @@ impl Store {
     }
 }
 
-/// A node's hold on its name (see [`Store::hold_node_id`]); dropping it
+impl Jobs<'_> {
+    /// The current state of a job (for an attempt that lost a race).
+    pub async fn state_of(self, job_id: &str) -> Result<Option<JobState>, StoreError> {
+        retrying!(self, "state_of", async || {
+            let mut conn = self.db().conn().await?;
+            let rows: Vec<StateRow> =
+                sql("SELECT state::text AS state, lease_epoch FROM jobs WHERE id = $1")
+                    .bind::<Text, _>(job_id)
+                    .load(&mut conn)
+                    .await?;
+            rows.into_iter()
+                .next()
+                .map(|r| parse_state(&r.state))
+                .transpose()
+        })
+        .await
+    }
+}
+
+/// A node's hold on its name (see [`Leases::hold_node_id`]); dropping it
 /// gives the name up.
 #[derive(Debug)]
 pub struct NodeIdHold {

@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use super::sql::sql;
 use super::{Fence, Store};
+use super::{Journal, Retention};
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::verdict::{decide_send, SendDecision, SendMode, SendRow};
 
@@ -98,7 +99,7 @@ struct Count {
     n: i64,
 }
 
-/// One key of a job's journal (see [`Store::journal_keys`]).
+/// One key of a job's journal (see [`Journal::keys`]).
 #[derive(Debug, Clone, QueryableByName)]
 pub struct Journaled {
     /// The key.
@@ -109,11 +110,11 @@ pub struct Journaled {
     pub outcome: Option<Value>,
 }
 
-impl Store {
+impl Journal<'_> {
     /// Records the intent to execute `call` (before any side effect) and
     /// decides whether this attempt executes it.
     pub async fn begin_tool_call(
-        &self,
+        self,
         fence: &Fence,
         call: &ToolCallSpec<'_>,
         in_flight_ms: i64,
@@ -125,7 +126,7 @@ impl Store {
     }
 
     async fn begin_tool_call_once(
-        &self,
+        self,
         fence: &Fence,
         call: &ToolCallSpec<'_>,
         in_flight_ms: i64,
@@ -201,7 +202,7 @@ impl Store {
 
     /// Stores a tool call's result; false when the lease is lost.
     pub async fn complete_tool_call(
-        &self,
+        self,
         fence: &Fence,
         position: Position,
         result: &str,
@@ -238,7 +239,7 @@ impl Store {
     /// Records a failed execution and frees the call for the next attempt.
     /// Fenced: false (nothing written) when the lease is lost.
     pub async fn fail_tool_call(
-        &self,
+        self,
         fence: &Fence,
         position: Position,
         error: &ErrorEnvelope,
@@ -275,7 +276,7 @@ impl Store {
     /// body must ask for again, in this order, before it asks anything new.
     /// A wait that is over comes with its outcome, which a replay returns
     /// as it stands.
-    pub async fn journal_keys(&self, fence: &Fence) -> Result<Vec<Journaled>, StoreError> {
+    pub async fn keys(self, fence: &Fence) -> Result<Vec<Journaled>, StoreError> {
         // Batched: a node that resumes many jobs at once (a timer burst, a
         // restart) reads their journals in a few statements, not one each.
         let request = super::group_writes::JournalRead {
@@ -299,7 +300,7 @@ impl Store {
     /// locks it, so a cancel or takeover either commits before this (and
     /// the step is refused) or waits for it.
     pub async fn begin_step(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
     ) -> Result<Option<Option<String>>, StoreError> {
@@ -325,7 +326,7 @@ impl Store {
     /// Journals step `key`'s output; returns what is stored (the first writer
     /// wins a race), or `None` when the lease is lost.
     pub async fn record_step(
-        &self,
+        self,
         fence: &Fence,
         key: &str,
         output: &str,
@@ -352,11 +353,13 @@ impl Store {
         })
         .await
     }
+}
 
+impl Retention<'_> {
     /// Deletes up to `batch` jobs that finished more than `retention_ms` ago,
     /// with their history, results, journals and keys (foreign keys cascade).
     /// After this, a submission of one of their ids is a new job.
-    pub async fn purge_finished(&self, retention_ms: i64, batch: i64) -> Result<u64, StoreError> {
+    pub async fn purge_finished(self, retention_ms: i64, batch: i64) -> Result<u64, StoreError> {
         self.purge_finished_keeping_dead(retention_ms, retention_ms, batch)
             .await
     }
@@ -364,13 +367,13 @@ impl Store {
     /// As [`purge_finished`](Self::purge_finished), with dead letters kept
     /// for `dead_retention_ms` instead (an operator may still redrive them).
     pub async fn purge_finished_keeping_dead(
-        &self,
+        self,
         retention_ms: i64,
         dead_retention_ms: i64,
         batch: i64,
     ) -> Result<u64, StoreError> {
         let mut conn = self.db().conn().await?;
-        Self::purge_in(&mut conn, retention_ms, dead_retention_ms, batch).await
+        Store::purge_in(&mut conn, retention_ms, dead_retention_ms, batch).await
     }
 
     /// How long until the oldest finished job's retention ends (dead
@@ -380,7 +383,7 @@ impl Store {
     /// `None` when no job has finished. Two index reads: `jobs_finished`
     /// from its oldest end, `jobs_dead`.
     pub async fn next_purge_in(
-        &self,
+        self,
         retention_ms: i64,
         dead_retention_ms: i64,
     ) -> Result<Option<std::time::Duration>, StoreError> {
@@ -416,7 +419,7 @@ impl Store {
     /// so its cost follows the backlog and the dead letters, not retention.
     /// (`GET /v1/stats` still counts every state, on request.)
     pub async fn count_live_and_dead(
-        &self,
+        self,
     ) -> Result<Vec<(crate::lifecycle::JobState, u64)>, StoreError> {
         use super::jobs::{per_state, StateCount};
         use crate::lifecycle::JobState;
@@ -437,7 +440,7 @@ impl Store {
     }
 
     /// Unfinished jobs in all, and of API token `owner` (0 for `None`).
-    pub async fn backlog(&self, owner: Option<i64>) -> Result<(u64, u64), StoreError> {
+    pub async fn backlog(self, owner: Option<i64>) -> Result<(u64, u64), StoreError> {
         #[derive(QueryableByName)]
         struct Counts {
             #[diesel(sql_type = BigInt)]
@@ -458,7 +461,7 @@ impl Store {
 
     /// Live jobs whose `name@version` is not in `workflows` (this node cannot
     /// run them: another workflow, or a version it does not have).
-    pub async fn count_unrunnable(&self, workflows: &[String]) -> Result<u64, StoreError> {
+    pub async fn count_unrunnable(self, workflows: &[String]) -> Result<u64, StoreError> {
         let mut conn = self.db().conn().await?;
         let found: Count = sql(
             "SELECT count(*) AS n FROM jobs WHERE finished_at IS NULL AND NOT (workflow || '@' || workflow_version = ANY($1))",
@@ -468,7 +471,9 @@ impl Store {
         .await?;
         Ok(found.n.max(0) as u64)
     }
+}
 
+impl Store {
     async fn purge_in(
         conn: &mut AsyncPgConnection,
         retention_ms: i64,

@@ -2,18 +2,27 @@
 //! methods; every transition is one guarded statement committed together with
 //! its history row and the data it depends on.
 //!
-//! * [`jobs`]: intake (race-safe, decided by `INSERT … ON CONFLICT`) and the job view.
-//! * [`lease`]: taking runnable jobs (`FOR UPDATE SKIP LOCKED`), batched heartbeats,
-//!   fenced checkpoints.
-//! * [`journal`]: model calls, results and the webhook outbox.
-//! * [`ledger`]: the tool ledger, the general step journal, retention purges.
-//! * [`operate`]: an operator's transitions, cancel and redrive.
-//! * [`events`]: the failure events of finished jobs (`job.dead`, `job.cancelled`).
+//! The store is reached by noun: `store.jobs().cancel(…)`,
+//! `store.tokens().create(…)`. Each noun is a borrowed view of the one
+//! [`Store`] (its pool, its batches, its retry budget):
+//!
+//! | noun | what it acts on | files |
+//! |---|---|---|
+//! | [`Jobs`] | intake (one [`Submission`]), the job view and list, an operator's cancel and redrive | `jobs`, `operate` |
+//! | [`Leases`] | taking runnable jobs, heartbeats, releases, node names | `lease` |
+//! | [`Journal`] | model calls, results, the webhook outbox, the tool ledger, steps, streamed answers | `journal`, `ledger`, `streams` |
+//! | [`Waits`] | durable waits, signals, children and joins, model-token budgets | `waits`, `children`, `budgets` |
+//! | [`Schedules`] | schedules and their firing | `schedules` |
+//! | [`Events`] | failure events (`job.dead`, `job.cancelled`) and a job's events for watchers | `events`, `streams` |
+//! | [`Tokens`] | API tokens (stored hashed), their shares, development mode | `tokens` |
+//! | [`Limits`] | provider slots and windows (the rows behind [`crate::quota`]) | `slots` |
+//! | [`Retention`] | purges of finished jobs and the counts behind the gauges | `ledger` |
+//! | [`GroupCommit`] | group commit's seams for tests and benchmarks (holds, depths, batch sizes) | `group_writes` |
+//!
+//! [`Store`] itself keeps what every noun shares: the pool, the retry
+//! budget ([`retrying!`]) and health.
+//!
 //! * [`sql`](mod@sql): hand-written statements whose prepared form is cached.
-//! * [`tokens`]: API tokens, stored hashed.
-//! * [`streams`]: the journal of streamed answers, and a job's events for watchers.
-//! * [`waits`]: durable waits (timers, signals) and the signals sent to jobs.
-//! * [`slots`]: provider slots and windows (the rows behind [`crate::quota`]).
 //! * `rows`: what the modules share (the checkpoint outcome, the lock order).
 //! * `group_commit`: group commit — one statement and one commit for the
 //!   writes of many actors; `group_writes`: the writes it carries
@@ -92,6 +101,54 @@ pub struct Store {
     watchers: std::sync::Arc<streams::Watchers>,
     /// Reads of a job's events for its watchers (since this store was made).
     event_reads: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// The nouns of the store: each a borrowed view of the [`Store`] whose
+/// methods act on that one thing (see the module's table).
+macro_rules! nouns {
+    ($($(#[$doc:meta])* $noun:ident => $accessor:ident;)*) => {$(
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy)]
+        pub struct $noun<'a>(&'a Store);
+
+        impl std::ops::Deref for $noun<'_> {
+            type Target = Store;
+            fn deref(&self) -> &Store {
+                self.0
+            }
+        }
+
+        impl Store {
+            $(#[$doc])*
+            pub fn $accessor(&self) -> $noun<'_> {
+                $noun(self)
+            }
+        }
+    )*};
+}
+
+nouns! {
+    /// Jobs: intake, the job view and list, cancel and redrive.
+    Jobs => jobs;
+    /// Leases: taking runnable jobs, heartbeats, releases, node names.
+    Leases => leases;
+    /// The journal: model calls, results, the outbox, tools, steps, streamed answers.
+    Journal => journal;
+    /// Waits: timers, signals, children and joins, budgets.
+    Waits => waits;
+    /// Schedules and their firing.
+    Schedules => schedules;
+    /// Failure events and a job's events for watchers.
+    Events => events;
+    /// API tokens, their shares, development mode.
+    Tokens => tokens;
+    /// Provider slots and windows.
+    Limits => limits;
+    /// Retention: purges and the counts behind the gauges.
+    Retention => retention;
+    /// Group commit's seams: holds, queue depths and batch sizes, for tests
+    /// and benchmarks.
+    GroupCommit => group_commit;
 }
 
 /// How long a statement that failed transiently is retried in place by default.

@@ -8,6 +8,7 @@ use diesel_async::{AsyncConnection, RunQueryDsl};
 
 use super::rows::{parse_state, NEW_JOB_CHANNEL};
 use super::sql::sql;
+use super::Jobs;
 use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::lifecycle::JobState;
@@ -61,7 +62,7 @@ struct StateRow {
 /// running the job stops its attempt at once, wherever the attempt waits.
 pub const CANCEL_CHANNEL: &str = super::rows::Channel::Cancelled.name();
 
-impl Store {
+impl Jobs<'_> {
     /// Cancels job `id` and its live descendants, in one transaction: any
     /// live state → `cancelled`. Each job's statement also bumps its lease
     /// epoch (an attempt still running is fenced out: it records nothing
@@ -75,7 +76,7 @@ impl Store {
     /// spawned before the parent's lock was taken is found by a second
     /// read under it, and none can be spawned after (the spawn holds the
     /// parent's fence, which the cancel bumps).
-    pub async fn cancel(&self, id: &str, by: &str, reason: &str) -> Result<Cancelled, StoreError> {
+    pub async fn cancel(self, id: &str, by: &str, reason: &str) -> Result<Cancelled, StoreError> {
         retrying!(self, "cancel", async || {
             let mut conn = self.db().conn().await?;
             conn.transaction::<_, StoreError, _>(async move |conn| {
@@ -106,86 +107,6 @@ impl Store {
         .await
     }
 
-    /// Job `id` and its descendants (its children, theirs, …), deepest
-    /// first; `lock`: each row locked in that order.
-    async fn job_tree(
-        conn: &mut diesel_async::AsyncPgConnection,
-        id: &str,
-        lock: bool,
-    ) -> Result<Vec<TreeRow>, StoreError> {
-        // Depth bounded at 64: a bound against a runaway tree.
-        macro_rules! tree {
-            () => {
-                "WITH RECURSIVE tree (id, depth) AS ( \
-                     SELECT id, 0 FROM jobs WHERE id = $1 \
-                     UNION \
-                     SELECT j.id, t.depth + 1 FROM jobs j JOIN tree t ON j.parent_id = t.id \
-                     WHERE t.depth < 64) \
-                 SELECT j.id, j.incarnation, j.state::text AS state \
-                 FROM jobs j JOIN tree t ON t.id = j.id ORDER BY t.depth DESC, j.id"
-            };
-        }
-        let query = if lock {
-            sql(concat!(tree!(), " FOR NO KEY UPDATE OF j"))
-        } else {
-            sql(tree!())
-        };
-        Ok(query.bind::<Text, _>(id).load(conn).await?)
-    }
-
-    /// Cancels live job `id` (see [`cancel`](Self::cancel)); a finished one
-    /// is left as it is.
-    async fn cancel_one(
-        conn: &mut diesel_async::AsyncPgConnection,
-        id: &str,
-        incarnation: i32,
-        by: &str,
-        reason: &str,
-    ) -> Result<(), StoreError> {
-        let error = serde_json::to_value(ErrorEnvelope {
-            code: "cancelled".into(),
-            message: format!("cancelled by {by}: {reason}"),
-            retryable: false,
-        })
-        .expect("envelope serialises");
-        let event_key =
-            crate::keys::failure(&crate::keys::JobKey::new(id, incarnation), "cancelled");
-        let body = crate::webhook::event_body(
-            crate::keys::CANCELLED_EVENT,
-            serde_json::json!({ "job_id": id, "reason": reason, "by": by }),
-        );
-        sql("WITH moved AS ( \
-                 UPDATE jobs SET state = 'cancelled', finished_at = now(), updated_at = now(), \
-                     lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1, \
-                     last_error = $3 \
-                 WHERE id = $1 AND finished_at IS NULL \
-                 RETURNING id, attempts, request, notify_failures), \
-             event AS ( \
-                 INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
-                 SELECT id, $5, $6, request->>'webhook_url', $8 \
-                 FROM moved WHERE notify_failures \
-                 ON CONFLICT DO NOTHING), \
-             closed AS ( \
-                 UPDATE outbox SET status = 'dead', in_flight_until = NULL, last_error = $3, \
-                     run_at = 'infinity', updated_at = now() \
-                 WHERE job_id IN (SELECT id FROM moved) AND status = 'claimed' AND event <> $5), \
-             history AS ( \
-                 INSERT INTO job_history (job_id, state, attempt, worker, note) \
-                 SELECT id, 'cancelled', attempts, $2, $4 FROM moved) \
-             SELECT pg_notify($7, id) FROM moved")
-        .bind::<Text, _>(id)
-        .bind::<Text, _>(by)
-        .bind::<Jsonb, _>(&error)
-        .bind::<Text, _>(reason)
-        .bind::<Text, _>(crate::keys::CANCELLED_EVENT)
-        .bind::<Text, _>(&event_key)
-        .bind::<Text, _>(CANCEL_CHANNEL)
-        .bind::<Jsonb, _>(&body)
-        .execute(conn)
-        .await?;
-        Ok(())
-    }
-
     /// Brings `dead` job `id` back to the last live state it reached, with
     /// the same keys: journaled model calls and tool calls replay, a
     /// persisted result is not regenerated. The retry budgets of the sends
@@ -194,7 +115,7 @@ impl Store {
     /// transaction, the job row locked: two concurrent redrives resume it
     /// once (the second finds it no longer dead).
     pub async fn redrive(
-        &self,
+        self,
         id: &str,
         by: &str,
         reason: &str,
@@ -298,7 +219,7 @@ impl Store {
     /// first, in `state`, of `workflow` and with `tag` when given: at most
     /// `limit`.
     pub async fn live_ids(
-        &self,
+        self,
         state: Option<JobState>,
         workflow: Option<&str>,
         tag: Option<(String, String)>,
@@ -326,7 +247,7 @@ impl Store {
     /// The dead jobs of `owner` (every token's with `None`), oldest death
     /// first, of `workflow` when given: at most `limit`.
     pub async fn dead_ids(
-        &self,
+        self,
         workflow: Option<&str>,
         owner: Option<i64>,
         limit: i64,
@@ -343,5 +264,87 @@ impl Store {
         .load(&mut conn)
         .await?;
         Ok(rows.into_iter().map(|r| r.id).collect())
+    }
+}
+
+impl Store {
+    /// Job `id` and its descendants (its children, theirs, …), deepest
+    /// first; `lock`: each row locked in that order.
+    async fn job_tree(
+        conn: &mut diesel_async::AsyncPgConnection,
+        id: &str,
+        lock: bool,
+    ) -> Result<Vec<TreeRow>, StoreError> {
+        // Depth bounded at 64: a bound against a runaway tree.
+        macro_rules! tree {
+            () => {
+                "WITH RECURSIVE tree (id, depth) AS ( \
+                     SELECT id, 0 FROM jobs WHERE id = $1 \
+                     UNION \
+                     SELECT j.id, t.depth + 1 FROM jobs j JOIN tree t ON j.parent_id = t.id \
+                     WHERE t.depth < 64) \
+                 SELECT j.id, j.incarnation, j.state::text AS state \
+                 FROM jobs j JOIN tree t ON t.id = j.id ORDER BY t.depth DESC, j.id"
+            };
+        }
+        let query = if lock {
+            sql(concat!(tree!(), " FOR NO KEY UPDATE OF j"))
+        } else {
+            sql(tree!())
+        };
+        Ok(query.bind::<Text, _>(id).load(conn).await?)
+    }
+
+    /// Cancels live job `id` (see [`cancel`](Self::cancel)); a finished one
+    /// is left as it is.
+    async fn cancel_one(
+        conn: &mut diesel_async::AsyncPgConnection,
+        id: &str,
+        incarnation: i32,
+        by: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        let error = serde_json::to_value(ErrorEnvelope {
+            code: "cancelled".into(),
+            message: format!("cancelled by {by}: {reason}"),
+            retryable: false,
+        })
+        .expect("envelope serialises");
+        let event_key =
+            crate::keys::failure(&crate::keys::JobKey::new(id, incarnation), "cancelled");
+        let body = crate::webhook::event_body(
+            crate::keys::CANCELLED_EVENT,
+            serde_json::json!({ "job_id": id, "reason": reason, "by": by }),
+        );
+        sql("WITH moved AS ( \
+                 UPDATE jobs SET state = 'cancelled', finished_at = now(), updated_at = now(), \
+                     lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1, \
+                     last_error = $3 \
+                 WHERE id = $1 AND finished_at IS NULL \
+                 RETURNING id, attempts, request, notify_failures), \
+             event AS ( \
+                 INSERT INTO outbox (job_id, event, idempotency_key, url, body) \
+                 SELECT id, $5, $6, request->>'webhook_url', $8 \
+                 FROM moved WHERE notify_failures \
+                 ON CONFLICT DO NOTHING), \
+             closed AS ( \
+                 UPDATE outbox SET status = 'dead', in_flight_until = NULL, last_error = $3, \
+                     run_at = 'infinity', updated_at = now() \
+                 WHERE job_id IN (SELECT id FROM moved) AND status = 'claimed' AND event <> $5), \
+             history AS ( \
+                 INSERT INTO job_history (job_id, state, attempt, worker, note) \
+                 SELECT id, 'cancelled', attempts, $2, $4 FROM moved) \
+             SELECT pg_notify($7, id) FROM moved")
+        .bind::<Text, _>(id)
+        .bind::<Text, _>(by)
+        .bind::<Jsonb, _>(&error)
+        .bind::<Text, _>(reason)
+        .bind::<Text, _>(crate::keys::CANCELLED_EVENT)
+        .bind::<Text, _>(&event_key)
+        .bind::<Text, _>(CANCEL_CHANNEL)
+        .bind::<Jsonb, _>(&body)
+        .execute(conn)
+        .await?;
+        Ok(())
     }
 }

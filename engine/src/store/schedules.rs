@@ -16,6 +16,7 @@ use serde_json::Value;
 
 use super::group_writes::{intake_on, NewRow};
 use super::sql::sql;
+use super::Schedules;
 use super::Store;
 use crate::error::StoreError;
 use crate::request::{canonical_hash, JobRequest};
@@ -189,20 +190,20 @@ impl NewSchedule {
     }
 }
 
-impl Store {
+impl Schedules<'_> {
     /// Creates schedule `s` (its cron parsed as `table`) for token `owner`,
     /// first firing at its first fire time after now by the database's
     /// clock (which every node's firing reads too); the same schedule again
     /// is `Existing`, another under its id `Conflict`.
-    pub async fn create_schedule(
-        &self,
+    pub async fn create(
+        self,
         s: &NewSchedule,
         table: &Timetable,
         owner: Option<i64>,
     ) -> Result<ScheduleIntake, StoreError> {
         let hash = s.hash();
         let mut conn = self.db().conn().await?;
-        let now = Self::db_now(&mut conn).await?;
+        let now = Store::db_now(&mut conn).await?;
         let Some(next_fire_at) = table.next_after(now) else {
             return Ok(ScheduleIntake::Conflict);
         };
@@ -246,7 +247,7 @@ impl Store {
             .await?;
         match stored.into_iter().next() {
             Some(st) if st.body_hash == hash && st.owner_token == owner => {
-                match self.schedule(&s.id).await? {
+                match self.get(&s.id).await? {
                     Some(view) => Ok(ScheduleIntake::Existing(view)),
                     None => Ok(ScheduleIntake::Conflict), // deleted meanwhile
                 }
@@ -257,8 +258,8 @@ impl Store {
 
     /// A page of the schedules of token `owner` (every token's with
     /// `all`), by id: up to `limit` after id `after`.
-    pub async fn schedules(
-        &self,
+    pub async fn list(
+        self,
         all: bool,
         token: Option<i64>,
         after: Option<&str>,
@@ -279,7 +280,7 @@ impl Store {
     }
 
     /// How many schedules token `owner` has.
-    pub async fn schedule_count(&self, owner: i64) -> Result<i64, StoreError> {
+    pub async fn count(self, owner: i64) -> Result<i64, StoreError> {
         #[derive(QueryableByName)]
         struct Count {
             #[diesel(sql_type = BigInt)]
@@ -294,7 +295,7 @@ impl Store {
     }
 
     /// Schedule `id` with its latest jobs, or `None`.
-    pub async fn schedule(&self, id: &str) -> Result<Option<ScheduleDetail>, StoreError> {
+    pub async fn get(self, id: &str) -> Result<Option<ScheduleDetail>, StoreError> {
         let mut conn = self.db().conn().await?;
         let view: Vec<ScheduleView> = sql(concat!(view!(), " WHERE id = $1"))
             .bind::<Text, _>(id)
@@ -318,23 +319,9 @@ impl Store {
         }))
     }
 
-    async fn db_now(
-        conn: &mut diesel_async::AsyncPgConnection,
-    ) -> Result<DateTime<Utc>, StoreError> {
-        #[derive(QueryableByName)]
-        struct Now {
-            #[diesel(sql_type = Timestamptz)]
-            now: DateTime<Utc>,
-        }
-        Ok(sql("SELECT now() AS now")
-            .get_result::<Now>(conn)
-            .await?
-            .now)
-    }
-
     /// Deletes schedule `id` of token `scope` (`None`: any token's) — its
     /// jobs stay; `false` when there was none.
-    pub async fn delete_schedule(&self, id: &str, scope: Option<i64>) -> Result<bool, StoreError> {
+    pub async fn delete(self, id: &str, scope: Option<i64>) -> Result<bool, StoreError> {
         let mut conn = self.db().conn().await?;
         let n =
             sql("DELETE FROM schedules WHERE id = $1 AND ($2::bigint IS NULL OR owner_token = $2)")
@@ -351,7 +338,7 @@ impl Store {
     /// paused never fire (resuming one that is not paused changes nothing).
     /// `false` when there is none.
     pub async fn set_paused(
-        &self,
+        self,
         id: &str,
         scope: Option<i64>,
         paused: bool,
@@ -414,8 +401,8 @@ impl Store {
     /// no job for its fire time: the time is recorded `skipped`
     /// (`backlog_full`), shown in the schedule's latest jobs, and the
     /// schedule moves on, as a submit of that token would be refused.
-    pub async fn fire_schedules(
-        &self,
+    pub async fn fire(
+        self,
         fireable: &[Fireable],
         backlog: Option<u64>,
     ) -> Result<Fired, StoreError> {
@@ -423,7 +410,7 @@ impl Store {
         let names: Vec<&str> = fireable.iter().map(|f| f.workflow.as_str()).collect();
         let mut conn = self.db().conn().await?;
         // One read when nothing is due (an idle node's case).
-        let next_in = Self::next_schedule_in(&mut conn, &names).await?;
+        let next_in = Store::next_schedule_in(&mut conn, &names).await?;
         if next_in.is_none_or(|d| !d.is_zero()) {
             return Ok(Fired {
                 next_in,
@@ -458,9 +445,25 @@ impl Store {
         fired.next_in = if fired.schedules as i64 == FIRE_BATCH {
             Some(std::time::Duration::ZERO) // a full batch: more may be due
         } else {
-            Self::next_schedule_in(&mut conn, &names).await?
+            Store::next_schedule_in(&mut conn, &names).await?
         };
         Ok(fired)
+    }
+}
+
+impl Store {
+    async fn db_now(
+        conn: &mut diesel_async::AsyncPgConnection,
+    ) -> Result<DateTime<Utc>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Now {
+            #[diesel(sql_type = Timestamptz)]
+            now: DateTime<Utc>,
+        }
+        Ok(sql("SELECT now() AS now")
+            .get_result::<Now>(conn)
+            .await?
+            .now)
     }
 
     /// How long until the next active schedule of `names` is due (zero:

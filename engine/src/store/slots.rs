@@ -7,7 +7,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, RunQueryDsl};
 
 use super::sql::sql;
-use super::Store;
+use super::Limits;
 use crate::error::StoreError;
 use crate::quota::CallEnd;
 
@@ -81,7 +81,7 @@ pub enum Admission {
     Fenced,
 }
 
-impl Store {
+impl Limits<'_> {
     /// Admits `ask` when its key has room on every node: fewer than
     /// `min(concurrency, learned window)` live slots held, counting the
     /// waiters queued ahead of it (higher priority, then longer waiting),
@@ -90,7 +90,7 @@ impl Store {
     /// for `lease_ms` and its cost is taken from the buckets; a refused one
     /// is queued (or keeps its place) in `provider_waiters`. The key's row
     /// is locked first, so two admissions never both see the last room.
-    pub async fn take_slot(&self, ask: &Ask<'_>) -> Result<Admission, StoreError> {
+    pub async fn take_slot(self, ask: &Ask<'_>) -> Result<Admission, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = Nullable<Double>)]
@@ -305,7 +305,7 @@ impl Store {
     /// its estimate (negative: a refund; the usage the answer reported, or
     /// the whole estimate back when the provider refused the call).
     pub async fn end_call(
-        &self,
+        self,
         key: &str,
         holder: &str,
         end: CallEnd,
@@ -376,7 +376,7 @@ impl Store {
 
     /// Frees every slot `node` holds and its queued waiters (it drains, or starts again under the
     /// same name: calls of its previous life hold none), and wakes waiters.
-    pub async fn release_node_slots(&self, node: &str) -> Result<(), StoreError> {
+    pub async fn release_node_slots(self, node: &str) -> Result<(), StoreError> {
         let mut conn = self.db().conn().await?;
         sql(
             "WITH gone AS (DELETE FROM provider_slots WHERE node = $1 RETURNING limit_key), \
@@ -394,7 +394,7 @@ impl Store {
     /// provider slot `(limit_key, holder)` held, for `ms` more from now: a
     /// streamed answer that outlasts the request timeout.
     pub async fn renew_call(
-        &self,
+        self,
         call_key: &str,
         epoch: i64,
         slot: Option<(&str, &str)>,
@@ -417,7 +417,7 @@ impl Store {
     }
 
     /// The keys whose window is being learned (a 429 was seen).
-    pub async fn learned_limit_keys(&self) -> Result<Vec<String>, StoreError> {
+    pub async fn learned_keys(self) -> Result<Vec<String>, StoreError> {
         let mut conn = self.db().conn().await?;
         let rows: Vec<Key> =
             sql("SELECT limit_key FROM provider_limits WHERE \"window\" IS NOT NULL")

@@ -14,7 +14,8 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use super::group_commit::ForJob;
 use super::rows::lock_in_order;
 use super::sql::sql;
-use super::{Checkpoint, Fence, Store};
+use super::{Checkpoint, Fence};
+use super::{Events, Journal, Tokens};
 use crate::error::StoreError;
 
 /// The channel a committed batch of chunks is announced on (the job id as
@@ -303,13 +304,13 @@ impl Watchers {
     }
 }
 
-impl Store {
+impl Journal<'_> {
     /// Journals `rows` of `key`'s stream in `generation`, fenced by the
     /// lease and group-committed with other streams' chunks; the committed
     /// rows go to this node's watchers, with the id of the job's event
     /// before them.
-    pub async fn journal_stream(
-        &self,
+    pub async fn stream(
+        self,
         fence: &Fence,
         key: &str,
         generation: i32,
@@ -332,7 +333,7 @@ impl Store {
     }
 
     /// The latest generation of `key`'s stream in `job_id`'s journal.
-    pub async fn journaled_stream(&self, job_id: &str, key: &str) -> Result<Journaled, StoreError> {
+    pub async fn streamed(self, job_id: &str, key: &str) -> Result<Journaled, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = Integer)]
@@ -367,11 +368,13 @@ impl Store {
             })
             .unwrap_or_default())
     }
+}
 
+impl Events<'_> {
     /// `job_id`'s events after `after` (chunks, resets and state changes,
     /// by id), at most `limit`.
-    pub async fn job_events(
-        &self,
+    pub async fn of_job(
+        self,
         job_id: &str,
         after: i64,
         limit: i64,
@@ -414,23 +417,10 @@ impl Store {
             .collect())
     }
 
-    /// Ids of tokens revoked or given a new secret, as announced on
-    /// [`TOKENS_CHANNEL`].
-    pub fn watch_token_changes(&self) -> tokio::sync::broadcast::Receiver<i64> {
-        self.watchers.tokens.subscribe()
-    }
-
-    /// Called with each [`TOKENS_CHANNEL`] notification's payload.
-    pub fn token_changed(&self, payload: &str) {
-        if let Ok(id) = payload.parse() {
-            let _ = self.watchers.tokens.send(id);
-        }
-    }
-
     /// Follows `job_id`'s stream on this node: every batch of its chunks
     /// committed here, with its rows, and an empty [`Published`] when
     /// another node announces one. Subscribe before reading the journal.
-    pub fn watch_stream(&self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {
+    pub fn watch(self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {
         self.watchers.subscribe(job_id)
     }
 
@@ -438,7 +428,7 @@ impl Store {
     /// then `NOTIFY`s [`STREAM_CHANNEL`] (a trigger on `job_history`), so
     /// its watchers on any node read the journal only when it moved.
     /// Returns the row to remove with [`Self::unfollow`].
-    pub async fn follow(&self, job_id: &str) -> Result<i64, StoreError> {
+    pub async fn follow(self, job_id: &str) -> Result<i64, StoreError> {
         #[derive(QueryableByName)]
         struct Id {
             #[diesel(sql_type = BigInt)]
@@ -453,7 +443,7 @@ impl Store {
     }
 
     /// The stream `id` ended.
-    pub async fn unfollow(&self, id: i64) -> Result<(), StoreError> {
+    pub async fn unfollow(self, id: i64) -> Result<(), StoreError> {
         let mut conn = self.db().conn().await?;
         sql("DELETE FROM stream_watchers WHERE id = $1")
             .bind::<BigInt, _>(id)
@@ -466,7 +456,7 @@ impl Store {
     /// id (payload `"{job_id} {id}"`): its watchers here read the journal
     /// unless they have seen that far (this node's own writes reach them
     /// first, with their rows).
-    pub fn stream_moved(&self, payload: &str) {
+    pub fn moved(self, payload: &str) {
         let (job_id, upto) = match payload.rsplit_once(' ') {
             Some((job, id)) => (job, id.parse().ok()),
             None => (payload, None),
@@ -479,5 +469,20 @@ impl Store {
                 events: Vec::new(),
             },
         );
+    }
+}
+
+impl Tokens<'_> {
+    /// Ids of tokens revoked or given a new secret, as announced on
+    /// [`TOKENS_CHANNEL`].
+    pub fn watch_changes(self) -> tokio::sync::broadcast::Receiver<i64> {
+        self.watchers.tokens.subscribe()
+    }
+
+    /// Called with each [`TOKENS_CHANNEL`] notification's payload.
+    pub fn changed(self, payload: &str) {
+        if let Ok(id) = payload.parse() {
+            let _ = self.watchers.tokens.send(id);
+        }
     }
 }

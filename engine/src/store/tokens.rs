@@ -7,7 +7,7 @@ use diesel_async::RunQueryDsl;
 use sha2::{Digest, Sha256};
 
 use super::sql::sql;
-use super::Store;
+use super::Tokens;
 use crate::error::StoreError;
 
 /// Who is calling, once their token checked out.
@@ -155,11 +155,11 @@ pub fn token_hash(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
 }
 
-impl Store {
+impl Tokens<'_> {
     /// Creates a token; returns it (shown once: only its hash is kept). A
     /// token that is not admin gets a webhook signing secret of its own
     /// ([`Self::token_secret`]): its jobs are signed with it.
-    pub async fn create_token(&self, name: &str, admin: bool) -> Result<String, TokenError> {
+    pub async fn create(self, name: &str, admin: bool) -> Result<String, TokenError> {
         if name.is_empty()
             || name.len() > 100
             || !name
@@ -190,7 +190,7 @@ impl Store {
     }
 
     /// Every token, oldest first (revoked ones included, marked).
-    pub async fn list_tokens(&self) -> Result<Vec<TokenInfo>, StoreError> {
+    pub async fn list(self) -> Result<Vec<TokenInfo>, StoreError> {
         let mut conn = self.db().conn().await?;
         Ok(sql(
             "SELECT id, name, admin, created_at, revoked_at, weight, key_concurrency, \
@@ -204,7 +204,7 @@ impl Store {
     /// Changes how token `name` shares the nodes: its weight, its limit per
     /// concurrency key (for jobs submitted from now on), or both. The
     /// weight counts from the next acquire on every node.
-    pub async fn set_token_share(&self, name: &str, share: Share) -> Result<(), TokenError> {
+    pub async fn set_share(self, name: &str, share: Share) -> Result<(), TokenError> {
         share.check()?;
         let mut conn = self.db().conn().await.map_err(TokenError::Store)?;
         let n = sql("UPDATE api_tokens SET weight = coalesce($2, weight), \
@@ -230,7 +230,7 @@ impl Store {
     }
 
     /// Revokes the token `name`; false when there is no live token by that name.
-    pub async fn revoke_token(&self, name: &str) -> Result<bool, StoreError> {
+    pub async fn revoke(self, name: &str) -> Result<bool, StoreError> {
         let mut conn = self.db().conn().await?;
         // Announced in the same statement: its streams end at once.
         let n = sql("WITH revoked AS ( \
@@ -248,7 +248,7 @@ impl Store {
     /// (space-separated, newest first); `None` for an admin token or one
     /// made before tokens had their own, whose jobs the node's
     /// `ONCEFLOW_WEBHOOK_SECRET` signs.
-    pub async fn token_secret(&self, name: &str) -> Result<Option<String>, StoreError> {
+    pub async fn secret(self, name: &str) -> Result<Option<String>, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = Nullable<Text>)]
@@ -263,7 +263,7 @@ impl Store {
     }
 
     /// The webhook signing secret(s) of token `id` (see [`Self::token_secret`]).
-    pub async fn token_secret_of(&self, id: i64) -> Result<Option<String>, StoreError> {
+    pub async fn secret_of(self, id: i64) -> Result<Option<String>, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = Nullable<Text>)]
@@ -283,7 +283,7 @@ impl Store {
     /// Live tokens that are not admin and have no signing secret of their
     /// own (made before tokens had one): their jobs are signed with the
     /// node's secret, which every tenant's consumer then trusts.
-    pub async fn tokens_without_secret(&self) -> Result<Vec<String>, StoreError> {
+    pub async fn without_secret(self) -> Result<Vec<String>, StoreError> {
         #[derive(QueryableByName)]
         struct Name {
             #[diesel(sql_type = Text)]
@@ -300,7 +300,7 @@ impl Store {
     /// Gives the live, non-admin token `name` a new signing secret; the
     /// newest previous one keeps signing beside it until the next
     /// rotation, so consumers can switch over. Returns the new secret.
-    pub async fn rotate_token_secret(&self, name: &str) -> Result<String, StoreError> {
+    pub async fn rotate_secret(self, name: &str) -> Result<String, StoreError> {
         let new = crate::webhook::new_secret();
         let mut conn = self.db().conn().await?;
         // Announced in the same statement: every node signs with it at once.
@@ -323,7 +323,7 @@ impl Store {
     }
 
     /// The name of token `id` (for history rows).
-    pub async fn token_name(&self, id: i64) -> Result<Option<String>, StoreError> {
+    pub async fn name(self, id: i64) -> Result<Option<String>, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = Text)]
@@ -338,7 +338,7 @@ impl Store {
     }
 
     /// The live token with this value, if any.
-    pub async fn authenticate(&self, token: &str) -> Result<Option<Caller>, StoreError> {
+    pub async fn authenticate(self, token: &str) -> Result<Option<Caller>, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = BigInt)]
@@ -359,7 +359,7 @@ impl Store {
     }
 
     /// Whether token `id` is live (not revoked).
-    pub async fn token_live(&self, id: i64) -> Result<bool, StoreError> {
+    pub async fn live(self, id: i64) -> Result<bool, StoreError> {
         #[derive(QueryableByName)]
         struct Live {
             #[diesel(sql_type = Bool)]
@@ -377,7 +377,7 @@ impl Store {
 
     /// Jobs that belong to no token (submitted in development mode): only
     /// admin tokens see them once tokens exist.
-    pub async fn unowned_jobs(&self) -> Result<i64, StoreError> {
+    pub async fn unowned_jobs(self) -> Result<i64, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = BigInt)]
@@ -393,7 +393,7 @@ impl Store {
     /// Whether the API requires a token: a live token exists, or a revoked
     /// one the operator has not released ([`Self::open_development_mode`]).
     /// Revoking the last token never reopens the API by itself.
-    pub async fn tokens_exist(&self) -> Result<bool, StoreError> {
+    pub async fn exist(self) -> Result<bool, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = Bool)]
@@ -410,7 +410,7 @@ impl Store {
     /// Releases every revoked token, so that with no live token a loopback
     /// server answers without one again (development mode). Refused while
     /// a live token exists; returns how many were released.
-    pub async fn open_development_mode(&self) -> Result<u64, StoreError> {
+    pub async fn open_development_mode(self) -> Result<u64, StoreError> {
         let mut conn = self.db().conn().await?;
         #[derive(QueryableByName)]
         struct Live {

@@ -26,6 +26,7 @@ use super::sql::sql;
 use super::{Fence, Store};
 use crate::error::StoreError;
 
+use super::Waits;
 pub use crate::signal::{MAX_UNTAKEN_SIGNALS, MAX_UNTAKEN_SIGNAL_BYTES, SIGNALS_SHOWN};
 pub use crate::wait_machine::WaitKind;
 use crate::wait_machine::{decide, Decision, TakenSignal};
@@ -238,12 +239,12 @@ struct JobRow {
     finished: bool,
 }
 
-impl Store {
+impl Waits<'_> {
     /// Reaches the wait `ask` under the attempt's fence: journals it the
     /// first time, returns its outcome when it is over (taking the oldest
     /// untaken signal of its name, or timing out), or releases the job
     /// until it is due (see the module's documentation).
-    pub async fn wait(&self, fence: &Fence, ask: &WaitAsk<'_>) -> Result<WaitStep, StoreError> {
+    pub async fn wait(self, fence: &Fence, ask: &WaitAsk<'_>) -> Result<WaitStep, StoreError> {
         retrying!(self, "wait", async || {
             let mut conn = self.db().conn().await?;
             conn.transaction::<_, StoreError, _>(async move |conn| {
@@ -349,7 +350,7 @@ impl Store {
     /// decision yet, so a decision on a wait that is over is never kept for
     /// a later wait of the same name, and no other wait takes it.
     pub async fn signal(
-        &self,
+        self,
         job_id: &str,
         name: &str,
         signal: &crate::signal::SignalBody,
@@ -464,7 +465,7 @@ impl Store {
 
     /// The latest [`SIGNALS_SHOWN`] signals of job `job_id`, oldest first
     /// (a wait loop may take any number of them over a job's life).
-    pub async fn signals_of(&self, job_id: &str) -> Result<Vec<SignalView>, StoreError> {
+    pub async fn signals_of(self, job_id: &str) -> Result<Vec<SignalView>, StoreError> {
         let mut conn = self.db().conn().await?;
         Ok(
             sql("SELECT name, id, payload, received_at, taken_by FROM ( \
@@ -476,7 +477,9 @@ impl Store {
             .await?,
         )
     }
+}
 
+impl Store {
     /// The wait of `name` due at `until` that job `job_id` is in now (its
     /// row locked by the caller), and whether it has its decision already:
     /// a signal sent for it, or an untaken signal of its name sent for no

@@ -110,6 +110,7 @@ impl TestEnv {
     pub async fn submit_job(&self, job: NewJob) -> JobView {
         let submitted = self
             .store
+            .jobs()
             .submit(&crate::store::Submission::new(&job))
             .await
             .expect("submit");
@@ -122,7 +123,8 @@ impl TestEnv {
     /// The job as the API shows it.
     pub async fn job(&self, id: &str) -> JobView {
         self.store
-            .job(id)
+            .jobs()
+            .get(id)
             .await
             .expect("load job")
             .expect("job exists")
@@ -132,7 +134,8 @@ impl TestEnv {
     pub async fn wait_for(&self, id: &str, state: JobState, timeout: Duration) -> JobView {
         let ok = wait_until(timeout, || async {
             self.store
-                .job(id)
+                .jobs()
+                .get(id)
                 .await
                 .ok()
                 .flatten()
@@ -171,6 +174,7 @@ impl TestEnv {
     pub async fn lease(&self, node: &str, lease: Duration) -> Leased {
         let mut leased = self
             .store
+            .leases()
             .acquire(node, 1, lease.as_millis() as i64, false, None, &[])
             .await
             .expect("acquire");

@@ -382,7 +382,8 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
             let frozen_live = super::wait_until(wait, || async { env.faults.fired(&id) }).await
                 && env
                     .store
-                    .job(&id)
+                    .jobs()
+                    .get(&id)
                     .await
                     .ok()
                     .flatten()
@@ -466,6 +467,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         for (name, signal_id, payload) in &self.signals {
             self.env
                 .store
+                .waits()
                 .signal(
                     id,
                     name,
@@ -479,7 +481,8 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
     async fn is_waiting(&self, id: &str) -> bool {
         self.env
             .store
-            .job(id)
+            .jobs()
+            .get(id)
             .await
             .ok()
             .flatten()
@@ -491,7 +494,8 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         super::wait_until(wait, || async {
             self.env
                 .store
-                .job(id)
+                .jobs()
+                .get(id)
                 .await
                 .ok()
                 .flatten()
@@ -558,7 +562,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
         let env = self.env;
         let prefix = format!("job:{id}:");
         let mut c = Counts::default();
-        if let Some(job) = env.store.job(id).await.ok().flatten() {
+        if let Some(job) = env.store.jobs().get(id).await.ok().flatten() {
             c.state = Some(job.state);
             c.attempts = job.attempts;
             c.history = job.history.iter().map(|h| h.state).collect();
