@@ -222,16 +222,7 @@ impl Provider {
                 "the response has no choices[0].message".to_owned(),
             )));
         }
-        let tokens = |name: &str| {
-            response
-                .pointer(&format!("/usage/{name}"))
-                .and_then(Value::as_i64)
-                .and_then(|n| i32::try_from(n).ok())
-        };
-        let usage = Usage {
-            input_tokens: tokens("prompt_tokens"),
-            output_tokens: tokens("completion_tokens"),
-        };
+        let usage = Usage::of(&response);
         Ok((response, usage, status))
     }
 }
@@ -261,24 +252,7 @@ impl Provider {
             mut headers,
         } = self.target(request, key, traceparent)?;
         headers.push(("accept", "text/event-stream".to_owned()));
-        let body = if anthropic {
-            let mut body = anthropic::request(request);
-            if let Some(o) = body.as_object_mut() {
-                o.insert("stream".into(), Value::Bool(true));
-            }
-            body
-        } else {
-            let mut body = request.clone();
-            if let Some(o) = body.as_object_mut() {
-                o.remove("provider");
-                o.insert("stream".into(), Value::Bool(true));
-                o.insert(
-                    "stream_options".into(),
-                    serde_json::json!({ "include_usage": true }),
-                );
-            }
-            body
-        };
+        let body = stream_body(anthropic, request);
         let post = Post {
             url: &url,
             headers,
@@ -294,7 +268,21 @@ impl Provider {
             job_id,
             point: FailPoint::ModelAfterSend,
         };
-        let (status, mut response) = crate::outbound::open(&self.client, post, Some(seam)).await?;
+        let (status, response) = crate::outbound::open(&self.client, post, Some(seam)).await?;
+        let answer = self.read_stream(response, anthropic, on_text).await?;
+        let response = answer.completion(request);
+        let usage = Usage::of(&response);
+        Ok((response, usage, status))
+    }
+    /// Reads an answer's events as they arrive, handing each piece of text
+    /// to `on_text`, up to its end; a stream that stalls, breaks, grows
+    /// past the response limit or ends before its end is a failure.
+    async fn read_stream(
+        &self,
+        mut response: reqwest::Response,
+        anthropic: bool,
+        on_text: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<sse::Answer, PostError> {
         let mut events = sse::Events::default();
         let mut answer = if anthropic {
             sse::Answer::anthropic()
@@ -356,18 +344,45 @@ impl Provider {
                 }
             )));
         }
-        let response = answer.completion(request);
+        Ok(answer)
+    }
+}
+
+/// The body of a streamed request: Anthropic's Messages request, or the
+/// chat completion without `provider`, asking for usage in the last chunk.
+fn stream_body(anthropic: bool, request: &Value) -> Value {
+    let mut body = if anthropic {
+        anthropic::request(request)
+    } else {
+        request.clone()
+    };
+    if let Some(o) = body.as_object_mut() {
+        o.insert("stream".into(), Value::Bool(true));
+        if !anthropic {
+            o.remove("provider");
+            o.insert(
+                "stream_options".into(),
+                serde_json::json!({ "include_usage": true }),
+            );
+        }
+    }
+    body
+}
+
+impl Usage {
+    /// The usage a chat completion reports (`usage.prompt_tokens`,
+    /// `usage.completion_tokens`), each when present and in range.
+    fn of(response: &Value) -> Self {
         let tokens = |name: &str| {
             response
                 .pointer(&format!("/usage/{name}"))
                 .and_then(Value::as_i64)
                 .and_then(|n| i32::try_from(n).ok())
         };
-        let usage = Usage {
+        Usage {
             input_tokens: tokens("prompt_tokens"),
             output_tokens: tokens("completion_tokens"),
-        };
-        Ok((response, usage, status))
+        }
     }
 }
 

@@ -85,6 +85,12 @@ pub struct ShareArgs {
     /// The rest wait (never a 429); a job's retries are not new starts.
     #[arg(long, value_name = "STARTS/PERIOD", value_parser = onceflow_engine::store::tokens::parse_throttle)]
     key_throttle: Option<(i32, i32)>,
+    /// Removes a setting (`token set` only; repeatable): `key-concurrency`
+    /// and `key-throttle` fall back to the workflow's (or none),
+    /// `daily-token-budget` to no budget.
+    #[arg(long, value_name = "SETTING",
+          value_parser = ["key-concurrency", "daily-token-budget", "key-throttle"])]
+    clear: Vec<String>,
 }
 
 impl ShareArgs {
@@ -99,6 +105,11 @@ impl ShareArgs {
                 None => None,
             },
             key_throttle: self.key_throttle,
+            clear: onceflow_engine::store::tokens::Cleared {
+                key_concurrency: self.clear.iter().any(|c| c == "key-concurrency"),
+                daily_token_budget: self.clear.iter().any(|c| c == "daily-token-budget"),
+                key_throttle: self.clear.iter().any(|c| c == "key-throttle"),
+            },
         }
     }
 }
@@ -189,6 +200,9 @@ async fn create(
     admin: bool,
     share: Share,
 ) -> anyhow::Result<()> {
+    if share.clear != Default::default() {
+        anyhow::bail!("--clear is for `token set`: a new token has nothing to clear");
+    }
     share.check()?;
     let first = !store.tokens().exist().await?;
     let token = store.tokens().create(name, admin).await?;
@@ -259,7 +273,7 @@ async fn set(store: &onceflow_engine::Store, name: &str, share: Share) -> anyhow
     if share == Default::default() {
         anyhow::bail!(
             "nothing to change: give --weight, --key-concurrency, --key-throttle, \
-             --daily-token-budget or --on-budget-exhausted"
+             --daily-token-budget, --on-budget-exhausted or --clear"
         );
     }
     store.tokens().set_share(name, share).await?;

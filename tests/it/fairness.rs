@@ -955,3 +955,70 @@ async fn retention_keeps_a_throttle_start_until_its_period_is_over() {
     assert_eq!(purged, 1, "its period over, it goes");
     env.wait_for("next", JobState::Acked, WAIT).await;
 }
+
+/// `token set --clear key-throttle` removes a token's throttle: a job of
+/// the key submitted after it starts at once, while the one submitted
+/// under the throttle keeps it (a job's throttle is fixed at intake) and
+/// waits; the list shows none. Setting and clearing one setting together
+/// is refused, naming it, and changes nothing.
+#[actix_rt::test]
+async fn a_cleared_throttle_holds_back_no_job_submitted_after() {
+    let env = TestEnv::new().await;
+    let t = throttled_tenant(&env, "tenant-t", 1, 3600).await;
+    submit(&env, t, "before-0", Some("user-1")).await;
+    submit(&env, t, "before-1", Some("user-1")).await;
+    let _engine = env.start(registry(), env.config());
+    assert!(all_acked(&env, 1).await, "one start in the hour");
+    let both = Share {
+        key_throttle: Some((5, 60)),
+        clear: onceflow_engine::store::tokens::Cleared {
+            key_throttle: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let refused = env.store.tokens().set_share("tenant-t", both).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("--key-throttle")),
+        "{refused:?}"
+    );
+    let listed = env.store.tokens().list().await.unwrap();
+    assert_eq!(
+        listed[0].key_throttle,
+        Some(1),
+        "the refused change changed nothing"
+    );
+    let clear = Share {
+        clear: onceflow_engine::store::tokens::Cleared {
+            key_throttle: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    env.store
+        .tokens()
+        .set_share("tenant-t", clear)
+        .await
+        .unwrap();
+    let listed = env.store.tokens().list().await.unwrap();
+    assert_eq!(
+        (listed[0].key_throttle, listed[0].key_throttle_period_s),
+        (None, None),
+        "the token has no throttle"
+    );
+    assert_eq!(listed[0].key_concurrency, Some(8), "the rest is kept");
+    submit(&env, t, "after", Some("user-1")).await;
+    env.wait_for("after", JobState::Acked, WAIT).await;
+    assert_eq!(
+        jobs_sent(&env, "before-").len(),
+        1,
+        "the job submitted under the throttle still waits for its hour"
+    );
+    let held = env
+        .sql("SELECT id FROM jobs WHERE id LIKE 'before-%' AND finished_at IS NULL")
+        .await;
+    let held = held[0]["id"].as_str().unwrap().to_owned();
+    assert_eq!(env.job(&held).await.waiting.unwrap()["kind"], "throttle");
+}

@@ -165,7 +165,6 @@ impl Context {
         let key = keys::tool(&self.fence.key(), turn, index);
         self.follow_journal(&format!("tool:{turn}:{index}"), &key, false)
             .await?;
-        let metrics = self.scope.metrics().clone();
         let span = self.scope.step(
             SPAN_TOOL,
             SpanKind::Client,
@@ -177,7 +176,7 @@ impl Context {
                 KeyValue::new(GEN_AI_TOOL_CALL_ID, tool_call_id.to_owned()),
             ],
         );
-        let (attempt, mut span) = match self.admit_tool(&spec, &key, in_flight_ms, span).await? {
+        let (attempt, span) = match self.admit_tool(&spec, &key, in_flight_ms, span).await? {
             Ok(admitted) => admitted,
             Err(replayed) => return Ok(replayed),
         };
@@ -193,7 +192,26 @@ impl Context {
             guard: self.guard.clone(),
             response_limit: self.tool_response_limit,
         };
-        let result = match execute(invocation).await {
+        let executed = execute(invocation).await;
+        self.record_tool(&spec, &key, attempt, span, executed).await
+    }
+
+    /// Records what attempt `attempt`'s execution of the call returned: its
+    /// result (fenced: a lost lease records nothing and stops the call), or
+    /// its failure, permanent or to be retried; a result the ledger cannot
+    /// store (a NUL character) is a permanent failure.
+    async fn record_tool(
+        &mut self,
+        spec: &crate::store::ledger::ToolCallSpec<'_>,
+        key: &str,
+        attempt: i32,
+        mut span: crate::attempt_spans::StepSpan,
+        executed: Result<String, StepError>,
+    ) -> Result<String, StepError> {
+        let (position, tool_name, tool_call_id) =
+            (spec.position, spec.tool_name, spec.tool_call_id);
+        let metrics = self.scope.metrics().clone();
+        let result = match executed {
             Ok(result) => result,
             Err(error) => {
                 let permanent = !on_tool_error(&error).retries();
@@ -206,7 +224,7 @@ impl Context {
                 span.set(KeyValue::new(ERROR_CODE, error.envelope().code));
                 span.end(outcome);
                 self.record_tool_failure(
-                    &key,
+                    key,
                     position,
                     &error.envelope(),
                     permanent,
@@ -237,7 +255,7 @@ impl Context {
             metrics.tool(OUTCOME_FAILED);
             span.set(KeyValue::new(ERROR_CODE, "invalid_tool_result"));
             span.end(OUTCOME_FAILED);
-            self.record_tool_failure(&key, position, &error, true, tool_name, tool_call_id)
+            self.record_tool_failure(key, position, &error, true, tool_name, tool_call_id)
                 .await?;
             return Err(StepError::Permanent {
                 reason: format!("invalid tool result ({tool_name})"),
@@ -258,7 +276,7 @@ impl Context {
         }
         metrics.tool(OUTCOME_PERFORMED);
         span.end(OUTCOME_PERFORMED);
-        self.tool_event(&key, FINISHED, tool_name, tool_call_id)
+        self.tool_event(key, FINISHED, tool_name, tool_call_id)
             .await?;
         Ok(result)
     }

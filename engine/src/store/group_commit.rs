@@ -150,37 +150,9 @@ where
                     }
                 }
                 // A small batch while the other slot's batch runs waits for
-                // it and grows meanwhile: each statement costs PostgreSQL a
-                // fixed ~0.33 ms (the `delivered` batch, measured), a large
-                // share of its CPU at moderate load. It stops waiting once it
-                // holds SMALL_BATCH requests, so a slow batch never stalls a
-                // long queue of its kind.
+                // it and grows meanwhile (see `grow_while_busy`).
                 if carried.len() < SMALL_BATCH && slots.available_permits() == 0 {
-                    let running = slots.acquire();
-                    tokio::pin!(running);
-                    loop {
-                        tokio::select! {
-                            ended = &mut running => {
-                                drop(ended);
-                                break;
-                            }
-                            next = rx.recv() => match next {
-                                Some(next) => {
-                                    carried.push(next);
-                                    if carried.len() >= SMALL_BATCH {
-                                        break;
-                                    }
-                                }
-                                None => break,
-                            },
-                        }
-                    }
-                    while carried.len() < MAX_BATCH {
-                        match rx.try_recv() {
-                            Ok(next) => carried.push(next),
-                            Err(_) => break,
-                        }
-                    }
+                    grow_while_busy(&mut carried, &mut rx, &slots).await;
                 }
                 // One request per job in this batch; repeats wait for the next.
                 let mut seen = HashSet::new();
@@ -195,55 +167,7 @@ where
                 let (run, pool) = (run.clone(), pool.clone());
                 tokio::spawn(async move {
                     let _slot = slot;
-                    let requests = Arc::new(requests);
-                    let outcomes = match run(pool.clone(), requests.clone()).await {
-                        Ok(outcomes) if outcomes.len() == n => {
-                            outcomes.into_iter().map(Ok).collect()
-                        }
-                        Ok(outcomes) => {
-                            let got = outcomes.len();
-                            (0..n)
-                                .map(|_| Err(BatchError::Miscounted { sent: n, got }.into()))
-                                .collect()
-                        }
-                        // One bad row must not fail its batchmates: run each
-                        // request alone, so only its own error reaches it.
-                        Err(e) if n > 1 && split => {
-                            tracing::warn!(error = %e, batch = n, "a batched write failed; writing its rows one by one");
-                            // The failed run has dropped its share by now.
-                            let requests =
-                                Arc::try_unwrap(requests).unwrap_or_else(|shared| (*shared).clone());
-                            let mut each = Vec::with_capacity(n);
-                            for request in requests {
-                                each.push(match run(pool.clone(), Arc::new(vec![request])).await {
-                                    Ok(mut one) if one.len() == 1 => Ok(one.remove(0)),
-                                    Ok(one) => Err(BatchError::Miscounted {
-                                        sent: 1,
-                                        got: one.len(),
-                                    }
-                                    .into()),
-                                    Err(e) => Err(e),
-                                });
-                            }
-                            each
-                        }
-                        Err(e) if n > 1 => {
-                            let (message, retryable) = (e.to_string(), e.is_retryable());
-                            (0..n)
-                                .map(|_| {
-                                    Err(BatchError::Failed {
-                                        message: message.clone(),
-                                        retryable,
-                                    }
-                                    .into())
-                                })
-                                .collect()
-                        }
-                        Err(e) => vec![Err(e)],
-                    };
-                    for (reply, outcome) in replies.into_iter().zip(outcomes) {
-                        let _ = reply.send(outcome);
-                    }
+                    run_batch(&run, pool, requests, replies, split).await;
                 });
             }
         });
@@ -279,5 +203,99 @@ where
             .send((request, reply))
             .map_err(|_| BatchError::Gone)?;
         outcome.await.map_err(|_| BatchError::Dropped)?
+    }
+}
+
+/// Grows a small batch while the other slot's batch runs: each statement
+/// costs PostgreSQL a fixed ~0.33 ms (the `delivered` batch, measured), a
+/// large share of its CPU at moderate load. It stops waiting once it holds
+/// [`SMALL_BATCH`] requests, so a slow batch never stalls a long queue of
+/// its kind.
+async fn grow_while_busy<T>(
+    carried: &mut Vec<T>,
+    rx: &mut mpsc::UnboundedReceiver<T>,
+    slots: &tokio::sync::Semaphore,
+) {
+    let running = slots.acquire();
+    tokio::pin!(running);
+    loop {
+        tokio::select! {
+            ended = &mut running => {
+                drop(ended);
+                break;
+            }
+            next = rx.recv() => match next {
+                Some(next) => {
+                    carried.push(next);
+                    if carried.len() >= SMALL_BATCH {
+                        break;
+                    }
+                }
+                None => break,
+            },
+        }
+    }
+    while carried.len() < MAX_BATCH {
+        match rx.try_recv() {
+            Ok(next) => carried.push(next),
+            Err(_) => break,
+        }
+    }
+}
+
+/// Runs one batch and answers each of its requests. With `split`, a failed
+/// batch is written again one request at a time, so one bad row fails only
+/// its own request; without, each request gets the batch's error.
+async fn run_batch<R: Clone, O>(
+    run: &RunBatch<R, O>,
+    pool: Pool<AsyncPgConnection>,
+    requests: Vec<R>,
+    replies: Vec<Reply<O>>,
+    split: bool,
+) {
+    let n = requests.len();
+    let requests = Arc::new(requests);
+    let outcomes = match run(pool.clone(), requests.clone()).await {
+        Ok(outcomes) if outcomes.len() == n => outcomes.into_iter().map(Ok).collect(),
+        Ok(outcomes) => {
+            let got = outcomes.len();
+            (0..n)
+                .map(|_| Err(BatchError::Miscounted { sent: n, got }.into()))
+                .collect()
+        }
+        Err(e) if n > 1 && split => {
+            tracing::warn!(error = %e, batch = n, "a batched write failed; writing its rows one by one");
+            // The failed run has dropped its share by now.
+            let requests = Arc::try_unwrap(requests).unwrap_or_else(|shared| (*shared).clone());
+            let mut each = Vec::with_capacity(n);
+            for request in requests {
+                each.push(match run(pool.clone(), Arc::new(vec![request])).await {
+                    Ok(mut one) if one.len() == 1 => Ok(one.remove(0)),
+                    Ok(one) => Err(BatchError::Miscounted {
+                        sent: 1,
+                        got: one.len(),
+                    }
+                    .into()),
+                    Err(e) => Err(e),
+                });
+            }
+            each
+        }
+        Err(e) if n > 1 => {
+            let (message, retryable) = (e.to_string(), e.is_retryable());
+            (0..n)
+                .map(|_| {
+                    Err(BatchError::Failed {
+                        message: message.clone(),
+                        retryable,
+                    }
+                    .into())
+                })
+                .collect()
+        }
+        Err(e) => vec![Err(e)],
+    };
+    for (reply, outcome) in replies.into_iter().zip(outcomes) {
+        let _ = reply.send(outcome);
     }
 }

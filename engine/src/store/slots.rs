@@ -4,7 +4,7 @@
 
 use diesel::sql_types::{BigInt, Double, Integer, Nullable, Text};
 use diesel::QueryableByName;
-use diesel_async::{AsyncConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
 use super::sql::sql;
 use super::Limits;
@@ -90,208 +90,46 @@ impl Limits<'_> {
     /// for `lease_ms` and its cost is taken from the buckets; a refused one
     /// is queued (or keeps its place) in `provider_waiters`. The key's row
     /// is locked first, so two admissions never both see the last room.
+    ///
+    /// Four phases, one transaction: lock the key ([`lock_key`]), count
+    /// the room ([`count_room`]), then either queue the call
+    /// ([`queue_waiter`]) or grant it a slot under its fence ([`grant`]).
     pub async fn take_slot(self, ask: &Ask<'_>) -> Result<Admission, StoreError> {
-        #[derive(QueryableByName)]
-        struct Row {
-            #[diesel(sql_type = Nullable<Double>)]
-            window: Option<f64>,
-            #[diesel(sql_type = Nullable<Double>)]
-            requests: Option<f64>,
-            #[diesel(sql_type = Nullable<Double>)]
-            tokens: Option<f64>,
-            #[diesel(sql_type = Nullable<Double>)]
-            since_refill: Option<f64>,
-        }
-        #[derive(QueryableByName)]
-        struct Room {
-            #[diesel(sql_type = BigInt)]
-            live: i64,
-            #[diesel(sql_type = BigInt)]
-            ahead: i64,
-            #[diesel(sql_type = BigInt)]
-            waiting: i64,
-            /// When this call was first refused (now, if never), in µs.
-            #[diesel(sql_type = BigInt)]
-            since_us: i64,
-        }
         let spec = ask.spec;
         let mut conn = self.db().conn().await?;
         conn.transaction::<Admission, StoreError, _>(async |conn| {
-            let row: Row = sql("INSERT INTO provider_limits (limit_key) VALUES ($1) \
-                 ON CONFLICT (limit_key) DO UPDATE SET limit_key = EXCLUDED.limit_key \
-                 RETURNING \"window\", requests, tokens, \
-                     extract(epoch FROM clock_timestamp() - refilled_at)::float8 AS since_refill")
-            .bind::<Text, _>(ask.key)
-            .get_result(conn)
-            .await?;
-            let allowed = match (spec.concurrency.map(f64::from), row.window) {
+            let key = lock_key(conn, ask.key).await?;
+            let allowed = match (spec.concurrency.map(f64::from), key.window) {
                 (Some(c), Some(w)) => c.min(w.floor()),
                 (Some(c), None) => c,
                 (None, Some(w)) => w.floor(),
                 (None, None) => f64::INFINITY,
             };
-            // A statement of its own: its snapshot sees every slot and
-            // waiter committed before the lock above was granted. (Lapsed
-            // slots and waiters of crashed nodes are cleared on the way.)
-            let room: Room = sql(
-                "WITH lapsed AS (DELETE FROM provider_slots \
-                     WHERE limit_key = $1 AND expires_at <= clock_timestamp()), \
-                 gone AS (DELETE FROM provider_waiters \
-                     WHERE limit_key = $1 AND expires_at <= clock_timestamp()), \
-                 me AS (SELECT coalesce((SELECT since FROM provider_waiters \
-                     WHERE limit_key = $1 AND holder = $2), clock_timestamp()) AS since) \
-                 SELECT (SELECT count(*) FROM provider_slots \
-                         WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS live, \
-                     (SELECT count(*) FROM provider_waiters w, me \
-                         WHERE w.limit_key = $1 AND w.expires_at > clock_timestamp() AND w.holder <> $2 \
-                           AND (w.priority > $3 OR (w.priority = $3 \
-                                AND (w.since, w.holder) < (me.since, $2)))) AS ahead, \
-                     (SELECT count(*) FROM provider_waiters \
-                         WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS waiting, \
-                     (SELECT (extract(epoch FROM since) * 1000000)::int8 FROM me) AS since_us",
-            )
-            .bind::<Text, _>(ask.key)
-            .bind::<Text, _>(ask.holder)
-            .bind::<Integer, _>(ask.priority)
-            .get_result(conn)
-            .await?;
+            let room = count_room(conn, ask).await?;
             let now = |stored, per_minute: Option<u32>| {
                 per_minute.map(|m| {
                     let b = crate::quota::Bucket {
                         per_minute: f64::from(m),
                     };
-                    (b, b.level(stored, row.since_refill))
+                    (b, b.level(stored, key.since_refill))
                 })
             };
-            let requests = now(row.requests, spec.rpm);
-            let tokens = now(row.tokens, spec.tpm);
-            let costs = [(requests, 1.0), (tokens, ask.tokens)];
+            let costs: Costs = [
+                (now(key.requests, spec.rpm), 1.0),
+                (now(key.tokens, spec.tpm), ask.tokens),
+            ];
             let slot_room = ((room.live + room.ahead) as f64) < allowed;
-            let rated = requests.is_some() || tokens.is_some();
+            let rated = costs.iter().any(|(b, _)| b.is_some());
             let rate_room = !rated
                 || (room.ahead == 0
                     && costs
                         .iter()
                         .all(|(b, cost)| b.is_none_or(|(b, level)| level >= b.need(*cost))));
-            if !(slot_room && rate_room) {
-                sql("INSERT INTO provider_waiters (limit_key, holder, node, priority, since, expires_at) \
-                     VALUES ($1, $2, $3, $4, 'epoch'::timestamptz + $5 * interval '1 microsecond', \
-                         clock_timestamp() + interval '15 seconds') \
-                     ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
-                         expires_at = EXCLUDED.expires_at")
-                .bind::<Text, _>(ask.key)
-                .bind::<Text, _>(ask.holder)
-                .bind::<Text, _>(ask.node)
-                .bind::<Integer, _>(ask.priority)
-                .bind::<BigInt, _>(room.since_us)
-                .execute(conn)
-                .await?;
-                if ask.refresh_node {
-                    // The node's best waiter keeps all its waiters' rows fresh.
-                    sql("UPDATE provider_waiters SET expires_at = clock_timestamp() + interval '15 seconds' \
-                         WHERE limit_key = $1 AND node = $2 AND holder <> $3")
-                    .bind::<Text, _>(ask.key)
-                    .bind::<Text, _>(ask.node)
-                    .bind::<Text, _>(ask.holder)
-                    .execute(conn)
-                    .await?;
-                }
-                // Under a rate, the waiters ahead go first, one cost each:
-                // this call's turn comes when the bucket holds theirs too.
-                let retry_in = costs
-                    .iter()
-                    .filter_map(|(b, cost)| {
-                        b.map(|(b, level)| {
-                            b.wait_secs(level, b.need(*cost) + room.ahead as f64 * cost)
-                        })
-                    })
-                    .reduce(f64::max)
-                    // Calls ahead go first: never ask again sooner than
-                    // they can (a stalled one would make it a busy loop).
-                    .map(|secs| if room.ahead > 0 { secs.max(0.05) } else { secs })
-                    .filter(|_| slot_room);
-                return Ok(Admission::Wait {
-                    retry_in,
-                    since_us: room.since_us,
-                });
-            }
-            // The fence, checked as the slot is granted: the call was
-            // journaled before it waited, and a cancel or a takeover may
-            // have come meanwhile. Its in-flight mark counts from now, the
-            // send (a concurrent attempt waits on it).
-            let held = sql(
-                "UPDATE model_calls m SET in_flight_until = clock_timestamp() + $4 * interval '1 millisecond' \
-                 FROM jobs j \
-                 WHERE m.idempotency_key = $1 AND m.in_flight_epoch = $3 AND m.status <> 'completed' \
-                   AND j.id = $2 AND m.job_id = j.id AND j.lease_epoch = $3 AND j.finished_at IS NULL",
-            )
-            .bind::<Text, _>(ask.call_key)
-            .bind::<Text, _>(ask.job_id)
-            .bind::<BigInt, _>(ask.epoch)
-            .bind::<BigInt, _>(ask.lease_ms)
-            .execute(conn)
-            .await?;
-            if held == 0 {
-                sql("DELETE FROM provider_waiters WHERE limit_key = $1 AND holder = $2")
-                    .bind::<Text, _>(ask.key)
-                    .bind::<Text, _>(ask.holder)
-                    .execute(conn)
-                    .await?;
-                return Ok(Admission::Fenced);
-            }
-            sql(
-                "INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
-                 VALUES ($1, $2, $3, clock_timestamp() + $4 * interval '1 millisecond') \
-                 ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
-                     expires_at = EXCLUDED.expires_at",
-            )
-            .bind::<Text, _>(ask.key)
-            .bind::<Text, _>(ask.holder)
-            .bind::<Text, _>(ask.node)
-            .bind::<BigInt, _>(ask.lease_ms)
-            .execute(conn)
-            .await?;
-            if ask.queued {
-                sql("DELETE FROM provider_waiters WHERE limit_key = $1 AND holder = $2")
-                    .bind::<Text, _>(ask.key)
-                    .bind::<Text, _>(ask.holder)
-                    .execute(conn)
-                    .await?;
-            }
-            let after = costs.map(|(b, cost)| b.map(|(b, level)| (b, level - cost)));
-            if rated {
-                sql("UPDATE provider_limits SET requests = $2, tokens = $3, \
-                         refilled_at = clock_timestamp() WHERE limit_key = $1")
-                .bind::<Text, _>(ask.key)
-                .bind::<Nullable<Double>, _>(after[0].map(|(_, l)| l))
-                .bind::<Nullable<Double>, _>(after[1].map(|(_, l)| l))
-                .execute(conn)
-                .await?;
-            }
-            // Room left and calls waiting: the next one is woken, on every node.
-            let room_left = ((room.live + 1 + room.ahead) as f64) < allowed
-                && after
-                    .iter()
-                    .zip(costs.iter())
-                    .all(|(a, (_, cost))| a.is_none_or(|(b, level)| level >= b.need(*cost)));
-            if room_left && room.waiting > 0 {
-                sql("SELECT pg_notify($1, $2)")
-                    .bind::<Text, _>(LIMITS_CHANNEL)
-                    .bind::<Text, _>(ask.key)
-                    .execute(conn)
-                    .await?;
-            }
-            let mut saturation: f64 = if allowed.is_finite() {
-                (room.live + 1) as f64 / allowed
+            if slot_room && rate_room {
+                grant(conn, ask, &room, allowed, costs).await
             } else {
-                0.0
-            };
-            for (b, level) in after.into_iter().flatten() {
-                saturation = saturation.max(1.0 - level / b.capacity());
+                queue_waiter(conn, ask, &room, costs, slot_room).await
             }
-            Ok(Admission::Admitted {
-                saturation: saturation.clamp(0.0, 1.0),
-            })
         })
         .await
     }
@@ -425,4 +263,211 @@ impl Limits<'_> {
                 .await?;
         Ok(rows.into_iter().map(|r| r.limit_key).collect())
     }
+}
+
+/// A key's limit row as locked for an admission.
+#[derive(QueryableByName)]
+struct KeyRow {
+    #[diesel(sql_type = Nullable<Double>)]
+    window: Option<f64>,
+    #[diesel(sql_type = Nullable<Double>)]
+    requests: Option<f64>,
+    #[diesel(sql_type = Nullable<Double>)]
+    tokens: Option<f64>,
+    #[diesel(sql_type = Nullable<Double>)]
+    since_refill: Option<f64>,
+}
+
+/// What an admission sees of its key: slots held by others, waiters ahead
+/// of it, waiters in all.
+#[derive(QueryableByName)]
+struct Room {
+    #[diesel(sql_type = BigInt)]
+    live: i64,
+    #[diesel(sql_type = BigInt)]
+    ahead: i64,
+    #[diesel(sql_type = BigInt)]
+    waiting: i64,
+    /// When this call was first refused (now, if never), in µs.
+    #[diesel(sql_type = BigInt)]
+    since_us: i64,
+}
+
+/// The call's cost under each rate (requests, tokens): the bucket with its
+/// level now, if the key has that rate, and what the call takes from it.
+type Costs = [(Option<(crate::quota::Bucket, f64)>, f64); 2];
+
+/// Locks key `key`'s limit row (made on first use) and reads it.
+async fn lock_key(conn: &mut AsyncPgConnection, key: &str) -> Result<KeyRow, StoreError> {
+    Ok(sql("INSERT INTO provider_limits (limit_key) VALUES ($1) \
+         ON CONFLICT (limit_key) DO UPDATE SET limit_key = EXCLUDED.limit_key \
+         RETURNING \"window\", requests, tokens, \
+             extract(epoch FROM clock_timestamp() - refilled_at)::float8 AS since_refill")
+    .bind::<Text, _>(key)
+    .get_result(conn)
+    .await?)
+}
+
+/// Counts the key's room, in a statement of its own: its snapshot sees
+/// every slot and waiter committed before the key's lock was granted.
+/// (Lapsed slots and waiters of crashed nodes are cleared on the way.)
+async fn count_room(conn: &mut AsyncPgConnection, ask: &Ask<'_>) -> Result<Room, StoreError> {
+    Ok(sql(
+        "WITH lapsed AS (DELETE FROM provider_slots \
+             WHERE limit_key = $1 AND expires_at <= clock_timestamp()), \
+         gone AS (DELETE FROM provider_waiters \
+             WHERE limit_key = $1 AND expires_at <= clock_timestamp()), \
+         me AS (SELECT coalesce((SELECT since FROM provider_waiters \
+             WHERE limit_key = $1 AND holder = $2), clock_timestamp()) AS since) \
+         SELECT (SELECT count(*) FROM provider_slots \
+                 WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS live, \
+             (SELECT count(*) FROM provider_waiters w, me \
+                 WHERE w.limit_key = $1 AND w.expires_at > clock_timestamp() AND w.holder <> $2 \
+                   AND (w.priority > $3 OR (w.priority = $3 \
+                        AND (w.since, w.holder) < (me.since, $2)))) AS ahead, \
+             (SELECT count(*) FROM provider_waiters \
+                 WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS waiting, \
+             (SELECT (extract(epoch FROM since) * 1000000)::int8 FROM me) AS since_us",
+    )
+    .bind::<Text, _>(ask.key)
+    .bind::<Text, _>(ask.holder)
+    .bind::<Integer, _>(ask.priority)
+    .get_result(conn)
+    .await?)
+}
+
+/// Queues a refused call (or keeps its place) and says when to ask again.
+async fn queue_waiter(
+    conn: &mut AsyncPgConnection,
+    ask: &Ask<'_>,
+    room: &Room,
+    costs: Costs,
+    slot_room: bool,
+) -> Result<Admission, StoreError> {
+    sql(
+        "INSERT INTO provider_waiters (limit_key, holder, node, priority, since, expires_at) \
+         VALUES ($1, $2, $3, $4, 'epoch'::timestamptz + $5 * interval '1 microsecond', \
+             clock_timestamp() + interval '15 seconds') \
+         ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
+             expires_at = EXCLUDED.expires_at",
+    )
+    .bind::<Text, _>(ask.key)
+    .bind::<Text, _>(ask.holder)
+    .bind::<Text, _>(ask.node)
+    .bind::<Integer, _>(ask.priority)
+    .bind::<BigInt, _>(room.since_us)
+    .execute(conn)
+    .await?;
+    if ask.refresh_node {
+        // The node's best waiter keeps all its waiters' rows fresh.
+        sql(
+            "UPDATE provider_waiters SET expires_at = clock_timestamp() + interval '15 seconds' \
+             WHERE limit_key = $1 AND node = $2 AND holder <> $3",
+        )
+        .bind::<Text, _>(ask.key)
+        .bind::<Text, _>(ask.node)
+        .bind::<Text, _>(ask.holder)
+        .execute(conn)
+        .await?;
+    }
+    // Under a rate, the waiters ahead go first, one cost each: this call's
+    // turn comes when the bucket holds theirs too.
+    let retry_in = costs
+        .iter()
+        .filter_map(|(b, cost)| {
+            b.map(|(b, level)| b.wait_secs(level, b.need(*cost) + room.ahead as f64 * cost))
+        })
+        .reduce(f64::max)
+        // Calls ahead go first: never ask again sooner than they can (a
+        // stalled one would make it a busy loop).
+        .map(|secs| if room.ahead > 0 { secs.max(0.05) } else { secs })
+        .filter(|_| slot_room);
+    Ok(Admission::Wait {
+        retry_in,
+        since_us: room.since_us,
+    })
+}
+
+/// Grants the call a slot, if its attempt still holds the job: takes its
+/// cost from the buckets, wakes the next waiter when room is left, and
+/// reports the key's saturation.
+async fn grant(
+    conn: &mut AsyncPgConnection,
+    ask: &Ask<'_>,
+    room: &Room,
+    allowed: f64,
+    costs: Costs,
+) -> Result<Admission, StoreError> {
+    // The fence, checked as the slot is granted: the call was journaled
+    // before it waited, and a cancel or a takeover may have come
+    // meanwhile. Its in-flight mark counts from now, the send (a
+    // concurrent attempt waits on it).
+    let held = sql(
+        "UPDATE model_calls m SET in_flight_until = clock_timestamp() + $4 * interval '1 millisecond' \
+         FROM jobs j \
+         WHERE m.idempotency_key = $1 AND m.in_flight_epoch = $3 AND m.status <> 'completed' \
+           AND j.id = $2 AND m.job_id = j.id AND j.lease_epoch = $3 AND j.finished_at IS NULL",
+    )
+    .bind::<Text, _>(ask.call_key)
+    .bind::<Text, _>(ask.job_id)
+    .bind::<BigInt, _>(ask.epoch)
+    .bind::<BigInt, _>(ask.lease_ms)
+    .execute(conn)
+    .await?;
+    if held == 0 || ask.queued {
+        sql("DELETE FROM provider_waiters WHERE limit_key = $1 AND holder = $2")
+            .bind::<Text, _>(ask.key)
+            .bind::<Text, _>(ask.holder)
+            .execute(conn)
+            .await?;
+    }
+    if held == 0 {
+        return Ok(Admission::Fenced);
+    }
+    sql(
+        "INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
+         VALUES ($1, $2, $3, clock_timestamp() + $4 * interval '1 millisecond') \
+         ON CONFLICT (limit_key, holder) DO UPDATE SET node = EXCLUDED.node, \
+             expires_at = EXCLUDED.expires_at",
+    )
+    .bind::<Text, _>(ask.key)
+    .bind::<Text, _>(ask.holder)
+    .bind::<Text, _>(ask.node)
+    .bind::<BigInt, _>(ask.lease_ms)
+    .execute(conn)
+    .await?;
+    let after = costs.map(|(b, cost)| b.map(|(b, level)| (b, level - cost)));
+    if costs.iter().any(|(b, _)| b.is_some()) {
+        sql("UPDATE provider_limits SET requests = $2, tokens = $3, \
+                 refilled_at = clock_timestamp() WHERE limit_key = $1")
+        .bind::<Text, _>(ask.key)
+        .bind::<Nullable<Double>, _>(after[0].map(|(_, l)| l))
+        .bind::<Nullable<Double>, _>(after[1].map(|(_, l)| l))
+        .execute(conn)
+        .await?;
+    }
+    // Room left and calls waiting: the next one is woken, on every node.
+    let room_left = ((room.live + 1 + room.ahead) as f64) < allowed
+        && after
+            .iter()
+            .zip(costs.iter())
+            .all(|(a, (_, cost))| a.is_none_or(|(b, level)| level >= b.need(*cost)));
+    if room_left && room.waiting > 0 {
+        sql("SELECT pg_notify($1, $2)")
+            .bind::<Text, _>(LIMITS_CHANNEL)
+            .bind::<Text, _>(ask.key)
+            .execute(conn)
+            .await?;
+    }
+    let mut saturation: f64 = if allowed.is_finite() {
+        (room.live + 1) as f64 / allowed
+    } else {
+        0.0
+    };
+    for (b, level) in after.into_iter().flatten() {
+        saturation = saturation.max(1.0 - level / b.capacity());
+    }
+    Ok(Admission::Admitted {
+        saturation: saturation.clamp(0.0, 1.0),
+    })
 }

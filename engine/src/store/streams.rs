@@ -60,29 +60,6 @@ pub(crate) async fn stream_on(
     conn: &mut AsyncPgConnection,
     requests: &[StreamWrite],
 ) -> Result<Vec<Written>, StoreError> {
-    #[derive(QueryableByName)]
-    struct Row {
-        #[diesel(sql_type = Text)]
-        job_id: String,
-        /// The job's last event before this write (read under its row lock,
-        /// which every writer of its events holds: exact).
-        #[diesel(sql_type = Nullable<BigInt>)]
-        prev: Option<i64>,
-        #[diesel(sql_type = Nullable<BigInt>)]
-        id: Option<i64>,
-        #[diesel(sql_type = Nullable<Text>)]
-        call: Option<String>,
-        #[diesel(sql_type = Nullable<Integer>)]
-        generation: Option<i32>,
-        #[diesel(sql_type = Nullable<Integer>)]
-        offset: Option<i32>,
-        #[diesel(sql_type = Nullable<Text>)]
-        kind: Option<String>,
-        #[diesel(sql_type = Nullable<Text>)]
-        text: Option<String>,
-        #[diesel(sql_type = Nullable<Timestamptz>)]
-        at: Option<DateTime<Utc>>,
-    }
     let ids: Vec<&str> = requests.iter().map(|r| r.fence.job_id.as_str()).collect();
     let (mut row_ids, mut epochs, mut keys, mut generations, mut offsets, mut kinds, mut texts) = (
         Vec::new(),
@@ -104,46 +81,94 @@ pub(crate) async fn stream_on(
             texts.push(row.text.as_str());
         }
     }
-    let rows: Vec<Row> = sql(concat!(
-        "WITH input AS (SELECT * FROM unnest( \
-                 (SELECT $2::text[]), (SELECT $3::bigint[]), (SELECT $4::text[]), \
-                 (SELECT $5::int[]), (SELECT $6::int[]), (SELECT $7::text[]), \
-                 (SELECT $8::text[])) WITH ORDINALITY \
-             AS i(id, epoch, key, generation, \"offset\", kind, text, n)), ",
-        lock_in_order!("$1"),
-        ", ",
-        "fenced AS ( \
-             SELECT i.* FROM input i JOIN locked l ON l.id = i.id AND l.lease_epoch = i.epoch \
-             WHERE (SELECT count(*) FROM locked) >= 0), \
-         written AS ( \
-             INSERT INTO stream_events (job_id, call_key, generation, \"offset\", kind, text) \
-             SELECT id, key, generation, \"offset\", kind, text FROM fenced ORDER BY n \
-             ON CONFLICT (job_id, call_key, generation, \"offset\") DO NOTHING \
-             RETURNING id, job_id, call_key, generation, \"offset\", kind, text, at), \
-         jobs AS (SELECT DISTINCT id FROM fenced), \
-         notified AS (SELECT count(pg_notify($9, w.job_id || ' ' || w.last)) AS n \
-             FROM (SELECT job_id, max(id) AS last FROM written GROUP BY job_id) w), \
-         prev AS (SELECT j.id, greatest( \
-                 (SELECT max(h.id) FROM job_history h WHERE h.job_id = j.id), \
-                 (SELECT max(e.id) FROM stream_events e WHERE e.job_id = j.id)) AS prev \
-             FROM jobs j) \
-         SELECT j.id AS job_id, p.prev, w.id, w.call_key AS call, w.generation, w.\"offset\", \
-             w.kind, w.text, w.at \
-         FROM jobs j CROSS JOIN notified JOIN prev p ON p.id = j.id \
-             LEFT JOIN written w ON w.job_id = j.id \
-         ORDER BY w.id"
-    ))
-    .bind::<Array<Text>, _>(&ids)
-    .bind::<Array<Text>, _>(&row_ids)
-    .bind::<Array<BigInt>, _>(&epochs)
-    .bind::<Array<Text>, _>(&keys)
-    .bind::<Array<Integer>, _>(&generations)
-    .bind::<Array<Integer>, _>(&offsets)
-    .bind::<Array<Text>, _>(&kinds)
-    .bind::<Array<Text>, _>(&texts)
-    .bind::<Text, _>(STREAM_CHANNEL)
-    .load(conn)
-    .await?;
+    let rows: Vec<WrittenRow> = sql(WRITE_STREAMS)
+        .bind::<Array<Text>, _>(&ids)
+        .bind::<Array<Text>, _>(&row_ids)
+        .bind::<Array<BigInt>, _>(&epochs)
+        .bind::<Array<Text>, _>(&keys)
+        .bind::<Array<Integer>, _>(&generations)
+        .bind::<Array<Integer>, _>(&offsets)
+        .bind::<Array<Text>, _>(&kinds)
+        .bind::<Array<Text>, _>(&texts)
+        .bind::<Text, _>(STREAM_CHANNEL)
+        .load(conn)
+        .await?;
+    let by_job = published_by_job(rows);
+    Ok(requests
+        .iter()
+        .map(|r| match by_job.get(&r.fence.job_id) {
+            Some(published) => (Checkpoint::Moved, published.clone()),
+            None => (
+                Checkpoint::LeaseLost,
+                Published {
+                    prev: None,
+                    upto: None,
+                    events: Vec::new(),
+                },
+            ),
+        })
+        .collect())
+}
+
+/// A row of [`stream_on`]'s answer: a job with its previous event, and
+/// one row written for it (none when its write wrote nothing new).
+#[derive(QueryableByName)]
+struct WrittenRow {
+    #[diesel(sql_type = Text)]
+    job_id: String,
+    /// The job's last event before this write (read under its row lock,
+    /// which every writer of its events holds: exact).
+    #[diesel(sql_type = Nullable<BigInt>)]
+    prev: Option<i64>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    id: Option<i64>,
+    #[diesel(sql_type = Nullable<Text>)]
+    call: Option<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    generation: Option<i32>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    offset: Option<i32>,
+    #[diesel(sql_type = Nullable<Text>)]
+    kind: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    text: Option<String>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    at: Option<DateTime<Utc>>,
+}
+
+/// The statement behind [`stream_on`].
+const WRITE_STREAMS: &str = concat!(
+    "WITH input AS (SELECT * FROM unnest( \
+             (SELECT $2::text[]), (SELECT $3::bigint[]), (SELECT $4::text[]), \
+             (SELECT $5::int[]), (SELECT $6::int[]), (SELECT $7::text[]), \
+             (SELECT $8::text[])) WITH ORDINALITY \
+         AS i(id, epoch, key, generation, \"offset\", kind, text, n)), ",
+    lock_in_order!("$1"),
+    ", ",
+    "fenced AS ( \
+         SELECT i.* FROM input i JOIN locked l ON l.id = i.id AND l.lease_epoch = i.epoch \
+         WHERE (SELECT count(*) FROM locked) >= 0), \
+     written AS ( \
+         INSERT INTO stream_events (job_id, call_key, generation, \"offset\", kind, text) \
+         SELECT id, key, generation, \"offset\", kind, text FROM fenced ORDER BY n \
+         ON CONFLICT (job_id, call_key, generation, \"offset\") DO NOTHING \
+         RETURNING id, job_id, call_key, generation, \"offset\", kind, text, at), \
+     jobs AS (SELECT DISTINCT id FROM fenced), \
+     notified AS (SELECT count(pg_notify($9, w.job_id || ' ' || w.last)) AS n \
+         FROM (SELECT job_id, max(id) AS last FROM written GROUP BY job_id) w), \
+     prev AS (SELECT j.id, greatest( \
+             (SELECT max(h.id) FROM job_history h WHERE h.job_id = j.id), \
+             (SELECT max(e.id) FROM stream_events e WHERE e.job_id = j.id)) AS prev \
+         FROM jobs j) \
+     SELECT j.id AS job_id, p.prev, w.id, w.call_key AS call, w.generation, w.\"offset\", \
+         w.kind, w.text, w.at \
+     FROM jobs j CROSS JOIN notified JOIN prev p ON p.id = j.id \
+         LEFT JOIN written w ON w.job_id = j.id \
+     ORDER BY w.id"
+);
+
+/// Groups the rows written by job, each with the event before them.
+fn published_by_job(rows: Vec<WrittenRow>) -> HashMap<String, Published> {
     let mut by_job: HashMap<String, Published> = HashMap::new();
     for r in rows {
         let published = by_job.entry(r.job_id).or_insert_with(|| Published {
@@ -164,20 +189,7 @@ pub(crate) async fn stream_on(
             ));
         }
     }
-    Ok(requests
-        .iter()
-        .map(|r| match by_job.get(&r.fence.job_id) {
-            Some(published) => (Checkpoint::Moved, published.clone()),
-            None => (
-                Checkpoint::LeaseLost,
-                Published {
-                    prev: None,
-                    upto: None,
-                    events: Vec::new(),
-                },
-            ),
-        })
-        .collect())
+    by_job
 }
 
 /// What the journal holds of a model call's stream: its latest generation.

@@ -80,6 +80,20 @@ pub struct Share {
     /// Its throttle per concurrency key: starts, per this many seconds
     /// (1–1000 starts, 1 s to 1 day); `None`: unchanged (none when new).
     pub key_throttle: Option<(i32, i32)>,
+    /// Settings removed (`token set --clear …`): the token falls back to
+    /// the workflow's limit or throttle (or none), or has no budget.
+    pub clear: Cleared,
+}
+
+/// The settings of a [`Share`] that `token set --clear` removes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cleared {
+    /// `--clear key-concurrency`.
+    pub key_concurrency: bool,
+    /// `--clear daily-token-budget`.
+    pub daily_token_budget: bool,
+    /// `--clear key-throttle`.
+    pub key_throttle: bool,
 }
 
 /// Parses a throttle as `--key-throttle` takes it: `STARTS/PERIOD`, the
@@ -126,6 +140,23 @@ impl Share {
         {
             return Err(TokenError::OutOfBounds("--key-throttle"));
         }
+        let both = [
+            (
+                self.key_concurrency.is_some() && self.clear.key_concurrency,
+                "--key-concurrency",
+            ),
+            (
+                self.daily_token_budget.is_some() && self.clear.daily_token_budget,
+                "--daily-token-budget",
+            ),
+            (
+                self.key_throttle.is_some() && self.clear.key_throttle,
+                "--key-throttle",
+            ),
+        ];
+        if let Some((_, flag)) = both.iter().find(|(b, _)| *b) {
+            return Err(TokenError::SetAndCleared(flag));
+        }
         Ok(())
     }
 }
@@ -142,6 +173,9 @@ pub enum TokenError {
     /// A share's number is out of its bounds (1 to 1000; a budget at least 1).
     #[error("{0} is out of bounds (1 to 1000; a budget at least 1)")]
     OutOfBounds(&'static str),
+    /// A setting both given and cleared.
+    #[error("{0} is both given and cleared (--clear); give one")]
+    SetAndCleared(&'static str),
     /// No token by that name.
     #[error("no token named {0:?}")]
     Unknown(String),
@@ -208,11 +242,14 @@ impl Tokens<'_> {
         share.check()?;
         let mut conn = self.db().conn().await.map_err(TokenError::Store)?;
         let n = sql("UPDATE api_tokens SET weight = coalesce($2, weight), \
-                 key_concurrency = coalesce($3, key_concurrency), \
-                 daily_token_budget = coalesce($4, daily_token_budget), \
+                 key_concurrency = CASE WHEN $8 THEN NULL ELSE coalesce($3, key_concurrency) END, \
+                 daily_token_budget = CASE WHEN $9 THEN NULL \
+                     ELSE coalesce($4, daily_token_budget) END, \
                  budget_exhausted = coalesce($5, budget_exhausted), \
-                 key_throttle = coalesce($6, key_throttle), \
-                 key_throttle_period_s = coalesce($7, key_throttle_period_s) WHERE name = $1")
+                 key_throttle = CASE WHEN $10 THEN NULL ELSE coalesce($6, key_throttle) END, \
+                 key_throttle_period_s = CASE WHEN $10 THEN NULL \
+                     ELSE coalesce($7, key_throttle_period_s) END \
+             WHERE name = $1")
         .bind::<Text, _>(name)
         .bind::<Nullable<Integer>, _>(share.weight)
         .bind::<Nullable<Integer>, _>(share.key_concurrency)
@@ -220,6 +257,9 @@ impl Tokens<'_> {
         .bind::<Nullable<Text>, _>(share.budget_exhausted)
         .bind::<Nullable<Integer>, _>(share.key_throttle.map(|t| t.0))
         .bind::<Nullable<Integer>, _>(share.key_throttle.map(|t| t.1))
+        .bind::<diesel::sql_types::Bool, _>(share.clear.key_concurrency)
+        .bind::<diesel::sql_types::Bool, _>(share.clear.daily_token_budget)
+        .bind::<diesel::sql_types::Bool, _>(share.clear.key_throttle)
         .execute(&mut conn)
         .await
         .map_err(|e| TokenError::Store(e.into()))?;
