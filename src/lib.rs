@@ -53,7 +53,9 @@
 //!   every API error is a [`ClientError`].
 //! * [`config`] — the flags and environment of the command line, and the
 //!   database they name (the embedded PostgreSQL by default).
-//! * [`engine`], [`workflows`], [`observability`] — the crates underneath.
+//! * [`engine`]: the engine's names a workflow's author may need beyond
+//!   these (job states, failpoints, the test kit); [`workflows`] and
+//!   [`observability`]: the crates underneath.
 //!
 //! The demo and the benchmarks, with the loopback fakes they drive, are the
 //! `onceflow-bench` package beside this one: this library and the
@@ -70,15 +72,28 @@ pub use api_client::{
 pub use cli::app::App;
 pub use cli::config;
 pub use onceflow_engine::{
-    Context, DeliveryPolicy, InvalidInput, Registry, StepError, ToolInvocation, Workflow,
+    Context, DeliveryPolicy, InvalidInput, Registry, StepError, Throttle, ToolInvocation, Workflow,
 };
 pub use onceflow_workflows::{Agent, Completion, HttpPost, Tool};
 
 /// The future a [`Tool`] returns.
 pub use futures_util::future::BoxFuture;
 
-/// The runtime: store, actors, supervisor, API, test kit.
-pub use onceflow_engine as engine;
+/// What a workflow's author reaches for beyond the names above: job
+/// states, failpoints to prove their own steps, the SSRF guard
+/// and, with the feature `testkit`, the test kit. The runtime's insides
+/// (the store, the actors, the supervisor, the API) are not part of this
+/// library: `App` runs them.
+pub mod engine {
+    pub use onceflow_engine::{
+        Action, ErrorEnvelope, FailPoint, Faults, JobState, StepInvocation, UrlGuard,
+    };
+
+    /// Loopback fakes, a throwaway PostgreSQL and the explorer, to test a
+    /// workflow at every boundary (feature `testkit`).
+    #[cfg(feature = "testkit")]
+    pub use onceflow_engine::testkit;
+}
 /// The OpenTelemetry setup and names.
 pub use onceflow_observability as observability;
 /// The built-in workflows and tools.

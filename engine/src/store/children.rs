@@ -148,8 +148,8 @@ impl Waits<'_> {
                 let rows: Vec<ChildRow> = sql(
                     "SELECT j.id, j.state::text AS state, j.finished_at IS NOT NULL AS finished, \
                          r.output AS result, j.last_error AS error, j.dead_reason, \
-                         j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
-                             AS queued \
+                         (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp()) \
+                             AND j.run_at <= now() AS queued \
                      FROM jobs j LEFT JOIN results r ON r.job_id = j.id \
                      WHERE j.id = ANY($1) AND j.parent_id = $2 \
                      ORDER BY j.id FOR SHARE OF j",
@@ -164,6 +164,19 @@ impl Waits<'_> {
                     .iter()
                     .filter(|id| by_id.get(id.as_str()).is_some_and(|r| !r.finished))
                     .collect();
+                // An acquire that met a queued child's row under this
+                // share lock skipped it (`SKIP LOCKED`): it is announced
+                // again at this commit, or it would wait for the next poll.
+                if pending
+                    .iter()
+                    .any(|id| by_id.get(id.as_str()).is_some_and(|r| r.queued))
+                {
+                    sql("SELECT pg_notify($1, $2)")
+                        .bind::<Text, _>(NEW_JOB_CHANNEL)
+                        .bind::<Text, _>(&fence.job_id)
+                        .execute(conn)
+                        .await?;
+                }
                 if pending.is_empty() || wait.due {
                     let outcome = json!({
                         "children": children.iter().map(|id| match by_id.remove(id.as_str()) {
@@ -180,19 +193,6 @@ impl Waits<'_> {
                     });
                     super::waits::close_wait(conn, &fence.job_id, key, &outcome).await?;
                     return Ok(WaitStep::Done(outcome));
-                }
-                // An acquire that met a queued child's row under this
-                // share lock skipped it (`SKIP LOCKED`): it is announced
-                // again at this commit, or it would wait for the next poll.
-                if pending
-                    .iter()
-                    .any(|id| by_id.get(id.as_str()).is_some_and(|r| r.queued))
-                {
-                    sql("SELECT pg_notify($1, $2)")
-                        .bind::<Text, _>(NEW_JOB_CHANNEL)
-                        .bind::<Text, _>(&fence.job_id)
-                        .execute(conn)
-                        .await?;
                 }
                 let waiting = json!({
                     "kind": "children",

@@ -179,6 +179,9 @@ macro_rules! runnable {
 ///   were read at) in order of turn, one array each; the first `limit` of
 ///   them locked in that order, the lease checked again on each row's
 ///   latest version, so a job another node leased meanwhile is skipped.
+///   The lock is `FOR NO KEY UPDATE`, as the update's own (it changes no
+///   key): a foreign-key check's share lock on a queued job (a signal or a
+///   stream watcher inserted for it) does not make the acquire skip it.
 ///   The rows are found through the primary key by the array (`= ANY`),
 ///   one probe per candidate: joined to `slotted` instead, the planner
 ///   probed the whole array once per candidate (256 × 256 at 16 tenants)
@@ -207,7 +210,7 @@ const ACQUIRE: &str = concat!(
                  SELECT greatest(j.priority, 0) FROM jobs j WHERE j.tenant = 0 AND ",
     runnable!(),
     " ORDER BY j.priority DESC, j.run_at LIMIT 1), 0) ELSE 0 END AS cut \
-         FROM shares s CROSS JOIN clock c ORDER BY 4 DESC, 3), \
+         FROM shares s CROSS JOIN clock c ORDER BY 4 DESC, 3, 1), \
      ready AS ( \
          SELECT t.* FROM turns t \
          WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = t.tenant AND ",
@@ -260,8 +263,8 @@ const ACQUIRE: &str = concat!(
              FROM throttle_free_slots(r.tenant, r.concurrency_key, r.t_limit, r.t_period) f \
              WHERE r.trn IS NOT NULL ORDER BY f.slot OFFSET r.trn - 1 LIMIT 1) t ON true), \
      queue AS ( \
-         SELECT array_agg(id::text ORDER BY cut DESC, turn, priority DESC, run_at) AS ids, \
-             array_agg(lease_epoch ORDER BY cut DESC, turn, priority DESC, run_at) AS epochs \
+         SELECT array_agg(id::text ORDER BY cut DESC, turn, priority DESC, run_at, id) AS ids, \
+             array_agg(lease_epoch ORDER BY cut DESC, turn, priority DESC, run_at, id) AS epochs \
          FROM slotted WHERE (krn IS NULL OR slot IS NOT NULL) AND (trn IS NULL OR tslot IS NOT NULL)), \
      locked AS ( \
          SELECT j.id, j.lease_owner, j.waiting FROM jobs j \
@@ -272,7 +275,7 @@ const ACQUIRE: &str = concat!(
                 OR ($4 AND j.lease_owner = $1)) \
          ORDER BY array_position((SELECT ids FROM queue), j.id::text) \
          LIMIT $2 \
-         FOR UPDATE OF j SKIP LOCKED), \
+         FOR NO KEY UPDATE OF j SKIP LOCKED), \
      picked AS ( \
          SELECT l.id, l.lease_owner, l.waiting, s.slot, s.tslot, s.tgen, s.tenant, s.turn, s.weight \
          FROM locked l JOIN slotted s ON s.id = l.id), \

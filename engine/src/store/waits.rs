@@ -444,12 +444,17 @@ impl Waits<'_> {
                 .get_result(conn)
                 .await?;
                 // A job waiting for this name (and released) is due now.
+                // Announced, as is a job already due and queued: an acquire
+                // that met its row under this transaction's lock skipped it.
                 sql(
                     "WITH woken AS (UPDATE jobs SET run_at = now(), updated_at = now() \
                          WHERE id = $1 AND finished_at IS NULL AND lease_owner IS NULL \
                            AND waiting->>'kind' IN ('signal', 'approval') AND waiting->>'name' = $2 \
                          RETURNING id) \
-                     SELECT pg_notify($3, id) FROM woken",
+                     SELECT pg_notify($3, j.id) FROM jobs j \
+                     WHERE j.id = $1 AND (EXISTS (SELECT 1 FROM woken) \
+                         OR (j.finished_at IS NULL AND j.run_at <= now() \
+                             AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp())))",
                 )
                 .bind::<Text, _>(job_id)
                 .bind::<Text, _>(name)
