@@ -175,7 +175,7 @@ impl Bucket {
 /// What a request is expected to cost against `tpm`, before it is sent: its
 /// size in bytes / 4 (about a token per four bytes of JSON) plus the output
 /// it allows (`max_tokens` or `max_completion_tokens`; 0 when unbounded).
-/// The answer's usage corrects the estimate ([`Limits::end_call`](crate::Limits::end_call)).
+/// The answer's usage corrects the estimate ([`Limits::end_call`](crate::store::Limits::end_call)).
 pub fn estimate_tokens(request: &serde_json::Value) -> f64 {
     let bytes = serde_json::to_vec(request).map_or(0, |b| b.len());
     let output = ["max_tokens", "max_completion_tokens"]

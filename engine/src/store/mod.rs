@@ -20,7 +20,7 @@
 //! | [`GroupCommit`] | group commit's seams for tests and benchmarks (holds, depths, batch sizes) | `group_writes` |
 //!
 //! [`Store`] itself keeps what every noun shares: the pool, the retry
-//! budget ([`retrying!`]) and health.
+//! budget (`retrying!`) and health.
 //!
 //! * [`sql`](mod@sql): hand-written statements whose prepared form is cached.
 //! * `rows`: what the modules share (the checkpoint outcome, the lock order).

@@ -91,9 +91,9 @@ impl Limits<'_> {
     /// is queued (or keeps its place) in `provider_waiters`. The key's row
     /// is locked first, so two admissions never both see the last room.
     ///
-    /// Four phases, one transaction: lock the key ([`lock_key`]), count
-    /// the room ([`count_room`]), then either queue the call
-    /// ([`queue_waiter`]) or grant it a slot under its fence ([`grant`]).
+    /// Four phases, one transaction: lock the key (`lock_key`), count the
+    /// room (`count_room`), then either queue the call (`queue_waiter`) or
+    /// grant it a slot under its fence (`grant`).
     pub async fn take_slot(self, ask: &Ask<'_>) -> Result<Admission, StoreError> {
         let spec = ask.spec;
         let mut conn = self.db().conn().await?;

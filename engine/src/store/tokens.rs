@@ -192,7 +192,7 @@ pub fn token_hash(token: &str) -> String {
 impl Tokens<'_> {
     /// Creates a token; returns it (shown once: only its hash is kept). A
     /// token that is not admin gets a webhook signing secret of its own
-    /// ([`Self::token_secret`]): its jobs are signed with it.
+    /// ([`Self::secret`]): its jobs are signed with it.
     pub async fn create(self, name: &str, admin: bool) -> Result<String, TokenError> {
         if name.is_empty()
             || name.len() > 100
@@ -302,7 +302,7 @@ impl Tokens<'_> {
         Ok(rows.into_iter().next().and_then(|r| r.webhook_secret))
     }
 
-    /// The webhook signing secret(s) of token `id` (see [`Self::token_secret`]).
+    /// The webhook signing secret(s) of token `id` (see [`Self::secret`]).
     pub async fn secret_of(self, id: i64) -> Result<Option<String>, StoreError> {
         #[derive(QueryableByName)]
         struct Row {
