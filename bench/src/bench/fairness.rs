@@ -4,9 +4,11 @@
 //! 1. The acquire statement's time (16 jobs a call, 200 calls, each
 //!    released again untimed) with 100,000 queued jobs spread over 1, 100
 //!    and 1,000 tokens, and over 100 tokens with 100,000 distinct
-//!    concurrency keys; beside it, at one token, the statement before
-//!    fairness (ordered by priority and due time alone, no keys) on the
-//!    same rows: the cost of fairness in the statement every job passes.
+//!    concurrency keys (then with each key throttled to one start a
+//!    minute, so every job taken needs a start slot); beside it, at one
+//!    token, the statement before fairness (ordered by priority and due
+//!    time alone, no keys) on the same rows: the cost of fairness in the
+//!    statement every job passes.
 //! 2. Time to another tenant's first start: one node (16 in flight, model
 //!    calls of 100 ms) busy with tenant A's backlog of 10,000 jobs; tenant B
 //!    submits one job at a time, 30 in all; from each submit's return to
@@ -44,9 +46,22 @@ async fn exec(db: &Db, query: &str) -> anyhow::Result<usize> {
     Ok(diesel::sql_query(query).execute(&mut conn).await?)
 }
 
+/// What the queued jobs carry besides their tenant.
+#[derive(Clone, Copy, PartialEq)]
+enum Keys {
+    /// No concurrency key.
+    None,
+    /// A key each (limit 1).
+    Each,
+    /// A key each (limit 1), throttled to 1 start a minute: every job the
+    /// acquire takes needs a start slot.
+    Throttled,
+}
+
 /// Empties the tables and queues `QUEUED` jobs over `tokens` tenants
-/// (round robin), each with its own concurrency key when `keys`.
-async fn queue(db: &Db, tokens: i64, keys: bool) -> anyhow::Result<()> {
+/// (round robin), each with its own concurrency key (and throttle) as
+/// `keys` says.
+async fn queue(db: &Db, tokens: i64, keys: Keys) -> anyhow::Result<()> {
     exec(
         db,
         "/* bench */ TRUNCATE jobs, job_history, api_tokens CASCADE",
@@ -62,14 +77,20 @@ async fn queue(db: &Db, tokens: i64, keys: bool) -> anyhow::Result<()> {
     .await?;
     diesel::sql_query(
         "/* bench */ INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, \
-             owner_token, tenant, concurrency_key, concurrency_limit, run_at) \
+             owner_token, tenant, concurrency_key, concurrency_limit, throttle_limit, \
+             throttle_period_s, run_at) \
          SELECT 'q-' || i, 'completion', 1, '{}'::jsonb, encode(sha256(i::text::bytea), 'hex'), 1 + i % $1, 1 + i % $1, \
-             CASE WHEN $2 = 'keys' THEN 'key-' || i END, CASE WHEN $2 = 'keys' THEN 1 END, \
+             CASE WHEN $2 <> '' THEN 'key-' || i END, CASE WHEN $2 <> '' THEN 1 END, \
+             CASE WHEN $2 = 'throttled' THEN 1 END, CASE WHEN $2 = 'throttled' THEN 60 END, \
              now() - interval '1 hour' + i * interval '1 millisecond' \
          FROM generate_series(1, $3) i",
     )
     .bind::<BigInt, _>(tokens)
-    .bind::<Text, _>(if keys { "keys" } else { "" })
+    .bind::<Text, _>(match keys {
+        Keys::None => "",
+        Keys::Each => "keys",
+        Keys::Throttled => "throttled",
+    })
     .bind::<BigInt, _>(QUEUED)
     .execute(&mut conn)
     .await?;
@@ -93,7 +114,8 @@ where
         anyhow::ensure!(took == 16, "an acquire took {took} jobs, not 16");
         exec(
             db,
-            "/* bench */ UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL, key_slot = NULL \
+            "/* bench */ UPDATE jobs SET lease_owner = NULL, lease_expires_at = NULL, key_slot = NULL, \
+                 throttle_slot = NULL, throttle_gen = NULL, throttle_at = NULL \
              WHERE lease_owner = 'bench-node'",
         )
         .await?;
@@ -108,11 +130,19 @@ pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
     println!(
         "1. the acquire statement, 16 jobs a call, {CALLS} calls, {QUEUED} jobs queued: p50 / p99 ms"
     );
-    for (tokens, keys) in [(1, false), (100, false), (1000, false), (100, true)] {
-        eprintln!(
-            "queueing {QUEUED} jobs over {tokens} token(s){}…",
-            if keys { ", a key each" } else { "" }
-        );
+    for (tokens, keys) in [
+        (1, Keys::None),
+        (100, Keys::None),
+        (1000, Keys::None),
+        (100, Keys::Each),
+        (100, Keys::Throttled),
+    ] {
+        let label = match keys {
+            Keys::None => "",
+            Keys::Each => ", 100,000 concurrency keys",
+            Keys::Throttled => ", 100,000 keys throttled 1/min",
+        };
+        eprintln!("queueing {QUEUED} jobs over {tokens} token(s){label}…");
         queue(&db, tokens, keys).await?;
         let store = store.clone();
         let (p50, p99) = time_calls(&db, || {
@@ -126,15 +156,8 @@ pub async fn run(args: &BenchArgs, db: Db) -> anyhow::Result<()> {
             }
         })
         .await?;
-        println!(
-            "   fair, {tokens:>5} token(s){:<32} {p50:>7.2} / {p99:>7.2}",
-            if keys {
-                ", 100,000 concurrency keys"
-            } else {
-                ""
-            }
-        );
-        if tokens == 1 && !keys {
+        println!("   fair, {tokens:>5} token(s){label:<32} {p50:>7.2} / {p99:>7.2}");
+        if tokens == 1 && keys == Keys::None {
             // Its own index then (jobs_runnable), for as long as it runs.
             exec(
                 &db,
