@@ -1,5 +1,5 @@
 //! The limiter: a node's model calls waiting on a provider quota (see
-//! [`crate::quota`] for the limits and their arithmetic), queued over every
+//! [`crate::rules::quota`] for the limits and their arithmetic), queued over every
 //! node by priority and woken by `NOTIFY` when a slot frees.
 
 use std::cmp::Reverse;
@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::quota::Limits;
+use crate::rules::quota::Limits;
 
 /// A node's view of the limits: the configuration, the keys being learned
 /// (refreshed every second), and the wake-up for waiting calls.

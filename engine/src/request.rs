@@ -257,7 +257,7 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
 /// characters, without credentials, that `guard` allows.
 pub fn validate_webhook_url(
     raw: &str,
-    guard: &crate::guard::UrlGuard,
+    guard: &crate::net::guard::UrlGuard,
 ) -> Result<(), crate::error::InvalidInput> {
     if raw.len() > MAX_URL_LEN {
         return Err(crate::error::InvalidInput::new(
@@ -289,21 +289,6 @@ pub fn validate_webhook_url(
     guard
         .check(&parsed)
         .map_err(|r| crate::error::InvalidInput::new("webhook_url", r.0))
-}
-
-/// Whether `v` holds a NUL character anywhere (PostgreSQL's `jsonb` and
-/// `text` reject it).
-pub fn contains_nul(v: &serde_json::Value) -> bool {
-    match v {
-        serde_json::Value::String(s) => s.contains('\0'),
-        serde_json::Value::Array(items) => items.iter().any(contains_nul),
-        serde_json::Value::Object(map) => {
-            map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v))
-        }
-        serde_json::Value::Null | serde_json::Value::Bool(_) | serde_json::Value::Number(_) => {
-            false
-        }
-    }
 }
 
 #[cfg(test)]

@@ -10,15 +10,15 @@ use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 
 use crate::faults::Faults;
-use crate::node::{Counters, EngineConfig, Shared};
+use crate::node::shared::{Counters, EngineConfig, Shared};
+use crate::node::supervisor::{InFlight, Poll, Shutdown, Supervisor};
 use crate::store::Store;
-use crate::supervisor::{InFlight, Poll, Shutdown, Supervisor};
 use crate::workflow::Registry;
 
 /// A running node. Must be started inside an actix `System`.
 pub struct Engine {
     supervisor: Addr<Supervisor>,
-    handoff: crate::handoff::Handoff,
+    handoff: crate::node::handoff::Handoff,
     store: Store,
     node_id: String,
     stop_listener: tokio::sync::watch::Sender<bool>,
@@ -55,7 +55,7 @@ impl Engine {
             }
         });
         let supervisor = Supervisor::new(shared.clone()).start();
-        let handoff = crate::handoff::Handoff::new(shared.clone(), supervisor.clone());
+        let handoff = crate::node::handoff::Handoff::new(shared.clone(), supervisor.clone());
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
         actix::spawn(listen(
             store.clone(),
@@ -83,7 +83,7 @@ impl Engine {
 
     /// Where this node's intake hands new jobs (give it to the API's
     /// state, [`crate::api::ApiState::handoff`], on a node that runs both).
-    pub fn handoff(&self) -> crate::handoff::Handoff {
+    pub fn handoff(&self) -> crate::node::handoff::Handoff {
         self.handoff.clone()
     }
 
@@ -96,7 +96,7 @@ impl Engine {
     /// oldest finished job's retention ends (the node's own timer): for an
     /// operator, or a test, that changed `finished_at` behind its back.
     pub fn purge_now(&self) {
-        self.supervisor.do_send(crate::supervisor::PurgeNow);
+        self.supervisor.do_send(crate::node::supervisor::PurgeNow);
     }
 
     /// Reads the job gauges (`onceflow.jobs`, `onceflow.jobs.unrunnable`)
@@ -106,7 +106,12 @@ impl Engine {
     /// [`Telemetry::prometheus`]: onceflow_observability::Telemetry::prometheus
     pub async fn refresh_gauges(&self) {
         let shared = &self.shared;
-        crate::node::refresh_gauges(&shared.store, &shared.registry, &shared.config.telemetry).await
+        crate::node::shared::refresh_gauges(
+            &shared.store,
+            &shared.registry,
+            &shared.config.telemetry,
+        )
+        .await
     }
 
     /// Jobs running on this node.
@@ -141,7 +146,7 @@ impl Engine {
         let _ = self.stop_listener.send(true);
         // Calls waiting for a provider limit give up now, not at their timer.
         self.limiter.wake_all();
-        let _ = self.supervisor.send(crate::supervisor::Drain).await;
+        let _ = self.supervisor.send(crate::node::supervisor::Drain).await;
         let deadline = tokio::time::Instant::now() + timeout;
         // Hand-offs already committed are adopted (and then drained) or
         // left to the lease release below, never to lapse unseen.
@@ -234,17 +239,21 @@ async fn listen_on(
     conn.batch_execute(&listen.join("; ")).await?;
     // Listening from here on: what was announced before (while this
     // connection was down, or before the first) is looked for once.
-    supervisor.do_send(crate::supervisor::Listening);
+    supervisor.do_send(crate::node::supervisor::Listening);
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     while let Some(n) = notifications.next().await {
         let n = n?;
         match Channel::parse(&n.channel) {
             Some(Channel::Limits) => limiter.wake(&n.payload),
             Some(Channel::Stream) => store.events().moved(&n.payload),
-            Some(Channel::Cancelled) => supervisor.do_send(crate::supervisor::Cancelled(n.payload)),
+            Some(Channel::Cancelled) => {
+                supervisor.do_send(crate::node::supervisor::Cancelled(n.payload))
+            }
             Some(Channel::Tokens) => store.tokens().changed(&n.payload),
-            Some(Channel::Schedules) => supervisor.do_send(crate::supervisor::SchedulesChanged),
-            Some(Channel::Events) => supervisor.do_send(crate::supervisor::SendEvents),
+            Some(Channel::Schedules) => {
+                supervisor.do_send(crate::node::supervisor::SchedulesChanged)
+            }
+            Some(Channel::Events) => supervisor.do_send(crate::node::supervisor::SendEvents),
             Some(Channel::NewJob) | None => supervisor.do_send(Poll),
         }
     }

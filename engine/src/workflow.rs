@@ -21,7 +21,7 @@ use crate::context::Context;
 use crate::error::StepError;
 
 pub use crate::error::InvalidInput;
-pub use crate::verdict::DeliveryPolicy;
+pub use crate::rules::verdict::DeliveryPolicy;
 
 /// A user-defined workflow.
 pub trait Workflow: Send + Sync + 'static {

@@ -202,7 +202,7 @@ impl ServeArgs {
                 None => limits.clone(),
             };
             config.limits =
-                onceflow_engine::quota::Limits::parse(&text).map_err(anyhow::Error::msg)?;
+                onceflow_engine::rules::quota::Limits::parse(&text).map_err(anyhow::Error::msg)?;
         }
         config.provider.anthropic_base_url = self.anthropic_base_url.clone();
         config.provider.anthropic_api_key = self

@@ -188,7 +188,7 @@ fn api_state(
     url_guard: onceflow_engine::UrlGuard,
     loopback: bool,
     draining: Arc<std::sync::atomic::AtomicBool>,
-    handoff: onceflow_engine::handoff::Handoff,
+    handoff: onceflow_engine::node::handoff::Handoff,
 ) -> ApiState {
     ApiState {
         store,

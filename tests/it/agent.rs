@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use onceflow_engine::actor::Outcome;
 use onceflow_engine::faults::{Action, FailPoint};
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::actor::Outcome;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::store::Intake;
 use onceflow_engine::testkit::{wait_until, Behaviour, FakeConsumer, TestEnv};
 use onceflow_engine::{JobState, Registry};

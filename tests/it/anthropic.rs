@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use onceflow_engine::faults::{Action, FailPoint};
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::testkit::{FakeConsumer, TestEnv};
 use onceflow_engine::{EngineConfig, JobState, Registry};
 use onceflow_workflows::{Agent, Completion, HttpPost};

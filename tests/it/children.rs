@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use onceflow_engine::faults::{Action, FailPoint};
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::testkit::{wait_until, Behaviour, TestEnv};
 use onceflow_engine::{Context, JobState, Registry, StepError, Workflow};
 use onceflow_workflows::Completion;
@@ -143,7 +143,7 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
         .map(|c| c.token);
     let _engine = env.start(registry(), env.config());
     let job = parent(&env, "fan-1", &["a", "b", "c"], None);
-    let trace = onceflow_engine::traceparent::TraceParent::new_root();
+    let trace = onceflow_engine::net::traceparent::TraceParent::new_root();
     env.store
         .jobs()
         .submit(

@@ -73,7 +73,7 @@ async fn fired(env: &TestEnv, id: &str) -> Vec<DateTime<Utc>> {
 /// Creates schedule `id` for token `owner` through the store (past the
 /// API's bounds): every second, catching up every missed fire time.
 async fn every_second(env: &TestEnv, id: &str, owner: i64) {
-    let table = onceflow_engine::schedule::Timetable::parse("* * * * * *", "UTC").unwrap();
+    let table = onceflow_engine::rules::schedule::Timetable::parse("* * * * * *", "UTC").unwrap();
     let new = onceflow_engine::store::schedules::NewSchedule {
         id: id.into(),
         cron: "* * * * * *".into(),
@@ -81,7 +81,7 @@ async fn every_second(env: &TestEnv, id: &str, owner: i64) {
         workflow: "completion".into(),
         input: json!({ "model": "m", "messages": [{ "role": "user", "content": "tick" }] }),
         webhook_url: env.consumer.url(),
-        catch_up: onceflow_engine::schedule::CatchUp::All,
+        catch_up: onceflow_engine::rules::schedule::CatchUp::All,
     };
     env.store
         .schedules()
@@ -233,7 +233,7 @@ async fn the_schedule_api_answers_each_case_with_its_status() {
 #[actix_rt::test]
 async fn a_schedule_created_during_a_firing_fires() {
     use onceflow_engine::faults::{Action, FailPoint};
-    use onceflow_engine::supervisor::SCHEDULES_FAULT_ID;
+    use onceflow_engine::node::supervisor::SCHEDULES_FAULT_ID;
     let env = TestEnv::new().await;
     let base = api(&env, Auth::Off);
     env.faults.arm(
@@ -498,7 +498,7 @@ async fn each_fire_time_is_one_job_across_two_nodes_and_none_after_pause_or_dele
     }
     let ids: Vec<String> = times
         .iter()
-        .map(|t| onceflow_engine::schedule::job_id("tick", *t))
+        .map(|t| onceflow_engine::rules::schedule::job_id("tick", *t))
         .collect();
     for id in &ids {
         env.wait_for(
@@ -718,7 +718,7 @@ async fn no_fire_time_is_lost_or_doubled_through_kill_9() {
         "the outage's fire times were caught up: {times:?}"
     );
     for t in &times {
-        let id = onceflow_engine::schedule::job_id("beat", *t);
+        let id = onceflow_engine::rules::schedule::job_id("beat", *t);
         env.wait_for(
             &id,
             onceflow_engine::JobState::Acked,
@@ -835,7 +835,7 @@ async fn the_latest_ten_are_listed_and_a_purged_fire_time_never_fires_again() {
     pause_after(&env, &url, 12, Duration::from_secs(30)).await;
     let times = fired(&env, "tick").await;
     for t in &times {
-        let id = onceflow_engine::schedule::job_id("tick", *t);
+        let id = onceflow_engine::rules::schedule::job_id("tick", *t);
         env.wait_for(
             &id,
             onceflow_engine::JobState::Acked,
@@ -850,7 +850,7 @@ async fn the_latest_ten_are_listed_and_a_purged_fire_time_never_fires_again() {
         .iter()
         .rev()
         .take(10)
-        .map(|t| json!(onceflow_engine::schedule::job_id("tick", *t)))
+        .map(|t| json!(onceflow_engine::rules::schedule::job_id("tick", *t)))
         .collect();
     let listed: Vec<Value> = latest.iter().map(|j| j["id"].clone()).collect();
     assert_eq!(listed, newest, "the latest ten, newest first");

@@ -795,7 +795,7 @@ async fn a_heartbeat_failing_past_the_lease_does_not_start_a_second_actor() {
 
 /// Submits job `id` of a workflow no node registers (`not.here`): it stays live.
 async fn submit_unregistered(env: &TestEnv, id: &str) {
-    env.submit_job(onceflow_engine::intake::NewJob {
+    env.submit_job(onceflow_engine::node::intake::NewJob {
         tags: Default::default(),
         id: id.into(),
         workflow: "not.here".into(),
@@ -946,7 +946,7 @@ async fn a_2xx_with_an_unreadable_body_is_delivered() {
         }
     });
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), long_lease(&env));
-    env.submit_job(onceflow_engine::intake::NewJob {
+    env.submit_job(onceflow_engine::node::intake::NewJob {
         tags: Default::default(),
         id: "body-1".into(),
         workflow: "completion".into(),
@@ -988,7 +988,7 @@ async fn a_failed_send_and_its_kill_commit_or_roll_back_together() {
     };
     let kill = onceflow_engine::store::journal::KillWith {
         reason: "delivery outcome unknown (at-most-once)",
-        outbox_status: onceflow_engine::verdict::OutboxStatus::Unknown,
+        outbox_status: onceflow_engine::rules::verdict::OutboxStatus::Unknown,
     };
     let refused = env
         .store

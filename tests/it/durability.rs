@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use onceflow_engine::actor::Outcome;
 use onceflow_engine::faults::{Action, FailPoint};
+use onceflow_engine::node::actor::Outcome;
 use onceflow_engine::testkit::{wait_until, Behaviour, TestEnv};
 use onceflow_engine::{DeliveryPolicy, JobState, Registry};
 use onceflow_workflows::Completion;
@@ -612,13 +612,13 @@ async fn signed_webhooks_verify() {
     env.submit("signed-1", "hello").await;
     env.wait_for("signed-1", JobState::Acked, WAIT).await;
     let d = &env.consumer.deliveries_for("signed-1")[0];
-    let key: onceflow_engine::webhook::WebhookSecret = secret.parse().unwrap();
+    let key: onceflow_engine::net::webhook::WebhookSecret = secret.parse().unwrap();
     let ts: i64 = d.timestamp.as_deref().unwrap().parse().unwrap();
     let expected = key.sign(d.webhook_id.as_deref().unwrap(), ts, &d.raw);
     assert_eq!(d.signature.as_deref(), Some(expected.as_str()));
     assert_eq!(expected.matches("v1,").count(), 2, "{expected}");
     for (one, signature) in secret.split(' ').zip(expected.split(' ')) {
-        let alone: onceflow_engine::webhook::WebhookSecret = one.parse().unwrap();
+        let alone: onceflow_engine::net::webhook::WebhookSecret = one.parse().unwrap();
         assert_eq!(
             alone.sign(d.webhook_id.as_deref().unwrap(), ts, &d.raw),
             signature

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::pg::EmbeddedPg;
 use onceflow_engine::testkit::{wait_until, TestEnv};
 use onceflow_engine::{Db, Engine, Registry, Store};

@@ -890,7 +890,7 @@ async fn a_token_and_a_workflow_throttle_together_are_as_strict_as_each() {
     let body = json!({
         "id": "both", "workflow": "test.throttled", "input": {}, "concurrency_key": "k",
     });
-    let job = onceflow_engine::intake::parse(
+    let job = onceflow_engine::node::intake::parse(
         body.to_string().as_bytes(),
         &registry,
         &onceflow_engine::UrlGuard::allow_private(),

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use onceflow_engine::actor::Outcome;
-use onceflow_engine::quota::Limits;
+use onceflow_engine::node::actor::Outcome;
+use onceflow_engine::rules::quota::Limits;
 use onceflow_engine::testkit::{wait_until, Behaviour, TestEnv};
 use onceflow_engine::{Context, Db, EngineConfig, Registry, StepError, Store, Workflow};
 use onceflow_workflows::Completion;
@@ -185,7 +185,7 @@ async fn a_step_of_a_taken_over_attempt_does_not_run() {
     };
     let mut registry = Registry::new();
     registry.register(gated.clone());
-    env.submit_job(onceflow_engine::intake::NewJob {
+    env.submit_job(onceflow_engine::node::intake::NewJob {
         tags: Default::default(),
         id: "step-zombie".into(),
         workflow: "test.gated".into(),

@@ -1,4 +1,4 @@
-//! Hand-off at intake (`engine/src/handoff.rs`): a node whose engine has
+//! Hand-off at intake (`engine/src/node/handoff.rs`): a node whose engine has
 //! room, and no queue to jump, inserts a new job already leased to itself in
 //! intake's commit and runs it. These tests check that it is a real lease:
 //! the job runs once, on that node, while another node idles beside it; a
@@ -215,7 +215,7 @@ async fn a_hand_off_whose_answer_is_lost_is_taken_back_at_once() {
 /// the queue: one model request, one actor, attempt 1.
 #[actix_rt::test]
 async fn a_hand_off_during_a_reclaim_goes_through_the_queue() {
-    use onceflow_engine::supervisor::{ReclaimOwn, ACQUIRE_FAULT_ID};
+    use onceflow_engine::node::supervisor::{ReclaimOwn, ACQUIRE_FAULT_ID};
     let env = TestEnv::new().await;
     // The model call outlasts the held acquire.
     env.provider.set_latency(Duration::from_secs(4));

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::testkit::TestEnv;
 use onceflow_engine::{Context, ErrorEnvelope, JobState, Registry, StepError, Workflow};
 use onceflow_workflows::Completion;

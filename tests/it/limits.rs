@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use onceflow_engine::quota::Limits;
+use onceflow_engine::rules::quota::Limits;
 use onceflow_engine::testkit::{wait_until, TestEnv};
 use onceflow_engine::{EngineConfig, Registry};
 use onceflow_workflows::Completion;
@@ -210,7 +210,7 @@ async fn a_configured_tpm_holds_and_learns_each_calls_real_cost() {
     let _a = env.start(registry(), node(&env, "node-a", limits));
     let _b = env.start(registry(), node(&env, "node-b", limits));
     for i in 0..40 {
-        env.submit_job(onceflow_engine::intake::NewJob {
+        env.submit_job(onceflow_engine::node::intake::NewJob {
             tags: Default::default(),
             id: format!("tpm-{i}"),
             workflow: "completion".into(),
@@ -275,7 +275,7 @@ async fn a_higher_priority_call_takes_the_next_free_slot() {
         })
         .await
     );
-    let job = |id: &str, priority: i32| onceflow_engine::intake::NewJob {
+    let job = |id: &str, priority: i32| onceflow_engine::node::intake::NewJob {
         tags: Default::default(),
         id: id.into(),
         workflow: "completion".into(),
@@ -285,7 +285,7 @@ async fn a_higher_priority_call_takes_the_next_free_slot() {
             "messages": [{ "role": "user", "content": "hi" }]
         }),
         webhook_url: env.consumer.url(),
-        schedule: onceflow_engine::intake::Schedule {
+        schedule: onceflow_engine::node::intake::Schedule {
             priority,
             ..Default::default()
         },
@@ -323,7 +323,7 @@ async fn a_long_stream_keeps_its_slot_past_the_timeout() {
     config.provider.timeout = Duration::from_secs(2);
     let _node = env.start(registry(), config);
     for id in ["long-1", "long-2"] {
-        env.submit_job(onceflow_engine::intake::NewJob {
+        env.submit_job(onceflow_engine::node::intake::NewJob {
             tags: Default::default(),
             id: id.into(),
             workflow: "completion".into(),

@@ -575,7 +575,7 @@ async fn dead_jobs_are_redriven_in_bulk() {
 }
 
 async fn submit_notifying(env: &TestEnv, id: &str, notify: bool) {
-    let job = onceflow_engine::intake::NewJob {
+    let job = onceflow_engine::node::intake::NewJob {
         tags: Default::default(),
         id: id.into(),
         workflow: "completion".into(),

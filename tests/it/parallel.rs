@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use onceflow_engine::intake::NewJob;
-use onceflow_engine::quota::Limits;
+use onceflow_engine::node::intake::NewJob;
+use onceflow_engine::rules::quota::Limits;
 use onceflow_engine::testkit::{Explorer, TestEnv};
 use onceflow_engine::{Context, JobState, Registry, StepError, Workflow};
 use serde_json::{json, Value};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceflow_engine::api::{ApiState, Auth, Bounds, Hosts, DEFAULT_BODY_LIMIT};
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::testkit::{wait_until, Behaviour, FakeConsumer, TestEnv};
 use onceflow_engine::{JobState, Registry, UrlGuard};
 use onceflow_workflows::{Agent, Completion, HttpPost};
@@ -1346,7 +1346,7 @@ async fn a_failed_send_stores_a_class_not_the_systems_words() {
             "dns_failed",
         ),
     ] {
-        env.submit_job(onceflow_engine::intake::NewJob {
+        env.submit_job(onceflow_engine::node::intake::NewJob {
             tags: Default::default(),
             id: id.into(),
             workflow: "completion".into(),
@@ -1382,7 +1382,7 @@ async fn a_failed_send_stores_a_class_not_the_systems_words() {
 /// previous secret beside the new one.
 #[actix_rt::test]
 async fn each_tokens_webhooks_are_signed_with_its_own_secret() {
-    use onceflow_engine::webhook::WebhookSecret;
+    use onceflow_engine::net::webhook::WebhookSecret;
     use reqwest::Method;
     let env = TestEnv::new().await;
     let node_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";

@@ -41,7 +41,7 @@ fn api_state(
     store: Store,
     registry: Registry,
     body_limit: Option<usize>,
-    handoff: Option<onceflow_engine::handoff::Handoff>,
+    handoff: Option<onceflow_engine::node::handoff::Handoff>,
 ) -> ApiState {
     ApiState {
         store,

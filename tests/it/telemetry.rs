@@ -11,10 +11,10 @@ use std::time::Duration;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use onceflow_engine::api::{ApiState, DEFAULT_BODY_LIMIT};
 use onceflow_engine::faults::{Action, FailPoint};
+use onceflow_engine::net::traceparent::TraceParent;
 use onceflow_engine::testkit::{
     database, wait_until, Behaviour, FakeConsumer, FakeProvider, TestEnv,
 };
-use onceflow_engine::traceparent::TraceParent;
 use onceflow_engine::JobState;
 use onceflow_observability::names::*;
 use onceflow_observability::{Telemetry, TelemetryConfig};
@@ -690,7 +690,7 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     env.provider.set_stream_shape(8, Duration::from_millis(10));
     let receiver = Receiver::start();
     let telemetry = exporting_to(&receiver);
-    env.submit_job(onceflow_engine::intake::NewJob {
+    env.submit_job(onceflow_engine::node::intake::NewJob {
         tags: Default::default(),
         id: "otel-stream".into(),
         workflow: "completion".into(),
@@ -705,7 +705,7 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     })
     .await;
     let odd_model = format!("odd-{}", "x".repeat(300));
-    env.submit_job(onceflow_engine::intake::NewJob {
+    env.submit_job(onceflow_engine::node::intake::NewJob {
         tags: Default::default(),
         id: "otel-stream-odd".into(),
         workflow: "completion".into(),
@@ -722,7 +722,8 @@ async fn a_streamed_answer_counts_its_chunks_and_its_pace() {
     let mut config = env.config();
     config.telemetry = telemetry.clone();
     config.limits =
-        onceflow_engine::quota::Limits::parse(r#"{"test-model": {"concurrency": 100}}"#).unwrap();
+        onceflow_engine::rules::quota::Limits::parse(r#"{"test-model": {"concurrency": 100}}"#)
+            .unwrap();
     let engine = env.start(onceflow_workflows::registry(), config);
     assert!(
         wait_until(Duration::from_secs(30), || async {
@@ -831,7 +832,7 @@ async fn a_tool_call_is_an_execute_tool_span_the_tool_saw() {
         onceflow_workflows::registry_with(Some(&tools.url())),
         config,
     );
-    env.submit_job(onceflow_engine::intake::NewJob {
+    env.submit_job(onceflow_engine::node::intake::NewJob {
         tags: Default::default(),
         id: "otel-tool".into(),
         workflow: "agent".into(),

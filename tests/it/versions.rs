@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceflow_engine::faults::{Action, FailPoint};
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::testkit::{wait_until, TestEnv};
 use onceflow_engine::{Context, JobState, Registry, StepError, Workflow};
 use serde::{Deserialize, Serialize};
@@ -405,7 +405,7 @@ async fn a_wait_the_changed_body_no_longer_makes_is_a_journal_mismatch() {
         .signal(
             "gate-1",
             "go",
-            &onceflow_engine::signal::SignalBody::new("s-1", json!(1)),
+            &onceflow_engine::rules::signal::SignalBody::new("s-1", json!(1)),
         )
         .await
         .unwrap();

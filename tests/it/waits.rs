@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::store::ListFilter;
 use onceflow_engine::testkit::{wait_until, TestEnv};
 use onceflow_engine::{Context, EngineConfig, JobState, Registry, StepError, Workflow};
@@ -220,7 +220,7 @@ async fn signals_sent_before_the_wait_are_kept_and_taken_oldest_first() {
             .signal(
                 "w-2",
                 "go",
-                &onceflow_engine::signal::SignalBody::new(id, payload.clone()),
+                &onceflow_engine::rules::signal::SignalBody::new(id, payload.clone()),
             )
             .await
             .unwrap();
@@ -274,7 +274,7 @@ async fn a_node_stopped_during_a_wait_changes_nothing() {
         .signal(
             "w-4",
             "go",
-            &onceflow_engine::signal::SignalBody::new("s-1", json!(7)),
+            &onceflow_engine::rules::signal::SignalBody::new("s-1", json!(7)),
         )
         .await
         .unwrap();
@@ -776,7 +776,7 @@ async fn a_refused_or_unanswered_tool_call_never_runs() {
         .signal(
             "ap-2",
             "approval:call_1",
-            &onceflow_engine::signal::SignalBody::new("d-1", refusal.clone()),
+            &onceflow_engine::rules::signal::SignalBody::new("d-1", refusal.clone()),
         )
         .await
         .unwrap();
@@ -893,7 +893,7 @@ async fn each_approval_wait_of_one_name_sends_its_own_event_once() {
         assert_eq!(env.consumer.requests_with_key(key), 1, "{key}");
     }
     // Signed like every other event (Standard Webhooks, the node's secret).
-    let secret: onceflow_engine::webhook::WebhookSecret = secret.parse().unwrap();
+    let secret: onceflow_engine::net::webhook::WebhookSecret = secret.parse().unwrap();
     let events: Vec<_> = env
         .consumer
         .deliveries_for("twice")
@@ -1147,7 +1147,7 @@ async fn a_waiting_event_is_not_sent_after_its_wait_is_over() {
         .signal(
             "moot-decided",
             "approval:c-1",
-            &onceflow_engine::signal::SignalBody::new("d-1", json!({ "approved": true })),
+            &onceflow_engine::rules::signal::SignalBody::new("d-1", json!({ "approved": true })),
         )
         .await
         .unwrap();
@@ -1276,7 +1276,7 @@ async fn a_cancel_of_a_waiting_job_is_at_once() {
         .signal(
             "ap-4",
             "approval:call_1",
-            &onceflow_engine::signal::SignalBody::new("d-1", approval.clone()),
+            &onceflow_engine::rules::signal::SignalBody::new("d-1", approval.clone()),
         )
         .await
         .unwrap();
@@ -1510,7 +1510,7 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
         .signal(
             "ct-1",
             "stray",
-            &onceflow_engine::signal::SignalBody::new("s-0", json!({ "kept": true })),
+            &onceflow_engine::rules::signal::SignalBody::new("s-0", json!({ "kept": true })),
         )
         .await
         .unwrap();
@@ -1519,7 +1519,7 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
         .signal(
             "ct-1",
             "n",
-            &onceflow_engine::signal::SignalBody::new("s-1", json!(7)),
+            &onceflow_engine::rules::signal::SignalBody::new("s-1", json!(7)),
         )
         .await
         .unwrap();
@@ -1540,7 +1540,7 @@ async fn a_signal_that_does_not_fit_is_invalid_signal_and_a_stray_one_is_kept() 
         .signal(
             "ct-2",
             "n",
-            &onceflow_engine::signal::SignalBody::new("s-1", json!("seven")),
+            &onceflow_engine::rules::signal::SignalBody::new("s-1", json!("seven")),
         )
         .await
         .unwrap();

@@ -1,7 +1,7 @@
 //! `onceflow-bench bench --limit-curve N`: the learned window against a provider
 //! that refuses a call arriving while `N` are in flight, with no limit
 //! configured, on two engine nodes sharing the database. It prints, every
-//! quarter second, the shared window ([`onceflow_engine::quota`]), the
+//! quarter second, the shared window ([`onceflow_engine::rules::quota`]), the
 //! slots held, the requests and the 429s of the interval, then the share of
 //! requests refused after the first two seconds (the slow start).
 
@@ -67,7 +67,7 @@ pub(super) async fn run(
         let submitted: Vec<anyhow::Result<()>> = futures_util::stream::iter(0..args.jobs)
             .map(|i| {
                 let store = store.clone();
-                let job = onceflow_engine::intake::NewJob {
+                let job = onceflow_engine::node::intake::NewJob {
                     tags: Default::default(),
                     id: format!("bench-{run_id}-curve-{i}"),
                     workflow: "completion".to_owned(),

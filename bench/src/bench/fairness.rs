@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::RunQueryDsl;
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::testkit::FakeProvider;
 use onceflow_engine::{Db, Engine, EngineConfig, Faults, Registry, Store};
 use serde_json::json;

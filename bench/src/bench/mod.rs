@@ -1220,7 +1220,7 @@ async fn hold(
         let results: Vec<anyhow::Result<()>> = futures_util::stream::iter(0..args.jobs)
             .map(|i| {
                 let store = store.clone();
-                let job = onceflow_engine::intake::NewJob {
+                let job = onceflow_engine::node::intake::NewJob {
                     tags: Default::default(),
                     id: format!("bench-{prefix}-{i}"),
                     workflow: "completion".to_owned(),

@@ -113,7 +113,7 @@ pub(super) async fn run(
         store
             .jobs()
             .submit(&onceflow_engine::store::Submission::new(
-                &onceflow_engine::intake::NewJob {
+                &onceflow_engine::node::intake::NewJob {
                     tags: Default::default(),
                     id: id.clone(),
                     workflow: "completion".to_owned(),
@@ -126,7 +126,7 @@ pub(super) async fn run(
                     webhook_url: consumer.url(),
                     // Started over the ramp, as streams arrive in a service, so
                     // that all of them run at once from its end on.
-                    schedule: onceflow_engine::intake::Schedule {
+                    schedule: onceflow_engine::node::intake::Schedule {
                         delay_ms: Some(1000 + (i as u64 * args.stream_ramp_ms) / streams as u64),
                         ..Default::default()
                     },

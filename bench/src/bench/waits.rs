@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use diesel::sql_types::{BigInt, Double};
 use diesel_async::RunQueryDsl;
-use onceflow_engine::intake::NewJob;
+use onceflow_engine::node::intake::NewJob;
 use onceflow_engine::testkit::FakeConsumer;
 use onceflow_engine::{
     Context, Db, Engine, EngineConfig, Faults, Registry, StepError, Store, Workflow,

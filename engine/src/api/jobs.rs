@@ -70,7 +70,7 @@ pub(super) async fn submit(
     let (mut span, trace) = submit_span(&state, &req, &job);
     // Failure events go where the completion would: nowhere without a webhook.
     let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
-    let result = crate::handoff::submit(
+    let result = crate::node::handoff::submit(
         &state.store,
         state.handoff.as_ref(),
         crate::store::Submission::new(&job)
@@ -238,7 +238,7 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
     let text = String::from_utf8(raw).ok()?;
     let (micros, id) = text.split_once('|')?;
     let at = chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?;
-    crate::intake::validate_id(id).ok()?;
+    crate::node::intake::validate_id(id).ok()?;
     Some((at, id.to_owned()))
 }
 
@@ -273,12 +273,12 @@ pub(super) async fn list_jobs(
     let job_state = match query
         .state
         .as_deref()
-        .map(str::parse::<crate::lifecycle::JobState>)
+        .map(str::parse::<crate::rules::lifecycle::JobState>)
     {
         None => None,
         Some(Ok(s)) => Some(s),
         Some(Err(_)) => {
-            let names: Vec<&str> = crate::lifecycle::JobState::ALL
+            let names: Vec<&str> = crate::rules::lifecycle::JobState::ALL
                 .iter()
                 .map(|s| s.as_str())
                 .collect();

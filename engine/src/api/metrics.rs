@@ -29,7 +29,7 @@ pub(super) async fn metrics(_: Reader, state: web::Data<ApiState>) -> HttpRespon
     // a slow database leaves the last values rather than a hung scrape.
     let _ = tokio::time::timeout(
         GAUGE_READ,
-        crate::node::refresh_gauges(&state.store, &state.registry, &state.telemetry),
+        crate::node::shared::refresh_gauges(&state.store, &state.registry, &state.telemetry),
     )
     .await;
     HttpResponse::Ok()

@@ -31,9 +31,9 @@ use opentelemetry::trace::{Span as _, SpanKind, Status, Tracer as _};
 use opentelemetry::KeyValue;
 use serde_json::json;
 
-use crate::intake::{self, IntakeError};
+use crate::net::traceparent::TraceParent;
+use crate::node::intake::{self, IntakeError};
 use crate::store::{Intake, Store};
-use crate::traceparent::TraceParent;
 use crate::workflow::Registry;
 
 mod auth;
@@ -93,7 +93,7 @@ pub struct ApiState {
     pub telemetry: Arc<Telemetry>,
     /// Where a `webhook_url` may point (checked at intake for literal
     /// addresses; names are checked again when the webhook is sent).
-    pub url_guard: crate::guard::UrlGuard,
+    pub url_guard: crate::net::guard::UrlGuard,
     /// The `Host` headers the API answers (DNS-rebinding defence).
     pub hosts: Hosts,
     /// Who may call it.
@@ -106,8 +106,8 @@ pub struct ApiState {
     /// (e.g. Jaeger's or Tempo's), or `None` for plain text.
     pub trace_url: Option<String>,
     /// This node's engine, when it runs one: a new job it has room for is
-    /// handed to it in intake's commit (see [`crate::handoff`]).
-    pub handoff: Option<crate::handoff::Handoff>,
+    /// handed to it in intake's commit (see [`crate::node::handoff`]).
+    pub handoff: Option<crate::node::handoff::Handoff>,
 }
 
 /// Whether the request says its body is JSON (`Content-Type: application/json`).

@@ -12,7 +12,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
 
 use super::*;
 use crate::error::ErrorEnvelope;
-use crate::lifecycle::JobState;
+use crate::rules::lifecycle::JobState;
 use crate::store::jobs::{
     ChildView, DeliveryView, HistoryEntry, JobSummary, JobView, ModelCallView, ToolCallView,
 };

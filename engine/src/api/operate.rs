@@ -1,7 +1,7 @@
 //! An operator's actions: cancel, redrive, bulk redrive.
 
 use super::*;
-use crate::lifecycle::JobState;
+use crate::rules::lifecycle::JobState;
 
 /// The body of an operator's action: why.
 #[derive(Debug, Default)]
@@ -45,7 +45,7 @@ pub(super) async fn action_body(
             Some(field),
         )
     };
-    let mut fields = match crate::intake::parse_json(&body) {
+    let mut fields = match crate::node::intake::parse_json(&body) {
         Ok(serde_json::Value::Null) => return Ok(ActionBody::default()),
         Ok(serde_json::Value::Object(map)) => {
             if let Some(extra) = map.keys().find(|k| !takes.contains(&k.as_str())) {
@@ -158,7 +158,7 @@ pub(super) async fn cancel(
         state
             .telemetry
             .metrics()
-            .transition(crate::lifecycle::JobState::Cancelled.as_str());
+            .transition(crate::rules::lifecycle::JobState::Cancelled.as_str());
     }
     match cancelled {
         Ok(Cancelled::Now | Cancelled::Already) => match state.store.jobs().get(&id).await {
@@ -423,7 +423,7 @@ pub(super) async fn rerun(
         }
         Err(e) => return error(Code::MalformedJson, e.to_string(), None),
     };
-    if let Err(e) = crate::intake::validate_id(&new_id) {
+    if let Err(e) = crate::node::intake::validate_id(&new_id) {
         return error(Code::Invalid, e.to_string(), Some("id"));
     }
     let original = match own_job(&state, who, &id).await {
@@ -440,7 +440,7 @@ pub(super) async fn rerun(
             Some("workflow"),
         );
     };
-    let job = crate::intake::NewJob {
+    let job = crate::node::intake::NewJob {
         tags: original.tags.clone(),
         id: new_id,
         workflow: original.workflow.clone(),
@@ -463,7 +463,7 @@ pub(super) async fn rerun(
         Err(e) => return unavailable(e),
     }
     let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
-    let trace = crate::traceparent::TraceParent::new_root();
+    let trace = crate::net::traceparent::TraceParent::new_root();
     match state
         .store
         .jobs()

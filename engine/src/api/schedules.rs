@@ -1,10 +1,10 @@
-//! `/v1/schedules`: crons that create jobs (see [`crate::schedule`] and
+//! `/v1/schedules`: crons that create jobs (see [`crate::rules::schedule`] and
 //! [`crate::store::schedules`]). A schedule belongs to the token that
 //! created it, as a job does; another token's is a `404`.
 
 use super::*;
 use crate::error::InvalidInput;
-use crate::schedule::{CatchUp, Timetable};
+use crate::rules::schedule::{CatchUp, Timetable};
 use crate::store::schedules::{NewSchedule, ScheduleIntake};
 
 /// Longest cron a schedule may have.
@@ -23,7 +23,7 @@ fn invalid(e: InvalidInput) -> HttpResponse {
 /// Validates a `POST /v1/schedules` body: the schedule's own fields here,
 /// and `workflow`, `input` and `webhook_url` as intake validates a job's.
 fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetable), IntakeError> {
-    let serde_json::Value::Object(mut obj) = crate::intake::parse_json(body)? else {
+    let serde_json::Value::Object(mut obj) = crate::node::intake::parse_json(body)? else {
         return Err(InvalidInput::new("body", "must be a JSON object").into());
     };
     let mut text = |field: &str, required: bool| -> Result<Option<String>, InvalidInput> {
@@ -37,7 +37,7 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
         }
     };
     let id = text("id", true)?.unwrap_or_default();
-    crate::schedule::validate_id(&id)?;
+    crate::rules::schedule::validate_id(&id)?;
     let cron = text("cron", true)?.unwrap_or_default();
     if cron.len() > MAX_CRON_LEN {
         return Err(InvalidInput::new("cron", format!("at most {MAX_CRON_LEN} characters")).into());
@@ -61,7 +61,7 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
         serde_json::Value::String("schedule-check".into()),
     );
     let job_body = serde_json::to_vec(&obj).expect("a JSON object serialises");
-    let job = crate::intake::parse(&job_body, &state.registry, &state.url_guard)?;
+    let job = crate::node::intake::parse(&job_body, &state.registry, &state.url_guard)?;
     Ok((
         NewSchedule {
             id,

@@ -2,8 +2,8 @@
 //! job's `ctx.wait_for_signal` (or an approval), recorded once under its id.
 
 use super::*;
-use crate::signal::SignalBody as CheckedSignal;
-pub use crate::signal::MAX_SIGNAL_PAYLOAD;
+use crate::rules::signal::SignalBody as CheckedSignal;
+pub use crate::rules::signal::MAX_SIGNAL_PAYLOAD;
 use crate::store::waits::SignalOutcome;
 
 /// Reads a signal's JSON body (within the intake's body timeout; at most
@@ -26,7 +26,7 @@ async fn signal_body(
         )
     })
     .await?;
-    let value = crate::intake::parse_json(&body)
+    let value = crate::node::intake::parse_json(&body)
         .map_err(|e| error(Code::MalformedJson, e.to_string(), None))?;
     CheckedSignal::parse(name, value).map_err(|e| error(Code::Invalid, e.message, Some(&e.field)))
 }

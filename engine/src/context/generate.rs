@@ -1,6 +1,6 @@
 //! `ctx.generate`: one model call, journaled under its key, admitted by the
 //! provider's limit, sent plain or streamed, its outcome recorded under the
-//! fence and judged by [`crate::verdict::on_call_failure`].
+//! fence and judged by [`crate::rules::verdict::on_call_failure`].
 
 use std::time::Duration;
 
@@ -13,16 +13,16 @@ use super::tape::Tape;
 use super::{Context, Served};
 use crate::attempt_spans::StepSpan;
 use crate::error::{ErrorEnvelope, StepError};
-use crate::keys;
-use crate::outbound::PostError;
-use crate::provider::Usage;
-use crate::quota::{CallEnd, LimitSpec};
+use crate::net::outbound::PostError;
+use crate::net::provider::Usage;
 use crate::request::canonical_hash;
+use crate::rules::keys;
+use crate::rules::quota::{CallEnd, LimitSpec};
+use crate::rules::verdict::on_call_failure;
 use crate::store::journal::{FailedSend, ModelCallStart};
 use crate::store::slots::{Admission, Ask};
 use crate::store::streams::StreamRow;
 use crate::store::{Checkpoint, Store};
-use crate::verdict::on_call_failure;
 
 /// A provider's answer: the response, its token usage and HTTP status.
 type Answer = (Value, Usage, u16);
@@ -521,7 +521,7 @@ impl Context {
             // The slot's holder is this attempt's call: a takeover's is another.
             holder: format!("{}#{}", call.key, self.fence.epoch),
             estimate: if spec.tpm.is_some() {
-                crate::quota::estimate_tokens(call.request)
+                crate::rules::quota::estimate_tokens(call.request)
             } else {
                 0.0
             },
@@ -806,7 +806,7 @@ pub(crate) fn invalid_answer(
     input_tokens: Option<i32>,
     output_tokens: Option<i32>,
 ) -> Option<String> {
-    if crate::store::journal::contains_nul(response) {
+    if crate::rules::payload::contains_nul(response) {
         return Some("it contains a NUL character (\\u0000)".into());
     }
     if input_tokens.is_some_and(|n| n < 0) || output_tokens.is_some_and(|n| n < 0) {

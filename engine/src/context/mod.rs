@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::attempt_spans::Scope;
 use crate::error::StepError;
 use crate::faults::Faults;
-use crate::provider::Provider;
+use crate::net::provider::Provider;
 use crate::store::{Fence, Store};
 
 mod children;
@@ -48,7 +48,7 @@ pub struct Context {
     /// [`Context::show_tool_calls`]).
     pub(crate) tool_events: bool,
     /// The SSRF guard for the URLs tools and steps post to.
-    pub(crate) guard: crate::guard::UrlGuard,
+    pub(crate) guard: crate::net::guard::UrlGuard,
     /// Largest tool or step answer read.
     pub(crate) tool_response_limit: usize,
     /// This attempt's `job` span and the node's instruments.

@@ -7,7 +7,7 @@ use opentelemetry::KeyValue;
 
 use super::Context;
 use crate::error::StepError;
-use crate::keys;
+use crate::rules::keys;
 
 /// What a general step's work gets.
 #[derive(Debug, Clone)]
@@ -21,7 +21,7 @@ pub struct StepInvocation {
     /// The job's W3C trace context, to send along (`traceparent`).
     pub traceparent: String,
     /// The SSRF guard for the step's own requests.
-    pub guard: crate::guard::UrlGuard,
+    pub guard: crate::net::guard::UrlGuard,
     /// Largest answer a step should read.
     pub response_limit: usize,
 }

@@ -10,10 +10,10 @@ use serde_json::Value;
 
 use super::Context;
 use crate::error::StepError;
-use crate::keys;
-use crate::outbound::PostError;
+use crate::net::outbound::PostError;
 use crate::request::canonical_hash;
-use crate::verdict::{on_call_failure, on_tool_error};
+use crate::rules::keys;
+use crate::rules::verdict::{on_call_failure, on_tool_error};
 
 /// What a tool's execution gets: who asked, and the key to pass on.
 #[derive(Debug, Clone)]
@@ -33,7 +33,7 @@ pub struct ToolInvocation {
     pub traceparent: String,
     /// The SSRF guard: the model chooses a tool's arguments, so whatever URL
     /// a tool posts to is checked like a caller's `webhook_url`.
-    pub guard: crate::guard::UrlGuard,
+    pub guard: crate::net::guard::UrlGuard,
     /// Largest answer [`post_json`](Self::post_json) reads; more is
     /// `response_too_large`.
     pub response_limit: usize,
@@ -44,7 +44,7 @@ impl ToolInvocation {
     /// returns the response body as text. 408, 429, 5xx and network errors
     /// are retryable, other statuses permanent.
     pub async fn post_json(&self, url: &str, body: &Value) -> Result<String, StepError> {
-        let request = crate::outbound::Post {
+        let request = crate::net::outbound::Post {
             url,
             headers: vec![
                 ("idempotency-key", self.idempotency_key.clone()),
@@ -53,12 +53,12 @@ impl ToolInvocation {
             ],
             body: serde_json::to_vec(body).expect("a JSON value serialises"),
             timeout: self.timeout,
-            read: crate::outbound::Read::Body {
+            read: crate::net::outbound::Read::Body {
                 limit: self.response_limit,
             },
             guard: Some(&self.guard),
         };
-        match crate::outbound::post(&self.client, request, None).await {
+        match crate::net::outbound::post(&self.client, request, None).await {
             Ok((_, bytes)) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
             Err(PostError::Injected(i)) => Err(i.into()),
             Err(PostError::Failed(f)) => match on_call_failure(&f) {
@@ -152,7 +152,7 @@ impl Context {
             arguments,
             arguments_hash: &hash,
         };
-        if crate::store::journal::contains_nul(arguments) {
+        if crate::rules::payload::contains_nul(arguments) {
             return Err(StepError::permanent(
                 "invalid_tool_call",
                 format!(

@@ -13,11 +13,11 @@ use serde_json::Value;
 use super::Context;
 use crate::error::StepError;
 use crate::faults::FailPoint;
-use crate::keys;
+use crate::rules::keys;
+use crate::rules::wait_machine::WaitOutcome;
 use crate::store::waits::{Until, WaitAsk, WaitKind, WaitStep};
-use crate::wait_machine::WaitOutcome;
 
-pub use crate::signal::{valid_wait_name, Decision, MAX_WAIT_NAME};
+pub use crate::rules::signal::{valid_wait_name, Decision, MAX_WAIT_NAME};
 
 impl Context {
     /// Waits `duration` (from when the body first reaches this timer, by

@@ -137,7 +137,7 @@ pub(crate) struct NewRow {
     pub(crate) run_at: Option<DateTime<Utc>>,
     pub(crate) delay_ms: Option<i64>,
     /// Insert it leased to this node for this many milliseconds (a
-    /// hand-off, see [`crate::handoff`]).
+    /// hand-off, see [`crate::node::handoff`]).
     pub(crate) lease: Option<(String, i64)>,
     /// The job whose workflow started it (`ctx.spawn`).
     pub(crate) parent: Option<String>,
@@ -802,7 +802,7 @@ impl GroupCommit<'_> {
                             .iter()
                             .map(|f| Delivered {
                                 fence: f.clone(),
-                                key: crate::keys::completed(&f.key()),
+                                key: crate::rules::keys::completed(&f.key()),
                                 status: 200,
                             })
                             .collect();
@@ -828,7 +828,7 @@ impl GroupCommit<'_> {
                                 from: "received",
                                 passed: "generated,persisted,claimed".into(),
                                 output: Value::Null,
-                                event: crate::keys::COMPLETED_EVENT.into(),
+                                event: crate::rules::keys::COMPLETED_EVENT.into(),
                                 key: format!("probe:{}", f.job_id),
                                 url: "http://127.0.0.1:9/".into(),
                                 body: Value::Null,

@@ -13,9 +13,9 @@ use super::sql::sql;
 use super::Jobs;
 use super::Leased;
 use crate::error::{ErrorEnvelope, StoreError};
-use crate::lifecycle::JobState;
+use crate::net::traceparent::TraceParent;
 use crate::request::{JobRequest, NewJob};
-use crate::traceparent::TraceParent;
+use crate::rules::lifecycle::JobState;
 
 /// The node a new job is leased to in intake's own commit (a hand-off).
 #[derive(Debug, Clone)]
@@ -39,7 +39,7 @@ pub struct Submission<'a> {
     pub owner: Option<i64>,
     /// Whether the job sends its failure events to its webhook.
     pub notify_failures: bool,
-    /// The node to hand a new job due now to (see [`crate::handoff`]).
+    /// The node to hand a new job due now to (see [`crate::node::handoff`]).
     pub hand_to: Option<HandTo>,
 }
 
@@ -378,7 +378,7 @@ impl Jobs<'_> {
     /// belongs to its `owner`. A new job due now is handed to
     /// `hand_to`, the node that reserved room for it: it is inserted
     /// leased to that node in the same commit, and the lease is returned
-    /// for the node to adopt (see [`crate::handoff`]); a job that exists
+    /// for the node to adopt (see [`crate::node::handoff`]); a job that exists
     /// already, is scheduled for later, or has a concurrency key is not.
     pub async fn submit(self, submission: &Submission<'_>) -> Result<Submitted, StoreError> {
         let Submission {

@@ -22,8 +22,8 @@ use super::Journal;
 use super::{Checkpoint, Fence, Store};
 use crate::error::{ErrorEnvelope, StoreError};
 use crate::faults::{FailPoint, Faults};
-use crate::lifecycle::JobState;
-use crate::verdict::{decide_send, OutboxStatus, SendDecision, SendMode, SendRow};
+use crate::rules::lifecycle::JobState;
+use crate::rules::verdict::{decide_send, OutboxStatus, SendDecision, SendMode, SendRow};
 
 /// Where a model call stands when an attempt is about to make it.
 #[derive(Debug, Clone, PartialEq)]
@@ -214,7 +214,7 @@ struct OutputRow {
     output: Value,
 }
 
-pub(crate) use crate::request::contains_nul;
+use crate::rules::payload::contains_nul;
 
 /// What a failed send does besides recording itself.
 #[derive(Debug, Clone, Copy)]
@@ -736,21 +736,5 @@ impl Journal<'_> {
             finish(result)
         })
         .await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nul_characters_are_found_anywhere() {
-        assert!(!contains_nul(
-            &serde_json::json!({"a": ["b", 1, null, {"c": "d"}]})
-        ));
-        assert!(contains_nul(
-            &serde_json::json!({"a": ["b", {"c": "d\u{0}"}]})
-        ));
-        assert!(contains_nul(&serde_json::json!({"a\u{0}": 1})));
     }
 }

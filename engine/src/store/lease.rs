@@ -16,9 +16,9 @@ use super::sql::sql;
 use super::Store;
 use super::{Jobs, Leases};
 use crate::error::{ErrorEnvelope, StoreError};
-use crate::lifecycle::JobState;
+use crate::net::traceparent::TraceParent;
 use crate::request::JobRequest;
-use crate::traceparent::TraceParent;
+use crate::rules::lifecycle::JobState;
 
 /// The identity of one attempt: every write it makes is guarded by it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,8 +37,8 @@ pub struct Fence {
 
 impl Fence {
     /// The prefix of every idempotency key of this job's incarnation.
-    pub fn key(&self) -> crate::keys::JobKey {
-        crate::keys::JobKey::new(&self.job_id, self.incarnation)
+    pub fn key(&self) -> crate::rules::keys::JobKey {
+        crate::rules::keys::JobKey::new(&self.job_id, self.incarnation)
     }
 }
 
@@ -666,8 +666,8 @@ impl Store {
         // With its job.dead event, when the job asked for failure events,
         // announced on EVENTS_CHANNEL so any node sends it at once.
         let error = serde_json::to_value(error).expect("envelope serialises");
-        let body = crate::webhook::event_body(
-            crate::keys::DEAD_EVENT,
+        let body = crate::net::webhook::event_body(
+            crate::rules::keys::DEAD_EVENT,
             serde_json::json!({ "job_id": fence.job_id, "reason": reason, "error": error }),
         );
         let moved = sql(
@@ -695,8 +695,8 @@ impl Store {
         .bind::<Jsonb, _>(&error)
         .bind::<Integer, _>(fence.attempt)
         .bind::<Text, _>(&fence.worker)
-        .bind::<Text, _>(crate::keys::DEAD_EVENT)
-        .bind::<Text, _>(crate::keys::failure(&fence.key(), "dead"))
+        .bind::<Text, _>(crate::rules::keys::DEAD_EVENT)
+        .bind::<Text, _>(crate::rules::keys::failure(&fence.key(), "dead"))
         .bind::<Text, _>(super::events::EVENTS_CHANNEL)
         .bind::<Jsonb, _>(&body)
         .execute(conn)

@@ -12,7 +12,7 @@ use super::sql::sql;
 use super::{Fence, Store};
 use super::{Journal, Retention};
 use crate::error::{ErrorEnvelope, StoreError};
-use crate::verdict::{decide_send, SendDecision, SendMode, SendRow};
+use crate::rules::verdict::{decide_send, SendDecision, SendMode, SendRow};
 
 /// One tool call's place in the conversation: its ledger identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -420,9 +420,9 @@ impl Retention<'_> {
     /// (`GET /v1/stats` still counts every state, on request.)
     pub async fn count_live_and_dead(
         self,
-    ) -> Result<Vec<(crate::lifecycle::JobState, u64)>, StoreError> {
+    ) -> Result<Vec<(crate::rules::lifecycle::JobState, u64)>, StoreError> {
         use super::jobs::{per_state, StateCount};
-        use crate::lifecycle::JobState;
+        use crate::rules::lifecycle::JobState;
         let mut conn = self.db().conn().await?;
         let rows: Vec<StateCount> = sql(
             "SELECT state::text AS state, count(*) AS n FROM jobs WHERE finished_at IS NULL GROUP BY state \

@@ -15,7 +15,7 @@
 //! | [`Schedules`] | schedules and their firing | `schedules` |
 //! | [`Events`] | failure events (`job.dead`, `job.cancelled`) and a job's events for watchers | `events`, `streams` |
 //! | [`Tokens`] | API tokens (stored hashed), their shares, development mode | `tokens` |
-//! | [`Limits`] | provider slots and windows (the rows behind [`crate::quota`]) | `slots` |
+//! | [`Limits`] | provider slots and windows (the rows behind [`crate::rules::quota`]) | `slots` |
 //! | [`Retention`] | purges of finished jobs and the counts behind the gauges | `ledger` |
 //! | [`GroupCommit`] | group commit's seams for tests and benchmarks (holds, depths, batch sizes) | `group_writes` |
 //!

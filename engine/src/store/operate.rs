@@ -11,7 +11,7 @@ use super::sql::sql;
 use super::Jobs;
 use super::Store;
 use crate::error::{ErrorEnvelope, StoreError};
-use crate::lifecycle::JobState;
+use crate::rules::lifecycle::JobState;
 
 /// What a cancel found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -310,10 +310,12 @@ impl Store {
             retryable: false,
         })
         .expect("envelope serialises");
-        let event_key =
-            crate::keys::failure(&crate::keys::JobKey::new(id, incarnation), "cancelled");
-        let body = crate::webhook::event_body(
-            crate::keys::CANCELLED_EVENT,
+        let event_key = crate::rules::keys::failure(
+            &crate::rules::keys::JobKey::new(id, incarnation),
+            "cancelled",
+        );
+        let body = crate::net::webhook::event_body(
+            crate::rules::keys::CANCELLED_EVENT,
             serde_json::json!({ "job_id": id, "reason": reason, "by": by }),
         );
         sql("WITH moved AS ( \
@@ -339,7 +341,7 @@ impl Store {
         .bind::<Text, _>(by)
         .bind::<Jsonb, _>(&error)
         .bind::<Text, _>(reason)
-        .bind::<Text, _>(crate::keys::CANCELLED_EVENT)
+        .bind::<Text, _>(crate::rules::keys::CANCELLED_EVENT)
         .bind::<Text, _>(&event_key)
         .bind::<Text, _>(CANCEL_CHANNEL)
         .bind::<Jsonb, _>(&body)

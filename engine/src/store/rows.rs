@@ -6,7 +6,7 @@ use diesel::sql_types::Text;
 use diesel::QueryableByName;
 
 use crate::error::StoreError;
-use crate::lifecycle::JobState;
+use crate::rules::lifecycle::JobState;
 
 /// The `NOTIFY` channels the store announces on, each with what a node
 /// does when it hears one (`runtime` listens to all and matches them
@@ -112,7 +112,8 @@ pub(crate) struct IdRow {
 }
 
 pub(crate) fn parse_state(s: &str) -> Result<JobState, StoreError> {
-    s.parse().map_err(|e: crate::lifecycle::UnknownState| {
-        StoreError::Query(diesel::result::Error::DeserializationError(e.into()))
-    })
+    s.parse()
+        .map_err(|e: crate::rules::lifecycle::UnknownState| {
+            StoreError::Query(diesel::result::Error::DeserializationError(e.into()))
+        })
 }

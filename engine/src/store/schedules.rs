@@ -20,7 +20,7 @@ use super::Schedules;
 use super::Store;
 use crate::error::StoreError;
 use crate::request::{canonical_hash, JobRequest};
-use crate::schedule::{job_id, CatchUp, Timetable};
+use crate::rules::schedule::{job_id, CatchUp, Timetable};
 
 /// The `NOTIFY` channel a schedule created or resumed is announced on: the
 /// nodes look for due schedules at once.
@@ -564,7 +564,7 @@ fn fired_job(row: &DueRow, target: &Fireable, at: DateTime<Utc>) -> NewRow {
         workflow_version: target.version,
         request_hash: canonical_hash(&stored),
         request: stored,
-        trace: crate::traceparent::TraceParent::new_root().to_string(),
+        trace: crate::net::traceparent::TraceParent::new_root().to_string(),
         key_limit: None,
         throttle: None,
         owner: row.owner_token,

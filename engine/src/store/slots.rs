@@ -1,6 +1,6 @@
 //! Provider limits shared through PostgreSQL: concurrency slots held per
 //! model call, and the learned window of concurrent calls (AIMD). See
-//! [`crate::quota`].
+//! [`crate::rules::quota`].
 
 use diesel::sql_types::{BigInt, Double, Integer, Nullable, Text};
 use diesel::QueryableByName;
@@ -9,7 +9,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use super::sql::sql;
 use super::Limits;
 use crate::error::StoreError;
-use crate::quota::CallEnd;
+use crate::rules::quota::CallEnd;
 
 /// The channel a released slot is announced on.
 pub const LIMITS_CHANNEL: &str = super::rows::Channel::Limits.name();
@@ -45,8 +45,8 @@ pub struct Ask<'a> {
     /// How long the slot is held if the node dies with it.
     pub lease_ms: i64,
     /// The configured limits of the key.
-    pub spec: crate::quota::LimitSpec,
-    /// The call's estimated tokens ([`crate::quota::estimate_tokens`]).
+    pub spec: crate::rules::quota::LimitSpec,
+    /// The call's estimated tokens ([`crate::rules::quota::estimate_tokens`]).
     pub tokens: f64,
     /// The job's priority: a waiter of higher priority goes first.
     pub priority: i32,
@@ -86,7 +86,7 @@ impl Limits<'_> {
     /// `min(concurrency, learned window)` live slots held, counting the
     /// waiters queued ahead of it (higher priority, then longer waiting),
     /// and, with `rpm`/`tpm`, no waiter ahead and the buckets holding its
-    /// cost ([`crate::quota::Bucket`]). An admitted call holds a slot row
+    /// cost ([`crate::rules::quota::Bucket`]). An admitted call holds a slot row
     /// for `lease_ms` and its cost is taken from the buckets; a refused one
     /// is queued (or keeps its place) in `provider_waiters`. The key's row
     /// is locked first, so two admissions never both see the last room.
@@ -108,7 +108,7 @@ impl Limits<'_> {
             let room = count_room(conn, ask).await?;
             let now = |stored, per_minute: Option<u32>| {
                 per_minute.map(|m| {
-                    let b = crate::quota::Bucket {
+                    let b = crate::rules::quota::Bucket {
                         per_minute: f64::from(m),
                     };
                     (b, b.level(stored, key.since_refill))
@@ -135,7 +135,7 @@ impl Limits<'_> {
     }
 
     /// Releases `holder`'s slot of `key` (if it held one), moves the
-    /// learned window by how the call ended ([`crate::quota::next_window`],
+    /// learned window by how the call ended ([`crate::rules::quota::next_window`],
     /// with the database's clock, the key's row locked), and wakes every
     /// node's waiters.
     ///
@@ -180,8 +180,8 @@ impl Limits<'_> {
             .bind::<Text, _>(holder)
             .get_result(conn)
             .await?;
-            let next = crate::quota::next_window(
-                crate::quota::WindowState {
+            let next = crate::rules::quota::next_window(
+                crate::rules::quota::WindowState {
                     window: state.window,
                     since_decrease: state.since_decrease,
                     // This call and the others in flight filled the window.
@@ -295,7 +295,7 @@ struct Room {
 
 /// The call's cost under each rate (requests, tokens): the bucket with its
 /// level now, if the key has that rate, and what the call takes from it.
-type Costs = [(Option<(crate::quota::Bucket, f64)>, f64); 2];
+type Costs = [(Option<(crate::rules::quota::Bucket, f64)>, f64); 2];
 
 /// Locks key `key`'s limit row (made on first use) and reads it.
 async fn lock_key(conn: &mut AsyncPgConnection, key: &str) -> Result<KeyRow, StoreError> {

@@ -27,9 +27,9 @@ use super::{Fence, Store};
 use crate::error::StoreError;
 
 use super::Waits;
-pub use crate::signal::{MAX_UNTAKEN_SIGNALS, MAX_UNTAKEN_SIGNAL_BYTES, SIGNALS_SHOWN};
-pub use crate::wait_machine::WaitKind;
-use crate::wait_machine::{decide, Decision, TakenSignal};
+pub use crate::rules::signal::{MAX_UNTAKEN_SIGNALS, MAX_UNTAKEN_SIGNAL_BYTES, SIGNALS_SHOWN};
+pub use crate::rules::wait_machine::WaitKind;
+use crate::rules::wait_machine::{decide, Decision, TakenSignal};
 
 /// When a wait is over at the latest.
 #[derive(Debug, Clone, Copy)]
@@ -318,7 +318,7 @@ impl Waits<'_> {
                             .bind::<Text, _>(&fence.job_id)
                             .bind::<Text, _>(key)
                             .bind::<Text, _>(event)
-                            .bind::<Jsonb, _>(crate::webhook::event_body(
+                            .bind::<Jsonb, _>(crate::net::webhook::event_body(
                                 "job.waiting",
                                 json!({ "job_id": fence.job_id, "waiting": waiting }),
                             ))
@@ -353,7 +353,7 @@ impl Waits<'_> {
         self,
         job_id: &str,
         name: &str,
-        signal: &crate::signal::SignalBody,
+        signal: &crate::rules::signal::SignalBody,
     ) -> Result<SignalOutcome, StoreError> {
         let (signal_id, payload, until) = (signal.id.as_str(), &signal.payload, signal.until);
         let hash = crate::request::canonical_hash(payload);

@@ -9,14 +9,14 @@ use serde_json::{json, Value};
 use super::{database, FakeConsumer, FakeProvider};
 use std::sync::Arc;
 
-use crate::actor::{JobRun, Outcome};
 use crate::db::Db;
 use crate::faults::Faults;
-use crate::intake::NewJob;
-use crate::lifecycle::JobState;
-use crate::node::EngineConfig;
-use crate::node::Shared;
-use crate::retry::RetryPolicy;
+use crate::node::actor::{JobRun, Outcome};
+use crate::node::intake::NewJob;
+use crate::node::shared::EngineConfig;
+use crate::node::shared::Shared;
+use crate::rules::lifecycle::JobState;
+use crate::rules::retry::RetryPolicy;
 use crate::runtime::Engine;
 use crate::store::Leased;
 use crate::store::{Intake, JobView, Store};
@@ -78,7 +78,7 @@ impl TestEnv {
             },
             // The fakes live on loopback: tests open the SSRF guard
             // explicitly (one test checks that the default refuses them).
-            url_guard: crate::guard::UrlGuard::allow_private(),
+            url_guard: crate::net::guard::UrlGuard::allow_private(),
             ..EngineConfig::default()
         };
         config.provider.base_url = self.provider.base_url();

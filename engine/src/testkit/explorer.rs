@@ -48,8 +48,8 @@ use serde_json::Value;
 
 use super::{FakeConsumer, TestEnv};
 use crate::faults::{Action, FailPoint};
-use crate::intake::NewJob;
-use crate::lifecycle::JobState;
+use crate::node::intake::NewJob;
+use crate::rules::lifecycle::JobState;
 use crate::workflow::Registry;
 
 /// How a boundary is exercised.
@@ -452,7 +452,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 // With signals to send, the job starts a second later, so
                 // its wait finds them recorded: one attempt, as the clean
                 // run needs.
-                schedule: crate::intake::Schedule {
+                schedule: crate::node::intake::Schedule {
                     delay_ms: (!self.signals.is_empty()).then_some(1_000),
                     ..Default::default()
                 },
@@ -471,7 +471,7 @@ impl<'a, F: Fn() -> Registry> Explorer<'a, F> {
                 .signal(
                     id,
                     name,
-                    &crate::signal::SignalBody::new(signal_id, payload.clone()),
+                    &crate::rules::signal::SignalBody::new(signal_id, payload.clone()),
                 )
                 .await
                 .expect("send the explorer's signal");

@@ -586,9 +586,9 @@ fn plan_stream(
 fn stream_anthropic(state: &web::Data<State>, key: Option<String>, body: &Value) -> HttpResponse {
     let responder = state.anthropic_responder.lock().expect("lock").clone();
     let (deltas, interval, jitter, drop_after) = plan_stream(state, key.as_ref(), false, |n| {
-        responder
-            .as_ref()
-            .map(|f| crate::provider::anthropic::response(&f(body, n)).expect("a Messages answer"))
+        responder.as_ref().map(|f| {
+            crate::net::provider::anthropic::response(&f(body, n)).expect("a Messages answer")
+        })
     });
     let event = |data: Value| {
         let kind = data["type"].as_str().unwrap_or_default().to_owned();

@@ -17,15 +17,15 @@ use crate::attempt_spans::Scope;
 use crate::context::Context;
 use crate::error::StepError;
 use crate::faults::{FailPoint, Injected};
-use crate::keys;
-use crate::lifecycle::{next_step, JobState, Step};
-use crate::node::Shared;
-use crate::outbound::PostError;
-use crate::retry::RetryPolicy;
+use crate::net::outbound::PostError;
+use crate::net::webhook;
+use crate::node::shared::Shared;
+use crate::rules::keys;
+use crate::rules::lifecycle::{next_step, JobState, Step};
+use crate::rules::retry::RetryPolicy;
+use crate::rules::verdict::{on_failure, on_send_failure, OutboxStatus, SendFailure, Verdict};
 use crate::store::journal::{Claim, DeliveryStart, FailedSend, KillWith};
 use crate::store::{Checkpoint, Fence, Leased};
-use crate::verdict::{on_failure, on_send_failure, OutboxStatus, SendFailure, Verdict};
-use crate::webhook;
 use crate::workflow::{DeliveryPolicy, DynWorkflow};
 
 /// How one attempt ended.

@@ -23,9 +23,9 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
-use crate::actor::{Abort, Finished, JobActor, JobRun, Outcome};
 use crate::faults::FailPoint;
-use crate::node::Shared;
+use crate::node::actor::{Abort, Finished, JobActor, JobRun, Outcome};
+use crate::node::shared::Shared;
 
 /// Look for work now (a job was submitted, an attempt ended, or the timer fired).
 #[derive(Message)]
@@ -82,7 +82,7 @@ struct Wake(u64);
 const MAX_WAKEUPS: usize = 100_000;
 
 /// Run a job intake has just created already leased to this node (see
-/// [`crate::handoff`]).
+/// [`crate::node::handoff`]).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Adopt(pub crate::store::Leased);
@@ -796,8 +796,12 @@ impl Handler<Gauge> for Supervisor {
         self.gauging = true;
         let shared = self.shared.clone();
         let gauge = async move {
-            crate::node::refresh_gauges(&shared.store, &shared.registry, &shared.config.telemetry)
-                .await
+            crate::node::shared::refresh_gauges(
+                &shared.store,
+                &shared.registry,
+                &shared.config.telemetry,
+            )
+            .await
         };
         ctx.spawn(gauge.into_actor(self).map(|(), act, _| act.gauging = false));
     }
@@ -875,14 +879,14 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
             tracing::debug!(key = %event.idempotency_key, "another node claimed this event meanwhile");
             continue;
         }
-        let sender = crate::webhook::Sender {
+        let sender = crate::net::webhook::Sender {
             client: &shared.client,
             guard: &config.url_guard,
             secret: secret.as_deref(),
             timeout: config.webhook_timeout,
         };
-        let traceparent = crate::traceparent::TraceParent::new_root().to_string();
-        let sent = crate::webhook::send(
+        let traceparent = crate::net::traceparent::TraceParent::new_root().to_string();
+        let sent = crate::net::webhook::send(
             sender,
             &event.url,
             &event.idempotency_key,
@@ -908,10 +912,10 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
                     )
                     .await?;
             }
-            Err(crate::outbound::PostError::Injected(_)) => {
+            Err(crate::net::outbound::PostError::Injected(_)) => {
                 // A failpoint after the send: the mark expires, it is sent again.
             }
-            Err(crate::outbound::PostError::Failed(failure)) => {
+            Err(crate::net::outbound::PostError::Failed(failure)) => {
                 let attempts = u32::try_from(event.attempts).unwrap_or(1).max(1);
                 let policy = config.webhook_retry;
                 let retry_in = (failure.is_retryable() && !policy.exhausted(attempts))

@@ -115,7 +115,7 @@ impl SignalBody {
                 format!("at most {MAX_SIGNAL_PAYLOAD} bytes"),
             ));
         }
-        if crate::request::contains_nul(&payload) {
+        if crate::rules::payload::contains_nul(&payload) {
             return Err(InvalidInput::new("payload", "contains a NUL character"));
         }
         if name.starts_with(APPROVAL_PREFIX)

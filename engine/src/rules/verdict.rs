@@ -19,10 +19,10 @@ use chrono::{DateTime, Utc};
 
 use crate::error::StepError;
 use crate::faults::Injected;
-use crate::lifecycle::JobState;
-use crate::outbound::Failure;
-use crate::quota::CallEnd;
-use crate::retry::RetryPolicy;
+use crate::rules::failure::Failure;
+use crate::rules::lifecycle::JobState;
+use crate::rules::quota::CallEnd;
+use crate::rules::retry::RetryPolicy;
 
 /// What happens to a completion webhook whose request may have been sent but
 /// whose outcome was never recorded (a crash mid-request).
@@ -679,7 +679,7 @@ mod tests {
     /// The enum's values are the SQL enum's, as the first migration made it.
     #[test]
     fn outbox_statuses_are_the_sql_enums_values() {
-        let migration = include_str!("../../migrations/2026-11-29-000001_lifecycle/up.sql");
+        let migration = include_str!("../../../migrations/2026-11-29-000001_lifecycle/up.sql");
         let line = migration
             .lines()
             .find(|l| l.contains("CREATE TYPE outbox_status"))

@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::guard::UrlGuard;
+use crate::net::guard::UrlGuard;
 pub use crate::request::{canonical_hash, validate_webhook_url, NewJob, Schedule};
 use crate::workflow::{InvalidInput, Registry};
 
@@ -355,7 +355,7 @@ pub fn validate_id(id: &str) -> Result<(), InvalidInput> {
              ({parent id}:child:{name}, {parent id}:child.{n}:{name})",
         ));
     }
-    if crate::schedule::is_scheduled_job_id(id) {
+    if crate::rules::schedule::is_scheduled_job_id(id) {
         return Err(InvalidInput::new(
             "id",
             "ids of the form {schedule id}:{YYYYMMDDTHHMMSSZ} are reserved for the jobs schedules create",

@@ -13,7 +13,8 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::faults::{FailPoint, Faults};
-use crate::outbound::{post, Failure, Post, PostError, Seam};
+use crate::net::outbound::{post, Post, PostError, Seam};
+use crate::rules::failure::Failure;
 
 /// Where and how to reach the model. `Debug` never shows the API key.
 #[derive(Clone)]
@@ -195,7 +196,7 @@ impl Provider {
             headers,
             body,
             timeout: self.config.timeout,
-            read: crate::outbound::Read::BodyAndErrors {
+            read: crate::net::outbound::Read::BodyAndErrors {
                 limit: self.config.max_response_bytes,
             },
             guard: None,
@@ -258,7 +259,7 @@ impl Provider {
             headers,
             body: serde_json::to_vec(&body).expect("a JSON value serialises"),
             timeout: self.config.timeout,
-            read: crate::outbound::Read::BodyAndErrors {
+            read: crate::net::outbound::Read::BodyAndErrors {
                 limit: self.config.max_response_bytes,
             },
             guard: None,
@@ -268,7 +269,7 @@ impl Provider {
             job_id,
             point: FailPoint::ModelAfterSend,
         };
-        let (status, response) = crate::outbound::open(&self.client, post, Some(seam)).await?;
+        let (status, response) = crate::net::outbound::open(&self.client, post, Some(seam)).await?;
         let answer = self.read_stream(response, anthropic, on_text).await?;
         let response = answer.completion(request);
         let usage = Usage::of(&response);
@@ -493,7 +494,7 @@ pub mod sse {
             if let Some(error) = event.get("error") {
                 return Err(format!(
                     "the provider reported an error mid-stream: {}",
-                    crate::outbound::redact(&error.to_string())
+                    crate::net::outbound::redact(&error.to_string())
                 ));
             }
             self.chunks += 1;
@@ -527,7 +528,7 @@ pub mod sse {
             if let Some(error) = event.get("error") {
                 return Err(format!(
                     "the provider reported an error mid-stream: {}",
-                    crate::outbound::redact(&error.to_string())
+                    crate::net::outbound::redact(&error.to_string())
                 ));
             }
             self.chunks += 1;
@@ -766,7 +767,7 @@ pub mod sse {
             assert!(a.done);
             assert_eq!(texts, ["Let me ", "look."]);
             let streamed = a.completion(&json!({ "model": "m" }));
-            let whole = crate::provider::anthropic::response(&json!({
+            let whole = crate::net::provider::anthropic::response(&json!({
                 "id": "msg_1", "model": "claude-x", "stop_reason": "tool_use",
                 "content": [
                     { "type": "text", "text": "Let me look." },

@@ -15,8 +15,8 @@ use serde_json::Value;
 use sha2::Sha256;
 
 use crate::faults::{FailPoint, Faults};
-use crate::keys::COMPLETED_EVENT;
-use crate::outbound::{post, Post, PostError, Seam};
+use crate::net::outbound::{post, Post, PostError, Seam};
+use crate::rules::keys::COMPLETED_EVENT;
 
 /// The Standard Webhooks signing secrets (`whsec_` + base64 key each; several,
 /// space-separated, while rotating): every delivery carries one `v1,`
@@ -138,7 +138,7 @@ pub struct Sender<'a> {
     /// The guarded client: no redirects, names resolved through the guard.
     pub client: &'a reqwest::Client,
     /// The SSRF guard (literal addresses are checked before the send).
-    pub guard: &'a crate::guard::UrlGuard,
+    pub guard: &'a crate::net::guard::UrlGuard,
     /// Signs each send (`webhook-signature`); `None` sends unsigned.
     pub secret: Option<&'a WebhookSecret>,
     /// How long one send may take.
@@ -171,7 +171,7 @@ pub async fn send(
         headers,
         body: bytes,
         timeout: sender.timeout,
-        read: crate::outbound::Read::Status,
+        read: crate::net::outbound::Read::Status,
         guard: Some(sender.guard),
     };
     let seam = Seam {

@@ -1,116 +1,11 @@
-//! Outgoing HTTP (model provider, webhooks, tools) and the classification of
-//! its failures. Retryability is decided here, exhaustively, once.
+//! Outgoing HTTP (model provider, webhooks, tools), each failure classified
+//! as a [`Failure`] (whose retryability [`crate::rules::failure`] decides,
+//! exhaustively, once).
 
 use std::time::Duration;
 
-use crate::error::ErrorEnvelope;
 use crate::faults::{FailPoint, Faults, Injected};
-use crate::retry::parse_retry_after;
-
-/// How an outgoing request failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Failure {
-    /// The connection was never established: the request did not leave. Safe to retry.
-    NotSent(String),
-    /// Sent, but the outcome is unknown (timeout, reset). Retried with the same key.
-    Ambiguous(String),
-    /// The server answered with a non-2xx status.
-    Status {
-        /// The HTTP status code.
-        status: u16,
-        /// The server's `Retry-After`, if it sent one.
-        retry_after: Option<Duration>,
-        /// The error body, when the request keeps it ([`Read::BodyAndErrors`]); else empty.
-        body: String,
-    },
-    /// A 2xx whose body we could not read or understand.
-    BadResponse(String),
-    /// The SSRF guard refused the destination: nothing was sent.
-    Refused(String),
-    /// The answer was larger than the cap for it; onceflow hung up.
-    TooLarge {
-        /// The cap, in bytes.
-        limit: usize,
-    },
-}
-
-impl Failure {
-    /// Network errors, timeouts, 408, 429 and 5xx are retried; other 4xx are permanent.
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            Failure::NotSent(_) | Failure::Ambiguous(_) | Failure::BadResponse(_) => true,
-            Failure::Status { status, .. } => matches!(status, 408 | 429 | 500..=599),
-            Failure::Refused(_) | Failure::TooLarge { .. } => false,
-        }
-    }
-
-    /// The request certainly did not reach the server.
-    pub fn never_sent(&self) -> bool {
-        match self {
-            Failure::NotSent(_) | Failure::Refused(_) => true,
-            Failure::Ambiguous(_)
-            | Failure::Status { .. }
-            | Failure::BadResponse(_)
-            | Failure::TooLarge { .. } => false,
-        }
-    }
-
-    /// The HTTP status, when the server answered with one.
-    pub fn status(&self) -> Option<u16> {
-        match self {
-            Failure::Status { status, .. } => Some(*status),
-            Failure::NotSent(_)
-            | Failure::Ambiguous(_)
-            | Failure::BadResponse(_)
-            | Failure::Refused(_)
-            | Failure::TooLarge { .. } => None,
-        }
-    }
-
-    /// The server's `Retry-After`, when it answered with one.
-    pub fn retry_after(&self) -> Option<Duration> {
-        match self {
-            Failure::Status { retry_after, .. } => *retry_after,
-            Failure::NotSent(_)
-            | Failure::Ambiguous(_)
-            | Failure::BadResponse(_)
-            | Failure::Refused(_)
-            | Failure::TooLarge { .. } => None,
-        }
-    }
-
-    /// What is stored and shown: onceflow's own short reason and the
-    /// status. The body of a non-2xx answer is kept only when the request
-    /// kept it (the provider's, with credentials redacted), never a webhook
-    /// consumer's or a tool target's.
-    pub fn envelope(&self) -> ErrorEnvelope {
-        let (code, message) = match self {
-            Failure::NotSent(m) => ("not_sent".to_owned(), m.clone()),
-            Failure::Ambiguous(m) => ("ambiguous".to_owned(), m.clone()),
-            Failure::Status { status, body, .. } => (
-                format!("http_{status}"),
-                match (status, body.is_empty()) {
-                    (300..=399, _) => {
-                        format!("HTTP {status}: redirects are not followed")
-                    }
-                    (_, true) => format!("HTTP {status}"),
-                    (_, false) => format!("HTTP {status}: {body}"),
-                },
-            ),
-            Failure::BadResponse(m) => ("bad_response".to_owned(), m.clone()),
-            Failure::Refused(m) => ("url_refused".to_owned(), m.clone()),
-            Failure::TooLarge { limit } => (
-                "response_too_large".to_owned(),
-                format!("the answer exceeded {limit} bytes; onceflow stopped reading it"),
-            ),
-        };
-        ErrorEnvelope {
-            code,
-            message,
-            retryable: self.is_retryable(),
-        }
-    }
-}
+use crate::rules::failure::Failure;
 
 /// An outgoing request did not produce a 2xx.
 #[derive(Debug)]
@@ -136,8 +31,8 @@ pub struct Post<'a> {
     pub read: Read,
     /// The SSRF guard for a caller- or model-chosen URL (`None`: the
     /// operator's own, e.g. the provider). Names are checked again when they
-    /// resolve, by the client's [`GuardedResolver`](crate::guard::GuardedResolver).
-    pub guard: Option<&'a crate::guard::UrlGuard>,
+    /// resolve, by the client's [`GuardedResolver`](crate::net::guard::GuardedResolver).
+    pub guard: Option<&'a crate::net::guard::UrlGuard>,
 }
 
 /// How much of an answer is read.
@@ -440,7 +335,7 @@ fn for_tenant(e: &reqwest::Error) -> Failure {
         let mut source: Option<&dyn std::error::Error> = Some(e);
         let mut found = false;
         while let Some(s) = source {
-            found |= s.downcast_ref::<crate::guard::RefusedName>().is_some();
+            found |= s.downcast_ref::<crate::net::guard::RefusedName>().is_some();
             source = s.source();
         }
         found
@@ -471,7 +366,7 @@ fn classify(e: &reqwest::Error) -> Failure {
     let mut message = e.to_string();
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
-        if let Some(refused) = s.downcast_ref::<crate::guard::Refused>() {
+        if let Some(refused) = s.downcast_ref::<crate::net::guard::Refused>() {
             return Failure::Refused(refused.0.clone());
         }
         message.push_str(": ");
@@ -485,9 +380,30 @@ fn classify(e: &reqwest::Error) -> Failure {
     }
 }
 
+/// Parses a `Retry-After` header value: delta-seconds or an HTTP date.
+pub fn parse_retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
+    let delta = at.with_timezone(&chrono::Utc) - chrono::Utc::now();
+    Some(delta.to_std().unwrap_or(Duration::ZERO))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_after_is_seconds_or_an_http_date() {
+        assert_eq!(parse_retry_after("7"), Some(Duration::from_secs(7)));
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(parse_retry_after("soon"), None);
+    }
 
     #[test]
     fn credentials_in_error_bodies_are_redacted() {
@@ -553,8 +469,8 @@ mod tests {
     async fn an_internal_name_reads_as_a_name_that_does_not_resolve() {
         let client = reqwest::Client::builder()
             .no_proxy()
-            .dns_resolver(crate::guard::GuardedResolver::new(
-                crate::guard::UrlGuard::strict(),
+            .dns_resolver(crate::net::guard::GuardedResolver::new(
+                crate::net::guard::UrlGuard::strict(),
             ))
             .build()
             .unwrap();

@@ -20,10 +20,10 @@ use actix::Addr;
 
 use crate::error::{BatchError, StoreError};
 use crate::faults::FailPoint;
-use crate::node::Shared;
+use crate::node::shared::Shared;
+use crate::node::supervisor::{Adopt, ReclaimOwn, Supervisor};
 use crate::store::jobs::HandTo;
 use crate::store::Leased;
-use crate::supervisor::{Adopt, ReclaimOwn, Supervisor};
 
 /// This node's engine, as intake sees it: where a new job may be handed.
 #[derive(Clone)]
@@ -245,7 +245,9 @@ pub(crate) async fn submit(
             // answer was lost (a failed batch is written again one by one).
             (Some(reservation), None) => {
                 if let Intake::Existing(view) = &intake {
-                    if view.attempts == 1 && view.state == crate::lifecycle::JobState::Received {
+                    if view.attempts == 1
+                        && view.state == crate::rules::lifecycle::JobState::Received
+                    {
                         reservation.orphaned();
                     }
                 }

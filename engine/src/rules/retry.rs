@@ -56,17 +56,6 @@ impl RetryPolicy {
     }
 }
 
-/// Parses a `Retry-After` header value: delta-seconds or an HTTP date.
-pub fn parse_retry_after(value: &str) -> Option<Duration> {
-    let value = value.trim();
-    if let Ok(secs) = value.parse::<u64>() {
-        return Some(Duration::from_secs(secs));
-    }
-    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
-    let delta = at.with_timezone(&chrono::Utc) - chrono::Utc::now();
-    Some(delta.to_std().unwrap_or(Duration::ZERO))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,11 +91,5 @@ mod tests {
             p.delay(1, Some(Duration::from_secs(3600))),
             Duration::from_secs(10)
         );
-        assert_eq!(parse_retry_after("7"), Some(Duration::from_secs(7)));
-        assert_eq!(
-            parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"),
-            Some(Duration::ZERO)
-        );
-        assert_eq!(parse_retry_after("soon"), None);
     }
 }

@@ -11,10 +11,10 @@ use std::time::Duration;
 use onceflow_observability::Telemetry;
 
 use crate::faults::Faults;
-use crate::provider::{Provider, ProviderConfig};
-use crate::retry::RetryPolicy;
+use crate::net::provider::{Provider, ProviderConfig};
+use crate::net::webhook::WebhookSecret;
+use crate::rules::retry::RetryPolicy;
 use crate::store::Store;
-use crate::webhook::WebhookSecret;
 use crate::workflow::Registry;
 
 /// How a node runs jobs.
@@ -33,7 +33,7 @@ pub struct EngineConfig {
     /// The model provider: endpoint, key and per-call timeout.
     pub provider: ProviderConfig,
     /// Provider limits (`ONCEFLOW_LIMITS`), shared by every node.
-    pub limits: crate::quota::Limits,
+    pub limits: crate::rules::quota::Limits,
     /// How long one webhook send may take (also bounds each tool call); default 10 s.
     pub webhook_timeout: Duration,
     /// Signs each webhook (`webhook-signature` header); `None` sends them unsigned.
@@ -51,7 +51,7 @@ pub struct EngineConfig {
     /// Spans and metrics (OTLP export when configured; `/metrics` always).
     pub telemetry: Arc<Telemetry>,
     /// Where webhooks and tools may send (default: public addresses only).
-    pub url_guard: crate::guard::UrlGuard,
+    pub url_guard: crate::net::guard::UrlGuard,
     /// Largest tool or step answer read (default 1 MiB).
     pub tool_response_limit: usize,
     /// Unfinished jobs per API token above which a schedule's fire time
@@ -77,7 +77,7 @@ impl Default for EngineConfig {
             retention: Duration::from_secs(24 * 3600),
             dead_retention: Duration::from_secs(7 * 24 * 3600),
             telemetry: Arc::new(Telemetry::disabled()),
-            url_guard: crate::guard::UrlGuard::strict(),
+            url_guard: crate::net::guard::UrlGuard::strict(),
             tool_response_limit: 1 << 20,
             max_backlog_per_token: Some(10_000),
         }
@@ -95,7 +95,7 @@ pub fn default_node_id() -> String {
 /// A child job's checks against this node's workflows and SSRF guard.
 struct NodeChildRules {
     registry: Registry,
-    guard: crate::guard::UrlGuard,
+    guard: crate::net::guard::UrlGuard,
 }
 
 impl std::fmt::Debug for NodeChildRules {
@@ -155,7 +155,7 @@ pub(crate) struct Shared {
     pub(crate) limiter: Arc<crate::limiter::Limiter>,
     /// What a child job must pass to start (see [`crate::context::ChildRules`]).
     pub(crate) child_rules: Arc<dyn crate::context::ChildRules>,
-    /// Whether intake may hand this node a new job (see [`crate::handoff`]).
+    /// Whether intake may hand this node a new job (see [`crate::node::handoff`]).
     pub(crate) gate: Gate,
     /// The signing secrets of the tokens whose jobs this node delivered lately.
     signing: std::sync::Mutex<HashMap<i64, ReadSecret>>,
@@ -187,7 +187,9 @@ impl Shared {
             .retry(no_hidden_retries())
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
-            .dns_resolver(crate::guard::GuardedResolver::new(config.url_guard.clone()))
+            .dns_resolver(crate::net::guard::GuardedResolver::new(
+                config.url_guard.clone(),
+            ))
             .build()
             .expect("the HTTP client builds");
         // The provider is the operator's own: a client of its own, unguarded
