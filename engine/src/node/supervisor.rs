@@ -67,6 +67,17 @@ struct Purge;
 #[rtype(result = "()")]
 struct Gauge;
 
+/// Mark not live the tenants left with no unfinished job (see
+/// [`crate::store::Leases::rest_idle_tenants`]): armed by a job that
+/// ended here, at most once per [`REST_EVERY`], so an idle node never runs
+/// it.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct RestTenants;
+
+/// The least time between two looks for idle tenants.
+const REST_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Jobs purged per statement: small, so a purge never holds many locks.
 const PURGE_BATCH: i64 = 100;
 
@@ -118,6 +129,10 @@ pub struct Supervisor {
     renewing: bool,
     purging: bool,
     gauging: bool,
+    /// A [`RestTenants`] is armed or running.
+    resting: bool,
+    /// When the last one ran.
+    rested_at: Option<std::time::Instant>,
     sending_events: bool,
     /// A `SendEvents` arrived during a sweep: sweep again after it.
     events_again: bool,
@@ -195,6 +210,8 @@ impl Supervisor {
             renewing: false,
             purging: false,
             gauging: false,
+            resting: false,
+            rested_at: None,
             sending_events: false,
             events_again: false,
             events_timer: None,
@@ -448,6 +465,20 @@ impl Handler<Finished> for Supervisor {
         {
             self.in_flight.remove(&msg.job_id);
             self.report_in_flight();
+        }
+        // A job that ended (or was cancelled under its attempt) may have
+        // been its tenant's last: look at once, then at most once per
+        // `REST_EVERY` (a node that finishes nothing never looks).
+        if matches!(
+            msg.outcome,
+            Outcome::Acked | Outcome::Dead | Outcome::LeaseLost
+        ) && !self.resting
+        {
+            self.resting = true;
+            let next = self.rested_at.map_or(std::time::Duration::ZERO, |at| {
+                (at + REST_EVERY).saturating_duration_since(std::time::Instant::now())
+            });
+            ctx.notify_later(RestTenants, next);
         }
         if msg.outcome == Outcome::LeaseLost {
             self.shared
@@ -804,6 +835,26 @@ impl Handler<Gauge> for Supervisor {
             .await
         };
         ctx.spawn(gauge.into_actor(self).map(|(), act, _| act.gauging = false));
+    }
+}
+
+impl Handler<RestTenants> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: RestTenants, ctx: &mut Self::Context) {
+        if self.stopping {
+            return;
+        }
+        let store = self.shared.store.clone();
+        let rest = async move {
+            if let Err(e) = store.leases().rest_idle_tenants().await {
+                tracing::warn!(error = %e, "could not mark idle tenants; the acquire still reads them");
+            }
+        };
+        ctx.spawn(rest.into_actor(self).map(|(), act, _| {
+            act.resting = false;
+            act.rested_at = Some(std::time::Instant::now());
+        }));
     }
 }
 

@@ -7,7 +7,7 @@
 
 use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text};
 use diesel::QueryableByName;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
 pub use super::rows::Checkpoint;
@@ -147,18 +147,20 @@ macro_rules! runnable {
 /// that comes back after a pause is first brought up to the clock, so it
 /// gets its share from now on, not a burst for the time it was away.
 ///
-/// - `tenants`: every tenant with a live job, by a skip scan of `jobs_fair`
-///   (one index probe per tenant, however deep its backlog).
-/// - `shares`, `clock`: each such tenant's pass and weight; the clock is
-///   the latest a tenant that has been taking its turns can be behind
-///   (its pass less one start), so a pass below it is raised to it.
-/// - `turns`, `ready`: the tenants in order of pass, then, walking that
+/// - `clock`: the latest a tenant that has been taking its turns can be
+///   behind: the highest pass of a live tenant less one start (one index
+///   probe: `tenant_turns_live`); a pass below it is raised to it.
+/// - `zero`: whether tenant 0 (admin tokens, development mode) cuts ahead:
+///   the priority of its first runnable job, when above 0.
+/// - `turns`, `walk`: the live tenants (those with an unfinished job:
+///   `tenant_turns.live`, set by the intake's trigger, cleared by
+///   [`Leases::rest_idle_tenants`]) in order of pass, then, walking that
 ///   order, the first `limit` with a job that may run now (one probe each,
 ///   the walk ending at `limit`: with every tenant backlogged, `limit`
-///   probes however many tenants there are); tenant 0 (admin tokens,
-///   development mode) comes first only while its first runnable job has
-///   a priority above 0. No more tenants can start in one acquire, so no
-///   more tenants' lines are read.
+///   probes however many tenants there are). No more tenants can start in
+///   one acquire, so no more tenants' lines are read.
+/// - `ready`: those tenants (and tenant 0 when it cuts ahead), each with
+///   its weight and its pass raised to the clock.
 /// - `lines`: each ready tenant's first `limit` runnable jobs in its own
 ///   order (priority, then due time); `krn` numbers, within its key, the
 ///   jobs of a key that need a new slot, and `trn` those of a throttled
@@ -192,31 +194,29 @@ macro_rules! runnable {
 ///   lease with its slot and, at a job's first start, its start slot; a wait for a budget (due: its day has come) is
 ///   cleared, and the body checks the budget again at its next call.
 const ACQUIRE: &str = concat!(
-    "WITH RECURSIVE tenants(tenant) AS ( \
-         (SELECT tenant FROM jobs WHERE finished_at IS NULL ORDER BY tenant LIMIT 1) \
-         UNION ALL \
-         SELECT (SELECT j.tenant FROM jobs j WHERE j.finished_at IS NULL AND j.tenant > t.tenant \
-                 ORDER BY j.tenant LIMIT 1) \
-         FROM tenants t WHERE t.tenant IS NOT NULL), \
-     shares AS ( \
-         SELECT t.tenant, p.pass, coalesce(w.weight, 1)::float8 AS weight \
-         FROM tenants t LEFT JOIN tenant_turns p ON p.tenant = t.tenant \
-             LEFT JOIN api_tokens w ON w.id = t.tenant AND t.tenant <> 0 \
-         WHERE t.tenant IS NOT NULL), \
-     clock AS (SELECT coalesce(max(pass - 1 / weight), 0) AS now FROM shares), \
-     turns AS MATERIALIZED ( \
-         SELECT s.tenant, s.weight, greatest(coalesce(s.pass, c.now), c.now) AS pass, \
-             CASE WHEN s.tenant = 0 THEN coalesce(( \
-                 SELECT greatest(j.priority, 0) FROM jobs j WHERE j.tenant = 0 AND ",
+    "WITH clock AS ( \
+         SELECT coalesce(max(pass) - 1, 0) AS now FROM tenant_turns WHERE live), \
+     zero AS ( \
+         SELECT coalesce(( \
+             SELECT greatest(j.priority, 0) FROM jobs j WHERE j.tenant = 0 AND ",
     runnable!(),
-    " ORDER BY j.priority DESC, j.run_at LIMIT 1), 0) ELSE 0 END AS cut \
-         FROM shares s CROSS JOIN clock c ORDER BY 4 DESC, 3, 1), \
-     ready AS ( \
-         SELECT t.* FROM turns t \
+    " ORDER BY j.priority DESC, j.run_at LIMIT 1), 0) AS cut), \
+     turns AS MATERIALIZED ( \
+         SELECT t.tenant, t.pass FROM tenant_turns t WHERE t.live ORDER BY t.pass, t.tenant), \
+     walk AS ( \
+         SELECT t.tenant, t.pass FROM turns t \
          WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = t.tenant AND ",
     runnable!(),
     ") \
          LIMIT $2), \
+     ready AS ( \
+         SELECT w.tenant, coalesce(k.weight, 1)::float8 AS weight, \
+             greatest(w.pass, c.now) AS pass, CASE WHEN w.tenant = 0 THEN z.cut ELSE 0 END AS cut \
+         FROM (SELECT * FROM walk UNION \
+               SELECT t.tenant, t.pass FROM tenant_turns t, zero z \
+               WHERE t.tenant = 0 AND z.cut > 0) w \
+             CROSS JOIN clock c CROSS JOIN zero z \
+             LEFT JOIN api_tokens k ON k.id = w.tenant AND w.tenant <> 0), \
      lines AS ( \
          SELECT c.*, t.weight, t.pass, \
              CASE WHEN c.concurrency_key IS NOT NULL AND c.own_slot IS NULL THEN \
@@ -280,8 +280,8 @@ const ACQUIRE: &str = concat!(
          SELECT l.id, l.lease_owner, l.waiting, s.slot, s.tslot, s.tgen, s.tenant, s.turn, s.weight \
          FROM locked l JOIN slotted s ON s.id = l.id), \
      advanced AS ( \
-         INSERT INTO tenant_turns (tenant, pass) \
-         SELECT tenant, max(turn + 1 / weight) FROM picked GROUP BY tenant ORDER BY tenant \
+         INSERT INTO tenant_turns (tenant, pass, live) \
+         SELECT tenant, max(turn + 1 / weight), true FROM picked GROUP BY tenant ORDER BY tenant \
          ON CONFLICT (tenant) DO UPDATE SET pass = greatest(tenant_turns.pass, excluded.pass)), \
      fired AS ( \
          UPDATE waits w SET outcome = '{\"slept\": true}', done_at = now() \
@@ -389,6 +389,64 @@ impl Leases<'_> {
                 })
             })
             .collect()
+    }
+
+    /// Marks not live the tenants that have no unfinished job left, so the
+    /// acquire's walk (see [`ACQUIRE`]) no longer reads them; returns how
+    /// many. Run every few seconds by each node's supervisor: a tenant left
+    /// live costs the walk one probe while its pass is among the lowest, and
+    /// nothing else.
+    ///
+    /// Cannot leave a tenant with a job not live: the rows are locked
+    /// `FOR UPDATE` first, which waits for every intake whose trigger saw
+    /// the tenant live (it holds a `KEY SHARE` lock on the row until it
+    /// commits), and the jobs are then read again by a statement of its
+    /// own, with a new snapshot that sees those intakes' jobs. An intake
+    /// that comes after the lock waits for this transaction, then finds the
+    /// tenant not live and marks it again (`tenant_mark_live`).
+    pub async fn rest_idle_tenants(self) -> Result<usize, StoreError> {
+        retrying!(self, "rest_idle_tenants", async || {
+            #[derive(QueryableByName)]
+            struct Tenant {
+                #[diesel(sql_type = BigInt)]
+                tenant: i64,
+            }
+            macro_rules! idle {
+                () => {
+                    "t.live AND NOT EXISTS (SELECT 1 FROM jobs j \
+                     WHERE j.tenant = t.tenant AND j.finished_at IS NULL)"
+                };
+            }
+            let mut conn = self.db().conn().await?;
+            let idle: Vec<Tenant> = sql(concat!(
+                "SELECT t.tenant FROM tenant_turns t WHERE ",
+                idle!(),
+                " ORDER BY t.tenant"
+            ))
+            .load(&mut conn)
+            .await?;
+            if idle.is_empty() {
+                return Ok(0);
+            }
+            let idle: Vec<i64> = idle.into_iter().map(|t| t.tenant).collect();
+            conn.transaction::<_, StoreError, _>(async |conn| {
+                sql("SELECT tenant FROM tenant_turns WHERE tenant = ANY($1) \
+                     ORDER BY tenant FOR UPDATE")
+                .bind::<Array<BigInt>, _>(&idle)
+                .execute(conn)
+                .await?;
+                let rested = sql(concat!(
+                    "UPDATE tenant_turns t SET live = false WHERE t.tenant = ANY($1) AND ",
+                    idle!()
+                ))
+                .bind::<Array<BigInt>, _>(&idle)
+                .execute(conn)
+                .await?;
+                Ok(rested)
+            })
+            .await
+        })
+        .await
     }
 
     /// Extends the leases `node` holds on `held` (job id, epoch) in one
