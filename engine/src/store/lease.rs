@@ -161,7 +161,13 @@ macro_rules! runnable {
 ///   one acquire, so no more tenants' lines are read.
 /// - `ready`: those tenants (and tenant 0 when it cuts ahead), each with
 ///   its weight and its pass raised to the clock.
-/// - `lines`: each ready tenant's first `limit` runnable jobs in its own
+/// - `bound`: no job has a turn after this one and is among the first
+///   `limit` (the `limit`-th turn of any one tenant's line, or the
+///   `limit`-th tenant's first): so a tenant's line is cut at the jobs whose
+///   turn could come before it, and with many tenants backlogged each
+///   reads about one job, not `limit`.
+/// - `lines`: each ready tenant's first runnable jobs (up to `limit`, and
+///   to `bound`; all `limit` for tenant 0 when it cuts ahead) in its own
 ///   order (priority, then due time); `krn` numbers, within its key, the
 ///   jobs of a key that need a new slot, and `trn` those of a throttled
 ///   key that have never started (a start slot each); `key_t_*` is the
@@ -209,14 +215,18 @@ const ACQUIRE: &str = concat!(
     runnable!(),
     ") \
          LIMIT $2), \
-     ready AS ( \
-         SELECT w.tenant, coalesce(k.weight, 1)::float8 AS weight, \
+     ready AS MATERIALIZED ( \
+         SELECT w.tenant, coalesce((SELECT k.weight FROM api_tokens k \
+                 WHERE k.id = w.tenant AND w.tenant <> 0), 1)::float8 AS weight, \
              greatest(w.pass, c.now) AS pass, CASE WHEN w.tenant = 0 THEN z.cut ELSE 0 END AS cut \
          FROM (SELECT * FROM walk UNION \
                SELECT t.tenant, t.pass FROM tenant_turns t, zero z \
                WHERE t.tenant = 0 AND z.cut > 0) w \
-             CROSS JOIN clock c CROSS JOIN zero z \
-             LEFT JOIN api_tokens k ON k.id = w.tenant AND w.tenant <> 0), \
+             CROSS JOIN clock c CROSS JOIN zero z), \
+     bound AS ( \
+         SELECT least((SELECT min(pass + ($2 - 1) / weight) FROM ready WHERE cut = 0), \
+                      (SELECT pass FROM ready WHERE cut = 0 ORDER BY pass OFFSET $2 - 1 LIMIT 1)) \
+             AS turn), \
      lines AS ( \
          SELECT c.*, t.weight, t.pass, \
              CASE WHEN c.concurrency_key IS NOT NULL AND c.own_slot IS NULL THEN \
@@ -228,14 +238,16 @@ const ACQUIRE: &str = concat!(
                                     ORDER BY c.priority DESC, c.run_at, c.id) END AS trn, \
              first_value(c.t_limit) OVER key_line AS key_t_limit, \
              first_value(c.t_period) OVER key_line AS key_t_period \
-         FROM ready t CROSS JOIN LATERAL ( \
+         FROM ready t CROSS JOIN bound b CROSS JOIN LATERAL ( \
              SELECT j.id, j.tenant, j.priority, j.run_at, j.lease_epoch, j.concurrency_key, \
                  coalesce(j.concurrency_limit, 1) AS key_limit, j.key_slot AS own_slot, \
                  j.throttle_limit AS t_limit, j.throttle_period_s AS t_period, \
                  j.throttle_slot AS own_tslot \
              FROM jobs j WHERE j.tenant = t.tenant AND ",
     runnable!(),
-    " ORDER BY j.priority DESC, j.run_at LIMIT $2) c \
+    " ORDER BY j.priority DESC, j.run_at \
+             LIMIT CASE WHEN t.cut > 0 OR b.turn IS NULL THEN $2 \
+                 ELSE least($2, floor((b.turn - t.pass) * t.weight + 1e-9)::bigint + 1) END) c \
          WINDOW key_line AS (PARTITION BY c.tenant, c.concurrency_key, \
                                  c.t_limit IS NOT NULL AND c.own_tslot IS NULL \
                              ORDER BY c.priority DESC, c.run_at, c.id)), \
@@ -267,13 +279,13 @@ const ACQUIRE: &str = concat!(
              array_agg(lease_epoch ORDER BY cut DESC, turn, priority DESC, run_at, id) AS epochs \
          FROM slotted WHERE (krn IS NULL OR slot IS NOT NULL) AND (trn IS NULL OR tslot IS NOT NULL)), \
      locked AS ( \
-         SELECT j.id, j.lease_owner, j.waiting FROM jobs j \
-         WHERE j.id::text = ANY ((SELECT ids FROM queue)::text[]) \
-           AND j.lease_epoch = (SELECT epochs FROM queue)[array_position((SELECT ids FROM queue), j.id::text)] \
-           AND j.finished_at IS NULL \
+         SELECT j.id, j.lease_owner, j.waiting \
+         FROM queue q CROSS JOIN LATERAL unnest(q.ids, q.epochs) WITH ORDINALITY AS c(id, epoch, ord) \
+             JOIN jobs j ON j.id = c.id \
+         WHERE j.lease_epoch = c.epoch AND j.finished_at IS NULL \
            AND (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp() \
                 OR ($4 AND j.lease_owner = $1)) \
-         ORDER BY array_position((SELECT ids FROM queue), j.id::text) \
+         ORDER BY c.ord \
          LIMIT $2 \
          FOR NO KEY UPDATE OF j SKIP LOCKED), \
      picked AS ( \
