@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use onceflow_engine::faults::{Action, FailPoint};
 use onceflow_engine::store::journal::{FailedSend, ModelCallStart};
-use onceflow_engine::store::{BatchKind, Checkpoint, Fence};
+use onceflow_engine::store::{BatchKind, Checkpoint, Fence, Held};
 use onceflow_engine::testkit::{wait_until, Behaviour, TestEnv};
 use onceflow_engine::{DeliveryPolicy, Engine, ErrorEnvelope, JobState, Registry};
 use onceflow_workflows::Completion;
@@ -431,20 +431,23 @@ async fn one_refused_row_never_fails_its_batchmates() {
     )
     .await;
     let _engine = env.start(registry(DeliveryPolicy::AtLeastOnce), long_lease(&env));
-    env.store.group_commit().hold_batches(true);
+    env.store.group_commit().seam(Held::ModelAnswers).hold(true);
     env.submit("batch-bad", "one").await;
     env.submit("batch-good", "two").await;
     // Both answers are back and queued behind the held batch.
     let both = wait_until(WAIT, || async {
-        env.store.group_commit().queued_batch_requests() == 2
+        env.store.group_commit().seam(Held::ModelAnswers).queued() == 2
     })
     .await;
     assert!(both, "both answers queued behind the held batch");
-    env.store.group_commit().hold_batches(false);
+    env.store
+        .group_commit()
+        .seam(Held::ModelAnswers)
+        .hold(false);
     let bad = env.wait_for("batch-bad", JobState::Dead, WAIT).await;
     env.wait_for("batch-good", JobState::Acked, WAIT).await;
     assert!(
-        env.store.group_commit().largest_model_answer_batch() >= 2,
+        env.store.group_commit().seam(Held::ModelAnswers).largest() >= 2,
         "the two answers shared a batch"
     );
     assert!(fault.fired(&env).await >= 1);
@@ -514,17 +517,17 @@ async fn small_batches_wait_for_the_running_one_and_grow() {
     // None ran alone in the free slot: all three wait, queued together, for
     // as long as the running batch runs.
     let together = wait_until(WAIT, || async {
-        env.store.group_commit().queued_batch_requests() == 3
+        env.store.group_commit().seam(Held::ModelAnswers).queued() == 3
     })
     .await;
     assert!(
         together,
         "queued: {} (a small batch ran beside the running one)",
-        env.store.group_commit().queued_batch_requests()
+        env.store.group_commit().seam(Held::ModelAnswers).queued()
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
-        env.store.group_commit().queued_batch_requests(),
+        env.store.group_commit().seam(Held::ModelAnswers).queued(),
         3,
         "still waiting"
     );
@@ -550,7 +553,7 @@ async fn small_batches_wait_for_the_running_one_and_grow() {
         assert_eq!(posts(&env, id), 1, "{id}");
     }
     assert!(
-        env.store.group_commit().largest_model_answer_batch() >= 8,
+        env.store.group_commit().seam(Held::ModelAnswers).largest() >= 8,
         "the eight answers went in one statement"
     );
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceflow_engine::node::intake::NewJob;
-use onceflow_engine::store::ListFilter;
+use onceflow_engine::store::{Held, ListFilter};
 use onceflow_engine::testkit::{wait_until, TestEnv};
 use onceflow_engine::{Context, EngineConfig, JobState, Registry, StepError, Workflow};
 use serde::Deserialize;
@@ -531,21 +531,24 @@ async fn jobs_that_wake_together_read_their_own_journals_in_one_batch() {
     let env = TestEnv::new().await;
     let acted = Arc::new(AtomicU32::new(0));
     let _engine = env.start(registry(&acted), env.config());
-    env.store.group_commit().hold_journal_reads(true);
+    env.store.group_commit().seam(Held::JournalReads).hold(true);
     let ids: Vec<String> = (0..12).map(|i| format!("wj-{i:02}")).collect();
     for id in &ids {
         submit(&env, id, 500, 200).await;
     }
     let queued = wait_until(WAIT, || async {
-        env.store.group_commit().queued_journal_reads() == 12
+        env.store.group_commit().seam(Held::JournalReads).queued() == 12
     })
     .await;
     assert!(
         queued,
         "the reruns' journal reads queue behind the held batch: {}",
-        env.store.group_commit().queued_journal_reads()
+        env.store.group_commit().seam(Held::JournalReads).queued()
     );
-    env.store.group_commit().hold_journal_reads(false);
+    env.store
+        .group_commit()
+        .seam(Held::JournalReads)
+        .hold(false);
     for id in &ids {
         let job = env.wait_for(id, JobState::Acked, WAIT).await;
         assert_eq!(job.result.unwrap()["go"], Value::Null, "{id}");
@@ -557,9 +560,9 @@ async fn jobs_that_wake_together_read_their_own_journals_in_one_batch() {
         assert_eq!(env.consumer.processed_for(id), 1, "{id}");
     }
     assert!(
-        env.store.group_commit().largest_journal_batch() >= 12,
+        env.store.group_commit().seam(Held::JournalReads).largest() >= 12,
         "the twelve reads ran as one statement: largest batch {}",
-        env.store.group_commit().largest_journal_batch()
+        env.store.group_commit().seam(Held::JournalReads).largest()
     );
     assert_eq!(acted.load(Ordering::SeqCst), 12);
 }
@@ -586,7 +589,7 @@ async fn a_batched_journal_read_is_each_jobs_own_journal_in_order() {
         env.wait_for(id, JobState::Acked, WAIT).await;
     }
 
-    env.store.group_commit().hold_journal_reads(true);
+    env.store.group_commit().seam(Held::JournalReads).hold(true);
     let reads = ["jb-p1", "jb-a1", "jb-p2"].map(|id| {
         let store = env.store.clone();
         let fence = onceflow_engine::store::Fence {
@@ -599,17 +602,20 @@ async fn a_batched_journal_read_is_each_jobs_own_journal_in_order() {
         tokio::spawn(async move { store.journal().keys(&fence).await.unwrap() })
     });
     let queued = wait_until(WAIT, || async {
-        env.store.group_commit().queued_journal_reads() == 3
+        env.store.group_commit().seam(Held::JournalReads).queued() == 3
     })
     .await;
     assert!(queued, "the three reads queue behind the held batch");
-    env.store.group_commit().hold_journal_reads(false);
+    env.store
+        .group_commit()
+        .seam(Held::JournalReads)
+        .hold(false);
     let mut batched = Vec::new();
     for read in reads {
         batched.push(read.await.unwrap());
     }
     assert!(
-        env.store.group_commit().largest_journal_batch() >= 3,
+        env.store.group_commit().seam(Held::JournalReads).largest() >= 3,
         "one batch of three"
     );
 

@@ -320,7 +320,7 @@ impl Context {
         &mut self,
         calls: &[(&str, &Value)],
     ) -> Result<Vec<Value>, StepError> {
-        use futures_util::stream::{FuturesUnordered, StreamExt};
+        use futures_util::stream::FuturesUnordered;
         if calls.len() > MAX_PARALLEL_CALLS {
             return Err(StepError::permanent(
                 "too_many_calls",
@@ -352,44 +352,18 @@ impl Context {
             Box::pin(self.follow_journal(step, key, false)).await?;
         }
         let this = &*self;
-        let mut running: FuturesUnordered<_> = calls
+        let running: FuturesUnordered<_> = calls
             .iter()
             .zip(keys)
             .enumerate()
             .map(|(i, ((_, request), key))| {
-                Box::pin(async move { (i, this.serve_call(key, request).await) })
+                Box::pin(async move {
+                    let answer = this.serve_call(key, request).await;
+                    (i, answer.map(|(response, _)| response))
+                })
             })
             .collect();
-        let mut answers: Vec<Option<Value>> = vec![None; calls.len()];
-        let mut failed: Option<StepError> = None;
-        while let Some((i, answer)) = running.next().await {
-            match answer {
-                Ok((response, _)) => answers[i] = Some(response),
-                Err(
-                    e @ (StepError::LeaseLost
-                    | StepError::Draining
-                    | StepError::Injected(crate::faults::Injected::Crash(_))),
-                ) => {
-                    return Err(e); // the rest are dropped here, mid-way
-                }
-                Err(e) => {
-                    let worse = matches!(
-                        (&failed, &e),
-                        (None, _) | (Some(StepError::Retry { .. }), StepError::Permanent { .. })
-                    );
-                    if worse {
-                        failed = Some(e);
-                    }
-                }
-            }
-        }
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        Ok(answers
-            .into_iter()
-            .map(|a| a.expect("every call answered"))
-            .collect())
+        super::gather(calls.len(), running).await
     }
 
     /// One model call under `key`, once the journal's order was checked.

@@ -190,3 +190,44 @@ impl Context {
         &self.client
     }
 }
+
+/// Gathers the branches of a parallel batch (`ctx.generate_all`,
+/// `ctx.steps`): each yields its index and its outcome. A lost lease, a
+/// drain or a crash ends the batch at once (the branches still running are
+/// dropped mid-way, as a killed process would leave them); otherwise every
+/// branch runs to its end, and the worst failure (a permanent one over a
+/// retry) is the batch's, or else every branch's output, in order.
+async fn gather<T>(
+    n: usize,
+    mut running: impl futures_util::Stream<Item = (usize, Result<T, StepError>)> + Unpin,
+) -> Result<Vec<T>, StepError> {
+    use futures_util::StreamExt;
+    let mut outputs: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    let mut failed: Option<StepError> = None;
+    while let Some((i, output)) = running.next().await {
+        match output {
+            Ok(output) => outputs[i] = Some(output),
+            Err(
+                e @ (StepError::LeaseLost
+                | StepError::Draining
+                | StepError::Injected(crate::faults::Injected::Crash(_))),
+            ) => return Err(e),
+            Err(e) => {
+                let worse = matches!(
+                    (&failed, &e),
+                    (None, _) | (Some(StepError::Retry { .. }), StepError::Permanent { .. })
+                );
+                if worse {
+                    failed = Some(e);
+                }
+            }
+        }
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    Ok(outputs
+        .into_iter()
+        .map(|o| o.expect("every branch answered"))
+        .collect())
+}

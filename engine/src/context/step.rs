@@ -86,7 +86,7 @@ impl Context {
         F: FnOnce(StepInvocation) -> Fut,
         Fut: std::future::Future<Output = Result<T, StepError>>,
     {
-        use futures_util::stream::{FuturesUnordered, StreamExt};
+        use futures_util::stream::FuturesUnordered;
         if steps.len() > MAX_PARALLEL_STEPS {
             return Err(StepError::permanent(
                 "too_many_steps",
@@ -118,7 +118,7 @@ impl Context {
         }
         let n = steps.len();
         let this = &*self;
-        let mut running: FuturesUnordered<_> = steps
+        let running: FuturesUnordered<_> = steps
             .into_iter()
             .zip(keys)
             .enumerate()
@@ -126,34 +126,7 @@ impl Context {
                 Box::pin(async move { (i, this.run_step(name, key, work).await) })
             })
             .collect();
-        let mut outputs: Vec<Option<T>> = (0..n).map(|_| None).collect();
-        let mut failed: Option<StepError> = None;
-        while let Some((i, output)) = running.next().await {
-            match output {
-                Ok(output) => outputs[i] = Some(output),
-                Err(
-                    e @ (StepError::LeaseLost
-                    | StepError::Draining
-                    | StepError::Injected(crate::faults::Injected::Crash(_))),
-                ) => return Err(e),
-                Err(e) => {
-                    let worse = matches!(
-                        (&failed, &e),
-                        (None, _) | (Some(StepError::Retry { .. }), StepError::Permanent { .. })
-                    );
-                    if worse {
-                        failed = Some(e);
-                    }
-                }
-            }
-        }
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        Ok(outputs
-            .into_iter()
-            .map(|o| o.expect("every step answered"))
-            .collect())
+        super::gather(n, running).await
     }
 
     /// One step after its journal check: fenced, run, journaled.

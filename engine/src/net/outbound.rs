@@ -65,6 +65,52 @@ pub struct Seam<'a> {
     pub point: FailPoint,
 }
 
+/// The POST of `body` to `url` with `headers`, once `guard` (when given)
+/// let the URL through: literal addresses here, names when they resolve.
+fn guarded(
+    client: &reqwest::Client,
+    url: &str,
+    headers: Vec<(&'static str, String)>,
+    body: Vec<u8>,
+    guard: Option<&crate::net::guard::UrlGuard>,
+) -> Result<reqwest::RequestBuilder, PostError> {
+    if let Some(guard) = guard {
+        let parsed = url::Url::parse(url)
+            .map_err(|e| PostError::Failed(Failure::Refused(format!("not a valid URL: {e}"))))?;
+        guard
+            .check(&parsed)
+            .map_err(|r| PostError::Failed(Failure::Refused(r.0)))?;
+    }
+    let mut request = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    Ok(request)
+}
+
+/// Hits `seam`'s failpoint, when there is one: the server has answered.
+async fn hit(seam: Option<Seam<'_>>) -> Result<(), PostError> {
+    if let Some(seam) = seam {
+        seam.faults
+            .hit(seam.job_id, seam.point)
+            .await
+            .map_err(PostError::Injected)?;
+    }
+    Ok(())
+}
+
+/// The server's `Retry-After`, when it sent one that parses.
+fn retry_after_of(response: &reqwest::Response) -> Option<Duration> {
+    response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_retry_after)
+}
+
 /// Sends `post`; returns the 2xx status and body. `seam`, when given, is
 /// hit once the server has answered and before the answer is read.
 pub async fn post(
@@ -80,22 +126,7 @@ pub async fn post(
         read,
         guard,
     } = post;
-    if let Some(guard) = guard {
-        // Literal addresses here; names when they resolve.
-        let parsed = url::Url::parse(url)
-            .map_err(|e| PostError::Failed(Failure::Refused(format!("not a valid URL: {e}"))))?;
-        guard
-            .check(&parsed)
-            .map_err(|r| PostError::Failed(Failure::Refused(r.0)))?;
-    }
-    let mut request = client
-        .post(url)
-        .timeout(timeout)
-        .header("content-type", "application/json")
-        .body(body);
-    for (name, value) in headers {
-        request = request.header(name, value);
-    }
+    let request = guarded(client, url, headers, body, guard)?.timeout(timeout);
     // The URL stays out of the error (it may carry a key in its query).
     let response = request.send().await.map_err(|e| {
         let e = e.without_url();
@@ -104,18 +135,9 @@ pub async fn post(
             None => classify(&e),
         })
     })?;
-    if let Some(seam) = seam {
-        seam.faults
-            .hit(seam.job_id, seam.point)
-            .await
-            .map_err(PostError::Injected)?;
-    }
+    hit(seam).await?;
     let status = response.status().as_u16();
-    let retry_after = response
-        .headers()
-        .get("retry-after")
-        .and_then(|v| v.to_str().ok())
-        .and_then(parse_retry_after);
+    let retry_after = retry_after_of(&response);
     let success = (200..300).contains(&status);
     let (limit, keep_errors) = match read {
         // Dropped unread: the connection closes; the status decides.
@@ -158,20 +180,7 @@ pub async fn open(
         guard,
         ..
     } = post;
-    if let Some(guard) = guard {
-        let parsed = url::Url::parse(url)
-            .map_err(|e| PostError::Failed(Failure::Refused(format!("not a valid URL: {e}"))))?;
-        guard
-            .check(&parsed)
-            .map_err(|r| PostError::Failed(Failure::Refused(r.0)))?;
-    }
-    let mut request = client
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body);
-    for (name, value) in headers {
-        request = request.header(name, value);
-    }
+    let request = guarded(client, url, headers, body, guard)?;
     let response = tokio::time::timeout(timeout, request.send())
         .await
         .map_err(|_| {
@@ -181,21 +190,12 @@ pub async fn open(
             )))
         })?
         .map_err(|e| PostError::Failed(classify(&e.without_url())))?;
-    if let Some(seam) = seam {
-        seam.faults
-            .hit(seam.job_id, seam.point)
-            .await
-            .map_err(PostError::Injected)?;
-    }
+    hit(seam).await?;
     let status = response.status().as_u16();
     if (200..300).contains(&status) {
         return Ok((status, response));
     }
-    let retry_after = response
-        .headers()
-        .get("retry-after")
-        .and_then(|v| v.to_str().ok())
-        .and_then(parse_retry_after);
+    let retry_after = retry_after_of(&response);
     let bytes = read_capped(response, 64 << 10).await.unwrap_or_default();
     Err(PostError::Failed(Failure::Status {
         status,

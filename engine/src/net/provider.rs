@@ -102,6 +102,16 @@ pub struct Provider {
     config: ProviderConfig,
 }
 
+/// The seam a model call passes once the provider has answered, before
+/// the answer is read: [`FailPoint::ModelAfterSend`].
+fn answered<'a>(faults: &'a Faults, job_id: &'a str) -> Seam<'a> {
+    Seam {
+        faults,
+        job_id,
+        point: FailPoint::ModelAfterSend,
+    }
+}
+
 impl Provider {
     /// A client for the provider `config` describes, sending through `client`.
     pub fn new(client: reqwest::Client, config: ProviderConfig) -> Self {
@@ -158,6 +168,27 @@ impl Provider {
         })
     }
 
+    /// The POST of `body` to the provider's `url`: its timeout, its cap on
+    /// the answer (error bodies kept, redacted), no SSRF guard (the
+    /// provider's URL is the operator's).
+    fn post<'a>(
+        &self,
+        url: &'a str,
+        headers: Vec<(&'static str, String)>,
+        body: &Value,
+    ) -> Post<'a> {
+        Post {
+            url,
+            headers,
+            body: serde_json::to_vec(body).expect("a JSON value serialises"),
+            timeout: self.config.timeout,
+            read: crate::net::outbound::Read::BodyAndErrors {
+                limit: self.config.max_response_bytes,
+            },
+            guard: None,
+        }
+    }
+
     /// POSTs `request` (an OpenAI chat-completions request) with
     /// `Idempotency-Key: key` and the job's `traceparent`: to
     /// `/chat/completions`, or translated to Anthropic's `/v1/messages` when
@@ -190,22 +221,8 @@ impl Provider {
                 std::borrow::Cow::Borrowed(request)
             }
         };
-        let body = serde_json::to_vec(&*body).expect("a JSON value serialises");
-        let request = Post {
-            url: &url,
-            headers,
-            body,
-            timeout: self.config.timeout,
-            read: crate::net::outbound::Read::BodyAndErrors {
-                limit: self.config.max_response_bytes,
-            },
-            guard: None,
-        };
-        let seam = Seam {
-            faults,
-            job_id,
-            point: FailPoint::ModelAfterSend,
-        };
+        let request = self.post(&url, headers, &body);
+        let seam = answered(faults, job_id);
         let (status, bytes) = post(&self.client, request, Some(seam)).await?;
         let response: Value = serde_json::from_slice(&bytes).map_err(|e| {
             PostError::Failed(Failure::BadResponse(format!(
@@ -254,21 +271,8 @@ impl Provider {
         } = self.target(request, key, traceparent)?;
         headers.push(("accept", "text/event-stream".to_owned()));
         let body = stream_body(anthropic, request);
-        let post = Post {
-            url: &url,
-            headers,
-            body: serde_json::to_vec(&body).expect("a JSON value serialises"),
-            timeout: self.config.timeout,
-            read: crate::net::outbound::Read::BodyAndErrors {
-                limit: self.config.max_response_bytes,
-            },
-            guard: None,
-        };
-        let seam = Seam {
-            faults,
-            job_id,
-            point: FailPoint::ModelAfterSend,
-        };
+        let post = self.post(&url, headers, &body);
+        let seam = answered(faults, job_id);
         let (status, response) = crate::net::outbound::open(&self.client, post, Some(seam)).await?;
         let answer = self.read_stream(response, anthropic, on_text).await?;
         let response = answer.completion(request);
@@ -490,14 +494,7 @@ pub mod sse {
                 self.done = true;
                 return Ok(None);
             }
-            let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
-            if let Some(error) = event.get("error") {
-                return Err(format!(
-                    "the provider reported an error mid-stream: {}",
-                    crate::net::outbound::redact(&error.to_string())
-                ));
-            }
-            self.chunks += 1;
+            let event = self.event(data)?;
             for (field, slot) in [("id", &mut self.id), ("model", &mut self.model)] {
                 if slot.is_none() {
                     *slot = event.get(field).cloned();
@@ -523,7 +520,9 @@ pub mod sse {
             }
         }
 
-        fn take_anthropic(&mut self, data: &str) -> Result<Option<String>, String> {
+        /// One event of the stream, counted; an error the provider reports
+        /// in the stream (credentials redacted) fails it.
+        fn event(&mut self, data: &str) -> Result<Value, String> {
             let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
             if let Some(error) = event.get("error") {
                 return Err(format!(
@@ -532,6 +531,11 @@ pub mod sse {
                 ));
             }
             self.chunks += 1;
+            Ok(event)
+        }
+
+        fn take_anthropic(&mut self, data: &str) -> Result<Option<String>, String> {
+            let event = self.event(data)?;
             match event["type"].as_str() {
                 Some("message_start") => {
                     let message = &event["message"];

@@ -120,6 +120,32 @@ pub struct Shutdown;
 #[rtype(result = "()")]
 pub struct Drain;
 
+/// A housekeeping task that runs one at a time: asked for while it runs,
+/// it runs once more when it ends.
+#[derive(Default)]
+struct OneAtATime {
+    running: bool,
+    again: bool,
+}
+
+impl OneAtATime {
+    /// Whether to start now; if one runs, it is marked to run again.
+    fn start(&mut self) -> bool {
+        if self.running {
+            self.again = true;
+            return false;
+        }
+        self.running = true;
+        true
+    }
+
+    /// The run ended: whether it was asked for meanwhile.
+    fn end(&mut self) -> bool {
+        self.running = false;
+        std::mem::take(&mut self.again)
+    }
+}
+
 /// The per-node supervisor.
 pub struct Supervisor {
     shared: Arc<Shared>,
@@ -133,9 +159,9 @@ pub struct Supervisor {
     resting: bool,
     /// When the last one ran.
     rested_at: Option<std::time::Instant>,
-    sending_events: bool,
-    /// A `SendEvents` arrived during a sweep: sweep again after it.
-    events_again: bool,
+    /// The sweep of failure events (a `SendEvents` that arrives during one
+    /// sweeps again after it).
+    sending_events: OneAtATime,
     /// The sweep armed for the soonest pending event (a retry, or another
     /// node's send whose mark may lapse).
     events_timer: Option<SpawnHandle>,
@@ -152,10 +178,10 @@ pub struct Supervisor {
     reported_in_flight: i64,
     /// When to look for due schedules next.
     schedules_due: SchedulesDue,
-    firing: bool,
-    /// A `FireSchedules` arrived during a firing (a schedule created or
-    /// resumed meanwhile): fire again after it, whatever it read.
-    fire_again: bool,
+    /// The firing of schedules (a `FireSchedules` that arrives during one,
+    /// for a schedule created or resumed meanwhile, fires again after it,
+    /// whatever it read).
+    firing: OneAtATime,
     /// Due times of the waits this node released, earliest first, in
     /// milliseconds since `started` (this process's monotonic clock,
     /// rounded up): one entry per millisecond, however many jobs fall due
@@ -212,8 +238,7 @@ impl Supervisor {
             gauging: false,
             resting: false,
             rested_at: None,
-            sending_events: false,
-            events_again: false,
+            sending_events: OneAtATime::default(),
             events_timer: None,
             purge_timer: None,
             purge_due: None,
@@ -222,8 +247,7 @@ impl Supervisor {
             stopping: false,
             reported_in_flight: 0,
             schedules_due: SchedulesDue::Now,
-            firing: false,
-            fire_again: false,
+            firing: OneAtATime::default(),
             wakeups: BTreeSet::new(),
             wake: None,
             started: std::time::Instant::now(),
@@ -726,14 +750,12 @@ impl Handler<FireSchedules> for Supervisor {
         if self.stopping {
             return;
         }
-        if self.firing {
-            // What this firing reads of the schedules may predate the
-            // request (a schedule created or resumed meanwhile): look again
-            // when it ends.
-            self.fire_again = true;
+        // What a firing under way reads of the schedules may predate the
+        // request (a schedule created or resumed meanwhile): it looks again
+        // when it ends.
+        if !self.firing.start() {
             return;
         }
-        self.firing = true;
         // Polls during the firing do not ask again; its result says when.
         self.schedules_due = SchedulesDue::WhenTold;
         let shared = self.shared.clone();
@@ -764,8 +786,7 @@ impl Handler<FireSchedules> for Supervisor {
             }
             .into_actor(self)
             .map(move |result, act, ctx| {
-                act.firing = false;
-                if std::mem::take(&mut act.fire_again) {
+                if act.firing.end() {
                     ctx.notify(FireSchedules);
                 }
                 let now = std::time::Instant::now();
@@ -865,12 +886,10 @@ impl Handler<SendEvents> for Supervisor {
         if self.stopping {
             return;
         }
-        if self.sending_events {
-            // Queued meanwhile, perhaps after this sweep's claim: again.
-            self.events_again = true;
+        // Queued during a sweep, perhaps after its claim: it sweeps again.
+        if !self.sending_events.start() {
             return;
         }
-        self.sending_events = true;
         if let Some(armed) = self.events_timer.take() {
             ctx.cancel_future(armed);
         }
@@ -884,7 +903,7 @@ impl Handler<SendEvents> for Supervisor {
             shared.store.events().next_in().await
         };
         ctx.spawn(sweep.into_actor(self).map(|result, act, ctx| {
-            act.sending_events = false;
+            let again = act.sending_events.end();
             let poll = act.shared.config.poll_interval;
             let next = match result {
                 Ok(next) => next,
@@ -893,7 +912,7 @@ impl Handler<SendEvents> for Supervisor {
                     Some(poll * 10)
                 }
             };
-            if std::mem::take(&mut act.events_again) {
+            if again {
                 ctx.notify(SendEvents);
             } else if let Some(next) = next {
                 // The soonest pending event: a retry's backoff, or another

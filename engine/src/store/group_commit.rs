@@ -96,6 +96,34 @@ impl<R, O> std::fmt::Debug for Batcher<R, O> {
     }
 }
 
+/// A batcher's test seam: hold its batches, count what waits, see the
+/// largest batch it ran.
+#[derive(Clone, Copy)]
+pub struct BatchSeam<'a> {
+    hold: &'a tokio::sync::watch::Sender<bool>,
+    largest: &'a std::sync::atomic::AtomicUsize,
+    queued: &'a std::sync::atomic::AtomicUsize,
+}
+
+impl BatchSeam<'_> {
+    /// Holds (true) or releases (false) the batches: while held, requests
+    /// queue and no batch starts; releasing runs everything queued (up to
+    /// the batch limit) as one batch.
+    pub fn hold(self, hold: bool) {
+        self.hold.send_replace(hold);
+    }
+
+    /// Requests handed in and not yet taken into a batch.
+    pub fn queued(self) -> usize {
+        self.queued.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The most requests one batch has held.
+    pub fn largest(self) -> usize {
+        self.largest.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 impl<R, O> Batcher<R, O>
 where
     R: Keyed + Clone + Send + Sync + 'static,
@@ -179,19 +207,34 @@ where
         }
     }
 
-    /// Holds (true) or releases (false) the batches of this kind.
-    pub(crate) fn hold(&self, hold: bool) {
-        self.hold.send_replace(hold);
+    /// This batcher's test seam.
+    pub(crate) fn seam(&self) -> BatchSeam<'_> {
+        BatchSeam {
+            hold: &self.hold,
+            largest: &self.largest,
+            queued: &self.queued,
+        }
     }
 
-    /// Requests handed in and not yet taken into a batch.
-    pub(crate) fn queued(&self) -> usize {
-        self.queued.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The most requests one batch of this kind has held.
-    pub(crate) fn largest(&self) -> usize {
-        self.largest.load(std::sync::atomic::Ordering::Relaxed)
+    /// [`Self::call`], submitted again while `store`'s retry budget for
+    /// `what` allows (a transient failure of the batch: a lost connection,
+    /// a serialization failure); the outcome of the last try.
+    pub(crate) async fn call_retrying(
+        &self,
+        store: &super::Store,
+        what: &'static str,
+        request: R,
+    ) -> Result<O, StoreError>
+    where
+        R: Clone,
+    {
+        let mut retry = store.retry(what);
+        loop {
+            match self.call(request.clone()).await {
+                Err(e) if retry.again(&e) => retry.wait().await,
+                other => return other,
+            }
+        }
     }
 
     /// Submits `request` and waits for its outcome (after the commit).

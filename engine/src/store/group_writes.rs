@@ -718,7 +718,17 @@ pub(crate) async fn model_answer_on(
         .collect())
 }
 
-/// A group-commit statement, named for tests that probe its locking.
+/// The batchers a test may hold ([`GroupCommit::seam`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// Model answers journaled under their keys.
+    ModelAnswers,
+    /// Reruns' reads of their journals.
+    JournalReads,
+}
+
+/// A group-commit statement, named for tests that probe its locking
+/// ([`GroupCommit::probe_batch_locks`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchKind {
     /// `delivered → acked`.
@@ -735,45 +745,17 @@ pub enum BatchKind {
     Renew,
 }
 
-impl GroupCommit<'_> {
-    /// Test seam: while held, model answers queue and no model-answer batch
-    /// starts; releasing runs everything queued (up to the batch limit) as
-    /// one batch. (Intake and the other kinds keep running, so jobs can be
-    /// submitted and reach their model call meanwhile.)
+impl<'a> GroupCommit<'a> {
+    /// Test seam for the batches of `which`: hold them (while held,
+    /// requests queue and no batch starts; the other kinds keep running,
+    /// so jobs can be submitted and reach their model call meanwhile),
+    /// count what waits, see the largest batch.
     #[doc(hidden)]
-    pub fn hold_batches(self, hold: bool) {
-        self.batches.model_answer.hold(hold);
-    }
-
-    /// Model answers handed in and not yet taken into a batch.
-    #[doc(hidden)]
-    pub fn queued_batch_requests(self) -> usize {
-        self.batches.model_answer.queued()
-    }
-
-    /// The most requests one batch of model answers has held.
-    #[doc(hidden)]
-    pub fn largest_model_answer_batch(self) -> usize {
-        self.batches.model_answer.largest()
-    }
-
-    /// Test seam: while held, reruns' journal reads queue and no batch of
-    /// them starts; releasing runs everything queued as one batch.
-    #[doc(hidden)]
-    pub fn hold_journal_reads(self, hold: bool) {
-        self.batches.journal.hold(hold);
-    }
-
-    /// Journal reads handed in and not yet taken into a batch.
-    #[doc(hidden)]
-    pub fn queued_journal_reads(self) -> usize {
-        self.batches.journal.queued()
-    }
-
-    /// The most journal reads one batch has held.
-    #[doc(hidden)]
-    pub fn largest_journal_batch(self) -> usize {
-        self.batches.journal.largest()
+    pub fn seam(self, which: Held) -> super::group_commit::BatchSeam<'a> {
+        match which {
+            Held::ModelAnswers => self.0.batches.model_answer.seam(),
+            Held::JournalReads => self.0.batches.journal.seam(),
+        }
     }
 
     /// Test seam: runs the group-commit statement `kind` over `fences`

@@ -372,18 +372,15 @@ impl Journal<'_> {
         }
         // Fenced (the job row locked at the epoch first), and group-committed
         // with the answers of other jobs arriving at the same moment.
-        retrying!(self, "complete_model_call", async || {
-            self.batches
-                .model_answer
-                .call(super::group_writes::ModelAnswer {
-                    fence: fence.clone(),
-                    key: key.to_owned(),
-                    response: response.clone(),
-                    usage,
-                })
-                .await
-        })
-        .await
+        let answer = super::group_writes::ModelAnswer {
+            fence: fence.clone(),
+            key: key.to_owned(),
+            response: response.clone(),
+            usage,
+        };
+        (self.batches.model_answer)
+            .call_retrying(&self, "complete_model_call", answer)
+            .await
     }
 
     /// Records a failed send of `key` and frees it for the next attempt.
@@ -484,10 +481,9 @@ impl Journal<'_> {
             in_flight_ms: claim.in_flight_ms,
             lease_ms: claim.lease_ms,
         };
-        retrying!(self, "commit_result", async || {
-            self.batches.commit_result.call(request.clone()).await
-        })
-        .await
+        (self.batches.commit_result)
+            .call_retrying(&self, "commit_result", request)
+            .await
     }
 
     /// Decides whether this attempt POSTs the webhook under `key`, and marks
@@ -628,17 +624,14 @@ impl Journal<'_> {
         }
         // The guarded move (locking the job row first), the outbox row and
         // the history row: one statement, group-committed with other jobs'.
-        retrying!(self, "mark_delivered", async || {
-            self.batches
-                .delivered
-                .call(super::group_writes::Delivered {
-                    fence: fence.clone(),
-                    key: key.to_owned(),
-                    status,
-                })
-                .await
-        })
-        .await
+        let delivered = super::group_writes::Delivered {
+            fence: fence.clone(),
+            key: key.to_owned(),
+            status,
+        };
+        (self.batches.delivered)
+            .call_retrying(&self, "mark_delivered", delivered)
+            .await
     }
 
     /// Records a failed POST and frees the row for the next attempt; with
@@ -689,15 +682,10 @@ impl Journal<'_> {
     /// One statement (the guarded move with its history row); the ack seam is
     /// [`FailPoint::Ack`], hit by the actor just before.
     pub async fn ack(self, fence: &Fence) -> Result<Checkpoint, StoreError> {
-        retrying!(self, "ack", async || {
-            self.batches
-                .ack
-                .call(super::group_writes::Ack {
-                    fence: fence.clone(),
-                })
-                .await
-        })
-        .await
+        let ack = super::group_writes::Ack {
+            fence: fence.clone(),
+        };
+        (self.batches.ack).call_retrying(&self, "ack", ack).await
     }
 
     /// Dead-letters the job (and its outbox row, if `outbox_status` is given).

@@ -282,10 +282,9 @@ impl Journal<'_> {
         let request = super::group_writes::JournalRead {
             fence: fence.clone(),
         };
-        let keys = retrying!(self, "journal_keys", async || {
-            self.batches.journal.call(request.clone()).await
-        })
-        .await?;
+        let keys = (self.batches.journal)
+            .call_retrying(&self, "journal_keys", request)
+            .await?;
         Ok(keys
             .into_iter()
             .map(|(key, outcome)| Journaled { key, outcome })

@@ -80,7 +80,7 @@ use sql::sql;
 use crate::db::Db;
 use crate::error::StoreError;
 
-pub use group_writes::BatchKind;
+pub use group_writes::{BatchKind, Held};
 pub use jobs::{
     DeliveryView, HistoryEntry, Intake, JobSummary, JobView, ListFilter, Submission, Submitted,
     COMPUTED_WAIT_KINDS,

@@ -334,10 +334,9 @@ impl Journal<'_> {
             generation,
             rows,
         };
-        let (checkpoint, published) = retrying!(self, "journal_stream", async || {
-            self.batches.stream.call(write.clone()).await
-        })
-        .await?;
+        let (checkpoint, published) = (self.batches.stream)
+            .call_retrying(&self, "journal_stream", write)
+            .await?;
         if !published.events.is_empty() {
             self.watchers.publish(&fence.job_id, published);
         }
