@@ -28,7 +28,8 @@
 //!   their arithmetic ([`rules::quota`]), how a wait ends
 //!   ([`rules::wait_machine`]), a signal's rules ([`rules::signal`]), a
 //!   cron's fire times ([`rules::schedule`]): decided with no I/O.
-//! * [`limiter`] — model calls waiting their turn on a quota.
+//! * [`limiter`] — model calls waiting their turn on a quota; [`hub`] —
+//!   this node's watchers of streamed jobs and of token changes (in memory).
 //! * [`store`] — all SQL; [`db`] the pool and migrations; [`pg`] the embedded
 //!   PostgreSQL.
 //! * [`node::shared`] — what a node's actors share; [`runtime`] — starting a
@@ -53,6 +54,7 @@ pub mod context;
 pub mod db;
 pub mod error;
 pub mod faults;
+pub mod hub;
 pub mod limiter;
 pub mod net;
 pub mod node;

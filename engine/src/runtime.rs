@@ -59,6 +59,7 @@ impl Engine {
         let (stop_listener, stopped) = tokio::sync::watch::channel(false);
         actix::spawn(listen(
             store.clone(),
+            shared.hub.clone(),
             supervisor.clone(),
             limiter.clone(),
             stopped,
@@ -85,6 +86,13 @@ impl Engine {
     /// state, [`crate::api::ApiState::handoff`], on a node that runs both).
     pub fn handoff(&self) -> crate::node::handoff::Handoff {
         self.handoff.clone()
+    }
+
+    /// This node's watchers of streamed jobs and of token changes (give it
+    /// to the API's state, [`crate::api::ApiState::hub`], on a node that
+    /// runs both).
+    pub fn hub(&self) -> Arc<crate::hub::Hub> {
+        self.shared.hub.clone()
     }
 
     /// Look for work now.
@@ -183,6 +191,7 @@ impl Engine {
 /// carries on meanwhile.
 async fn listen(
     store: Store,
+    hub: Arc<crate::hub::Hub>,
     supervisor: Addr<Supervisor>,
     limiter: Arc<crate::limiter::Limiter>,
     mut stopped: tokio::sync::watch::Receiver<bool>,
@@ -194,7 +203,7 @@ async fn listen(
             match store.db().dedicated().await {
                 Ok(mut conn) => {
                     let started = std::time::Instant::now();
-                    if let Err(e) = listen_on(&mut conn, &store, &supervisor, &limiter).await {
+                    if let Err(e) = listen_on(&mut conn, &hub, &supervisor, &limiter).await {
                         tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
                     }
                     started.elapsed() > Duration::from_secs(5)
@@ -227,7 +236,7 @@ async fn listen(
 
 async fn listen_on(
     conn: &mut AsyncPgConnection,
-    store: &Store,
+    hub: &crate::hub::Hub,
     supervisor: &Addr<Supervisor>,
     limiter: &crate::limiter::Limiter,
 ) -> Result<(), diesel::result::Error> {
@@ -245,11 +254,11 @@ async fn listen_on(
         let n = n?;
         match Channel::parse(&n.channel) {
             Some(Channel::Limits) => limiter.wake(&n.payload),
-            Some(Channel::Stream) => store.events().moved(&n.payload),
+            Some(Channel::Stream) => hub.moved(&n.payload),
             Some(Channel::Cancelled) => {
                 supervisor.do_send(crate::node::supervisor::Cancelled(n.payload))
             }
-            Some(Channel::Tokens) => store.tokens().changed(&n.payload),
+            Some(Channel::Tokens) => hub.token_changed(&n.payload),
             Some(Channel::Schedules) => {
                 supervisor.do_send(crate::node::supervisor::SchedulesChanged)
             }

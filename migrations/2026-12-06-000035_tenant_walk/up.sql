@@ -8,14 +8,12 @@
 -- a child, a schedule's firing, a redrive) marks it, in the same
 -- transaction. A trigger that finds its tenant live already takes only a
 -- KEY SHARE lock on the row (no write; concurrent intakes do not wait on
--- each other); the sweep locks a row FOR UPDATE before it clears it, so it
--- waits for every intake that saw the tenant live, then reads the jobs
--- again with a new snapshot. An intake that comes after the sweep's lock
--- waits for it and then finds the tenant not live, and marks it again.
+-- each other); the sweep locks a row FOR UPDATE SKIP LOCKED before it
+-- clears it, so it leaves alone every tenant an open intake saw live, then
+-- reads the jobs again with a new snapshot. An intake that comes after the
+-- sweep's lock waits for it, then finds the tenant not live and marks it
+-- again.
 ALTER TABLE tenant_turns ADD COLUMN live BOOLEAN NOT NULL DEFAULT false;
-INSERT INTO tenant_turns (tenant, pass, live)
-    SELECT DISTINCT tenant, 0, true FROM jobs WHERE finished_at IS NULL
-    ON CONFLICT (tenant) DO UPDATE SET live = true;
 CREATE INDEX tenant_turns_live ON tenant_turns (pass, tenant) WHERE live;
 
 CREATE FUNCTION tenant_mark_live(t BIGINT) RETURNS void LANGUAGE plpgsql AS $$
@@ -49,3 +47,11 @@ END $$;
 CREATE TRIGGER jobs_tenant_live_again AFTER UPDATE OF finished_at ON jobs
     FOR EACH ROW WHEN (OLD.finished_at IS NOT NULL AND NEW.finished_at IS NULL)
     EXECUTE FUNCTION tenant_of_revived_job();
+
+-- The tenants with live jobs now, read after the triggers exist: creating
+-- them locked `jobs` against writes until this transaction ends, so a job
+-- another node commits meanwhile is either seen here or marks its tenant
+-- itself.
+INSERT INTO tenant_turns (tenant, pass, live)
+    SELECT DISTINCT tenant, 0, true FROM jobs WHERE finished_at IS NULL
+    ON CONFLICT (tenant) DO UPDATE SET live = true;

@@ -63,6 +63,7 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
             loopback,
             draining.clone(),
             engine.handoff(),
+            engine.hub(),
         );
         let server = actix_web::HttpServer::new(move || {
             actix_web::App::new().configure(api::configure(state.clone()))
@@ -189,6 +190,7 @@ fn api_state(
     loopback: bool,
     draining: Arc<std::sync::atomic::AtomicBool>,
     handoff: onceflow_engine::node::handoff::Handoff,
+    hub: Arc<onceflow_engine::hub::Hub>,
 ) -> ApiState {
     ApiState {
         store,
@@ -209,6 +211,7 @@ fn api_state(
         trace_url: args.trace_url.clone(),
         // A job this node has room for runs here without a queue round trip.
         handoff: Some(handoff),
+        hub,
     }
 }
 

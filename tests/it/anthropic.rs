@@ -171,7 +171,7 @@ async fn an_unknown_provider_is_refused_at_intake() {
     let env = TestEnv::new().await;
     let mut registry = Registry::new();
     registry.register(Completion::default());
-    let base = crate::support::serve_api(env.store.clone(), registry, None);
+    let base = crate::support::serve_api(&env, registry, None);
     let (status, body) = crate::support::post_job(
         &base,
         &json!({ "id": "gem-1", "workflow": "completion", "webhook_url": env.consumer.url(),

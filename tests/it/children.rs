@@ -1039,7 +1039,7 @@ async fn a_cancel_takes_grandchildren_too() {
 async fn a_bulk_cancel_takes_each_parents_children_uncounted() {
     let env = TestEnv::new().await;
     env.provider.set_latency(Duration::from_secs(20));
-    let base = crate::support::serve_api(env.store.clone(), registry(), None);
+    let base = crate::support::serve_api(&env, registry(), None);
     let _engine = env.start(registry(), env.config());
     env.submit_job(parent(&env, "bulk-parent", &["a", "b"], None))
         .await;

@@ -21,7 +21,7 @@ fn registry() -> Registry {
 }
 
 fn api(env: &TestEnv, auth: Auth) -> String {
-    crate::support::serve_api_with_auth(env.store.clone(), registry(), auth)
+    crate::support::serve_api_with_auth(env, registry(), auth)
 }
 
 async fn call(

@@ -895,11 +895,7 @@ async fn the_jobs_gauge_counts_live_and_dead_jobs_only() {
 #[actix_rt::test]
 async fn a_scrape_reads_the_job_gauges_when_it_is_made() {
     let env = TestEnv::new().await;
-    let base = crate::support::serve_api(
-        env.store.clone(),
-        registry(DeliveryPolicy::AtLeastOnce),
-        None,
-    );
+    let base = crate::support::serve_api(&env, registry(DeliveryPolicy::AtLeastOnce), None);
     let gauge = |text: &str, prefix: &str| {
         text.lines()
             .find(|l| l.starts_with(prefix))

@@ -497,7 +497,7 @@ async fn a_spent_budget_makes_the_next_job_wait_for_the_next_day() {
         "two answers of 10 tokens each, counted once"
     );
     // The same per token on /metrics, the token's name its label.
-    let base = crate::support::serve_api(env.store.clone(), registry(), None);
+    let base = crate::support::serve_api(&env, registry(), None);
     let text = crate::support::get_text(&format!("{base}/metrics")).await;
     for line in [
         "onceflow_budget_spent{onceflow_token=\"tenant-t\"} 20",
@@ -697,7 +697,7 @@ async fn a_key_throttle_bounds_starts_per_period_across_nodes() {
         assert!(row[0]["lease_owner"].is_null(), "{id} holds no lease");
     }
     // The list shows them by that reason (read, never stored), and no other.
-    let base = crate::support::serve_api(env.store.clone(), registry(), None);
+    let base = crate::support::serve_api(&env, registry(), None);
     let (status, page) = crate::support::get(&format!("{base}/v1/jobs?waiting=throttle")).await;
     assert_eq!(status, 200, "{page}");
     let mut listed: Vec<String> = page["jobs"]
@@ -1067,11 +1067,11 @@ async fn a_tenant_left_idle_comes_back_with_its_next_job() {
 }
 
 /// The sweep that takes an idle tenant out of the walk races an intake of
-/// that tenant still open: it waits for the intake's commit, sees its job,
-/// and leaves the tenant in. (Without its `FOR UPDATE`, it marks the
-/// tenant idle under the open intake and the job is never taken.)
+/// that tenant still open: it finds the tenant locked by the intake's
+/// trigger and leaves it in. (Without its lock, it marks the tenant idle
+/// under the open intake, and the job is never taken.)
 #[actix_rt::test]
-async fn the_idle_sweep_waits_for_an_open_intake_and_keeps_its_tenant() {
+async fn the_idle_sweep_leaves_a_tenant_with_an_open_intake_in_the_walk() {
     use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
     let env = TestEnv::new().await;
     let t = tenant(&env, "tenant-t", Share::default()).await;
@@ -1091,16 +1091,109 @@ async fn the_idle_sweep_waits_for_an_open_intake_and_keeps_its_tenant() {
         .cancel("source", "test", "the tenant's last committed job ends")
         .await
         .unwrap();
-    let store = env.store.clone();
-    let sweep = tokio::spawn(async move { store.leases().rest_idle_tenants().await });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!sweep.is_finished(), "the sweep waits for the open intake");
+    let rested = env.store.leases().rest_idle_tenants().await.unwrap();
+    assert_eq!(
+        rested, 0,
+        "the open intake's lock keeps its tenant in the walk"
+    );
+    assert!(live(&env, t).await);
     intake.batch_execute("COMMIT").await.unwrap();
-    let rested = sweep.await.unwrap().unwrap();
-    assert_eq!(rested, 0, "the intake's job keeps its tenant in the walk");
     assert!(live(&env, t).await);
     let _engine = env.start(registry(), env.config());
     env.wait_for("late", JobState::Acked, WAIT).await;
     assert_eq!(sends(&env, "late"), 1);
     assert_eq!(sends(&env, "source"), 0, "the cancelled job was never sent");
+}
+
+/// An intake that comes while the sweep holds its lock on the tenant waits
+/// for the sweep, then finds the tenant out of the walk and puts it back
+/// (the trigger looks again after its wait), and its job runs.
+#[actix_rt::test]
+async fn an_intake_behind_the_sweeps_lock_puts_its_tenant_back() {
+    use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+    let env = TestEnv::new().await;
+    let t = tenant(&env, "tenant-t", Share::default()).await;
+    submit(&env, t, "source", None).await;
+    env.store
+        .jobs()
+        .cancel("source", "test", "the tenant is idle")
+        .await
+        .unwrap();
+    // The sweep, between its lock and its commit.
+    let mut sweep = AsyncPgConnection::establish(&env.db_url).await.unwrap();
+    sweep
+        .batch_execute(&format!(
+            "BEGIN; SELECT tenant FROM tenant_turns WHERE tenant = {t} FOR UPDATE; \
+             UPDATE tenant_turns SET live = false WHERE tenant = {t}"
+        ))
+        .await
+        .unwrap();
+    let store = env.store.clone();
+    let intake = tokio::spawn(async move {
+        let job = NewJob {
+            id: "late".into(),
+            workflow: "completion".into(),
+            workflow_version: 1,
+            input: json!({ "model": "m", "messages": [{ "role": "user", "content": "late" }] }),
+            webhook_url: String::new(),
+            schedule: Schedule::default(),
+            tags: Default::default(),
+        };
+        store
+            .jobs()
+            .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(t), false))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !intake.is_finished(),
+        "the intake waits for the sweep's lock"
+    );
+    sweep.batch_execute("COMMIT").await.unwrap();
+    intake.await.unwrap().unwrap();
+    assert!(live(&env, t).await, "the intake put its tenant back");
+    let _engine = env.start(registry(), env.config());
+    env.wait_for("late", JobState::Acked, WAIT).await;
+    assert_eq!(sends(&env, "late"), 1);
+}
+
+/// Forty tenants of weights from 1 to 1,000, three jobs each, taken by
+/// acquires of 16 with nothing else running: each acquire takes 16 (or all
+/// that is left), never fewer, and every job is taken once. (A line cut at
+/// a turn some tenant's line does not reach would take fewer; one cut below
+/// zero would fail the statement.)
+#[actix_rt::test]
+async fn acquires_take_a_full_share_across_weighted_tenants() {
+    let env = TestEnv::new().await;
+    let weights = [1, 2, 3, 5, 10, 50, 100, 1000];
+    for i in 0..40 {
+        let share = Share {
+            weight: Some(weights[i % weights.len()]),
+            ..Default::default()
+        };
+        let t = tenant(&env, &format!("tenant-{i}"), share).await;
+        for j in 0..3 {
+            submit(&env, t, &format!("t{i}-{j}"), None).await;
+        }
+    }
+    let mut taken = std::collections::BTreeSet::new();
+    let mut left = 120;
+    while left > 0 {
+        let leased = env
+            .store
+            .leases()
+            .acquire("node-a", 16, 600_000, false, None, &[])
+            .await
+            .unwrap();
+        assert_eq!(leased.len(), left.min(16), "a full acquire ({left} left)");
+        for l in leased {
+            assert!(
+                taken.insert(l.fence.job_id.clone()),
+                "{} taken twice",
+                l.fence.job_id
+            );
+        }
+        left -= left.min(16);
+    }
+    assert_eq!(taken.len(), 120);
 }

@@ -411,7 +411,7 @@ async fn a_zombie_writes_no_stream_chunks() {
         )
         .await
         .unwrap();
-    assert_ne!(written, onceflow_engine::store::Checkpoint::Moved);
+    assert_ne!(written.0, onceflow_engine::store::Checkpoint::Moved);
     assert_eq!(
         count(
             &env,

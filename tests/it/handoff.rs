@@ -57,7 +57,7 @@ async fn a_handed_off_job_runs_once_on_the_node_that_accepted_it() {
     let mut config = env.config();
     config.node_id = "node-b".into();
     let _b = env.start(registry(), config);
-    let base = serve_node_api(env.store.clone(), registry(), &a);
+    let base = serve_node_api(&env, registry(), &a);
     // Node A's first acquire leaves it room; until then it queues.
     let handoff = a.handoff();
     assert!(wait_until(WAIT, || async { handoff.budget() > 0 }).await);
@@ -93,7 +93,7 @@ async fn a_node_that_dies_after_a_hand_off_leaves_the_job_to_another() {
     let mut config = env.config();
     config.node_id = "node-a".into();
     let a = env.start(registry(), config);
-    let base = serve_node_api(env.store.clone(), registry(), &a);
+    let base = serve_node_api(&env, registry(), &a);
     let handoff = a.handoff();
     assert!(wait_until(WAIT, || async { handoff.budget() > 0 }).await);
     env.faults.arm(
@@ -143,7 +143,7 @@ async fn a_full_node_or_a_later_job_goes_through_the_queue() {
     let mut config = env.config();
     config.max_in_flight = 1;
     let a = env.start(registry(), config);
-    let base = serve_node_api(env.store.clone(), registry(), &a);
+    let base = serve_node_api(&env, registry(), &a);
     let handoff = a.handoff();
     assert!(wait_until(WAIT, || async { handoff.budget() > 0 }).await);
     // With room, a job scheduled for later still waits in the queue.
@@ -183,7 +183,7 @@ async fn a_hand_off_whose_answer_is_lost_is_taken_back_at_once() {
     config.node_id = "node-a".into();
     config.lease = Duration::from_secs(60);
     let a = env.start(registry(), config);
-    let base = serve_node_api(env.store.clone(), registry(), &a);
+    let base = serve_node_api(&env, registry(), &a);
     let handoff = a.handoff();
     assert!(wait_until(WAIT, || async { handoff.budget() > 0 }).await);
     env.faults.arm(
@@ -224,7 +224,7 @@ async fn a_hand_off_during_a_reclaim_goes_through_the_queue() {
     // One poll at a time to hold: the next is seconds away.
     config.poll_interval = Duration::from_secs(5);
     let node = env.start(registry(), config);
-    let base = serve_node_api(env.store.clone(), registry(), &node);
+    let base = serve_node_api(&env, registry(), &node);
     // The first acquire has answered: hand-offs are open.
     assert!(wait_until(WAIT, || async { node.handoff().budget() > 0 }).await);
     env.faults.arm(

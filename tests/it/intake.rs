@@ -29,7 +29,7 @@ async fn counts(env: &TestEnv) -> (i64, i64) {
 #[actix_rt::test]
 async fn identical_resubmission_is_200_and_a_different_body_is_409() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let base = serve_api(&env, onceflow_workflows::registry(), None);
     let hook = env.consumer.url();
 
     let (status, created) = post_job(&base, &job("order-1", "m1", &hook)).await;
@@ -61,7 +61,7 @@ async fn identical_resubmission_is_200_and_a_different_body_is_409() {
 #[actix_rt::test]
 async fn concurrent_identical_submissions_create_one_job() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let base = serve_api(&env, onceflow_workflows::registry(), None);
     let body = job("race-1", "m", &env.consumer.url());
     let statuses: Vec<u16> = join_all((0..12).map(|_| post_job(&base, &body)))
         .await
@@ -84,7 +84,7 @@ async fn concurrent_identical_submissions_create_one_job() {
 #[actix_rt::test]
 async fn concurrent_different_submissions_leave_one_job_and_conflicts() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let base = serve_api(&env, onceflow_workflows::registry(), None);
     let hook = env.consumer.url();
     let results = join_all((0..12).map(|i| {
         let body = job("race-2", &format!("model-{i}"), &hook);
@@ -111,7 +111,7 @@ async fn concurrent_different_submissions_leave_one_job_and_conflicts() {
 #[actix_rt::test]
 async fn every_bad_input_is_refused_and_changes_nothing() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let base = serve_api(&env, onceflow_workflows::registry(), None);
     let hook = env.consumer.url();
     let good = job("ok-1", "m", &hook);
     let with = |path: &[&str], value: Value| {
@@ -293,7 +293,7 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
 #[actix_rt::test]
 async fn the_body_limit_is_configurable() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), Some(400));
+    let base = serve_api(&env, onceflow_workflows::registry(), Some(400));
     let mut body = job("small-1", "m", &env.consumer.url());
     let (status, _) = post_job(&base, &body).await;
     assert_eq!(status, 201);
@@ -307,7 +307,7 @@ async fn the_body_limit_is_configurable() {
 #[actix_rt::test]
 async fn unknown_jobs_and_routes_are_404_and_healthz_is_200() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let base = serve_api(&env, onceflow_workflows::registry(), None);
     let (status, answer) = get(&format!("{base}/v1/jobs/nope")).await;
     assert_eq!(status, 404);
     assert_eq!(answer["error"]["code"], "not_found");
@@ -420,7 +420,7 @@ async fn the_document_shows_each_workflows_input_as_intake_takes_it() {
     let env = TestEnv::new().await;
     // The agent has `http_post`, which the approval list below names.
     let registry = onceflow_workflows::registry_with(Some("http://127.0.0.1:9/tool"));
-    let base = serve_api(env.store.clone(), registry, None);
+    let base = serve_api(&env, registry, None);
     let hook = env.consumer.url();
     let (status, doc) = get(&format!("{base}/v1/openapi.json")).await;
     assert_eq!(status, 200);
@@ -533,7 +533,7 @@ async fn a_job_without_a_webhook_is_acked_with_its_result_and_posts_nothing() {
         r
     };
     let _engine = env.start(registry(), env.config());
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let mut body = job("quiet-1", "m", "unused");
     body.as_object_mut().unwrap().remove("webhook_url");
     let (status, created) = post_job(&base, &body).await;
@@ -595,7 +595,7 @@ async fn a_batch_answers_each_job_as_a_single_submit_would() {
         r
     };
     let _engine = env.start(registry(), env.config());
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let url = format!("{base}/v1/jobs/batch");
     let hook = env.consumer.url();
     let mut no_workflow = job("b-2", "m", &hook);
@@ -680,7 +680,7 @@ async fn post_raw_to(url: &str, body: Value) -> (u16, Value) {
 #[actix_rt::test]
 async fn jobs_carry_tags_and_are_listed_and_cancelled_by_them() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let base = serve_api(&env, onceflow_workflows::registry(), None);
     let hook = env.consumer.url();
     for (id, team) in [("t-1", "a"), ("t-2", "b"), ("t-3", "a")] {
         let mut body = job(id, "m", &hook);
@@ -749,7 +749,7 @@ async fn jobs_carry_tags_and_are_listed_and_cancelled_by_them() {
 #[actix_rt::test]
 async fn a_concurrency_key_is_checked_and_part_of_the_request() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), onceflow_workflows::registry(), None);
+    let base = serve_api(&env, onceflow_workflows::registry(), None);
     let hook = env.consumer.url();
     let mut body = job("ck-1", "m", &hook);
     body["concurrency_key"] = json!("customer-7");

@@ -117,7 +117,7 @@ async fn the_typed_client_submits_reads_and_maps_errors() {
     let env = TestEnv::new().await;
     let mut registry = onceflow_engine::Registry::new();
     registry.register(Completion::default());
-    let base = crate::support::serve_api(env.store.clone(), registry.clone(), None);
+    let base = crate::support::serve_api(&env, registry.clone(), None);
     let _engine = env.start(registry, env.config());
     let client = Client::new(&base);
     let input = CompletionInput {
@@ -197,6 +197,7 @@ async fn the_typed_client_submits_reads_and_maps_errors() {
         draining: Default::default(),
         trace_url: None,
         handoff: None,
+        hub: env.hub.clone(),
     });
     match Client::new(full)
         .submit::<Completion>("typed-2", &input, &env.consumer.url())
@@ -299,7 +300,7 @@ async fn the_typed_client_sends_a_signal_once_and_maps_its_refusals() {
     let env = TestEnv::new().await;
     let mut registry = onceflow_engine::Registry::new();
     registry.register(onceflow_workflows::Completion::default());
-    let base = crate::support::serve_api(env.store.clone(), registry, None);
+    let base = crate::support::serve_api(&env, registry, None);
     let client = Client::new(&base);
     let job = json!({
         "id": "sig-1", "workflow": "completion", "webhook_url": env.consumer.url(),

@@ -125,7 +125,7 @@ async fn sigterm_drains_and_hands_jobs_over_without_paying_twice() {
 fn list_api(env: &TestEnv, auth: onceflow_engine::api::Auth) -> String {
     let mut registry = onceflow_engine::Registry::new();
     registry.register(onceflow_workflows::Completion::default());
-    crate::support::serve_api_with_auth(env.store.clone(), registry, auth)
+    crate::support::serve_api_with_auth(env, registry, auth)
 }
 
 async fn get_as(url: &str, token: Option<&str>) -> (u16, Value) {

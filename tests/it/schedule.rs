@@ -33,7 +33,7 @@ fn job(env: &TestEnv, id: &str, extra: Value) -> Value {
 #[actix_rt::test]
 async fn bad_schedules_are_refused_naming_the_field_and_the_schedule_is_part_of_the_request() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     for (extra, field) in [
         (
             json!({"run_at": "2030-01-01T00:00:00Z", "delay_ms": 10}),
@@ -80,7 +80,7 @@ async fn bad_schedules_are_refused_naming_the_field_and_the_schedule_is_part_of_
 #[actix_rt::test]
 async fn a_delayed_job_starts_at_its_time_even_across_a_restart() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let first = env.start(registry(), env.config());
     let (status, body) = post_job(&base, &job(&env, "later-1", json!({"delay_ms": 1500}))).await;
     assert_eq!(status, 201, "{body}");
@@ -114,7 +114,7 @@ async fn a_delayed_job_starts_at_its_time_even_across_a_restart() {
 #[actix_rt::test]
 async fn a_higher_priority_job_runs_first() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     // Queued before any node runs: three ordinary jobs, then an urgent one.
     for id in ["low-1", "low-2", "low-3"] {
         let (status, _) = post_job(&base, &job(&env, id, json!({}))).await;

@@ -46,6 +46,7 @@ fn api_limited(env: &TestEnv, guard: UrlGuard, hosts: Hosts, auth: Auth, limits:
         draining: Default::default(),
         trace_url: None,
         handoff: None,
+        hub: env.hub.clone(),
     })
 }
 
@@ -64,6 +65,7 @@ fn api_answering_its_listen_address(env: &TestEnv) -> String {
         draining: Default::default(),
         trace_url: None,
         handoff: None,
+        hub: env.hub.clone(),
     })
 }
 
@@ -1600,6 +1602,7 @@ async fn tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation
         draining: Default::default(),
         trace_url: None,
         handoff: None,
+        hub: env.hub.clone(),
     });
     let a = env.store.tokens().create("tenant-a", false).await.unwrap();
     env.store.tokens().create("tenant-b", false).await.unwrap();

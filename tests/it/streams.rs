@@ -155,7 +155,7 @@ async fn journal(env: &TestEnv, id: &str) -> Vec<(i64, i64, String)> {
 async fn a_clean_stream_is_shown_once_to_every_watcher_and_is_the_result() {
     let env = TestEnv::new().await;
     env.provider.set_stream_shape(8, Duration::from_millis(40));
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let (status, body) = post_job(&base, &streamed_job("s-clean", &env.consumer.url())).await;
     assert_eq!(status, 201, "{body}");
     let _engine = env.start(registry(), env.config());
@@ -200,7 +200,7 @@ async fn a_lost_connection_with_a_replaying_provider_continues_without_repeat() 
     let env = TestEnv::new().await;
     env.provider.set_stream_shape(8, Duration::from_millis(20));
     env.provider.drop_stream_after(3);
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let (status, _) = post_job(&base, &streamed_job("s-replay", &env.consumer.url())).await;
     assert_eq!(status, 201);
     let _engine = env.start(registry(), env.config());
@@ -244,7 +244,7 @@ async fn a_lost_connection_with_a_new_answer_resets_once_and_keeps_both() {
     env.provider.set_stream_shape(8, Duration::from_millis(20));
     env.provider.set_stream_replay(false);
     env.provider.drop_stream_after(3);
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let (status, _) = post_job(&base, &streamed_job("s-new", &env.consumer.url())).await;
     assert_eq!(status, 201);
     let _engine = env.start(registry(), env.config());
@@ -286,7 +286,7 @@ async fn a_lost_connection_with_a_new_answer_resets_once_and_keeps_both() {
 async fn last_event_id_resumes_exactly_and_a_late_watcher_gets_everything() {
     let env = TestEnv::new().await;
     env.provider.set_stream_shape(8, Duration::from_millis(60));
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let (status, _) = post_job(&base, &streamed_job("s-resume", &env.consumer.url())).await;
     assert_eq!(status, 201);
     let _engine = env.start(registry(), env.config());
@@ -339,7 +339,7 @@ async fn last_event_id_resumes_exactly_and_a_late_watcher_gets_everything() {
 #[actix_rt::test]
 async fn bad_event_requests_get_clear_errors() {
     let env = TestEnv::new().await;
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let (status, _) = post_job(&base, &streamed_job("s-bad", &env.consumer.url())).await;
     assert_eq!(status, 201);
     let client = reqwest::Client::new();
@@ -391,7 +391,7 @@ async fn a_killed_node_mid_stream_is_resumed_by_another_without_repeat() {
     doomed.sigkill();
     assert_eq!(env.provider.stream_requests(), 1);
     // Another node, in this process, with its own API.
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let mut config = env.config();
     config.node_id = "survivor".into();
     let _survivor = env.start(registry(), config);
@@ -425,7 +425,7 @@ async fn the_watch_command_prints_the_answer_once() {
     let env = TestEnv::new().await;
     env.provider.set_stream_shape(8, Duration::from_millis(50));
     env.provider.drop_stream_after(4);
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let (status, _) = post_job(&base, &streamed_job("s-cli", &env.consumer.url())).await;
     assert_eq!(status, 201);
     let watcher = {
@@ -481,7 +481,7 @@ async fn the_agents_final_answer_streams_and_a_broken_turn_repeats_nothing() {
         r.register(Agent::new().with_tool(HttpPost::new(url)));
         r
     };
-    let base = serve_api(env.store.clone(), agent(tools.url()), None);
+    let base = serve_api(&env, agent(tools.url()), None);
     let job = json!({
         "id": "s-agent",
         "workflow": "agent",
@@ -599,7 +599,7 @@ async fn a_rerun_shows_a_journaled_tool_call_as_replayed() {
         r.register(Agent::new().with_tool(HttpPost::new(url)));
         r
     };
-    let base = serve_api(env.store.clone(), agent(tools.url()), None);
+    let base = serve_api(&env, agent(tools.url()), None);
     let job = json!({
         "id": "s-replayed",
         "workflow": "agent",
@@ -648,7 +648,7 @@ async fn an_anthropic_stream_broken_halfway_resets_once_and_is_delivered_once() 
     let env = TestEnv::new().await;
     env.provider.set_stream_shape(8, Duration::from_millis(20));
     env.provider.drop_stream_after(3);
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let mut job = streamed_job("s-claude", &env.consumer.url());
     job["input"]["provider"] = json!("anthropic");
     job["input"]["model"] = json!("claude-x");
@@ -720,7 +720,7 @@ async fn the_streamed_agent_on_anthropic_runs_each_tool_call_once() {
         r.register(Agent::new().with_tool(HttpPost::new(url)));
         r
     };
-    let base = serve_api(env.store.clone(), agent(tools.url()), None);
+    let base = serve_api(&env, agent(tools.url()), None);
     let job = json!({
         "id": "s-claude-agent",
         "workflow": "agent",
@@ -768,7 +768,7 @@ async fn the_streamed_agent_on_anthropic_runs_each_tool_call_once() {
 async fn an_idle_stream_reads_nothing_and_a_transition_wakes_it() {
     let env = TestEnv::new().await;
     let _node = env.start(registry(), env.config()); // its LISTEN hears the NOTIFY
-    let base = serve_api(env.store.clone(), registry(), None);
+    let base = serve_api(&env, registry(), None);
     let mut job = streamed_job("idle-1", &env.consumer.url());
     job["delay_ms"] = json!(3_600_000); // waits, idle, for the whole test
     assert_eq!(post_job(&base, &job).await.0, 201);

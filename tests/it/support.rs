@@ -6,22 +6,22 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use onceflow_engine::api::{self, ApiState, DEFAULT_BODY_LIMIT};
-use onceflow_engine::testkit::wait_until;
-use onceflow_engine::{Registry, Store};
+use onceflow_engine::testkit::{wait_until, TestEnv};
+use onceflow_engine::Registry;
 use serde_json::Value;
 
 /// Serves the API on 127.0.0.1:0 inside the current actix System; returns its base URL.
-pub fn serve_api(store: Store, registry: Registry, body_limit: Option<usize>) -> String {
-    serve_api_state(api_state(store, registry, body_limit, None))
+pub fn serve_api(env: &TestEnv, registry: Registry, body_limit: Option<usize>) -> String {
+    serve_api_state(api_state(env, registry, body_limit, None))
 }
 
 /// Serves the API with `auth` (tokens, or open).
 pub fn serve_api_with_auth(
-    store: Store,
+    env: &TestEnv,
     registry: Registry,
     auth: onceflow_engine::api::Auth,
 ) -> String {
-    let mut state = api_state(store, registry, None, None);
+    let mut state = api_state(env, registry, None, None);
     state.auth = auth;
     serve_api_state(state)
 }
@@ -29,22 +29,23 @@ pub fn serve_api_with_auth(
 /// Serves the API of a node that runs `engine` too: a new job it has room
 /// for is handed to it in intake's commit, as `serve` does.
 pub fn serve_node_api(
-    store: Store,
+    env: &TestEnv,
     registry: Registry,
     engine: &onceflow_engine::Engine,
 ) -> String {
-    serve_api_state(api_state(store, registry, None, Some(engine.handoff())))
+    serve_api_state(api_state(env, registry, None, Some(engine.handoff())))
 }
 
-/// The API's state for tests: open (no tokens), private URLs allowed.
+/// The API's state for tests: open (no tokens), private URLs allowed, the
+/// test's store and hub (shared with the engines `env.start` starts).
 fn api_state(
-    store: Store,
+    env: &TestEnv,
     registry: Registry,
     body_limit: Option<usize>,
     handoff: Option<onceflow_engine::node::handoff::Handoff>,
 ) -> ApiState {
     ApiState {
-        store,
+        store: env.store.clone(),
         registry,
         body_limit: body_limit.unwrap_or(DEFAULT_BODY_LIMIT),
         telemetry: std::sync::Arc::new(onceflow_observability::Telemetry::disabled()),
@@ -55,6 +56,7 @@ fn api_state(
         draining: Default::default(),
         trace_url: None,
         handoff,
+        hub: env.hub.clone(),
     }
 }
 

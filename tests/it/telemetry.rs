@@ -287,6 +287,7 @@ async fn spans_and_metrics_arrive_over_otlp_and_match_what_the_fakes_recorded() 
         draining: Default::default(),
         trace_url: None,
         handoff: None,
+        hub: env.hub.clone(),
     });
     // clean: nothing goes wrong. faulty: the provider's answer is lost after
     // it did the work, then the consumer fails once. ackfail: the commit of

@@ -46,7 +46,7 @@ fn seen(env: &TestEnv, id: &str) -> Vec<(String, String)> {
 async fn every_attempt_continues_the_callers_trace() {
     let env = TestEnv::new().await;
     let registry = onceflow_workflows::registry();
-    let base = serve_api(env.store.clone(), registry.clone(), None);
+    let base = serve_api(&env, registry.clone(), None);
     // One lost provider answer and one failed webhook: three attempts in all.
     env.faults
         .arm_once("traced-1", FailPoint::ModelAfterSend, Action::Fail);

@@ -121,7 +121,7 @@ async fn crash_mid_way(env: &TestEnv, published: &Arc<AtomicU32>, ids: &[&str]) 
             .arm_once(id, FailPoint::StepAfterEffect, Action::Crash);
     }
     let old = env.start(v1_only(published), env.config());
-    let base = serve_api(env.store.clone(), v1_only(published), None);
+    let base = serve_api(env, v1_only(published), None);
     for id in ids {
         let (status, body) = post_job(
             &base,
@@ -153,7 +153,7 @@ async fn in_flight_jobs_finish_on_their_version_and_new_jobs_start_on_the_new_on
     let mut both = v1_only(&published);
     both.register(EssayV2);
     let _new = env.start(both.clone(), env.config());
-    let base = serve_api(env.store.clone(), both, None);
+    let base = serve_api(&env, both, None);
     let new_jobs = ["essay-x", "essay-y"];
     for id in new_jobs {
         let (status, body) = post_job(

@@ -99,7 +99,7 @@ async fn a_waiting_job_holds_no_lease_and_a_signal_is_recorded_once() {
     let env = TestEnv::new().await;
     let acted = Arc::new(AtomicU32::new(0));
     let engine = env.start(registry(&acted), env.config());
-    let base = serve_api(env.store.clone(), registry(&acted), None);
+    let base = serve_api(&env, registry(&acted), None);
     submit(&env, "w-1", 1_500, 60_000).await;
 
     // Asleep: no lease, no actor, listed as waiting.
@@ -448,7 +448,7 @@ async fn a_signal_wakes_its_job_by_notify_not_by_the_poll() {
         ..env.config()
     };
     let _engine = env.start(registry(&acted), config);
-    let base = serve_api(env.store.clone(), registry(&acted), None);
+    let base = serve_api(&env, registry(&acted), None);
     submit(&env, "w-7", 0, 120_000).await;
     submit(&env, "w-8", 3_600_000, 0).await;
     wait_for_wait(&env, "w-7", "signal").await;
@@ -691,7 +691,7 @@ async fn an_approved_tool_call_runs_once_after_its_approval() {
     let tools = onceflow_engine::testkit::FakeConsumer::start();
     crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "refund": 7 }))]);
     let engine = env.start(agent_registry(&tools.url()), env.config());
-    let base = serve_api(env.store.clone(), agent_registry(&tools.url()), None);
+    let base = serve_api(&env, agent_registry(&tools.url()), None);
     submit_agent(&env, "ap-1", json!(["http_post"])).await;
 
     let waiting = wait_for_wait(&env, "ap-1", "approval").await;
@@ -852,7 +852,7 @@ async fn each_approval_wait_of_one_name_sends_its_own_event_once() {
     .await;
     let mut api = Registry::new();
     api.register(AsksTwice);
-    let base = serve_api(env.store.clone(), api, None);
+    let base = serve_api(&env, api, None);
     let keys = [
         "job:twice:waiting:approval:c-1",
         "job:twice:waiting:approval:c-1#2",
@@ -925,7 +925,7 @@ async fn each_approval_wait_of_one_name_sends_its_own_event_once() {
 async fn untaken_signals_per_job_are_bounded() {
     let env = TestEnv::new().await;
     let acted = Arc::new(AtomicU32::new(0));
-    let base = serve_api(env.store.clone(), registry(&acted), None);
+    let base = serve_api(&env, registry(&acted), None);
     // No node runs: the jobs wait at `received`, and take no signal.
     submit(&env, "many", 0, 1_000).await;
     submit(&env, "large", 0, 1_000).await;
@@ -1026,7 +1026,7 @@ async fn submit_go_twice(env: &TestEnv, id: &str) {
 async fn a_decision_for_one_wait_is_never_taken_by_a_later_wait() {
     let env = TestEnv::new().await;
     let _engine = env.start(go_twice(), env.config());
-    let base = serve_api(env.store.clone(), go_twice(), None);
+    let base = serve_api(&env, go_twice(), None);
     submit_go_twice(&env, "go2").await;
     let until = wait_for_wait(&env, "go2", "signal").await["until"].clone();
     let one = json!({ "id": "op-1", "payload": 1, "until": until });
@@ -1202,7 +1202,7 @@ async fn an_approval_list_naming_no_tool_is_refused_and_fails_closed() {
     let env = TestEnv::new().await;
     let tools = onceflow_engine::testkit::FakeConsumer::start();
     crate::agent::script_tool_calls(&env, vec![("call_1", json!({ "refund": 7 }))]);
-    let base = serve_api(env.store.clone(), agent_registry(&tools.url()), None);
+    let base = serve_api(&env, agent_registry(&tools.url()), None);
     let submit = |id: &str, approval: Value| {
         client()
             .post(format!("{base}/v1/jobs"))
@@ -1585,6 +1585,7 @@ async fn an_idle_node_issues_only_its_timer_poll() {
         provider: FakeProvider::start(),
         consumer: FakeConsumer::start(),
         faults: Faults::new(),
+        hub: Default::default(),
     };
     env.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         .await;
@@ -1646,7 +1647,7 @@ async fn a_decision_with_until_is_refused_for_another_wait_by_client_and_cli() {
     use onceflow::{Client, ClientError};
     let env = TestEnv::new().await;
     let engine = env.start(go_twice(), env.config());
-    let base = serve_api(env.store.clone(), go_twice(), None);
+    let base = serve_api(&env, go_twice(), None);
     for id in ["typed", "cli", "untimed"] {
         submit_go_twice(&env, id).await;
     }

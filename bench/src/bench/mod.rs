@@ -347,6 +347,7 @@ async fn bench(
         draining: Default::default(),
         trace_url: None,
         handoff: Some(engine.handoff()),
+        hub: engine.hub(),
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))

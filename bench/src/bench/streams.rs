@@ -73,6 +73,7 @@ pub(super) async fn run(
     let guard = onceflow_engine::UrlGuard::strict().allowing_url(&consumer.url());
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let base = format!("http://{}", listener.local_addr()?);
+    let hub = std::sync::Arc::new(onceflow_engine::hub::Hub::default());
     let state = ApiState {
         store: store.clone(),
         registry: registry.clone(),
@@ -85,6 +86,9 @@ pub(super) async fn run(
         draining: Default::default(),
         trace_url: None,
         handoff: None,
+        // The engine started below shares it: its streams' chunks reach
+        // these watchers.
+        hub: hub.clone(),
     };
     let server = actix_web::HttpServer::new(move || {
         actix_web::App::new().configure(api::configure(state.clone()))
@@ -154,6 +158,7 @@ pub(super) async fn run(
         max_in_flight: args.max_in_flight.max(streams),
         poll_interval: Duration::from_millis(20),
         url_guard: guard,
+        hub,
         ..EngineConfig::default()
     };
     config.provider.base_url = provider.base_url();

@@ -61,7 +61,7 @@ pub(super) async fn job_events(
         }
     };
     let (tx, mut rx) = tokio::sync::mpsc::channel::<web::Bytes>(64);
-    let (store, id) = (state.store.clone(), id.into_inner());
+    let (store, hub, id) = (state.store.clone(), state.hub.clone(), id.into_inner());
     let token = who.owner();
     actix_web::rt::spawn(async move {
         let _slot = slot; // held until the stream ends
@@ -74,7 +74,7 @@ pub(super) async fn job_events(
                 None
             }
         };
-        follow_events(store.clone(), id, after, token, followed.is_some(), tx).await;
+        follow_events(&store, &hub, id, after, token, followed.is_some(), tx).await;
         if let Some(row) = followed {
             if let Err(e) = store.events().unfollow(row).await {
                 tracing::warn!(error = %e, "cannot remove a closed stream's row; the purge will");
@@ -119,7 +119,8 @@ async fn finished_before(store: &Store, id: &str, after: i64) -> bool {
 /// `NOTIFY` ends the token's streams at once. Without the `followed` row
 /// (`Events::follow` failed) it reads every second.
 pub(super) async fn follow_events(
-    store: Store,
+    store: &Store,
+    hub: &crate::hub::Hub,
     job_id: String,
     mut after: i64,
     token: Option<i64>,
@@ -141,8 +142,8 @@ pub(super) async fn follow_events(
         ))
     };
     // Subscribed before the first read, so a commit in between is not missed.
-    let mut moved = store.events().watch(&job_id);
-    let mut revocations = store.tokens().watch_changes();
+    let mut moved = hub.watch(&job_id);
+    let mut revocations = hub.token_changes();
     loop {
         let events = match store.events().of_job(&job_id, after, 500).await {
             Ok(events) => events,
@@ -196,7 +197,7 @@ pub(super) async fn follow_events(
                     Ok(p) if p.upto.is_some_and(|upto| upto <= after) => {}
                     Ok(_) | Err(RecvError::Lagged(_)) => break,
                     Err(RecvError::Closed) => {
-                        moved = store.events().watch(&job_id);
+                        moved = hub.watch(&job_id);
                         break;
                     }
                 },
@@ -221,7 +222,7 @@ pub(super) async fn follow_events(
                 // A revoked token's stream ends at once (announced by NOTIFY).
                 revoked = revocations.recv(), if token.is_some() => match revoked {
                     Ok(id) if Some(id) != token => {}
-                    Err(RecvError::Closed) => revocations = store.tokens().watch_changes(),
+                    Err(RecvError::Closed) => revocations = hub.token_changes(),
                     Ok(_) | Err(RecvError::Lagged(_)) => {
                         if let Some(token) = token {
                             if matches!(store.tokens().live(token).await, Ok(false)) {

@@ -108,6 +108,9 @@ pub struct ApiState {
     /// This node's engine, when it runs one: a new job it has room for is
     /// handed to it in intake's commit (see [`crate::node::handoff`]).
     pub handoff: Option<crate::node::handoff::Handoff>,
+    /// This node's watchers ([`crate::runtime::Engine::hub`]): open streams
+    /// hear of a job's new events, and of their token's revocation, here.
+    pub hub: Arc<crate::hub::Hub>,
 }
 
 /// Whether the request says its body is JSON (`Content-Type: application/json`).

@@ -264,15 +264,8 @@ impl Context {
             return Ok(0);
         }
         let chunks = rows.iter().filter(|r| r.kind == "chunk").count();
-        match self
-            .store
-            .journal()
-            .stream(&self.fence, key, tape.generation, rows)
-            .await?
-        {
-            Checkpoint::Moved => Ok(chunks),
-            _ => Err(StepError::LeaseLost),
-        }
+        self.journal_stream(key, tape.generation, rows).await?;
+        Ok(chunks)
     }
 
     /// Calls the model with an OpenAI chat-completions `request`, journaled

@@ -67,6 +67,8 @@ pub struct Context {
     pub(crate) children: Arc<dyn ChildRules>,
     /// The API token the job belongs to, and so do its children.
     pub(crate) owner_token: Option<i64>,
+    /// This node's watchers: a stream's committed chunks go to them.
+    pub(crate) hub: Arc<crate::hub::Hub>,
 }
 
 /// What a rerun of a body has asked of the job's journal so far (see
@@ -101,6 +103,27 @@ pub enum Served {
 }
 
 impl Context {
+    /// Journals `rows` of `key`'s stream in `generation` under the
+    /// attempt's fence, then hands what committed to the job's watchers on
+    /// this node (other nodes' watchers hear of it by `NOTIFY`).
+    pub(crate) async fn journal_stream(
+        &self,
+        key: &str,
+        generation: i32,
+        rows: Vec<crate::store::streams::StreamRow>,
+    ) -> Result<(), StepError> {
+        let (checkpoint, published) = self
+            .store
+            .journal()
+            .stream(&self.fence, key, generation, rows)
+            .await?;
+        if !matches!(checkpoint, crate::store::Checkpoint::Moved) {
+            return Err(StepError::LeaseLost);
+        }
+        self.hub.publish(&self.fence.job_id, published);
+        Ok(())
+    }
+
     /// `Err(Draining)` when the node drains: a side effect must not start.
     fn not_draining(&self) -> Result<(), StepError> {
         if self.draining.load(std::sync::atomic::Ordering::Acquire) {

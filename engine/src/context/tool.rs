@@ -113,15 +113,8 @@ impl Context {
             kind: "tool",
             text: text.to_string(),
         };
-        match self
-            .store
-            .journal()
-            .stream(&self.fence, key, self.fence.attempt.max(1), vec![row])
-            .await?
-        {
-            crate::store::Checkpoint::Moved => Ok(()),
-            _ => Err(StepError::LeaseLost),
-        }
+        self.journal_stream(key, self.fence.attempt.max(1), vec![row])
+            .await
     }
 
     /// Executes a tool call at most once per position (`turn`, `index`) in

@@ -174,6 +174,7 @@ impl JobRun {
             joins: 0,
             children: shared.child_rules.clone(),
             owner_token: leased.owner_token,
+            hub: shared.hub.clone(),
             scope,
         };
         let request = leased.request;

@@ -50,6 +50,9 @@ pub struct EngineConfig {
     pub dead_retention: Duration,
     /// Spans and metrics (OTLP export when configured; `/metrics` always).
     pub telemetry: Arc<Telemetry>,
+    /// This node's watchers of streamed jobs and of token changes, shared
+    /// with the node's API ([`crate::api::ApiState::hub`]).
+    pub hub: Arc<crate::hub::Hub>,
     /// Where webhooks and tools may send (default: public addresses only).
     pub url_guard: crate::net::guard::UrlGuard,
     /// Largest tool or step answer read (default 1 MiB).
@@ -77,6 +80,7 @@ impl Default for EngineConfig {
             retention: Duration::from_secs(24 * 3600),
             dead_retention: Duration::from_secs(7 * 24 * 3600),
             telemetry: Arc::new(Telemetry::disabled()),
+            hub: Arc::default(),
             url_guard: crate::net::guard::UrlGuard::strict(),
             tool_response_limit: 1 << 20,
             max_backlog_per_token: Some(10_000),
@@ -159,6 +163,8 @@ pub(crate) struct Shared {
     pub(crate) gate: Gate,
     /// The signing secrets of the tokens whose jobs this node delivered lately.
     signing: std::sync::Mutex<HashMap<i64, ReadSecret>>,
+    /// This node's watchers of streamed jobs and of token changes.
+    pub(crate) hub: Arc<crate::hub::Hub>,
     /// Tokens whose secret changed (a rotation announced by `NOTIFY`):
     /// their cached secrets are read again.
     token_changes: std::sync::Mutex<tokio::sync::broadcast::Receiver<i64>>,
@@ -173,7 +179,8 @@ impl Shared {
         faults: Faults,
         config: EngineConfig,
     ) -> Self {
-        let token_changes = std::sync::Mutex::new(store.tokens().watch_changes());
+        let hub = config.hub.clone();
+        let token_changes = std::sync::Mutex::new(hub.token_changes());
         let child_rules = Arc::new(NodeChildRules {
             registry: registry.clone(),
             guard: config.url_guard.clone(),
@@ -225,6 +232,7 @@ impl Shared {
             gate: Default::default(),
             signing: Default::default(),
             token_changes,
+            hub,
             child_rules,
             node_secret: config_secret,
         }

@@ -148,26 +148,31 @@ macro_rules! runnable {
 /// gets its share from now on, not a burst for the time it was away.
 ///
 /// - `clock`: the latest a tenant that has been taking its turns can be
-///   behind: the highest pass of a live tenant less one start (one index
-///   probe: `tenant_turns_live`); a pass below it is raised to it.
+///   behind: the pass of the live tenant furthest ahead less one of its
+///   starts (one probe of the index `tenant_turns_live`); a pass below it
+///   is raised to it, so a tenant back from a pause takes its turns from
+///   now, without a burst for the time it was away.
 /// - `zero`: whether tenant 0 (admin tokens, development mode) cuts ahead:
 ///   the priority of its first runnable job, when above 0.
 /// - `turns`, `walk`: the live tenants (those with an unfinished job:
 ///   `tenant_turns.live`, set by the intake's trigger, cleared by
 ///   [`Leases::rest_idle_tenants`]) in order of pass, then, walking that
-///   order, the first `limit` with a job that may run now (one probe each,
-///   the walk ending at `limit`: with every tenant backlogged, `limit`
-///   probes however many tenants there are). No more tenants can start in
-///   one acquire, so no more tenants' lines are read.
+///   order, the first `2 · limit` with a job that may run now (one probe
+///   each, the walk ending there: with every tenant backlogged, `2 · limit`
+///   probes however many tenants there are). Twice `limit`, so that two
+///   nodes acquiring at once (each skipping the other's locked rows) both
+///   find a full answer.
 /// - `ready`: those tenants (and tenant 0 when it cuts ahead), each with
 ///   its weight and its pass raised to the clock.
-/// - `bound`: no job has a turn after this one and is among the first
-///   `limit` (the `limit`-th turn of any one tenant's line, or the
-///   `limit`-th tenant's first): so a tenant's line is cut at the jobs whose
-///   turn could come before it, and with many tenants backlogged each
-///   reads about one job, not `limit`.
+/// - `bound`: with at least `limit` tenants ready, the pass of the last
+///   of them (the `2 · limit`-th at most): each ready tenant has a job
+///   whose turn is at most that (its first), so no job with a later turn
+///   is needed, and each tenant's line is cut at the jobs whose turn could
+///   reach it (one more for rounding, and never below one): with many
+///   tenants backlogged each reads a job or two, not `limit`. With fewer
+///   than `limit` tenants, no cut.
 /// - `lines`: each ready tenant's first runnable jobs (up to `limit`, and
-///   to `bound`; all `limit` for tenant 0 when it cuts ahead) in its own
+///   to `bound`; up to `limit` for tenant 0 when it cuts ahead) in its own
 ///   order (priority, then due time); `krn` numbers, within its key, the
 ///   jobs of a key that need a new slot, and `trn` those of a throttled
 ///   key that have never started (a start slot each); `key_t_*` is the
@@ -201,7 +206,10 @@ macro_rules! runnable {
 ///   cleared, and the body checks the budget again at its next call.
 const ACQUIRE: &str = concat!(
     "WITH clock AS ( \
-         SELECT coalesce(max(pass) - 1, 0) AS now FROM tenant_turns WHERE live), \
+         SELECT coalesce(( \
+             SELECT t.pass - 1 / coalesce((SELECT k.weight FROM api_tokens k \
+                     WHERE k.id = t.tenant AND t.tenant <> 0), 1)::float8 \
+             FROM tenant_turns t WHERE t.live ORDER BY t.pass DESC LIMIT 1), 0) AS now), \
      zero AS ( \
          SELECT coalesce(( \
              SELECT greatest(j.priority, 0) FROM jobs j WHERE j.tenant = 0 AND ",
@@ -214,7 +222,7 @@ const ACQUIRE: &str = concat!(
          WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = t.tenant AND ",
     runnable!(),
     ") \
-         LIMIT $2), \
+         LIMIT 2 * $2), \
      ready AS MATERIALIZED ( \
          SELECT w.tenant, coalesce((SELECT k.weight FROM api_tokens k \
                  WHERE k.id = w.tenant AND w.tenant <> 0), 1)::float8 AS weight, \
@@ -224,9 +232,8 @@ const ACQUIRE: &str = concat!(
                WHERE t.tenant = 0 AND z.cut > 0) w \
              CROSS JOIN clock c CROSS JOIN zero z), \
      bound AS ( \
-         SELECT least((SELECT min(pass + ($2 - 1) / weight) FROM ready WHERE cut = 0), \
-                      (SELECT pass FROM ready WHERE cut = 0 ORDER BY pass OFFSET $2 - 1 LIMIT 1)) \
-             AS turn), \
+         SELECT CASE WHEN count(*) >= $2 THEN max(pass) END AS turn \
+         FROM ready WHERE cut = 0), \
      lines AS ( \
          SELECT c.*, t.weight, t.pass, \
              CASE WHEN c.concurrency_key IS NOT NULL AND c.own_slot IS NULL THEN \
@@ -247,7 +254,7 @@ const ACQUIRE: &str = concat!(
     runnable!(),
     " ORDER BY j.priority DESC, j.run_at \
              LIMIT CASE WHEN t.cut > 0 OR b.turn IS NULL THEN $2 \
-                 ELSE least($2, floor((b.turn - t.pass) * t.weight + 1e-9)::bigint + 1) END) c \
+                 ELSE least($2, greatest(floor((b.turn - t.pass) * t.weight)::bigint + 2, 1)) END) c \
          WINDOW key_line AS (PARTITION BY c.tenant, c.concurrency_key, \
                                  c.t_limit IS NOT NULL AND c.own_tslot IS NULL \
                              ORDER BY c.priority DESC, c.run_at, c.id)), \
@@ -410,12 +417,14 @@ impl Leases<'_> {
     /// nothing else.
     ///
     /// Cannot leave a tenant with a job not live: the rows are locked
-    /// `FOR UPDATE` first, which waits for every intake whose trigger saw
-    /// the tenant live (it holds a `KEY SHARE` lock on the row until it
-    /// commits), and the jobs are then read again by a statement of its
-    /// own, with a new snapshot that sees those intakes' jobs. An intake
-    /// that comes after the lock waits for this transaction, then finds the
-    /// tenant not live and marks it again (`tenant_mark_live`).
+    /// `FOR UPDATE SKIP LOCKED` first, which leaves out every tenant an
+    /// open intake's trigger saw live (it holds a `KEY SHARE` lock on the
+    /// row until it commits), and the jobs of the rest are then read again
+    /// by a statement of its own, with a new snapshot. An intake that comes
+    /// after the lock waits for this transaction, then finds the tenant not
+    /// live and marks it again (`tenant_mark_live`). Skipping, never
+    /// waiting, it cannot deadlock with a transaction that makes jobs of
+    /// several tenants live (a firing of schedules), nor hold up intakes.
     pub async fn rest_idle_tenants(self) -> Result<usize, StoreError> {
         retrying!(self, "rest_idle_tenants", async || {
             #[derive(QueryableByName)]
@@ -442,16 +451,17 @@ impl Leases<'_> {
             }
             let idle: Vec<i64> = idle.into_iter().map(|t| t.tenant).collect();
             conn.transaction::<_, StoreError, _>(async |conn| {
-                sql("SELECT tenant FROM tenant_turns WHERE tenant = ANY($1) \
-                     ORDER BY tenant FOR UPDATE")
+                let locked: Vec<Tenant> = sql("SELECT tenant FROM tenant_turns \
+                     WHERE tenant = ANY($1) ORDER BY tenant FOR UPDATE SKIP LOCKED")
                 .bind::<Array<BigInt>, _>(&idle)
-                .execute(conn)
+                .load(conn)
                 .await?;
+                let locked: Vec<i64> = locked.into_iter().map(|t| t.tenant).collect();
                 let rested = sql(concat!(
                     "UPDATE tenant_turns t SET live = false WHERE t.tenant = ANY($1) AND ",
                     idle!()
                 ))
-                .bind::<Array<BigInt>, _>(&idle)
+                .bind::<Array<BigInt>, _>(&locked)
                 .execute(conn)
                 .await?;
                 Ok(rested)

@@ -97,8 +97,6 @@ pub struct Store {
     retry_budget: Duration,
     /// Statements run again in place after a transient failure.
     retried: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    /// This node's watchers of streamed jobs.
-    watchers: std::sync::Arc<streams::Watchers>,
     /// Reads of a job's events for its watchers (since this store was made).
     event_reads: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
@@ -163,7 +161,6 @@ impl Store {
             batches,
             retry_budget: DEFAULT_RETRY_BUDGET,
             retried: Default::default(),
-            watchers: Default::default(),
             event_reads: Default::default(),
         }
     }

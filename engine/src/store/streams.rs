@@ -4,7 +4,6 @@
 //! resets and state changes in one increasing sequence of ids.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
@@ -15,7 +14,7 @@ use super::group_commit::ForJob;
 use super::rows::lock_in_order;
 use super::sql::sql;
 use super::{Checkpoint, Fence};
-use super::{Events, Journal, Tokens};
+use super::{Events, Journal};
 use crate::error::StoreError;
 
 /// The channel a committed batch of chunks is announced on (the job id as
@@ -277,70 +276,32 @@ pub struct Published {
     pub events: Vec<JobEvent>,
 }
 
-/// This node's watchers of streamed jobs, by job.
-#[derive(Debug)]
-pub(crate) struct Watchers {
-    jobs: Mutex<HashMap<String, tokio::sync::broadcast::Sender<Arc<Published>>>>,
-    /// Ids of tokens revoked or given a new secret (announced on
-    /// [`TOKENS_CHANNEL`]).
-    tokens: tokio::sync::broadcast::Sender<i64>,
-}
-
-impl Default for Watchers {
-    fn default() -> Self {
-        Watchers {
-            jobs: Mutex::default(),
-            tokens: tokio::sync::broadcast::channel(64).0,
-        }
-    }
-}
-
 /// The channel a token's revocation or secret rotation is announced on
 /// (payload: its id), so its streams on every node end at once and its new
 /// secret signs at once.
 pub const TOKENS_CHANNEL: &str = super::rows::Channel::Tokens.name();
 
-impl Watchers {
-    fn subscribe(&self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {
-        let mut jobs = self.jobs.lock().expect("lock");
-        jobs.retain(|_, tx| tx.receiver_count() > 0);
-        jobs.entry(job_id.to_owned())
-            .or_insert_with(|| tokio::sync::broadcast::channel(256).0)
-            .subscribe()
-    }
-
-    fn publish(&self, job_id: &str, published: Published) {
-        if let Some(tx) = self.jobs.lock().expect("lock").get(job_id) {
-            let _ = tx.send(Arc::new(published));
-        }
-    }
-}
-
 impl Journal<'_> {
     /// Journals `rows` of `key`'s stream in `generation`, fenced by the
-    /// lease and group-committed with other streams' chunks; the committed
-    /// rows go to this node's watchers, with the id of the job's event
-    /// before them.
+    /// lease and group-committed with other streams' chunks; returns the
+    /// committed rows, with the id of the job's event before them, for this
+    /// node's watchers ([`crate::hub::Hub::publish`]).
     pub async fn stream(
         self,
         fence: &Fence,
         key: &str,
         generation: i32,
         rows: Vec<StreamRow>,
-    ) -> Result<Checkpoint, StoreError> {
+    ) -> Result<(Checkpoint, Published), StoreError> {
         let write = StreamWrite {
             fence: fence.clone(),
             key: key.to_owned(),
             generation,
             rows,
         };
-        let (checkpoint, published) = (self.batches.stream)
+        (self.batches.stream)
             .call_retrying(&self, "journal_stream", write)
-            .await?;
-        if !published.events.is_empty() {
-            self.watchers.publish(&fence.job_id, published);
-        }
-        Ok(checkpoint)
+            .await
     }
 
     /// The latest generation of `key`'s stream in `job_id`'s journal.
@@ -428,13 +389,6 @@ impl Events<'_> {
             .collect())
     }
 
-    /// Follows `job_id`'s stream on this node: every batch of its chunks
-    /// committed here, with its rows, and an empty [`Published`] when
-    /// another node announces one. Subscribe before reading the journal.
-    pub fn watch(self, job_id: &str) -> tokio::sync::broadcast::Receiver<Arc<Published>> {
-        self.watchers.subscribe(job_id)
-    }
-
     /// Records that a stream follows `job_id`: every transition of the job
     /// then `NOTIFY`s [`STREAM_CHANNEL`] (a trigger on `job_history`), so
     /// its watchers on any node read the journal only when it moved.
@@ -461,39 +415,5 @@ impl Events<'_> {
             .execute(&mut conn)
             .await?;
         Ok(())
-    }
-
-    /// A node announced on [`STREAM_CHANNEL`] that a job's events reach an
-    /// id (payload `"{job_id} {id}"`): its watchers here read the journal
-    /// unless they have seen that far (this node's own writes reach them
-    /// first, with their rows).
-    pub fn moved(self, payload: &str) {
-        let (job_id, upto) = match payload.rsplit_once(' ') {
-            Some((job, id)) => (job, id.parse().ok()),
-            None => (payload, None),
-        };
-        self.watchers.publish(
-            job_id,
-            Published {
-                prev: None,
-                upto,
-                events: Vec::new(),
-            },
-        );
-    }
-}
-
-impl Tokens<'_> {
-    /// Ids of tokens revoked or given a new secret, as announced on
-    /// [`TOKENS_CHANNEL`].
-    pub fn watch_changes(self) -> tokio::sync::broadcast::Receiver<i64> {
-        self.watchers.tokens.subscribe()
-    }
-
-    /// Called with each [`TOKENS_CHANNEL`] notification's payload.
-    pub fn changed(self, payload: &str) {
-        if let Ok(id) = payload.parse() {
-            let _ = self.watchers.tokens.send(id);
-        }
     }
 }

@@ -35,6 +35,9 @@ pub struct TestEnv {
     pub consumer: FakeConsumer,
     /// The failpoints shared with every engine the test starts.
     pub faults: Faults,
+    /// The watchers shared by every engine the test starts ([`Self::start`])
+    /// and the API it serves, as one node's are.
+    pub hub: std::sync::Arc<crate::hub::Hub>,
 }
 
 impl TestEnv {
@@ -51,6 +54,7 @@ impl TestEnv {
             provider: FakeProvider::start(),
             consumer: FakeConsumer::start(),
             faults: Faults::new(),
+            hub: Default::default(),
         }
     }
 
@@ -87,8 +91,13 @@ impl TestEnv {
         config
     }
 
-    /// Starts an engine (a node) with these workflows and `config`.
+    /// Starts an engine (a node) with these workflows and `config`; it
+    /// shares the test's hub with the API the test serves.
     pub fn start(&self, registry: Registry, config: EngineConfig) -> Engine {
+        let config = EngineConfig {
+            hub: self.hub.clone(),
+            ..config
+        };
         Engine::start(self.store.clone(), registry, self.faults.clone(), config)
     }
 
