@@ -110,6 +110,9 @@ pub struct ApiState {
     pub handoff: Option<crate::node::handoff::Handoff>,
     /// This node's watchers ([`crate::runtime::Engine::hub`]): open streams
     /// hear of a job's new events, and of their token's revocation, here.
+    /// It must be the hub of the engine that runs beside the API (the
+    /// engine feeds it); a hub of its own would leave open streams to their
+    /// once-a-minute safety read.
     pub hub: Arc<crate::hub::Hub>,
 }
 

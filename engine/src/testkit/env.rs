@@ -205,6 +205,10 @@ impl TestEnv {
             .get_version(&leased.workflow, leased.workflow_version)
             .cloned()
             .unwrap_or_else(|| panic!("workflow {} is not registered", leased.workflow));
+        let config = EngineConfig {
+            hub: self.hub.clone(),
+            ..config
+        };
         let shared = Arc::new(Shared::new(
             self.store.clone(),
             registry.clone(),
