@@ -336,10 +336,26 @@ async fn a_crashed_jobs_slot_passes_to_its_takeover_then_to_the_next() {
 /// alternate (3 to 6 of the next 10 are B's), measured at the provider.
 #[actix_rt::test]
 async fn a_tenant_back_from_a_pause_takes_turns_without_a_burst() {
+    back_from_a_pause(1).await;
+}
+
+/// The same with both tenants of weight 10 (a start moves a pass on by
+/// 0.1): B comes back one of A's starts behind it, not a whole turn (which
+/// would give B 10 starts in a row).
+#[actix_rt::test]
+async fn a_weighted_tenant_back_from_a_pause_takes_turns_without_a_burst() {
+    back_from_a_pause(10).await;
+}
+
+async fn back_from_a_pause(weight: i32) {
     let env = TestEnv::new().await;
     env.provider.set_latency(Duration::from_millis(40));
-    let a = tenant(&env, "tenant-a", Share::default()).await;
-    let b = tenant(&env, "tenant-b", Share::default()).await;
+    let share = || Share {
+        weight: Some(weight),
+        ..Default::default()
+    };
+    let a = tenant(&env, "tenant-a", share()).await;
+    let b = tenant(&env, "tenant-b", share()).await;
     let mut config = env.config();
     config.max_in_flight = 2;
     let _engine = env.start(registry(), config);
