@@ -1,7 +1,10 @@
 //! Fairness between tenants (`engine/src/store/lease.rs`, `ACQUIRE`): a
 //! tenant's backlog does not hold back another tenant's jobs, weights set
 //! the share of starts, and a concurrency key bounds how many of one key's
-//! jobs run at once across every node — each counted at the fake provider.
+//! jobs run at once across every node — each counted at the fake provider;
+//! and the walk of live tenants: a tenant leaves it only with no unfinished
+//! job, whatever the race with an intake, and an acquire takes a full share
+//! across weighted tenants.
 
 use std::collections::HashMap;
 use std::time::Duration;

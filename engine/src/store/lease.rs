@@ -412,9 +412,10 @@ impl Leases<'_> {
 
     /// Marks not live the tenants that have no unfinished job left, so the
     /// acquire's walk (see [`ACQUIRE`]) no longer reads them; returns how
-    /// many. Run every few seconds by each node's supervisor: a tenant left
-    /// live costs the walk one probe while its pass is among the lowest, and
-    /// nothing else.
+    /// many. Run by a node's supervisor when a job ends there (at once, then
+    /// at most every 5 s; a node that ends nothing never runs it): a tenant
+    /// left live costs the walk one probe while its pass is among the
+    /// lowest, and nothing else.
     ///
     /// Cannot leave a tenant with a job not live: the rows are locked
     /// `FOR UPDATE SKIP LOCKED` first, which leaves out every tenant an
@@ -425,6 +426,9 @@ impl Leases<'_> {
     /// live and marks it again (`tenant_mark_live`). Skipping, never
     /// waiting, it cannot deadlock with a transaction that makes jobs of
     /// several tenants live (a firing of schedules), nor hold up intakes.
+    /// Tests: `fairness::the_idle_sweep_leaves_a_tenant_with_an_open_intake_in_the_walk`,
+    /// `fairness::an_intake_behind_the_sweeps_lock_puts_its_tenant_back`,
+    /// `fairness::a_tenant_left_idle_comes_back_with_its_next_job`.
     pub async fn rest_idle_tenants(self) -> Result<usize, StoreError> {
         retrying!(self, "rest_idle_tenants", async || {
             #[derive(QueryableByName)]
