@@ -16,7 +16,8 @@
 //! an idle node issues its timer poll and nothing else: the purge when the
 //! oldest finished job's retention ends, failure events when one is queued
 //! (a `NOTIFY`) and when a retry falls due, schedules at the soonest fire
-//! time, the job gauges when the metrics are collected.
+//! time, the job gauges when the metrics are collected, the look for
+//! tenants left with no unfinished job after a job ends here.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
