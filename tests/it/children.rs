@@ -1146,3 +1146,163 @@ async fn a_child_started_again_as_another_workflow_is_child_conflict() {
     );
     assert_eq!(env.job("fickler:child:c0").await.workflow, "completion");
 }
+
+/// Waits for signal `go` (ten minutes at most), then ends.
+struct AwaitsGo;
+
+impl Workflow for AwaitsGo {
+    const NAME: &'static str = "test.awaits_go";
+    type Input = Value;
+    type Output = bool;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<bool, StepError> {
+        let go: Option<Value> = ctx.wait_for_signal("go", Duration::from_secs(600)).await?;
+        Ok(go.is_some())
+    }
+}
+
+/// Starts a child that waits for a signal, and ends without joining it.
+struct LeavesBehind;
+
+impl Workflow for LeavesBehind {
+    const NAME: &'static str = "test.leaves_behind";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<Value, StepError> {
+        ctx.spawn("left-behind", AwaitsGo::NAME, &json!({})).await?;
+        Ok(json!("done"))
+    }
+}
+
+/// A child belongs to one life of its parent and to its owner, across
+/// tokens. Alice's job ends leaving a child that waits: retention keeps the
+/// finished parent while the child lives (its id stays Alice's: Bob's
+/// submit under it is `409`). Where the parent was purged anyway (an older
+/// node's retention did that), Bob's job under the same id is a new life:
+/// its view lists none of Alice's children and its cancel cancels none.
+#[actix_rt::test]
+async fn a_reused_id_inherits_nothing_of_the_last_owners_children() {
+    use crate::cron::call;
+    let env = TestEnv::new().await;
+    let mut registry = registry();
+    registry.register(AwaitsGo);
+    registry.register(LeavesBehind);
+    let _engine = env.start(registry.clone(), env.config());
+    let base = crate::support::serve_api_with_auth(
+        &env,
+        registry,
+        onceflow_engine::api::Auth::Tokens { loopback: false },
+    );
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
+    let post = reqwest::Method::POST;
+    let jobs = format!("{base}/v1/jobs");
+    let left = "reused:child:left-behind";
+
+    let body = json!({ "id": "reused", "workflow": LeavesBehind::NAME, "input": {} });
+    let (status, answer) = call(post.clone(), &jobs, Some(&alice), Some(&body)).await;
+    assert_eq!(status, 201, "{answer}");
+    env.wait_for("reused", JobState::Acked, WAIT).await;
+    assert!(
+        wait_until(WAIT, || async { env.job(left).await.waiting.is_some() }).await,
+        "Alice's child waits for its signal"
+    );
+
+    // Retention: the parent's time is over, its child lives: it is kept.
+    env.execute("UPDATE jobs SET finished_at = now() - interval '2 hours' WHERE id = 'reused'")
+        .await;
+    let purged = env
+        .store
+        .retention()
+        .purge_finished(3_600_000, 100)
+        .await
+        .unwrap();
+    assert_eq!(purged, 0, "a parent is kept while its child lives");
+    let bobs = json!({ "id": "reused", "workflow": AwaitsGo::NAME, "input": {} });
+    let (status, answer) = call(post.clone(), &jobs, Some(&bob), Some(&bobs)).await;
+    assert_eq!(status, 409, "the id is still Alice's: {answer}");
+
+    // The state an older node's retention left: the parent purged (its
+    // tombstone written), its child still waiting.
+    env.execute(
+        "WITH gone AS (DELETE FROM jobs WHERE id = 'reused' RETURNING id, incarnation, lease_epoch) \
+         INSERT INTO job_tombstones (id, incarnation, last_epoch) \
+         SELECT id, incarnation, lease_epoch FROM gone",
+    )
+    .await;
+    let (status, answer) = call(post.clone(), &jobs, Some(&bob), Some(&bobs)).await;
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(answer["incarnation"], 2, "{answer}");
+    let (status, view) = call(
+        reqwest::Method::GET,
+        &format!("{jobs}/reused"),
+        Some(&bob),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(view["children"], json!([]), "none of Alice's: {view}");
+    let (status, answer) = call(
+        post.clone(),
+        &format!("{jobs}/reused/cancel"),
+        Some(&bob),
+        None,
+    )
+    .await;
+    assert_eq!(status, 202, "{answer}");
+    env.wait_for("reused", JobState::Cancelled, WAIT).await;
+    let child = env.job(left).await;
+    assert!(
+        !child.state.is_terminal() && child.waiting.is_some(),
+        "Alice's child still waits: {:?}",
+        child.state
+    );
+    let (status, view) = call(
+        reqwest::Method::GET,
+        &format!("{jobs}/{left}"),
+        Some(&alice),
+        None,
+    )
+    .await;
+    assert_eq!((status, view["parent"].as_str()), (200, Some("reused")));
+}
+
+/// A cascade cancel takes every live descendant, however deep: a chain of
+/// 100 live descendants (made by SQL: spawned children's 200-character ids
+/// stop near 24 levels) is cancelled to its last link, as the API answers.
+#[actix_rt::test]
+async fn a_cascade_cancel_takes_a_tree_of_any_depth() {
+    let env = TestEnv::new().await;
+    let mut registry = registry();
+    registry.register(AwaitsGo);
+    let _engine = env.start(registry, env.config());
+    env.submit_job(NewJob {
+        tags: Default::default(),
+        id: "d0".into(),
+        workflow: AwaitsGo::NAME.into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: String::new(),
+        schedule: Default::default(),
+    })
+    .await;
+    assert!(
+        wait_until(WAIT, || async { env.job("d0").await.waiting.is_some() }).await,
+        "the root waits"
+    );
+    let made = env
+        .execute(
+            "INSERT INTO jobs SELECT (jsonb_populate_record(NULL::jobs, to_jsonb(j) || jsonb_build_object( \
+                 'id', 'd' || g, 'parent_id', 'd' || (g - 1), 'parent_incarnation', 1))).* \
+             FROM jobs j, generate_series(1, 100) g WHERE j.id = 'd0'",
+        )
+        .await;
+    assert_eq!(made, 100);
+    env.store.jobs().cancel("d0", "test", "stop").await.unwrap();
+    assert_eq!(
+        count(&env, "SELECT 1 FROM jobs WHERE state = 'cancelled'").await,
+        101,
+        "the root and every descendant"
+    );
+}

@@ -24,7 +24,7 @@ fn api(env: &TestEnv, auth: Auth) -> String {
     crate::support::serve_api_with_auth(env, registry(), auth)
 }
 
-async fn call(
+pub(crate) async fn call(
     method: reqwest::Method,
     url: &str,
     token: Option<&str>,

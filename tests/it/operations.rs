@@ -1042,3 +1042,57 @@ async fn the_cli_tags_batches_reruns_and_cancels_in_bulk() {
     assert!(ok && out.contains("cancelled: 3"), "{out}");
     assert_eq!(env.job("cli-b-1").await.state, JobState::Cancelled);
 }
+
+/// Every operation under `/v1/` refuses a query parameter the served
+/// document does not give it, with `422` naming the parameter, before it
+/// acts: a cancel sent `?dry_run=true` cancels nothing. The parameters the
+/// document lists are taken.
+#[actix_rt::test]
+async fn every_operation_refuses_a_query_parameter_it_does_not_take() {
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    env.submit("q", "hello").await;
+    let doc = onceflow_engine::api::openapi::document();
+    let mut tried = 0;
+    for (pattern, item) in doc["paths"].as_object().unwrap() {
+        if !pattern.starts_with("/v1/") {
+            continue;
+        }
+        let path = pattern.replace("{id}", "q").replace("{name}", "go");
+        for method in item.as_object().unwrap().keys() {
+            let method: reqwest::Method = method.to_uppercase().parse().unwrap();
+            let r = client()
+                .request(method.clone(), format!("{base}{path}?dry_run=true"))
+                .header("content-type", "application/json")
+                .body("{}")
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let body: Value = r.json().await.unwrap_or(Value::Null);
+            assert_eq!(
+                (status, body["error"]["field"].as_str()),
+                (422, Some("dry_run")),
+                "{method} {path}: {body}"
+            );
+            tried += 1;
+        }
+    }
+    assert!(tried >= 18, "every operation tried ({tried})");
+    assert_eq!(
+        env.job("q").await.state,
+        JobState::Received,
+        "not cancelled"
+    );
+    for url in [
+        format!("{base}/v1/jobs?limit=5&state=received"),
+        format!("{base}/v1/schedules?limit=5"),
+    ] {
+        let (status, body) = get_as(&url, None).await;
+        assert_eq!(status, 200, "{url}: {body}");
+    }
+    let (status, _) = post_action(&format!("{base}/v1/jobs/q/cancel"), json!({})).await;
+    assert_eq!(status, 202);
+    assert_eq!(env.job("q").await.state, JobState::Cancelled);
+}

@@ -608,15 +608,19 @@ async fn tokens_scope_every_job_to_its_owner() {
     )
     .await;
     assert_eq!(status, 401);
-    // Tokens never travel in URLs: a query parameter is not a credential.
-    let (status, _, _) = call(
+    // Tokens never travel in URLs: a query parameter is not a credential
+    // (no operation takes `token`: refused before anything is read).
+    let (status, body, _) = call(
         Method::GET,
         &format!("{jobs}/dev-1?token={alice}"),
         None,
         None,
     )
     .await;
-    assert_eq!(status, 401);
+    assert_eq!(
+        (status, body["error"]["field"].as_str()),
+        (422, Some("token"))
+    );
 
     let (status, _, _) = call(
         Method::POST,

@@ -199,7 +199,9 @@ pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
 
 /// Every answer says `X-Content-Type-Options: nosniff`; a path or query
 /// holding a NUL character (`%00`, which PostgreSQL cannot store or
-/// compare) is refused with `422` before any handler runs.
+/// compare), or a query parameter the OpenAPI document does not give the
+/// operation (`POST /v1/jobs/{id}/cancel?dry_run=true` is no dry run), is
+/// refused with `422` naming it before any handler runs.
 async fn hygiene(
     req: actix_web::dev::ServiceRequest,
     next: actix_web::middleware::Next<impl actix_web::body::MessageBody + 'static>,
@@ -222,13 +224,51 @@ async fn hygiene(
             );
             req.into_response(answer)
         }
-        None => next.call(req).await?.map_into_boxed_body(),
+        None => match unknown_query_parameter(&req) {
+            Some(answer) => req.into_response(answer),
+            None => next.call(req).await?.map_into_boxed_body(),
+        },
     };
     res.headers_mut().insert(
         actix_web::http::header::X_CONTENT_TYPE_OPTIONS,
         actix_web::http::header::HeaderValue::from_static("nosniff"),
     );
     Ok(res)
+}
+
+/// `422` naming the first query parameter that operation's entry in the
+/// OpenAPI document does not list, for every operation under `/v1/`.
+fn unknown_query_parameter(req: &actix_web::dev::ServiceRequest) -> Option<HttpResponse> {
+    let query = req.query_string();
+    if query.is_empty() || !req.path().starts_with("/v1/") {
+        return None;
+    }
+    let known = openapi::query_params_of(req.method().as_str(), req.path())?;
+    let pairs = match web::Query::<Vec<(String, String)>>::from_query(query) {
+        Ok(pairs) => pairs.into_inner(),
+        Err(e) => return Some(bad_query(&e)),
+    };
+    let (name, _) = pairs.iter().find(|(name, _)| !known.contains(name))?;
+    let takes = if known.is_empty() {
+        "takes no query parameters".to_owned()
+    } else {
+        format!("takes only {}", known.join(", "))
+    };
+    // The name is echoed only when it is short and plain.
+    let shown = if name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+    {
+        name.as_str()
+    } else {
+        "query"
+    };
+    Some(error(
+        Code::Invalid,
+        format!("unknown query parameter {shown:?}: this operation {takes}"),
+        Some(shown),
+    ))
 }
 
 /// The answer for `code` (its status), with `message` and the `field` it is about.

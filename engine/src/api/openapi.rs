@@ -415,6 +415,42 @@ pub(super) fn methods_of(path: &str) -> Option<String> {
         .map(|(_, methods)| methods.clone())
 }
 
+/// The query parameters the document gives operation `method` `path`
+/// (a request's concrete path), when the document has that operation: the
+/// one list the front door checks a query string against, so a parameter
+/// the server takes is one the document describes.
+pub(super) fn query_params_of(method: &str, path: &str) -> Option<&'static [String]> {
+    type Operations = Vec<(actix_web::dev::ResourceDef, String, Vec<String>)>;
+    static OPERATIONS: std::sync::OnceLock<Operations> = std::sync::OnceLock::new();
+    let operations = OPERATIONS.get_or_init(|| {
+        let doc = serde_json::to_value(document()).expect("the document serialises");
+        let mut operations = Vec::new();
+        for (pattern, item) in doc["paths"].as_object().into_iter().flatten() {
+            for (verb, operation) in item.as_object().into_iter().flatten() {
+                let names = operation["parameters"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|p| p["in"] == "query")
+                    .filter_map(|p| p["name"].as_str().map(str::to_owned))
+                    .collect();
+                operations.push((
+                    actix_web::dev::ResourceDef::new(pattern.as_str()),
+                    verb.to_uppercase(),
+                    names,
+                ));
+            }
+        }
+        operations
+    });
+    // Paths sort static segments before `{…}` ones: `/v1/jobs/cancel` is
+    // found before `/v1/jobs/{id}` matches it.
+    operations
+        .iter()
+        .find(|(def, verb, _)| verb == method && def.is_match(path))
+        .map(|(_, _, names)| names.as_slice())
+}
+
 /// The document, as served to a caller without a token.
 pub fn document() -> serde_json::Value {
     let mut doc = ApiDoc::openapi();

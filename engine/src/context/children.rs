@@ -144,7 +144,7 @@ impl Context {
                 if self
                     .store
                     .waits()
-                    .is_child_of(&id, self.job_id(), workflow, input)
+                    .is_child_of(&id, &self.fence, workflow, input)
                     .await?
                 {
                     return Ok(Child {

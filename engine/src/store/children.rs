@@ -12,7 +12,7 @@
 //! journaled the first time all are over (or the join times out), so a
 //! replay never reads the children again.
 
-use diesel::sql_types::{Array, Bool, Jsonb, Nullable, Text};
+use diesel::sql_types::{Array, Bool, Integer, Jsonb, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, RunQueryDsl};
 use serde_json::{json, Value};
@@ -72,12 +72,14 @@ impl Waits<'_> {
                     same: bool,
                 }
                 let stored: Vec<Stored> = sql(
-                    "SELECT request_hash = $2 AND parent_id IS NOT DISTINCT FROM $3 AS same \
+                    "SELECT request_hash = $2 AND parent_id IS NOT DISTINCT FROM $3 \
+                         AND parent_incarnation IS NOT DISTINCT FROM $4 AS same \
                      FROM jobs WHERE id = $1",
                 )
                 .bind::<Text, _>(&id)
                 .bind::<Text, _>(&hash)
                 .bind::<Text, _>(&fence.job_id)
+                .bind::<Integer, _>(fence.incarnation)
                 .load(conn)
                 .await?;
                 Ok(if stored.iter().any(|s| s.same) {
@@ -151,11 +153,12 @@ impl Waits<'_> {
                          (j.lease_expires_at IS NULL OR j.lease_expires_at < clock_timestamp()) \
                              AND j.run_at <= now() AS queued \
                      FROM jobs j LEFT JOIN results r ON r.job_id = j.id \
-                     WHERE j.id = ANY($1) AND j.parent_id = $2 \
+                     WHERE j.id = ANY($1) AND j.parent_id = $2 AND j.parent_incarnation = $3 \
                      ORDER BY j.id FOR SHARE OF j",
                 )
                 .bind::<Array<Text>, _>(children)
                 .bind::<Text, _>(&fence.job_id)
+                .bind::<Integer, _>(fence.incarnation)
                 .load(conn)
                 .await?;
                 let mut by_id: std::collections::HashMap<&str, &ChildRow> =
@@ -212,13 +215,14 @@ impl Waits<'_> {
         .await
     }
 
-    /// Whether job `id` is a child of `parent` running `workflow` on
-    /// `input`: a replay finds the child it made, whatever this node has
-    /// registered (another input is no find: `child_conflict` stays).
+    /// Whether job `id` is a child of this life of the job `parent` runs,
+    /// running `workflow` on `input`: a replay finds the child it made,
+    /// whatever this node has registered (another input is no find:
+    /// `child_conflict` stays).
     pub(crate) async fn is_child_of(
         self,
         id: &str,
-        parent: &str,
+        parent: &Fence,
         workflow: &str,
         input: &Value,
     ) -> Result<bool, StoreError> {
@@ -229,13 +233,14 @@ impl Waits<'_> {
         }
         let mut conn = self.db().conn().await?;
         let found: Found = sql(
-            "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1 AND parent_id = $2 AND workflow = $3 \
-                 AND request->'input' = $4) AS found",
+            "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1 AND parent_id = $2 \
+                 AND parent_incarnation = $5 AND workflow = $3 AND request->'input' = $4) AS found",
         )
         .bind::<Text, _>(id)
-        .bind::<Text, _>(parent)
+        .bind::<Text, _>(&parent.job_id)
         .bind::<Text, _>(workflow)
         .bind::<Jsonb, _>(input)
+        .bind::<Integer, _>(parent.incarnation)
         .get_result(&mut conn)
         .await?;
         Ok(found.found)

@@ -596,7 +596,7 @@ pub(crate) async fn intake_on(
          job AS ( \
              INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, trace_context, \
                  incarnation, lease_epoch, owner_token, notify_failures, priority, run_at, \
-                 lease_owner, lease_expires_at, attempts, parent_id, \
+                 lease_owner, lease_expires_at, attempts, parent_id, parent_incarnation, \
                  tenant, concurrency_key, concurrency_limit, throttle_limit, throttle_period_s) \
              SELECT i.id, i.workflow, i.workflow_version, i.request, i.request_hash, i.trace_context, \
                  coalesce(t.incarnation + 1, 1), \
@@ -605,7 +605,7 @@ pub(crate) async fn intake_on(
                  i.priority, CASE WHEN i.run_at IS NOT NULL THEN greatest(i.run_at, now()) \
                      ELSE now() + coalesce(i.delay_ms, 0) * interval '1 millisecond' END, \
                  i.lease_owner, clock_timestamp() + i.lease_ms * interval '1 millisecond', \
-                 (i.lease_owner IS NOT NULL)::int, i.parent_id, \
+                 (i.lease_owner IS NOT NULL)::int, i.parent_id, p.incarnation, \
                  CASE WHEN k.admin IS false THEN k.id ELSE 0 END, \
                  i.request->>'concurrency_key', \
                  CASE WHEN i.request ? 'concurrency_key' THEN \
@@ -618,6 +618,7 @@ pub(crate) async fn intake_on(
                               i.t_period, k.key_throttle_period_s) END \
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
                  LEFT JOIN api_tokens k ON k.id = i.owner_token \
+                 LEFT JOIN jobs p ON p.id = i.parent_id \
              ORDER BY i.id \
              ON CONFLICT (id) DO NOTHING \
              RETURNING id, created_at, incarnation, run_at, lease_epoch, attempts, \

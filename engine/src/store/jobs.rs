@@ -569,11 +569,11 @@ impl Jobs<'_> {
         .bind::<Text, _>(id)
         .load(conn)
         .await?;
-        let children: Vec<ChildView> = sql(
-            "SELECT id, workflow, state::text AS state FROM jobs WHERE parent_id = $1 \
-             ORDER BY created_at, id LIMIT 1000",
-        )
+        let children: Vec<ChildView> = sql("SELECT id, workflow, state::text AS state FROM jobs \
+             WHERE parent_id = $1 AND parent_incarnation = $2 \
+             ORDER BY created_at, id LIMIT 1000")
         .bind::<Text, _>(id)
+        .bind::<diesel::sql_types::Integer, _>(row.incarnation)
         .load(conn)
         .await?;
         let request = JobRequest::from_stored(row.request);

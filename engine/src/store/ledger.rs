@@ -483,7 +483,10 @@ impl Store {
         // epoch), so a resubmission is a new incarnation with keys of its own
         // and epochs that continue. A child job stays while its parent is
         // live or dead (a redrive): the parent's replay must find it, not
-        // start it again. A job stamped with a throttle's start stays while
+        // start it again. A parent stays while a child of its life is live:
+        // its id is not free for another job (another token's, perhaps)
+        // while that child runs, and its owner still sees and cancels the
+        // child through it. A job stamped with a throttle's start stays while
         // its period runs: its row is what counts the start.
         let purged: Count = sql("WITH gone AS ( \
                  DELETE FROM jobs WHERE id IN ( \
@@ -492,7 +495,10 @@ impl Store {
                        AND finished_at < now() - (CASE WHEN state = 'dead' THEN $3 ELSE $1 END) \
                            * interval '1 millisecond' \
                        AND NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = jobs.parent_id \
+                           AND p.incarnation = jobs.parent_incarnation \
                            AND (p.finished_at IS NULL OR p.state = 'dead')) \
+                       AND NOT EXISTS (SELECT 1 FROM jobs c WHERE c.parent_id = jobs.id \
+                           AND c.parent_incarnation = jobs.incarnation AND c.finished_at IS NULL) \
                        AND (throttle_at IS NULL \
                            OR throttle_at <= now() - make_interval(secs => throttle_period_s)) \
                      ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED) \

@@ -275,14 +275,18 @@ impl Store {
         id: &str,
         lock: bool,
     ) -> Result<Vec<TreeRow>, StoreError> {
-        // Depth bounded at 64: a bound against a runaway tree.
+        // A child belongs to one life of its parent (`parent_incarnation`):
+        // the tree of a job submitted again under a purged id holds none of
+        // the old life's children. No depth bound: a link goes from a job to
+        // one made after it, so the walk ends, and a cancel of a deep tree
+        // must not stop short while it answers `cancelled`.
         macro_rules! tree {
             () => {
-                "WITH RECURSIVE tree (id, depth) AS ( \
-                     SELECT id, 0 FROM jobs WHERE id = $1 \
-                     UNION \
-                     SELECT j.id, t.depth + 1 FROM jobs j JOIN tree t ON j.parent_id = t.id \
-                     WHERE t.depth < 64) \
+                "WITH RECURSIVE tree (id, incarnation, depth) AS ( \
+                     SELECT id, incarnation, 0 FROM jobs WHERE id = $1 \
+                     UNION ALL \
+                     SELECT j.id, j.incarnation, t.depth + 1 FROM jobs j \
+                     JOIN tree t ON j.parent_id = t.id AND j.parent_incarnation = t.incarnation) \
                  SELECT j.id, j.incarnation, j.state::text AS state \
                  FROM jobs j JOIN tree t ON t.id = j.id ORDER BY t.depth DESC, j.id"
             };
