@@ -1216,3 +1216,75 @@ async fn acquires_take_a_full_share_across_weighted_tenants() {
     }
     assert_eq!(taken.len(), 120);
 }
+
+/// A key's slot that frees wakes the nodes: six jobs of a key limited to
+/// one, on two nodes whose regular poll is a minute away, run one after
+/// another, each started when the one before let its slot go (without the
+/// announcement, the second waited for a poll). Never two at once.
+#[actix_rt::test]
+async fn a_freed_key_slot_wakes_the_nodes_without_the_poll() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(100));
+    let share = Share {
+        key_concurrency: Some(1),
+        ..Default::default()
+    };
+    let t = tenant(&env, "tenant-t", share).await;
+    for i in 0..6 {
+        submit(&env, t, &format!("k-{i}"), Some("one-at-a-time")).await;
+    }
+    let mut config = env.config();
+    config.poll_interval = Duration::from_secs(60);
+    config.provider.timeout = Duration::from_secs(20);
+    let _one = env.start(registry(), config.clone());
+    config.node_id = format!("{}-two", config.node_id);
+    let _two = env.start(registry(), config);
+    assert!(
+        all_acked(&env, 6).await,
+        "every job of the key acked with no poll"
+    );
+    assert_eq!(
+        env.provider.requests().len(),
+        6,
+        "one model request per job"
+    );
+    assert_eq!(
+        env.provider.peak_concurrency(),
+        1,
+        "one at a time: the key's limit"
+    );
+}
+
+/// A throttle's start slot that frees wakes the node that took it: three
+/// jobs of a key throttled to one start per 2 s, on two nodes whose
+/// regular poll is a minute away, all start within 30 s (each when the
+/// start before it has had its period), each once.
+#[actix_rt::test]
+async fn a_freed_throttle_slot_wakes_a_node_without_the_poll() {
+    let env = TestEnv::new().await;
+    let t = throttled_tenant(&env, "tenant-t", 1, 2).await;
+    for i in 0..3 {
+        submit(&env, t, &format!("th-{i}"), Some("paced")).await;
+    }
+    let mut config = env.config();
+    config.poll_interval = Duration::from_secs(60);
+    config.provider.timeout = Duration::from_secs(20);
+    let _one = env.start(registry(), config.clone());
+    config.node_id = format!("{}-two", config.node_id);
+    let _two = env.start(registry(), config);
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            env.sql("SELECT count(*) AS n FROM jobs WHERE state = 'acked'")
+                .await[0]["n"]
+                == json!(3)
+        })
+        .await,
+        "every throttled job started with no poll"
+    );
+    assert_eq!(jobs_sent(&env, "th-").len(), 3);
+    assert_eq!(
+        env.provider.requests().len(),
+        3,
+        "one model request per job"
+    );
+}

@@ -372,6 +372,11 @@ impl Handler<Poll> for Supervisor {
                     act.reclaimed = act.reclaimed.max(reclaim_upto);
                     let full = leased.len() == capacity;
                     for job in leased {
+                        // The start slot this job took frees at a time:
+                        // the key's next job is looked for then.
+                        if let Some(frees_in) = job.throttle_frees_in {
+                            act.wake_at(std::time::Instant::now() + frees_in, ctx);
+                        }
                         act.start_job(job, ctx);
                     }
                     // Room left over: nothing runnable waited, so intake may

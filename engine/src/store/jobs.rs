@@ -436,6 +436,8 @@ impl Jobs<'_> {
                 trace: Some(trace),
                 store_failures: 0,
                 owner_token: owner,
+                // A handed-off job is never keyed (intake hands off none).
+                throttle_frees_in: None,
             });
             let created = Intake::Created(JobView {
                 id: job.id.clone(),

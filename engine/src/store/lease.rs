@@ -65,6 +65,10 @@ pub struct Leased {
     /// The API token that submitted the job: its webhooks are signed with
     /// that token's own secret.
     pub owner_token: Option<i64>,
+    /// When the throttle start slot the job holds frees, from the acquire
+    /// (a job of a throttled key): the node polls then, so the key's next
+    /// job starts when its slot frees, not at a later poll.
+    pub throttle_frees_in: Option<std::time::Duration>,
 }
 
 #[derive(QueryableByName)]
@@ -93,6 +97,8 @@ struct LeasedRow {
     store_failures: i32,
     #[diesel(sql_type = Nullable<BigInt>)]
     owner_token: Option<i64>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    throttle_frees_ms: Option<i64>,
 }
 
 /// What one heartbeat did: how many leases it extended, and which it found
@@ -319,7 +325,10 @@ const ACQUIRE: &str = concat!(
              THEN NULL ELSE j.waiting END \
      FROM picked WHERE j.id = picked.id \
      RETURNING j.id, j.workflow, j.workflow_version, j.request, j.state::text AS state, j.attempts, j.incarnation, j.lease_epoch, \
-         picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token"
+         picked.lease_owner AS previous_owner, j.trace_context, j.store_failures, j.owner_token, \
+         CASE WHEN j.throttle_at IS NOT NULL THEN ceil(extract(epoch FROM \
+             j.throttle_at + make_interval(secs => j.throttle_period_s) - clock_timestamp()) * 1000)::bigint \
+         END AS throttle_frees_ms"
 );
 
 impl Leases<'_> {
@@ -405,6 +414,9 @@ impl Leases<'_> {
                     trace: r.trace_context.as_deref().and_then(TraceParent::parse),
                     store_failures: r.store_failures,
                     owner_token: r.owner_token,
+                    throttle_frees_in: r
+                        .throttle_frees_ms
+                        .map(|ms| std::time::Duration::from_millis(ms.max(0) as u64)),
                 })
             })
             .collect()
