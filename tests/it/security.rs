@@ -1819,3 +1819,47 @@ async fn the_open_openapi_document_names_no_workflow_without_a_token() {
         "a bad token is no token"
     );
 }
+
+/// A re-run is a submit of the original's request under the new id: it
+/// keeps the concurrency key, priority and tags (so the key's limit binds
+/// it), and its webhook URL passes the guard of the node that takes it: a
+/// URL this node refuses is `422 webhook_url` and creates nothing, before
+/// any model call is paid.
+#[actix_rt::test]
+async fn a_rerun_takes_the_submit_path_key_priority_tags_and_guard() {
+    let env = TestEnv::new().await;
+    let open = api(&env, UrlGuard::allow_private(), Hosts::Any);
+    let strict = api(&env, UrlGuard::strict(), Hosts::Any);
+    let mut body = job_body("orig", &env.consumer.url());
+    body["concurrency_key"] = json!("user-7");
+    body["priority"] = json!(3);
+    body["tags"] = json!({ "team": "a" });
+    let (status, created) = post_json(&open, &body).await;
+    assert_eq!(status, 201, "{created}");
+    let rerun = |base: &str, id: &str| {
+        client()
+            .post(format!("{base}/v1/jobs/orig/rerun"))
+            .json(&json!({ "id": id }))
+            .send()
+    };
+    let r = rerun(&open, "again").await.unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let again = env.job("again").await;
+    assert_eq!(again.concurrency_key.as_deref(), Some("user-7"));
+    assert_eq!(again.priority, 3);
+    assert_eq!(again.tags, env.job("orig").await.tags);
+    let r = rerun(&strict, "refused").await.unwrap();
+    let status = r.status().as_u16();
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(
+        (status, answer["error"]["field"].as_str()),
+        (422, Some("webhook_url")),
+        "{answer}"
+    );
+    assert_eq!(
+        env.sql("SELECT count(*) AS n FROM jobs WHERE id = 'refused'")
+            .await[0]["n"],
+        json!(0),
+        "nothing created"
+    );
+}

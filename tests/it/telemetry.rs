@@ -927,3 +927,54 @@ async fn a_spawn_has_its_span_and_the_childs_attempt_continues_it() {
         }
     }
 }
+
+/// Every way a job comes in through the API is counted by the intake
+/// metric: a submit, each created item of a batch, a re-run (the batch and
+/// the re-run were not counted before they took the submit's path).
+#[actix_rt::test]
+async fn a_submit_a_batch_and_a_rerun_are_each_counted_at_intake() {
+    let env = TestEnv::new().await;
+    let receiver = Receiver::start();
+    let telemetry = exporting_to(&receiver);
+    let base = serve_api_state(ApiState {
+        store: env.store.clone(),
+        registry: onceflow_workflows::registry(),
+        body_limit: DEFAULT_BODY_LIMIT,
+        telemetry: telemetry.clone(),
+        url_guard: onceflow_engine::UrlGuard::allow_private(),
+        hosts: onceflow_engine::api::Hosts::Any,
+        auth: onceflow_engine::api::Auth::Off,
+        limits: Default::default(),
+        draining: Default::default(),
+        trace_url: None,
+        handoff: None,
+        hub: env.hub.clone(),
+    });
+    let hook = env.consumer.url();
+    let post = |path: &str, body: Value| client().post(format!("{base}{path}")).json(&body).send();
+    assert_eq!(
+        post("/v1/jobs", completion("one", &hook))
+            .await
+            .unwrap()
+            .status(),
+        201
+    );
+    let batch = json!({ "jobs": [completion("two", &hook), completion("three", &hook)] });
+    assert_eq!(post("/v1/jobs/batch", batch).await.unwrap().status(), 200);
+    assert_eq!(
+        post("/v1/jobs/one/rerun", json!({ "id": "four" }))
+            .await
+            .unwrap()
+            .status(),
+        201
+    );
+    let text = crate::support::get_text(&format!("{base}/metrics")).await;
+    let created: f64 = parse_prometheus(&text)
+        .iter()
+        .filter(|(series, _)| {
+            series.starts_with("onceflow_jobs_submitted") && series.contains("\"created\"")
+        })
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(created, 4.0, "{text}");
+}

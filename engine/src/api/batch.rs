@@ -94,7 +94,7 @@ pub(super) async fn submit_batch(
     // the backlog count is read once, not once per job.
     use futures_util::StreamExt as _;
     let answers: Vec<serde_json::Value> = futures_util::stream::iter(jobs)
-        .map(|job| submit_one(&state, who, job))
+        .map(|job| submit_one(&state, who, &req, job))
         .buffered(16)
         .collect()
         .await;
@@ -102,7 +102,12 @@ pub(super) async fn submit_batch(
 }
 
 /// One job of a batch, answered as `POST /v1/jobs` would answer it.
-async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde_json::Value {
+async fn submit_one(
+    state: &ApiState,
+    who: Who,
+    req: &HttpRequest,
+    job: serde_json::Value,
+) -> serde_json::Value {
     let refused = |code: Code, message: String, field: Option<&str>| {
         json!({
             "status": code.status().as_u16(),
@@ -135,15 +140,9 @@ async fn submit_one(state: &ApiState, who: Who, job: serde_json::Value) -> serde
             )
         }
     }
-    let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
     let answer = |status: StatusCode, view: &crate::store::JobView| json!({ "status": status.as_u16(), "job": view });
-    match state
-        .store
-        .jobs()
-        .submit(&crate::store::Submission::new(&job).owned(who.owner(), notify))
-        .await
-        .map(|s| s.intake)
-    {
+    // Stored as a single submit is: span, hand-off, metric.
+    match super::jobs::intake(state, who, req, &job).await {
         Ok(Intake::Created(view)) => answer(StatusCode::CREATED, &view),
         Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {
             refused(

@@ -67,7 +67,33 @@ pub(super) async fn submit(
             return error(code, message, field.as_deref());
         }
     };
-    let (mut span, trace) = submit_span(&state, &req, &job);
+    admit(&state, who, &req, job).await
+}
+
+/// Admits one parsed job through [`intake`] and answers as a submit does
+/// (`201`, `200` for the identical job, `409`).
+pub(super) async fn admit(
+    state: &ApiState,
+    who: Who,
+    req: &HttpRequest,
+    job: crate::request::NewJob,
+) -> HttpResponse {
+    let result = intake(state, who, req, &job).await;
+    intake_answer(who, &job.id, result)
+}
+
+/// Stores one parsed job the way every job that comes through the API is
+/// stored (a submit, a batch's item, a re-run): the `submit` span
+/// continuing the caller's trace, failure events only with a webhook, the
+/// hand-off to this node when it has room, and the intake metric.
+pub(super) async fn intake(
+    state: &ApiState,
+    who: Who,
+    req: &HttpRequest,
+    job: &crate::request::NewJob,
+) -> Result<Intake, crate::error::StoreError> {
+    let job = job.clone();
+    let (mut span, trace) = submit_span(state, req, &job);
     // Failure events go where the completion would: nowhere without a webhook.
     let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
     let result = crate::node::handoff::submit(
@@ -104,7 +130,7 @@ pub(super) async fn submit(
             ],
         );
     }
-    intake_answer(who, &job.id, result)
+    result
 }
 
 /// The `submit` span, continuing the caller's trace when it sent one, and

@@ -430,25 +430,6 @@ pub(super) async fn rerun(
         Ok(view) => view,
         Err(refused) => return refused,
     };
-    let Some(workflow) = state.registry.get(&original.workflow) else {
-        return error(
-            Code::Invalid,
-            format!(
-                "workflow {:?} is not registered on this node any more",
-                original.workflow
-            ),
-            Some("workflow"),
-        );
-    };
-    let job = crate::node::intake::NewJob {
-        tags: original.tags.clone(),
-        id: new_id,
-        workflow: original.workflow.clone(),
-        workflow_version: workflow.version() as i32,
-        input: original.input.clone(),
-        webhook_url: original.webhook_url.clone(),
-        schedule: Default::default(),
-    };
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
         return error(
             Code::Draining,
@@ -456,34 +437,36 @@ pub(super) async fn rerun(
             None,
         );
     }
+    // A re-run is a new job submitted with the original's request under
+    // the new id: it passes the same checks a submit does (the workflow
+    // registered, its input, the webhook URL's guard, a tenant's priority)
+    // and keeps the original's concurrency key, priority and tags, so the
+    // key's limit and throttle bind it as they bound the original.
+    let mut request = serde_json::json!({
+        "id": new_id,
+        "workflow": original.workflow,
+        "input": original.input,
+        "priority": original.priority,
+        "tags": original.tags,
+    });
+    if !original.webhook_url.is_empty() {
+        request["webhook_url"] = original.webhook_url.clone().into();
+    }
+    if let Some(key) = &original.concurrency_key {
+        request["concurrency_key"] = key.clone().into();
+    }
+    let job = match super::jobs::parse_job(&state, who, request.to_string().as_bytes()) {
+        Ok(job) => job,
+        Err(refused) => {
+            let (code, message, field) = refused.parts();
+            return error(code, message, field.as_deref());
+        }
+    };
     // A rerun is a new job: it takes a place in the backlog as a submit does.
     match state.limits.admit(&state.store, who.owner()).await {
         Ok(Ok(())) => {}
         Ok(Err(message)) => return super::jobs::backlog_full(message),
         Err(e) => return unavailable(e),
     }
-    let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
-    let trace = crate::net::traceparent::TraceParent::new_root();
-    match state
-        .store
-        .jobs()
-        .submit(
-            &crate::store::Submission::new(&job)
-                .traced(trace)
-                .owned(who.owner(), notify),
-        )
-        .await
-        .map(|s| s.intake)
-    {
-        Ok(crate::store::Intake::Created(view)) => HttpResponse::Created().json(view),
-        Ok(crate::store::Intake::Existing(view)) if who.sees(view.owner_token) => {
-            HttpResponse::Ok().json(view)
-        }
-        Ok(_) => error(
-            Code::Conflict,
-            format!("job id {:?} holds another job; nothing was created", job.id),
-            Some("id"),
-        ),
-        Err(e) => unavailable(e),
-    }
+    super::jobs::admit(&state, who, &req, job).await
 }
