@@ -85,7 +85,7 @@ async fn every_second(env: &TestEnv, id: &str, owner: i64) {
     };
     env.store
         .schedules()
-        .create(&new, &table, Some(owner))
+        .create(&new, &table, Some(owner), None)
         .await
         .unwrap();
 }
@@ -901,4 +901,40 @@ async fn the_latest_ten_are_listed_and_a_purged_fire_time_never_fires_again() {
     );
     let fires_after = env.sql(&fires_upto).await[0]["n"].clone();
     assert_eq!(fires_after, fires_before, "no fire time recorded twice");
+}
+
+/// A token's cap of 100 schedules holds for the cluster under concurrency:
+/// 130 creates at once, split between two nodes, make exactly 100 (112
+/// before the store counted under the token's lock); the other 30 are
+/// `409 too_many_schedules`.
+#[actix_rt::test]
+async fn concurrent_creates_on_two_nodes_stop_at_the_schedule_cap() {
+    let env = TestEnv::new().await;
+    let nodes = [
+        api(&env, Auth::Tokens { loopback: false }),
+        api(&env, Auth::Tokens { loopback: false }),
+    ];
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let hook = env.consumer.url();
+    let creates = (0..130).map(|i| {
+        let url = format!("{}/v1/schedules", nodes[i % 2]);
+        let body = schedule(&format!("cap-{i:03}"), "0 2 * * *", &hook);
+        let alice = alice.clone();
+        async move {
+            let (status, answer) =
+                call(reqwest::Method::POST, &url, Some(&alice), Some(&body)).await;
+            (status, answer["error"]["code"].as_str().map(str::to_owned))
+        }
+    });
+    let answers = futures_util::future::join_all(creates).await;
+    let created = answers.iter().filter(|(s, _)| *s == 201).count();
+    let capped = answers
+        .iter()
+        .filter(|a| **a == (409, Some("too_many_schedules".to_owned())))
+        .count();
+    assert_eq!((created, capped), (100, 30), "{answers:?}");
+    assert_eq!(
+        env.sql("SELECT count(*) AS n FROM schedules").await[0]["n"],
+        json!(100)
+    );
 }

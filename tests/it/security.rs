@@ -950,23 +950,27 @@ async fn a_full_backlog_is_refused_with_retry_after() {
     assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 3);
 }
 
-/// The per-token limit holds under a burst: 40 concurrent submits from one
-/// token with a limit of 5 store 5 jobs, not 40.
+/// The per-token limit holds for the cluster under a burst: 40 concurrent
+/// submits from one token with a limit of 5, split between two nodes,
+/// store 5 jobs, not 5 per node (10 before intake decided it).
 #[actix_rt::test]
 async fn a_burst_of_submits_stops_at_the_backlog_limit() {
     let env = TestEnv::new().await;
-    let base = api_limited(
-        &env,
-        UrlGuard::allow_private(),
-        Hosts::Any,
-        Auth::Tokens { loopback: true },
-        Bounds::backlog(1_000, 5),
-    );
+    let node = || {
+        api_limited(
+            &env,
+            UrlGuard::allow_private(),
+            Hosts::Any,
+            Auth::Tokens { loopback: true },
+            Bounds::backlog(1_000, 5),
+        )
+    };
+    let nodes = [node(), node()];
     let alice = env.store.tokens().create("alice", false).await.unwrap();
-    let jobs = format!("{base}/v1/jobs");
     let hook = env.consumer.url();
     let sends = (0..40).map(|i| {
-        let (jobs, alice, hook) = (jobs.clone(), alice.clone(), hook.clone());
+        let jobs = format!("{}/v1/jobs", nodes[i % 2]);
+        let (alice, hook) = (alice.clone(), hook.clone());
         async move {
             client()
                 .post(&jobs)
@@ -984,6 +988,54 @@ async fn a_burst_of_submits_stops_at_the_backlog_limit() {
     let refused = statuses.iter().filter(|s| **s == 429).count();
     assert_eq!((created, refused), (5, 35), "{statuses:?}");
     assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 5);
+}
+
+/// A request refused (`422`) or an identical resubmission takes no place
+/// in its token's backlog: with a limit of 3 and 2 jobs stored, 20 bad
+/// requests and 20 repeats of a stored job leave room for exactly one more.
+#[actix_rt::test]
+async fn refused_and_repeated_submits_take_no_place_in_the_backlog() {
+    let env = TestEnv::new().await;
+    let base = api_limited(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: true },
+        Bounds::backlog(1_000, 3),
+    );
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let jobs = format!("{base}/v1/jobs");
+    let hook = env.consumer.url();
+    let send = |body: Value| {
+        let (jobs, alice) = (jobs.clone(), alice.clone());
+        async move {
+            client()
+                .post(&jobs)
+                .bearer_auth(&alice)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    for id in ["p-1", "p-2"] {
+        assert_eq!(send(job_body(id, &hook)).await, 201);
+    }
+    let mut noise = Vec::new();
+    for i in 0..20 {
+        let mut bad = job_body(&format!("bad-{i}"), &hook);
+        bad["workflow"] = json!("no-such-workflow");
+        noise.push(send(bad));
+        noise.push(send(job_body("p-1", &hook)));
+    }
+    let statuses = futures_util::future::join_all(noise).await;
+    assert_eq!(statuses.iter().filter(|s| **s == 422).count(), 20);
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 20);
+    assert_eq!(send(job_body("p-3", &hook)).await, 201, "room for one more");
+    assert_eq!(send(job_body("p-4", &hook)).await, 429, "and no more");
+    assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 3);
 }
 
 /// Small bounds answered the same way everywhere: the `Authorization`

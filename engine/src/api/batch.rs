@@ -152,6 +152,9 @@ async fn submit_one(
             )
         }
         Ok(Intake::Existing(view)) => answer(StatusCode::OK, &view),
+        Ok(Intake::BacklogFull(limit)) => {
+            refused(Code::BacklogFull, super::jobs::backlog_message(limit), None)
+        }
         Ok(Intake::Conflict(_)) => refused(
             Code::Conflict,
             format!(

@@ -112,12 +112,15 @@ impl Bounds {
         })
     }
 
-    /// Takes a place in the backlog for one more job of `owner`, or says
-    /// why not. The counts are read at most once a second per token (one
-    /// indexed count, not one per request); each place taken since is
-    /// added to them under one lock, so a burst of concurrent submits
-    /// passes the limit by none on this node (a request refused later, or
-    /// an identical repeat, holds its place until the next read).
+    /// Refuses early, before the body is read, a job of `owner` when the
+    /// backlog is full, or says there may be room. The counts are read at
+    /// most once a second per token (one indexed count, not one per
+    /// request). The total's places taken since are added under one lock
+    /// (a node's own guard against a burst). The per-token limit is only
+    /// looked at here: the word on it is intake's statement's, which holds
+    /// it for the whole cluster under a lock per token
+    /// ([`Submission::limited`](crate::store::Submission::limited)), so a
+    /// request refused later or an identical repeat takes no token's place.
     pub(super) async fn admit(
         &self,
         store: &Store,
@@ -150,7 +153,6 @@ impl Bounds {
             )));
         }
         *total += 1;
-        *mine += 1;
         Ok(Ok(()))
     }
 }

@@ -101,13 +101,15 @@ pub(super) async fn intake(
         state.handoff.as_ref(),
         crate::store::Submission::new(&job)
             .traced(trace)
-            .owned(who.owner(), notify),
+            .owned(who.owner(), notify)
+            .limited(state.limits.max_backlog_per_token),
     )
     .await;
     let outcome = match &result {
         Ok(Intake::Created(_)) => "created",
         Ok(Intake::Existing(_)) => "existing",
         Ok(Intake::Conflict(_)) => "conflict",
+        Ok(Intake::BacklogFull(_)) => "backlog_full",
         Err(_) => "unavailable",
     };
     span.set_attribute(KeyValue::new(SUBMIT_OUTCOME, outcome));
@@ -188,6 +190,7 @@ fn intake_answer(
             ),
             Some("id"),
         ),
+        Ok(Intake::BacklogFull(limit)) => backlog_full(backlog_message(limit)),
         Err(e) => unavailable(e),
     }
 }
@@ -408,6 +411,11 @@ pub(super) fn parse_job(
         ));
     }
     Ok(job)
+}
+
+/// Why a job was refused when its token's backlog in the cluster is full.
+pub(super) fn backlog_message(limit: u64) -> String {
+    format!("this token has {limit} unfinished jobs, its limit; retry when some have finished")
 }
 
 /// `429 backlog_full` with `Retry-After`.

@@ -131,36 +131,21 @@ pub(super) async fn create_schedule(
                 ));
             }
         }
-        if let Some(owner) = who.owner() {
-            match state.store.schedules().count(owner).await {
-                Ok(n) if n >= MAX_SCHEDULES_PER_TOKEN => {
-                    // Its own schedule again is still found; another
-                    // token's id says nothing more here.
-                    let exists = matches!(
-                        state.store.schedules().get(&schedule.id).await,
-                        Ok(Some(s)) if s.schedule.owner_token == Some(owner)
-                    );
-                    if !exists {
-                        return error(
-                            Code::TooManySchedules,
-                            format!(
-                                "this token has {n} schedules, as many as it may; delete one first"
-                            ),
-                            None,
-                        );
-                    }
-                }
-                Ok(_) => {}
-                Err(e) => return unavailable(e),
-            }
-        }
     }
+    // A tenant's schedules are capped; the store counts them under a lock
+    // per token, so concurrent creates on any nodes stop at the cap.
+    let cap = who.scope().map(|_| MAX_SCHEDULES_PER_TOKEN);
     match state
         .store
         .schedules()
-        .create(&schedule, &table, who.owner())
+        .create(&schedule, &table, who.owner(), cap)
         .await
     {
+        Ok(ScheduleIntake::TooMany(n)) => error(
+            Code::TooManySchedules,
+            format!("this token has {n} schedules, as many as it may; delete one first"),
+            None,
+        ),
         Ok(ScheduleIntake::Created(view)) => HttpResponse::Created().json(view),
         Ok(ScheduleIntake::Existing(view)) => HttpResponse::Ok().json(view),
         Ok(ScheduleIntake::Conflict) => error(

@@ -197,6 +197,8 @@ impl Context {
             parent: Some(self.job_id().to_owned()),
             key_limit: None,
             throttle: None,
+            // Counted by the schedule's own bound, or its parent's (a child).
+            backlog_limit: None,
         };
         self.faults
             .hit(self.job_id(), FailPoint::BeforeCommit("spawn"))

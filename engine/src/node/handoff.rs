@@ -216,18 +216,20 @@ pub(crate) async fn submit(
         .filter(|_| !later)
         .and_then(|h| h.reserve(&job.workflow, job.workflow_version));
     let (store, job) = (store.clone(), job.clone());
-    let (trace, owner, notify) = (
+    let (trace, owner, notify, limit) = (
         submission.trace,
         submission.owner,
         submission.notify_failures,
+        submission.backlog_limit,
     );
     let submitting = actix_web::rt::spawn(async move {
         let mut reservation = reservation;
         let hand_to = reservation.as_mut().and_then(|r| r.hand_to(&job.id));
-        let submission = Submission::new(&job)
+        let mut submission = Submission::new(&job)
             .traced(trace)
             .owned(owner, notify)
             .handed_to(hand_to);
+        submission.backlog_limit = limit;
         let Submitted { intake, leased } = match store.jobs().submit(&submission).await {
             Ok(done) => done,
             Err(e) => {

@@ -147,6 +147,9 @@ pub(crate) struct NewRow {
     /// The workflow's throttle per concurrency key, if it sets one: starts
     /// per period, and the period in seconds.
     pub(crate) throttle: Option<(i32, i32)>,
+    /// The most unfinished jobs its owner may have in the cluster: a row
+    /// over it is left out (see [`intake_on`]).
+    pub(crate) backlog_limit: Option<i64>,
 }
 
 impl Keyed for NewRow {
@@ -538,7 +541,48 @@ pub(crate) async fn begin_call_on(
 /// are inserted in id order, so two batches that race on an id wait in the
 /// same order. An id that exists already inserts nothing (the primary key
 /// decides); its request gets `None`.
+///
+/// A row with a `backlog_limit` is also left out (`None`) when its owner
+/// already has that many unfinished jobs, in the whole cluster: the owners'
+/// locks (`pg_advisory_xact_lock`, in owner order) are taken first, in the
+/// same transaction, so the insert's snapshot sees every job another
+/// node's intake committed for them, and the next intake of theirs waits
+/// for this one's commit. A row whose id exists already takes no place.
 pub(crate) async fn intake_on(
+    conn: &mut AsyncPgConnection,
+    requests: &[NewRow],
+) -> Result<Vec<Option<Inserted>>, StoreError> {
+    let mut owners: Vec<i64> = requests
+        .iter()
+        .filter(|r| r.backlog_limit.is_some())
+        .filter_map(|r| r.owner)
+        .collect();
+    if owners.is_empty() {
+        return insert_jobs(conn, requests).await;
+    }
+    owners.sort_unstable();
+    owners.dedup();
+    use diesel_async::AsyncConnection as _;
+    conn.transaction::<_, StoreError, _>(async move |conn| {
+        // One at a time, in owner order: two intakes never wait on each
+        // other in a circle. (A hash collision only serialises more.)
+        for owner in &owners {
+            sql("SELECT pg_advisory_xact_lock($1, hashint8($2))")
+                .bind::<Integer, _>(BACKLOG_LOCK_CLASS)
+                .bind::<BigInt, _>(owner)
+                .execute(conn)
+                .await?;
+        }
+        insert_jobs(conn, requests).await
+    })
+    .await
+}
+
+/// The first key of the advisory locks that serialise intake per owner
+/// (`pg_advisory_xact_lock(class, owner)`), its second the token id.
+const BACKLOG_LOCK_CLASS: i32 = 0x6f66_626c; // "ofbl"
+
+async fn insert_jobs(
     conn: &mut AsyncPgConnection,
     requests: &[NewRow],
 ) -> Result<Vec<Option<Inserted>>, StoreError> {
@@ -560,7 +604,9 @@ pub(crate) async fn intake_on(
     let mut key_limits = Vec::with_capacity(n);
     let mut throttle_starts = Vec::with_capacity(n);
     let mut throttle_periods = Vec::with_capacity(n);
+    let mut backlog_limits = Vec::with_capacity(n);
     for r in requests {
+        backlog_limits.push(r.backlog_limit);
         key_limits.push(r.key_limit);
         throttle_starts.push(r.throttle.map(|t| t.0));
         throttle_periods.push(r.throttle.map(|t| t.1));
@@ -589,10 +635,31 @@ pub(crate) async fn intake_on(
                  (SELECT $7::bigint[]), (SELECT $8::bool[]), (SELECT $11::int[]), \
                  (SELECT $12::timestamptz[]), (SELECT $13::bigint[]), (SELECT $14::text[]), \
                  (SELECT $15::bigint[]), (SELECT $16::text[]), (SELECT $17::int[]), \
-                 (SELECT $18::int[]), (SELECT $19::int[])) \
+                 (SELECT $18::int[]), (SELECT $19::int[]), (SELECT $20::bigint[])) \
+                 WITH ORDINALITY \
              AS i(id, workflow, workflow_version, request, request_hash, trace_context, owner_token, \
                   notify_failures, priority, run_at, delay_ms, lease_owner, lease_ms, parent_id, key_limit, \
-                  t_starts, t_period)), \
+                  t_starts, t_period, backlog_limit, n)), \
+         owners AS ( \
+             SELECT i.owner_token, max(i.backlog_limit) AS lim, \
+                 CASE WHEN k.admin IS false THEN k.id ELSE 0 END AS tenant \
+             FROM input i LEFT JOIN api_tokens k ON k.id = i.owner_token \
+             WHERE i.backlog_limit IS NOT NULL AND i.owner_token IS NOT NULL \
+             GROUP BY i.owner_token, k.admin, k.id), \
+         live AS ( \
+             SELECT o.owner_token, o.lim - (SELECT count(*) FROM (SELECT 1 FROM jobs j \
+                 WHERE j.tenant = o.tenant AND j.owner_token = o.owner_token \
+                   AND j.finished_at IS NULL LIMIT o.lim) q) AS room \
+             FROM owners o), \
+         fresh AS ( \
+             SELECT i.id, i.owner_token, \
+                 row_number() OVER (PARTITION BY i.owner_token ORDER BY i.n) AS place \
+             FROM input i \
+             WHERE i.backlog_limit IS NOT NULL AND i.owner_token IS NOT NULL \
+               AND NOT EXISTS (SELECT 1 FROM jobs x WHERE x.id = i.id)), \
+         over AS ( \
+             SELECT f.id FROM fresh f JOIN live l ON l.owner_token = f.owner_token \
+             WHERE f.place > l.room), \
          job AS ( \
              INSERT INTO jobs (id, workflow, workflow_version, request, request_hash, trace_context, \
                  incarnation, lease_epoch, owner_token, notify_failures, priority, run_at, \
@@ -619,6 +686,7 @@ pub(crate) async fn intake_on(
              FROM input i LEFT JOIN job_tombstones t ON t.id = i.id \
                  LEFT JOIN api_tokens k ON k.id = i.owner_token \
                  LEFT JOIN jobs p ON p.id = i.parent_id \
+             WHERE i.id NOT IN (SELECT id FROM over) \
              ORDER BY i.id \
              ON CONFLICT (id) DO NOTHING \
              RETURNING id, created_at, incarnation, run_at, lease_epoch, attempts, \
@@ -651,6 +719,7 @@ pub(crate) async fn intake_on(
     .bind::<Array<Nullable<Integer>>, _>(&key_limits)
     .bind::<Array<Nullable<Integer>>, _>(&throttle_starts)
     .bind::<Array<Nullable<Integer>>, _>(&throttle_periods)
+    .bind::<Array<Nullable<BigInt>>, _>(&backlog_limits)
     .load(conn)
     .await?;
     let mut by_id: std::collections::HashMap<String, Inserted> =

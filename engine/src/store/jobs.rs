@@ -41,6 +41,11 @@ pub struct Submission<'a> {
     pub notify_failures: bool,
     /// The node to hand a new job due now to (see [`crate::node::handoff`]).
     pub hand_to: Option<HandTo>,
+    /// The most unfinished jobs its token may have, in the whole cluster:
+    /// intake's own statement decides, under a lock per token, so two
+    /// nodes taking a burst of submits at once admit no more than this
+    /// between them (`None`: no bound, or no token).
+    pub backlog_limit: Option<u64>,
 }
 
 impl<'a> Submission<'a> {
@@ -52,7 +57,15 @@ impl<'a> Submission<'a> {
             owner: None,
             notify_failures: false,
             hand_to: None,
+            backlog_limit: None,
         }
+    }
+
+    /// Refused (`Intake::BacklogFull`) when its token already has `limit`
+    /// unfinished jobs in the cluster; no bound without a token.
+    pub fn limited(mut self, limit: u64) -> Self {
+        self.backlog_limit = Some(limit);
+        self
     }
 
     /// In the caller's trace.
@@ -93,6 +106,9 @@ pub enum Intake {
     Existing(JobView),
     /// The same id with a different request (409): the stored job, untouched.
     Conflict(JobView),
+    /// Nothing stored: the job's token has this many unfinished jobs, its
+    /// limit, in the cluster (429).
+    BacklogFull(u64),
 }
 
 /// A job as `GET /v1/jobs/{id}` shows it.
@@ -387,7 +403,9 @@ impl Jobs<'_> {
             owner,
             notify_failures,
             hand_to,
+            backlog_limit,
         } = submission.clone();
+        let backlog_limit = backlog_limit.filter(|_| owner.is_some());
         let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
         // A job with a concurrency key takes a slot of its key when an
         // acquire leases it; it is never born leased.
@@ -417,6 +435,7 @@ impl Jobs<'_> {
                     .schedule
                     .throttle
                     .map(|t| (t.starts as i32, t.per.as_secs() as i32)),
+                backlog_limit: backlog_limit.map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
             })
             .await?;
         if let Some(row) = inserted {
@@ -481,10 +500,17 @@ impl Jobs<'_> {
             });
         }
         let mut conn = self.db.conn().await?;
-        let (view, stored_hash) = self
-            .load_view(&mut conn, &job.id)
-            .await?
-            .ok_or(StoreError::Query(diesel::result::Error::NotFound))?;
+        let Some((view, stored_hash)) = self.load_view(&mut conn, &job.id).await? else {
+            // Not inserted and not there: intake's statement left it out,
+            // its token's backlog being full.
+            return match backlog_limit {
+                Some(limit) => Ok(Submitted {
+                    intake: Intake::BacklogFull(limit),
+                    leased: None,
+                }),
+                None => Err(StoreError::Query(diesel::result::Error::NotFound)),
+            };
+        };
         let intake = if stored_hash == hash {
             Intake::Existing(view)
         } else {

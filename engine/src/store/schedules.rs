@@ -125,7 +125,13 @@ pub enum ScheduleIntake {
     Existing(ScheduleDetail),
     /// The id is taken by another schedule (`409`).
     Conflict,
+    /// Nothing created: the token has this many schedules, its cap (`409`).
+    TooMany(i64),
 }
+
+/// The first key of the advisory lock that serialises one token's
+/// schedule creates (its second, the token id hashed).
+const SCHEDULE_CAP_LOCK_CLASS: i32 = 0x6f66_7363; // "ofsc"
 
 /// A workflow this node can fire schedules of.
 #[derive(Debug, Clone)]
@@ -200,6 +206,7 @@ impl Schedules<'_> {
         s: &NewSchedule,
         table: &Timetable,
         owner: Option<i64>,
+        cap: Option<i64>,
     ) -> Result<ScheduleIntake, StoreError> {
         let hash = s.hash();
         let mut conn = self.db().conn().await?;
@@ -207,6 +214,51 @@ impl Schedules<'_> {
         let Some(next_fire_at) = table.next_after(now) else {
             return Ok(ScheduleIntake::Conflict);
         };
+        let (Some(owner_id), Some(cap)) = (owner, cap) else {
+            return self.insert(&mut conn, s, &hash, owner, next_fire_at).await;
+        };
+        // The cap holds for the cluster: creates of one token take its lock
+        // in turn, and each counts what the ones before it committed.
+        use diesel_async::AsyncConnection as _;
+        conn.transaction::<_, StoreError, _>(async move |conn| {
+            sql("SELECT pg_advisory_xact_lock($1, hashint8($2))")
+                .bind::<diesel::sql_types::Integer, _>(SCHEDULE_CAP_LOCK_CLASS)
+                .bind::<BigInt, _>(owner_id)
+                .execute(conn)
+                .await?;
+            #[derive(QueryableByName)]
+            struct Held {
+                #[diesel(sql_type = BigInt)]
+                n: i64,
+                #[diesel(sql_type = diesel::sql_types::Bool)]
+                exists: bool,
+            }
+            let held: Held = sql(
+                "SELECT (SELECT count(*) FROM schedules WHERE owner_token = $1) AS n, \
+                     EXISTS (SELECT 1 FROM schedules WHERE id = $2) AS exists",
+            )
+            .bind::<BigInt, _>(owner_id)
+            .bind::<Text, _>(&s.id)
+            .get_result(conn)
+            .await?;
+            // An existing id is answered as before (its own again, or a
+            // conflict): it creates nothing.
+            if held.n >= cap && !held.exists {
+                return Ok(ScheduleIntake::TooMany(held.n));
+            }
+            self.insert(conn, s, &hash, owner, next_fire_at).await
+        })
+        .await
+    }
+
+    async fn insert(
+        self,
+        conn: &mut diesel_async::AsyncPgConnection,
+        s: &NewSchedule,
+        hash: &str,
+        owner: Option<i64>,
+        next_fire_at: DateTime<Utc>,
+    ) -> Result<ScheduleIntake, StoreError> {
         let created: Vec<ScheduleView> = sql(
             "WITH created AS ( \
                  INSERT INTO schedules (id, owner_token, cron, timezone, workflow, input, webhook_url, \
@@ -226,10 +278,10 @@ impl Schedules<'_> {
         .bind::<Jsonb, _>(&s.input)
         .bind::<Text, _>(&s.webhook_url)
         .bind::<Text, _>(s.catch_up.as_str())
-        .bind::<Text, _>(&hash)
+        .bind::<Text, _>(hash)
         .bind::<Timestamptz, _>(next_fire_at)
         .bind::<Text, _>(SCHEDULES_CHANNEL)
-        .load(&mut conn)
+        .load(conn)
         .await?;
         if let Some(view) = created.into_iter().next() {
             return Ok(ScheduleIntake::Created(view));
@@ -243,7 +295,7 @@ impl Schedules<'_> {
         }
         let stored: Vec<Stored> = sql("SELECT body_hash, owner_token FROM schedules WHERE id = $1")
             .bind::<Text, _>(&s.id)
-            .load(&mut conn)
+            .load(conn)
             .await?;
         match stored.into_iter().next() {
             Some(st) if st.body_hash == hash && st.owner_token == owner => {
@@ -567,6 +619,8 @@ fn fired_job(row: &DueRow, target: &Fireable, at: DateTime<Utc>) -> NewRow {
         trace: crate::net::traceparent::TraceParent::new_root().to_string(),
         key_limit: None,
         throttle: None,
+        // Counted by the schedule's own bound, or its parent's (a child).
+        backlog_limit: None,
         owner: row.owner_token,
         notify_failures: target.notify_failures && !row.webhook_url.is_empty(),
         priority: 0,
