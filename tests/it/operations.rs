@@ -1043,8 +1043,8 @@ async fn the_cli_tags_batches_reruns_and_cancels_in_bulk() {
     assert_eq!(env.job("cli-b-1").await.state, JobState::Cancelled);
 }
 
-/// Every operation under `/v1/` refuses a query parameter the served
-/// document does not give it, with `422` naming the parameter, before it
+/// Every operation the served document describes (and the console's page)
+/// refuses a query parameter the document does not give it, with `422` naming the parameter, before it
 /// acts: a cancel sent `?dry_run=true` cancels nothing. The parameters the
 /// document lists are taken.
 #[actix_rt::test]
@@ -1056,9 +1056,6 @@ async fn every_operation_refuses_a_query_parameter_it_does_not_take() {
     let doc = onceflow_engine::api::openapi::document();
     let mut tried = 0;
     for (pattern, item) in doc["paths"].as_object().unwrap() {
-        if !pattern.starts_with("/v1/") {
-            continue;
-        }
         let path = pattern.replace("{id}", "q").replace("{name}", "go");
         for method in item.as_object().unwrap().keys() {
             let method: reqwest::Method = method.to_uppercase().parse().unwrap();
@@ -1079,7 +1076,16 @@ async fn every_operation_refuses_a_query_parameter_it_does_not_take() {
             tried += 1;
         }
     }
-    assert!(tried >= 18, "every operation tried ({tried})");
+    for path in ["/", "/console.js"] {
+        let (status, body) = get_as(&format!("{base}{path}?dry_run=true"), None).await;
+        assert_eq!(
+            (status, body["error"]["field"].as_str()),
+            (422, Some("dry_run")),
+            "{path}"
+        );
+        tried += 1;
+    }
+    assert!(tried >= 22, "every operation tried ({tried})");
     assert_eq!(
         env.job("q").await.state,
         JobState::Received,
@@ -1095,4 +1101,87 @@ async fn every_operation_refuses_a_query_parameter_it_does_not_take() {
     let (status, _) = post_action(&format!("{base}/v1/jobs/q/cancel"), json!({})).await;
     assert_eq!(status, 202);
     assert_eq!(env.job("q").await.state, JobState::Cancelled);
+}
+
+/// A cancel that lands while the completion webhook is on the wire waits
+/// for the send's outcome: the consumer holds each POST for a second, a
+/// cancel (one, then a bulk cancel by tag of three more) is sent as soon as
+/// the job's webhook is in flight. Each job ends `acked` with its delivery
+/// `delivered`, as the consumer saw it (one request each); the single
+/// cancel answers `409`, the bulk one counts none. (Before: `202`, the
+/// jobs `cancelled` with a dead delivery the consumer had received.)
+#[actix_rt::test]
+async fn a_cancel_meeting_a_webhook_on_the_wire_waits_for_its_outcome() {
+    use onceflow_engine::testkit::Behaviour;
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    let _engine = env.start(
+        engine_registry(onceflow_engine::DeliveryPolicy::AtLeastOnce),
+        env.config(),
+    );
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    let in_flight = |id: &'static str| {
+        let env = &env;
+        async move {
+            wait_until(Duration::from_secs(20), || async {
+                env.sql(&format!(
+                    "SELECT count(*) AS n FROM outbox WHERE job_id = '{id}' \
+                     AND status = 'claimed' AND in_flight_until > clock_timestamp()"
+                ))
+                .await[0]["n"]
+                    == json!(1)
+            })
+            .await
+        }
+    };
+    env.consumer
+        .push_for("on-wire", Behaviour::Slow(Duration::from_secs(1)));
+    env.submit("on-wire", "hello").await;
+    assert!(in_flight("on-wire").await, "the webhook is on the wire");
+    let (status, body) = post_action(
+        &format!("{base}/v1/jobs/on-wire/cancel"),
+        json!({ "reason": "too late" }),
+    )
+    .await;
+    assert_eq!(status, 409, "it finished while the cancel waited: {body}");
+    let job = env.job("on-wire").await;
+    assert_eq!(job.state, JobState::Acked);
+    assert_eq!(job.delivery.unwrap().status, "delivered");
+    assert_eq!(env.consumer.processed_for("on-wire"), 1);
+
+    let ids = ["bulk-a", "bulk-b", "bulk-c"];
+    for id in ids {
+        env.consumer
+            .push_for(id, Behaviour::Slow(Duration::from_secs(1)));
+        let (status, _) = post_job(
+            &base,
+            &json!({
+                "id": id, "workflow": "completion", "webhook_url": env.consumer.url(),
+                "tags": { "batch": "b" },
+                "input": { "model": "m", "messages": [{ "role": "user", "content": id }] },
+            }),
+        )
+        .await;
+        assert_eq!(status, 201);
+    }
+    for id in ids {
+        assert!(in_flight(id).await, "{id}'s webhook is on the wire");
+    }
+    let (status, answer) = post_action(
+        &format!("{base}/v1/jobs/cancel"),
+        json!({ "reason": "too late", "tag": "batch:b" }),
+    )
+    .await;
+    assert_eq!((status, &answer["cancelled"]), (202, &json!(0)), "{answer}");
+    for id in ids {
+        let job = env.job(id).await;
+        assert_eq!(job.state, JobState::Acked, "{id}");
+        assert_eq!(job.delivery.unwrap().status, "delivered", "{id}");
+        assert_eq!(env.consumer.processed_for(id), 1, "{id}");
+        assert_eq!(
+            env.consumer.deliveries_for(id).len(),
+            1,
+            "{id}: one request"
+        );
+    }
 }

@@ -16,6 +16,7 @@ pub(crate) enum Code {
     BodyTimeout,
     Conflict,
     CrossSite,
+    Delivering,
     DeliveryUnknown,
     Draining,
     Finished,
@@ -52,6 +53,7 @@ impl Code {
             Code::BodyTimeout => "body_timeout",
             Code::Conflict => "conflict",
             Code::CrossSite => "cross_site",
+            Code::Delivering => "delivering",
             Code::DeliveryUnknown => "delivery_unknown",
             Code::Draining => "draining",
             Code::Finished => "finished",
@@ -91,6 +93,7 @@ impl Code {
             Code::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Code::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Code::Conflict
+            | Code::Delivering
             | Code::DeliveryUnknown
             | Code::Finished
             | Code::JobFinished

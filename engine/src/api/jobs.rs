@@ -277,8 +277,8 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
     params(
         ("state" = Option<crate::JobState>, Query, description = "Only jobs in this state"),
         ("workflow" = Option<String>, Query, description = "Only this workflow's jobs"),
-        ("waiting" = Option<String>, Query, pattern = "^(true|false|sleep|signal|approval|children)$",
-            description = "Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`)"),
+        ("waiting" = Option<String>, Query, pattern = "^(true|false|sleep|signal|approval|children|budget|concurrency|throttle)$",
+            description = "Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`, `budget`, `concurrency`, `throttle`)"),
         ("since" = Option<chrono::DateTime<chrono::Utc>>, Query, description = "Created at or after (RFC 3339)"),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "1–500, default 50"),
         ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before (opaque: any other value is a 422)"),

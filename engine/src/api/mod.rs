@@ -237,13 +237,18 @@ async fn hygiene(
 }
 
 /// `422` naming the first query parameter that operation's entry in the
-/// OpenAPI document does not list, for every operation under `/v1/`.
+/// OpenAPI document does not list, for every operation it describes; the
+/// console's page and assets take none.
 fn unknown_query_parameter(req: &actix_web::dev::ServiceRequest) -> Option<HttpResponse> {
+    const NONE: &[String] = &[];
     let query = req.query_string();
-    if query.is_empty() || !req.path().starts_with("/v1/") {
+    if query.is_empty() {
         return None;
     }
-    let known = openapi::query_params_of(req.method().as_str(), req.path())?;
+    let known = match req.path() {
+        "/" | "/console.js" | "/console.css" => NONE,
+        path => openapi::query_params_of(req.method().as_str(), path)?,
+    };
     let pairs = match web::Query::<Vec<(String, String)>>::from_query(query) {
         Ok(pairs) => pairs.into_inner(),
         Err(e) => return Some(bad_query(&e)),

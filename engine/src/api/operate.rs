@@ -134,7 +134,7 @@ pub(super) async fn own_job(
         (status = 202, body = JobView),
         (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 409, description = "Already finished", body = ErrorBody),
+        (status = 409, description = "Already finished (it may have finished while the cancel waited for its webhook on the wire), or `delivering`: a send outlasted the wait", body = ErrorBody),
     ))]
 pub(super) async fn cancel(
     Writer(who): Writer,
@@ -175,6 +175,15 @@ pub(super) async fn cancel(
             None,
         ),
         Ok(Cancelled::Missing) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
+        Ok(Cancelled::Delivering) => ApiError::new(
+            Code::Delivering,
+            format!(
+                "job {:?} is sending its webhook and the send has not ended; retry",
+                id.as_str()
+            ),
+        )
+        .retry_after(5)
+        .into(),
         Err(e) => unavailable(e),
     }
 }

@@ -24,6 +24,9 @@ pub enum Cancelled {
     Finished(JobState),
     /// No such job.
     Missing,
+    /// Its webhook was on the wire past the wait a cancel gives a send
+    /// (see [`Jobs::cancel`]): not cancelled.
+    Delivering,
 }
 
 /// What a redrive found.
@@ -77,6 +80,24 @@ impl Jobs<'_> {
     /// read under it, and none can be spawned after (the spawn holds the
     /// parent's fence, which the cancel bumps).
     pub async fn cancel(self, id: &str, by: &str, reason: &str) -> Result<Cancelled, StoreError> {
+        // A webhook of the job on the wire (its outbox row claimed and in
+        // flight) is let finish first: the cancel then finds the job acked
+        // (and says so), or cancels it after a send that failed. Cancelling
+        // under the send would record `cancelled` and a dead delivery while
+        // the consumer holds `job.completed`. A send's time in flight is
+        // bounded (the webhook timeout; a crashed node's mark lapses).
+        let deadline = std::time::Instant::now() + CANCEL_WAITS_FOR_A_SEND;
+        loop {
+            match self.cancel_once(id, by, reason).await? {
+                Cancelled::Delivering if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+                }
+                done => return Ok(done),
+            }
+        }
+    }
+
+    async fn cancel_once(self, id: &str, by: &str, reason: &str) -> Result<Cancelled, StoreError> {
         retrying!(self, "cancel", async || {
             let mut conn = self.db().conn().await?;
             conn.transaction::<_, StoreError, _>(async move |conn| {
@@ -87,6 +108,7 @@ impl Jobs<'_> {
                 let cancelled = match parse_state(&root.state)? {
                     JobState::Cancelled => Cancelled::Already,
                     s if s.is_terminal() => Cancelled::Finished(s),
+                    _ if Store::sending(conn, &root.id).await? => return Ok(Cancelled::Delivering),
                     _ => {
                         Store::cancel_one(conn, &root.id, root.incarnation, by, reason).await?;
                         Cancelled::Now
@@ -95,7 +117,13 @@ impl Jobs<'_> {
                 if matches!(cancelled, Cancelled::Now | Cancelled::Already) {
                     let why = format!("its parent job {id} was cancelled");
                     for job in Store::job_tree(conn, id, false).await? {
-                        if job.id != id && !parse_state(&job.state)?.is_terminal() {
+                        // A child whose webhook is on the wire is left to
+                        // finish (it is acked in a moment, or a repeat of
+                        // the cancel takes it).
+                        if job.id != id
+                            && !parse_state(&job.state)?.is_terminal()
+                            && !Store::sending(conn, &job.id).await?
+                        {
                             Store::cancel_one(conn, &job.id, job.incarnation, by, &why).await?;
                         }
                     }
@@ -267,7 +295,33 @@ impl Jobs<'_> {
     }
 }
 
+/// The longest a cancel waits for a webhook of its job on the wire.
+const CANCEL_WAITS_FOR_A_SEND: std::time::Duration = std::time::Duration::from_secs(60);
+
 impl Store {
+    /// Whether a webhook of job `id` is on the wire now: its outbox row is
+    /// claimed and marked in flight by the attempt sending it (the mark is
+    /// written, fenced, before the request starts). Read under the job's
+    /// row lock, which the claim's own statement takes too.
+    async fn sending(
+        conn: &mut diesel_async::AsyncPgConnection,
+        id: &str,
+    ) -> Result<bool, StoreError> {
+        #[derive(diesel::QueryableByName)]
+        struct Sending {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            sending: bool,
+        }
+        let found: Sending = sql(
+            "SELECT EXISTS (SELECT 1 FROM outbox WHERE job_id = $1 AND status = 'claimed' \
+                 AND in_flight_until > clock_timestamp()) AS sending",
+        )
+        .bind::<Text, _>(id)
+        .get_result(conn)
+        .await?;
+        Ok(found.sending)
+    }
+
     /// Job `id` and its descendants (its children, theirs, …), deepest
     /// first; `lock`: each row locked in that order.
     async fn job_tree(
