@@ -456,13 +456,16 @@ async fn a_concurrency_key_holds_through_kill_9() {
 }
 
 /// A token's daily model-token budget (each answer of the fake provider
-/// uses 10): its third job, once 20 of 15 are spent, sends nothing and
-/// journals nothing; it waits holding no lease, shown as `waiting: {"kind":
-/// "budget", "until"}` with `until` the next UTC midnight, and runs once
-/// its day has come (the day moved back here by hand). The spend is what
-/// the answers used, counted once each.
+/// uses 10; a call holds its input's estimate plus the output it allows
+/// before it is sent): with 15, the first job runs and spends 10; the
+/// second, whose hold does not fit the 5 left, sends nothing and journals
+/// nothing. It waits holding no lease, shown as `waiting: {"kind":
+/// "budget", "until"}` with `until` in the first 30 s of the next UTC day
+/// (held jobs do not all start at once). Raising the budget wakes it: the
+/// node runs it on its own, sent once. The spend is what the answers used,
+/// counted once each.
 #[actix_rt::test]
-async fn a_spent_budget_makes_the_next_job_wait_for_the_next_day() {
+async fn a_spent_budget_makes_the_next_job_wait_until_the_budget_is_raised() {
     let env = TestEnv::new().await;
     let t = tenant(
         &env,
@@ -473,25 +476,28 @@ async fn a_spent_budget_makes_the_next_job_wait_for_the_next_day() {
         },
     )
     .await;
-    let _engine = env.start(registry(), env.config());
-    for id in ["b-1", "b-2"] {
-        submit(&env, t, id, None).await;
-        env.wait_for(id, JobState::Acked, WAIT).await;
-    }
-    submit(&env, t, "b-3", None).await;
+    let mut config = env.config();
+    // Nothing but the raise's announcement can wake the job in time.
+    config.poll_interval = Duration::from_secs(60);
+    let _engine = env.start(registry(), config);
+    submit(&env, t, "b-1", None).await;
+    env.wait_for("b-1", JobState::Acked, WAIT).await;
+    submit(&env, t, "b-2", None).await;
     let waited = wait_until(WAIT, || async {
-        env.job("b-3")
+        env.job("b-2")
             .await
             .waiting
             .is_some_and(|w| w["kind"] == "budget")
     })
     .await;
-    assert!(waited, "the third job waits for the budget");
+    assert!(waited, "the second job waits for the budget");
     let row = env
-        .sql("SELECT state::text AS state, lease_owner, waiting->>'until' AS until, \
-                 run_at = (date_trunc('day', now() AT TIME ZONE 'UTC') + interval '1 day') AT TIME ZONE 'UTC' AS tomorrow, \
-                 (SELECT count(*) FROM model_calls WHERE job_id = 'b-3') AS journaled \
-             FROM jobs WHERE id = 'b-3'")
+        .sql("SELECT state::text AS state, lease_owner, \
+                 run_at >= (date_trunc('day', now() AT TIME ZONE 'UTC') + interval '1 day') AT TIME ZONE 'UTC' \
+                 AND run_at < (date_trunc('day', now() AT TIME ZONE 'UTC') + interval '1 day 30 seconds') AT TIME ZONE 'UTC' \
+                     AS tomorrow, \
+                 (SELECT count(*) FROM model_calls WHERE job_id = 'b-2') AS journaled \
+             FROM jobs WHERE id = 'b-2'")
         .await[0]
         .clone();
     assert_eq!(row["state"], "received", "{row}");
@@ -501,40 +507,133 @@ async fn a_spent_budget_makes_the_next_job_wait_for_the_next_day() {
     );
     assert_eq!(
         row["tomorrow"], true,
-        "it runs again at the next UTC midnight: {row}"
+        "it runs again in the first 30 s of the next UTC day: {row}"
     );
     assert_eq!(row["journaled"], 0, "nothing journaled for a call not sent");
     assert_eq!(
-        env.provider.requests_for("job:b-3:generate"),
+        env.provider.requests_for("job:b-2:generate"),
         0,
         "nothing sent"
     );
     let spend = env.store.waits().spend_today(Some(t)).await.unwrap();
     assert_eq!(
         (spend[0].spent_today, spend[0].daily_budget),
-        (20, 15),
-        "two answers of 10 tokens each, counted once"
+        (10, 15),
+        "one answer of 10 tokens, counted once"
     );
     // The same per token on /metrics, the token's name its label.
     let base = crate::support::serve_api(&env, registry(), None);
     let text = crate::support::get_text(&format!("{base}/metrics")).await;
     for line in [
-        "onceflow_budget_spent{onceflow_token=\"tenant-t\"} 20",
+        "onceflow_budget_spent{onceflow_token=\"tenant-t\"} 10",
         "onceflow_budget_limit{onceflow_token=\"tenant-t\"} 15",
     ] {
         assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
     }
-    // The next day comes: yesterday's spend, and the job due.
-    env.execute("UPDATE token_spend SET day = day - 1").await;
-    env.execute("UPDATE jobs SET run_at = now() WHERE id = 'b-3'")
-        .await;
-    let done = env.wait_for("b-3", JobState::Acked, WAIT).await;
-    assert!(done.waiting.is_none(), "its wait is over");
-    assert_eq!(
-        env.provider.requests_for("job:b-3:generate"),
-        1,
-        "sent once, the next day"
+    // An operator raises the budget: the node wakes the job on its own.
+    let raised = Share {
+        daily_token_budget: Some(1_000_000),
+        ..Default::default()
+    };
+    env.store
+        .tokens()
+        .set_share("tenant-t", raised)
+        .await
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            env.job("b-2").await.state == JobState::Acked
+        })
+        .await,
+        "the raise woke the held job"
     );
+    assert_eq!(
+        env.provider.requests_for("job:b-2:generate"),
+        1,
+        "sent once, after the raise"
+    );
+    let spend = env.store.waits().spend_today(Some(t)).await.unwrap();
+    assert_eq!(spend[0].spent_today, 20);
+}
+
+/// A budget is a reservation: 40 jobs at once on two nodes, each call
+/// holding its input's estimate and its `max_tokens` (20) before it is
+/// sent, against a budget of 200: the day's spend never passes 200 (with a
+/// check alone, all 40 were sent: 400). The jobs the budget could not
+/// take wait for it; clearing the budget wakes them, and every job is then
+/// sent once.
+#[actix_rt::test]
+async fn concurrent_calls_on_two_nodes_never_outspend_a_budget() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(300));
+    let t = tenant(
+        &env,
+        "tenant-t",
+        Share {
+            daily_token_budget: Some(200),
+            ..Default::default()
+        },
+    )
+    .await;
+    for i in 0..40 {
+        let job = NewJob {
+            id: format!("r-{i:02}"),
+            workflow: "completion".into(),
+            workflow_version: 1,
+            input: json!({
+                "model": "m", "max_tokens": 20,
+                "messages": [{ "role": "user", "content": "hi" }],
+            }),
+            webhook_url: String::new(),
+            schedule: Schedule::default(),
+            tags: Default::default(),
+        };
+        env.store
+            .jobs()
+            .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(t), false))
+            .await
+            .unwrap();
+    }
+    let mut config = env.config();
+    config.max_in_flight = 20;
+    config.provider.timeout = Duration::from_secs(20);
+    let _one = env.start(registry(), config.clone());
+    config.node_id = format!("{}-two", config.node_id);
+    let _two = env.start(registry(), config);
+    let settled = wait_until(WAIT, || async {
+        env.sql(
+            "SELECT count(*) FILTER (WHERE state = 'acked') + count(*) FILTER (WHERE waiting->>'kind' = 'budget' \
+                 AND run_at > now() + interval '1 hour') AS n FROM jobs",
+        )
+        .await[0]["n"]
+            == json!(40)
+    })
+    .await;
+    assert!(settled, "every job acked or waiting for the next day");
+    let spent = env.store.waits().spend_today(Some(t)).await.unwrap()[0].spent_today;
+    let sent = env.provider.requests().len() as i64;
+    assert!(
+        sent > 0 && spent == sent * 10,
+        "{sent} calls, {spent} spent"
+    );
+    assert!(
+        spent <= 200,
+        "{spent} spent of a budget of 200 ({sent} calls)"
+    );
+    let cleared = Share {
+        clear: onceflow_engine::store::tokens::Cleared {
+            daily_token_budget: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    env.store
+        .tokens()
+        .set_share("tenant-t", cleared)
+        .await
+        .unwrap();
+    assert!(all_acked(&env, 40).await, "the clear woke every held job");
+    assert_eq!(env.provider.requests().len(), 40, "each sent once");
 }
 
 /// A token configured to die on a spent budget: its second job dies

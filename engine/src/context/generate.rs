@@ -373,7 +373,7 @@ impl Context {
                 KeyValue::new(GEN_AI_REQUEST_MODEL, call.model.clone()),
             ],
         );
-        Box::pin(self.within_budget(&call)).await?;
+        let held = Box::pin(self.within_budget(&call)).await?;
         let attempt = match Box::pin(self.begin_call(&call)).await {
             Ok(Begun::Send { attempt }) => attempt,
             Ok(Begun::Replayed(response)) => {
@@ -399,30 +399,57 @@ impl Context {
         slot.armed = false;
         Box::pin(self.release(&call, &quota, &sent)).await;
         match sent {
-            Ok(answer) => Box::pin(self.record_answer(&call, attempt, answer, span)).await,
+            Ok(answer) => {
+                let recorded = Box::pin(self.record_answer(&call, attempt, answer, span)).await;
+                // Its hold is settled: jobs other holds kept may fit now.
+                if let (true, Some(owner), Ok(_)) = (held, self.owner_token, &recorded) {
+                    if let Err(e) = Box::pin(self.store.waits().wake_held(owner)).await {
+                        tracing::warn!(error = %e, "could not wake the jobs a budget hold kept");
+                    }
+                }
+                recorded
+            }
             Err(failure) => Box::pin(self.record_failure(&call, attempt, failure, span)).await,
         }
     }
 
-    /// The budget: a job of a token whose model tokens for the day are
-    /// spent sends nothing. It waits, holding no lease, until the next UTC
-    /// day (`waiting: {"kind": "budget", "until"}`), or dies
-    /// `budget_exhausted`, as the token says. Checked before the journal,
-    /// so nothing is journaled for a call that is not sent; a call answered
-    /// already is a replay and passes. Calls in flight when the budget runs
-    /// out finish (never cut short), so a day's spend may pass the budget
-    /// by what they use.
-    async fn within_budget(&self, call: &Call<'_>) -> Result<(), StepError> {
-        use crate::store::budgets::Budget;
-        match Box::pin(self.store.waits().budget(self.owner_token, &call.key)).await? {
-            Budget::Open => Ok(()),
+    /// The budget: a call of a token with a budget holds what it may use
+    /// before it is sent (see [`Waits::budget`](crate::store::Waits::budget)),
+    /// and its recorded answer settles the hold with its usage. A job whose
+    /// token's model tokens for the day are spent sends nothing: it waits,
+    /// holding no lease, until the next UTC day (`waiting: {"kind":
+    /// "budget", "until"}`), or dies `budget_exhausted`, as the token says;
+    /// one kept only by the holds of calls in flight waits until an answer
+    /// settles one (`"reserved": true`). Checked before the journal, so
+    /// nothing is journaled for a call that is not sent; a call answered
+    /// already is a replay and passes. Returns whether the call holds a
+    /// share.
+    async fn within_budget(&self, call: &Call<'_>) -> Result<bool, StepError> {
+        use crate::store::budgets::{hold_for, Budget, Hold};
+        let hold = Hold {
+            key: &call.key,
+            tokens: hold_for(call.request),
+            for_ms: call.in_flight_ms,
+        };
+        match Box::pin(self.store.waits().budget(self.owner_token, &hold)).await? {
+            Budget::Open { held } => Ok(held),
             Budget::Die { budget, spent } => Err(StepError::permanent(
                 "budget_exhausted",
                 "budget_exhausted: the token's model-token budget for the day is spent".to_owned(),
                 format!("spent {spent} of {budget} model tokens today (UTC); nothing was sent"),
             )),
-            Budget::Wait { until, left_ms } => {
-                if !Box::pin(self.store.waits().wait_for_budget(&self.fence, until)).await? {
+            Budget::Wait {
+                until,
+                left_ms,
+                reserved,
+            } => {
+                if !Box::pin(
+                    self.store
+                        .waits()
+                        .wait_for_budget(&self.fence, until, reserved),
+                )
+                .await?
+                {
                     return Err(StepError::LeaseLost);
                 }
                 Err(StepError::Waiting {

@@ -14,15 +14,24 @@ use crate::error::StoreError;
 /// What a tenant with a budget may do before its next model call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Budget {
-    /// Under its budget, or the call is answered already (a replay costs
-    /// nothing), or no budget is set.
-    Open,
-    /// Spent: the job waits until `until` (the next UTC day).
+    /// Under its budget (the call now holds its share), or the call is
+    /// answered already (a replay costs nothing), or no budget is set.
+    Open {
+        /// Whether the call holds a share of the budget: its answer settles
+        /// it, and wakes the jobs that other holds kept waiting.
+        held: bool,
+    },
+    /// Spent, or held by the calls in flight: the job waits until `until`.
     Wait {
-        /// The next UTC midnight.
+        /// The next UTC day (spread over its first 30 s, so the held jobs
+        /// do not all start at once), or, when only other calls' holds
+        /// keep it, the soonest of them to lapse (an answer that settles
+        /// one wakes it sooner).
         until: chrono::DateTime<chrono::Utc>,
         /// Milliseconds until then, by the database's clock.
         left_ms: i64,
+        /// Held by the calls in flight, not by what was spent.
+        reserved: bool,
     },
     /// Spent, and the token says a job then dies (`budget_exhausted`).
     Die {
@@ -33,20 +42,42 @@ pub enum Budget {
     },
 }
 
+/// What a model call asks of its tenant's budget before it is sent.
+#[derive(Debug, Clone)]
+pub struct Hold<'a> {
+    /// The call's idempotency key: its hold, replaced when it is sent again.
+    pub key: &'a str,
+    /// What it may use: its input's estimate plus the output it allows.
+    pub tokens: i64,
+    /// How long the hold lasts if no answer settles it (the call's
+    /// in-flight bound).
+    pub for_ms: i64,
+}
+
 #[derive(QueryableByName)]
 struct BudgetRow {
     #[diesel(sql_type = BigInt)]
     budget: i64,
     #[diesel(sql_type = Text)]
     action: String,
-    #[diesel(sql_type = BigInt)]
-    spent: i64,
     #[diesel(sql_type = Bool)]
     answered: bool,
-    #[diesel(sql_type = Timestamptz)]
-    until: chrono::DateTime<chrono::Utc>,
+}
+
+#[derive(QueryableByName)]
+struct DayRow {
     #[diesel(sql_type = BigInt)]
-    left_ms: i64,
+    spent: i64,
+    #[diesel(sql_type = BigInt)]
+    held: i64,
+    #[diesel(sql_type = Timestamptz)]
+    midnight: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = BigInt)]
+    midnight_ms: i64,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    lapse: Option<chrono::DateTime<chrono::Utc>>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    lapse_ms: Option<i64>,
 }
 
 /// A tenant's spend today, as `GET /v1/stats` shows it.
@@ -64,50 +95,130 @@ pub struct Spend {
 }
 
 impl Waits<'_> {
-    /// Whether a job of token `owner` may send model call `key` now. Only
-    /// a token that is not admin and has a budget has one to check; a call
-    /// already answered is a replay, which spends nothing.
-    pub async fn budget(self, owner: Option<i64>, key: &str) -> Result<Budget, StoreError> {
+    /// Whether a job of token `owner` may send model call `hold.key` now,
+    /// and if so its hold on the budget. Only a token that is not admin
+    /// and has a budget has one; a call already answered is a replay,
+    /// which spends nothing.
+    ///
+    /// The day's spend row is locked first, in the same transaction, so
+    /// the next statement reads every hold another node committed before
+    /// it: the calls in flight together never hold more than the budget
+    /// left (one call may hold more than a whole budget only when nothing
+    /// is spent or held, or it would never run). A day's spend passes its
+    /// budget only by what calls use beyond their holds: their input's
+    /// estimate's error, and, for a request that does not bound its output
+    /// (`max_tokens`, `max_completion_tokens`), what it writes beyond
+    /// [`DEFAULT_OUTPUT_HOLD`] — never by the number of calls at once.
+    pub async fn budget(self, owner: Option<i64>, hold: &Hold<'_>) -> Result<Budget, StoreError> {
         let Some(owner) = owner else {
-            return Ok(Budget::Open);
+            return Ok(Budget::Open { held: false });
         };
         retrying!(self, "budget", async || {
             let mut conn = self.db().conn().await?;
-            let rows: Vec<BudgetRow> = sql(
-                "WITH next AS (SELECT (date_trunc('day', now() AT TIME ZONE 'UTC') + interval '1 day') \
-                     AT TIME ZONE 'UTC' AS at) \
-                 SELECT t.daily_token_budget AS budget, t.budget_exhausted AS action, \
-                     coalesce((SELECT s.tokens FROM token_spend s WHERE s.tenant = t.id \
-                         AND s.day = (now() AT TIME ZONE 'UTC')::date), 0) AS spent, \
-                     EXISTS (SELECT 1 FROM model_calls m WHERE m.idempotency_key = $2 \
-                         AND m.status = 'completed') AS answered, \
-                     next.at AS until, \
-                     (extract(epoch FROM next.at - now()) * 1000)::bigint AS left_ms \
-                 FROM api_tokens t, next \
-                 WHERE t.id = $1 AND NOT t.admin AND t.daily_token_budget IS NOT NULL",
-            )
-            .bind::<BigInt, _>(owner)
-            .bind::<Text, _>(key)
-            .load(&mut conn)
-            .await?;
-            Ok(match rows.into_iter().next() {
-                Some(r) if !r.answered && r.spent >= r.budget => {
-                    if r.action == "die" {
+            use diesel_async::AsyncConnection as _;
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                let token: Vec<BudgetRow> = sql(
+                    "SELECT t.daily_token_budget AS budget, t.budget_exhausted AS action, \
+                         EXISTS (SELECT 1 FROM model_calls m WHERE m.idempotency_key = $2 \
+                             AND m.status = 'completed') AS answered \
+                     FROM api_tokens t \
+                     WHERE t.id = $1 AND NOT t.admin AND t.daily_token_budget IS NOT NULL",
+                )
+                .bind::<BigInt, _>(owner)
+                .bind::<Text, _>(hold.key)
+                .load(conn)
+                .await?;
+                let Some(token) = token.into_iter().next().filter(|t| !t.answered) else {
+                    return Ok(Budget::Open { held: false });
+                };
+                sql("INSERT INTO token_spend (tenant, day, tokens) \
+                     VALUES ($1, (now() AT TIME ZONE 'UTC')::date, 0) ON CONFLICT DO NOTHING")
+                .bind::<BigInt, _>(owner)
+                .execute(conn)
+                .await?;
+                sql("SELECT 1 FROM token_spend WHERE tenant = $1 \
+                         AND day = (now() AT TIME ZONE 'UTC')::date FOR UPDATE")
+                .bind::<BigInt, _>(owner)
+                .execute(conn)
+                .await?;
+                // A new statement: a new snapshot, taken under the lock.
+                let day: DayRow = sql(
+                    "WITH next AS (SELECT (date_trunc('day', now() AT TIME ZONE 'UTC') + interval '1 day') \
+                             AT TIME ZONE 'UTC' + random() * interval '30 seconds' AS at), \
+                         holds AS (SELECT h.tokens, h.expires_at FROM budget_holds h \
+                             WHERE h.tenant = $1 AND h.day = (now() AT TIME ZONE 'UTC')::date \
+                               AND h.expires_at > clock_timestamp() AND h.call_key <> $2) \
+                     SELECT s.tokens AS spent, \
+                         coalesce((SELECT sum(tokens) FROM holds), 0)::bigint AS held, \
+                         next.at AS midnight, \
+                         ceil(extract(epoch FROM next.at - now()) * 1000)::bigint AS midnight_ms, \
+                         (SELECT min(expires_at) FROM holds) AS lapse, \
+                         ceil(extract(epoch FROM (SELECT min(expires_at) FROM holds) - clock_timestamp()) \
+                             * 1000)::bigint AS lapse_ms \
+                     FROM token_spend s, next \
+                     WHERE s.tenant = $1 AND s.day = (now() AT TIME ZONE 'UTC')::date",
+                )
+                .bind::<BigInt, _>(owner)
+                .bind::<Text, _>(hold.key)
+                .get_result(conn)
+                .await?;
+                if day.spent >= token.budget {
+                    return Ok(if token.action == "die" {
                         Budget::Die {
-                            budget: r.budget,
-                            spent: r.spent,
+                            budget: token.budget,
+                            spent: day.spent,
                         }
                     } else {
                         Budget::Wait {
-                            until: r.until,
-                            left_ms: r.left_ms,
+                            until: day.midnight,
+                            left_ms: day.midnight_ms,
+                            reserved: false,
                         }
-                    }
+                    });
                 }
-                _ => Budget::Open,
+                let taken = day.spent + day.held;
+                if taken > 0 && taken + hold.tokens > token.budget {
+                    // Kept by other calls' holds: until the first lapses (an
+                    // answer settling one wakes it sooner). Kept by the
+                    // spend alone (what is left is less than it may use):
+                    // until the next day, or a budget raised.
+                    return Ok(match (day.lapse, day.lapse_ms) {
+                        (Some(until), Some(left_ms)) if until < day.midnight => Budget::Wait {
+                            until,
+                            left_ms,
+                            reserved: true,
+                        },
+                        _ => Budget::Wait {
+                            until: day.midnight,
+                            left_ms: day.midnight_ms,
+                            reserved: day.held > 0,
+                        },
+                    });
+                }
+                sql("INSERT INTO budget_holds (call_key, tenant, day, tokens, expires_at) \
+                     VALUES ($1, $2, (now() AT TIME ZONE 'UTC')::date, $3, \
+                         clock_timestamp() + $4 * interval '1 millisecond') \
+                     ON CONFLICT (call_key) DO UPDATE SET tenant = excluded.tenant, \
+                         day = excluded.day, tokens = excluded.tokens, expires_at = excluded.expires_at")
+                .bind::<Text, _>(hold.key)
+                .bind::<BigInt, _>(owner)
+                .bind::<BigInt, _>(hold.tokens)
+                .bind::<BigInt, _>(hold.for_ms)
+                .execute(conn)
+                .await?;
+                Ok(Budget::Open { held: true })
             })
+            .await
         })
         .await
+    }
+
+    /// Wakes the jobs of tenant `owner` that other calls' holds kept
+    /// waiting (`waiting: {"kind": "budget", "reserved": true}`): an answer
+    /// settled a hold, so there may be room. One indexed update (the
+    /// waiting jobs by kind), and a `NOTIFY` when it woke any.
+    pub async fn wake_held(self, owner: i64) -> Result<u64, StoreError> {
+        wake_budget_waiters(self.db(), owner, true).await
     }
 
     /// Lets the job go until `until`, waiting for its budget (`waiting:
@@ -117,8 +228,12 @@ impl Waits<'_> {
         self,
         fence: &Fence,
         until: chrono::DateTime<chrono::Utc>,
+        reserved: bool,
     ) -> Result<bool, StoreError> {
-        let waiting = serde_json::json!({ "kind": "budget", "until": until });
+        let mut waiting = serde_json::json!({ "kind": "budget", "until": until });
+        if reserved {
+            waiting["reserved"] = true.into();
+        }
         retrying!(self, "wait_for_budget", async || {
             let mut conn = self.db().conn().await?;
             super::waits::release_until(&mut conn, fence, &waiting, until).await
@@ -142,4 +257,56 @@ impl Waits<'_> {
         .load(&mut conn)
         .await?)
     }
+}
+
+/// The output a budget holds for a request that does not bound its own
+/// (no `max_tokens` nor `max_completion_tokens`).
+pub const DEFAULT_OUTPUT_HOLD: i64 = 4_096;
+
+/// What a model call `request` holds of its tenant's budget: its input's
+/// estimate (a token per four bytes of JSON) plus the output it allows, or
+/// [`DEFAULT_OUTPUT_HOLD`] when it does not bound it.
+pub fn hold_for(request: &serde_json::Value) -> i64 {
+    let bounded = ["max_tokens", "max_completion_tokens"].iter().any(|k| {
+        request
+            .get(*k)
+            .and_then(serde_json::Value::as_u64)
+            .is_some()
+    });
+    let estimate = crate::rules::quota::estimate_tokens(request) as i64;
+    if bounded {
+        estimate
+    } else {
+        estimate + DEFAULT_OUTPUT_HOLD
+    }
+}
+
+/// Makes the budget-waiting jobs of tenant `owner` due now (only those
+/// held by other calls' holds, with `only_reserved`), announcing them.
+pub(crate) async fn wake_budget_waiters(
+    db: &crate::db::Db,
+    owner: i64,
+    only_reserved: bool,
+) -> Result<u64, StoreError> {
+    #[derive(QueryableByName)]
+    struct Woken {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let mut conn = db.conn().await?;
+    let woken: Woken = sql("WITH woken AS ( \
+             UPDATE jobs SET run_at = now(), updated_at = now() \
+             WHERE waiting->>'kind' = 'budget' AND waiting IS NOT NULL AND tenant = $1 \
+               AND finished_at IS NULL AND lease_owner IS NULL AND run_at > now() \
+               AND (NOT $2 OR waiting->>'reserved' = 'true') \
+             RETURNING id) \
+         SELECT count(*) AS n FROM woken \
+         WHERE (SELECT count(*) FROM (SELECT pg_notify($3, 'budget') \
+             WHERE EXISTS (SELECT 1 FROM woken)) told) >= 0")
+    .bind::<BigInt, _>(owner)
+    .bind::<Bool, _>(only_reserved)
+    .bind::<Text, _>(super::rows::NEW_JOB_CHANNEL)
+    .get_result(&mut conn)
+    .await?;
+    Ok(woken.n.max(0) as u64)
 }

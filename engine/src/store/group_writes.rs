@@ -753,7 +753,9 @@ pub(crate) async fn model_answer_on(
                  in_flight_until = NULL, last_error = NULL, updated_at = now() \
              FROM fenced f WHERE m.idempotency_key = f.key AND m.job_id = f.id \
                AND m.status <> 'completed' \
-             RETURNING m.job_id, m.input_tokens, m.output_tokens), \
+             RETURNING m.job_id, m.idempotency_key, m.input_tokens, m.output_tokens), \
+         settled AS ( \
+             DELETE FROM budget_holds h USING written w WHERE h.call_key = w.idempotency_key), \
          spent AS ( \
              INSERT INTO token_spend (tenant, day, tokens) \
              SELECT j.tenant, (now() AT TIME ZONE 'UTC')::date, \

@@ -266,6 +266,25 @@ impl Tokens<'_> {
         if n == 0 {
             return Err(TokenError::Unknown(name.to_owned()));
         }
+        // A budget raised or cleared may leave room: the token's jobs held
+        // by it are made due now and announced (each checks again).
+        if share.daily_token_budget.is_some() || share.clear.daily_token_budget {
+            #[derive(QueryableByName)]
+            struct Id {
+                #[diesel(sql_type = BigInt)]
+                id: i64,
+            }
+            let ids: Vec<Id> = sql("SELECT id FROM api_tokens WHERE name = $1")
+                .bind::<Text, _>(name)
+                .load(&mut conn)
+                .await
+                .map_err(|e| TokenError::Store(e.into()))?;
+            for Id { id } in ids {
+                super::budgets::wake_budget_waiters(self.db(), id, false)
+                    .await
+                    .map_err(TokenError::Store)?;
+            }
+        }
         Ok(())
     }
 
