@@ -257,7 +257,7 @@ pub enum StepError {
     /// resumes at the wait when its time comes or its signal arrives.
     #[error("waiting for {kind} {name:?} until {until}")]
     Waiting {
-        /// `sleep`, `signal` or `approval`.
+        /// `sleep`, `signal`, `approval`, `children`, `budget` or `provider`.
         kind: &'static str,
         /// The timer's or the signal's name.
         name: String,

@@ -1387,3 +1387,87 @@ async fn a_freed_throttle_slot_wakes_a_node_without_the_poll() {
         "one model request per job"
     );
 }
+
+/// A job waiting for a provider slot holds no node capacity: tenant A
+/// queues 60 jobs on a model limited to one call at a time (1 s each), on
+/// two nodes of 8 in flight; tenant B's 5 jobs on another model start at
+/// once beside them, all acked while A has at most 2 acked (before, A's
+/// waiting calls filled every node's room, and B's jobs got in only as A's
+/// finished: 5 or more of A's first). A's calls never overlap, each is
+/// sent once, and a held job shows `waiting: {"kind": "provider", "key"}`.
+#[actix_rt::test]
+async fn jobs_waiting_for_a_provider_slot_hold_back_no_other_tenant() {
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(1000));
+    let a = tenant(&env, "tenant-a", Share::default()).await;
+    let b = tenant(&env, "tenant-b", Share::default()).await;
+    let job = |id: String, model: &str| NewJob {
+        id,
+        workflow: "completion".into(),
+        workflow_version: 1,
+        input: json!({ "model": model, "messages": [{ "role": "user", "content": "hi" }] }),
+        webhook_url: String::new(),
+        schedule: Schedule::default(),
+        tags: Default::default(),
+    };
+    let submit_as = |owner: i64, job: NewJob| {
+        let env = &env;
+        async move {
+            env.store
+                .jobs()
+                .submit(&onceflow_engine::store::Submission::new(&job).owned(Some(owner), false))
+                .await
+                .unwrap();
+        }
+    };
+    for i in 0..60 {
+        submit_as(a, job(format!("a-{i:02}"), "slow-model")).await;
+    }
+    let mut config = env.config();
+    config.max_in_flight = 8;
+    config.provider.timeout = Duration::from_secs(20);
+    config.limits =
+        onceflow_engine::rules::quota::Limits::parse(r#"{"slow-model": {"concurrency": 1}}"#)
+            .unwrap();
+    let _one = env.start(registry(), config.clone());
+    config.node_id = format!("{}-two", config.node_id);
+    let _two = env.start(registry(), config);
+    // A's first call is on the wire and the nodes have taken up A's others.
+    assert!(wait_until(WAIT, || async { !env.provider.requests().is_empty() }).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..5 {
+        submit_as(b, job(format!("b-{i}"), "other-model")).await;
+    }
+    let b_done = wait_until(WAIT, || async {
+        env.sql("SELECT count(*) AS n FROM jobs WHERE id LIKE 'b-%' AND state = 'acked'")
+            .await[0]["n"]
+            == json!(5)
+    })
+    .await;
+    assert!(b_done, "B's jobs are acked");
+    let a_acked = env
+        .sql("SELECT count(*) AS n FROM jobs WHERE id LIKE 'a-%' AND state = 'acked'")
+        .await[0]["n"]
+        .as_i64()
+        .unwrap();
+    assert!(a_acked <= 2, "B waited for {a_acked} of A's jobs");
+    let parked = env
+        .sql(
+            "SELECT count(*) AS n FROM jobs WHERE waiting->>'kind' = 'provider' \
+             AND waiting->>'key' = 'openai/slow-model' AND lease_owner IS NULL",
+        )
+        .await[0]["n"]
+        .as_i64()
+        .unwrap_or(0);
+    assert!(
+        parked > 10,
+        "A's jobs wait for the slot holding no lease ({parked})"
+    );
+    let peaks = env
+        .provider
+        .peak_concurrency_by(|r| job_of(r).starts_with("a-").then(|| "slow-model".to_owned()));
+    assert_eq!(peaks.get("slow-model"), Some(&1), "A's calls never overlap");
+    for i in 0..5 {
+        assert_eq!(env.provider.requests_for(&format!("job:b-{i}:generate")), 1);
+    }
+}

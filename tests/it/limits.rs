@@ -244,9 +244,10 @@ async fn a_configured_tpm_holds_and_learns_each_calls_real_cost() {
     );
 }
 
-/// Calls waiting for a limit go in priority order, whichever node holds
-/// them: with one slot busy, three waiting calls of priority 0 and then
-/// one of priority 10, the priority-10 call is sent next.
+/// Calls waiting for a limit go in priority order, whichever node held
+/// them: with one slot busy, three jobs parked for it at priority 0 and
+/// then one at priority 10 (`waiting: {"kind": "provider"}`, no lease),
+/// the priority-10 call is sent next.
 #[actix_rt::test]
 async fn a_higher_priority_call_takes_the_next_free_slot() {
     let env = TestEnv::new().await;
@@ -261,7 +262,12 @@ async fn a_higher_priority_call_takes_the_next_free_slot() {
         let env = &env;
         async move {
             wait_until(Duration::from_secs(10), || async {
-                env.sql("SELECT count(*) AS n FROM provider_waiters").await[0]["n"].as_i64()
+                env.sql(
+                    "SELECT count(*) AS n FROM jobs WHERE waiting->>'kind' = 'provider' \
+                     AND lease_owner IS NULL",
+                )
+                .await[0]["n"]
+                    .as_i64()
                     == Some(n)
             })
             .await

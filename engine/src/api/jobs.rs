@@ -238,7 +238,7 @@ pub(super) fn parse_tag(tag: &str) -> Result<(String, String), String> {
 }
 
 /// The kinds of wait `GET /v1/jobs?waiting=` filters by.
-const WAIT_KINDS: [&str; 7] = [
+const WAIT_KINDS: [&str; 8] = [
     "sleep",
     "signal",
     "approval",
@@ -246,6 +246,7 @@ const WAIT_KINDS: [&str; 7] = [
     "budget",
     "concurrency",
     "throttle",
+    "provider",
 ];
 
 /// Largest page of `GET /v1/jobs`.
@@ -277,8 +278,8 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
     params(
         ("state" = Option<crate::JobState>, Query, description = "Only jobs in this state"),
         ("workflow" = Option<String>, Query, description = "Only this workflow's jobs"),
-        ("waiting" = Option<String>, Query, pattern = "^(true|false|sleep|signal|approval|children|budget|concurrency|throttle)$",
-            description = "Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`, `budget`, `concurrency`, `throttle`)"),
+        ("waiting" = Option<String>, Query, pattern = "^(true|false|sleep|signal|approval|children|budget|concurrency|throttle|provider)$",
+            description = "Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`, `budget`, `concurrency`, `throttle`, `provider`)"),
         ("since" = Option<chrono::DateTime<chrono::Utc>>, Query, description = "Created at or after (RFC 3339)"),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "1–500, default 50"),
         ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before (opaque: any other value is a 422)"),

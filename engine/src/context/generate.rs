@@ -38,6 +38,9 @@ struct Call<'r> {
     in_flight_ms: i64,
     provider: String,
     model: String,
+    /// Whether its job may be parked while it waits for a provider slot
+    /// (no other call of the attempt is in flight).
+    may_park: bool,
 }
 
 impl<'r> Call<'r> {
@@ -56,6 +59,7 @@ impl<'r> Call<'r> {
             provider: text("provider", "openai"),
             model: text("model", ""),
             key,
+            may_park: false,
         }
     }
 }
@@ -143,6 +147,17 @@ impl Context {
                     return Ok(waited);
                 }
                 Admission::Fenced => return Err(StepError::LeaseLost),
+                // No slot free: the job was let go, holding no node
+                // capacity, until a slot of its key frees.
+                Admission::Parked { until, left_ms } => {
+                    metrics.limit_saturation(provider, model, 1.0);
+                    return Err(StepError::Waiting {
+                        kind: "provider",
+                        name: ask.key.to_owned(),
+                        until,
+                        due: crate::store::waits::due_in(left_ms),
+                    });
+                }
                 Admission::Wait { retry_in, since_us } => {
                     place.queued_since(since_us);
                     if !waited {
@@ -295,7 +310,7 @@ impl Context {
         // Boxed, as every database call here: a query's future is large, and
         // an unboxed one widens the future every waiting job keeps.
         Box::pin(self.follow_journal(step, &key, false)).await?;
-        self.serve_call(key, request).await
+        self.serve_call(key, request, true).await
     }
 
     /// Calls the model once per `(step, request)`, all at once, each
@@ -345,13 +360,17 @@ impl Context {
             Box::pin(self.follow_journal(step, key, false)).await?;
         }
         let this = &*self;
+        // Alone, a call waiting for a provider slot parks its job; beside
+        // others of the same attempt, it waits in place (parking would let
+        // the job go under calls in flight).
+        let alone = calls.len() == 1;
         let running: FuturesUnordered<_> = calls
             .iter()
             .zip(keys)
             .enumerate()
             .map(|(i, ((_, request), key))| {
                 Box::pin(async move {
-                    let answer = this.serve_call(key, request).await;
+                    let answer = this.serve_call(key, request, alone).await;
                     (i, answer.map(|(response, _)| response))
                 })
             })
@@ -360,8 +379,14 @@ impl Context {
     }
 
     /// One model call under `key`, once the journal's order was checked.
-    async fn serve_call(&self, key: String, request: &Value) -> Result<(Value, Served), StepError> {
-        let call = Call::new(self, key, request);
+    async fn serve_call(
+        &self,
+        key: String,
+        request: &Value,
+        may_park: bool,
+    ) -> Result<(Value, Served), StepError> {
+        let mut call = Call::new(self, key, request);
+        call.may_park = may_park;
         let metrics = self.scope.metrics().clone();
         let mut span = self.scope.step(
             SPAN_GENERATE,
@@ -545,8 +570,18 @@ impl Context {
                 priority: self.priority,
                 queued: false,
                 refresh_node: false,
+                park: call.may_park.then_some(&self.fence),
             };
-            Box::pin(self.wait_for_slot(&mut ask)).await?;
+            match Box::pin(self.wait_for_slot(&mut ask)).await {
+                Ok(_) => {}
+                // Parked: it holds no slot and no waiter row, so nothing
+                // is released (a release would wake the next parked job).
+                Err(e @ StepError::Waiting { .. }) => {
+                    slot.armed = false;
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok((quota, slot))
     }

@@ -55,6 +55,11 @@ pub struct Ask<'a> {
     /// Whether the call is its node's best waiter for the key, which keeps
     /// the node's other waiter rows from lapsing.
     pub refresh_node: bool,
+    /// When the key has no free slot, park the job instead of queueing
+    /// the call: the attempt lets the job go (no lease, no node capacity)
+    /// with `waiting: {"kind": "provider", "key"}`, and a freed slot makes
+    /// the first parked job due again ([`Admission::Parked`]).
+    pub park: Option<&'a super::Fence>,
 }
 
 /// The answer to an [`Ask`].
@@ -79,7 +84,22 @@ pub enum Admission {
     /// over) or the call is no longer in flight under its epoch: nothing is
     /// granted and the call must not be sent.
     Fenced,
+    /// No slot was free: the job is parked (see [`Ask::park`]), its call
+    /// unsent and no longer marked in flight. It is due again when a slot
+    /// of its key frees, or at `until` at the latest (the first of the
+    /// key's slots to lapse, within [`PARKED_AT_MOST_MS`]).
+    Parked {
+        /// The latest it waits.
+        until: chrono::DateTime<chrono::Utc>,
+        /// Milliseconds until then, by the database's clock.
+        left_ms: i64,
+    },
 }
+
+/// The longest a parked job waits without a freed slot's wake-up; it also
+/// asks again when the first of its key's slots lapses (a slot of a crashed
+/// node wakes nobody).
+pub const PARKED_AT_MOST_MS: i64 = 30_000;
 
 impl Limits<'_> {
     /// Admits `ask` when its key has room on every node: fewer than
@@ -125,10 +145,10 @@ impl Limits<'_> {
                     && costs
                         .iter()
                         .all(|(b, cost)| b.is_none_or(|(b, level)| level >= b.need(*cost))));
-            if slot_room && rate_room {
-                grant(conn, ask, &room, allowed, costs).await
-            } else {
-                queue_waiter(conn, ask, &room, costs, slot_room).await
+            match ask.park {
+                _ if slot_room && rate_room => grant(conn, ask, &room, allowed, costs).await,
+                Some(fence) if !slot_room => park(conn, ask, fence).await,
+                _ => queue_waiter(conn, ask, &room, costs, slot_room).await,
             }
         })
         .await
@@ -207,6 +227,7 @@ impl Limits<'_> {
                 .bind::<Text, _>(key)
                 .execute(conn)
                 .await?;
+            wake_parked(conn, key, 1).await?;
             Ok(())
         })
         .await
@@ -215,16 +236,28 @@ impl Limits<'_> {
     /// Frees every slot `node` holds and its queued waiters (it drains, or starts again under the
     /// same name: calls of its previous life hold none), and wakes waiters.
     pub async fn release_node_slots(self, node: &str) -> Result<(), StoreError> {
+        #[derive(QueryableByName)]
+        struct Freed {
+            #[diesel(sql_type = Text)]
+            limit_key: String,
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
         let mut conn = self.db().conn().await?;
-        sql(
+        let freed: Vec<Freed> = sql(
             "WITH gone AS (DELETE FROM provider_slots WHERE node = $1 RETURNING limit_key), \
              unqueued AS (DELETE FROM provider_waiters WHERE node = $1) \
-             SELECT pg_notify($2, limit_key) FROM (SELECT DISTINCT limit_key FROM gone) k",
+             SELECT limit_key, count(*) AS n, pg_notify($2, limit_key) IS NULL AS told \
+             FROM gone GROUP BY limit_key",
         )
         .bind::<Text, _>(node)
         .bind::<Text, _>(LIMITS_CHANNEL)
-        .execute(&mut conn)
+        .load(&mut conn)
         .await?;
+        // As many parked jobs as slots freed are due again.
+        for f in freed {
+            wake_parked(&mut conn, &f.limit_key, f.n).await?;
+        }
         Ok(())
     }
 
@@ -318,22 +351,110 @@ async fn count_room(conn: &mut AsyncPgConnection, ask: &Ask<'_>) -> Result<Room,
          gone AS (DELETE FROM provider_waiters \
              WHERE limit_key = $1 AND expires_at <= clock_timestamp()), \
          me AS (SELECT coalesce((SELECT since FROM provider_waiters \
-             WHERE limit_key = $1 AND holder = $2), clock_timestamp()) AS since) \
+             WHERE limit_key = $1 AND holder = $2), \
+             (SELECT (waiting->>'queued_at')::timestamptz FROM jobs WHERE id = $4 \
+                 AND waiting->>'kind' = 'provider' AND waiting->>'key' = $1), \
+             clock_timestamp()) AS since), \
+         parked AS (SELECT p.priority, (p.waiting->>'queued_at')::timestamptz AS since, p.id \
+             FROM jobs p WHERE p.waiting->>'kind' = 'provider' AND p.waiting->>'key' = $1 \
+               AND p.finished_at IS NULL AND p.lease_owner IS NULL AND p.id <> $4) \
          SELECT (SELECT count(*) FROM provider_slots \
                  WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS live, \
              (SELECT count(*) FROM provider_waiters w, me \
                  WHERE w.limit_key = $1 AND w.expires_at > clock_timestamp() AND w.holder <> $2 \
                    AND (w.priority > $3 OR (w.priority = $3 \
-                        AND (w.since, w.holder) < (me.since, $2)))) AS ahead, \
+                        AND (w.since, w.holder) < (me.since, $2)))) \
+             + (SELECT count(*) FROM parked p, me \
+                 WHERE p.priority > $3 OR (p.priority = $3 AND (p.since, p.id) < (me.since, $4))) AS ahead, \
              (SELECT count(*) FROM provider_waiters \
-                 WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS waiting, \
+                 WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) \
+             + (SELECT count(*) FROM parked) AS waiting, \
              (SELECT (extract(epoch FROM since) * 1000000)::int8 FROM me) AS since_us",
     )
     .bind::<Text, _>(ask.key)
     .bind::<Text, _>(ask.holder)
     .bind::<Integer, _>(ask.priority)
+    .bind::<Text, _>(ask.job_id)
     .get_result(conn)
     .await?)
+}
+
+/// Parks the job of `ask` (see [`Ask::park`]), in the admission's
+/// transaction, the key's row locked: a slot freed after this commits
+/// finds the job parked and wakes it; one freed before was counted as room.
+/// The call was journaled in flight but never sent: its mark is cleared
+/// (and its send uncounted), so the job's next attempt sends it at once,
+/// under the same key. A job parked again keeps its place (`queued_at`).
+async fn park(
+    conn: &mut AsyncPgConnection,
+    ask: &Ask<'_>,
+    fence: &super::Fence,
+) -> Result<Admission, StoreError> {
+    #[derive(QueryableByName)]
+    struct Parked {
+        #[diesel(sql_type = diesel::sql_types::Timestamptz)]
+        until: chrono::DateTime<chrono::Utc>,
+        #[diesel(sql_type = BigInt)]
+        left_ms: i64,
+    }
+    sql("DELETE FROM provider_waiters WHERE limit_key = $1 AND holder = $2")
+        .bind::<Text, _>(ask.key)
+        .bind::<Text, _>(ask.holder)
+        .execute(conn)
+        .await?;
+    let parked: Vec<Parked> = sql(
+        "WITH unsent AS ( \
+             UPDATE model_calls SET in_flight_until = NULL, in_flight_epoch = NULL, \
+                 attempts = greatest(attempts - 1, 0), updated_at = now() \
+             WHERE idempotency_key = $3 AND in_flight_epoch = $2 AND status <> 'completed') \
+         UPDATE jobs SET waiting = jsonb_build_object('kind', 'provider', 'key', $4::text, \
+                 'queued_at', CASE WHEN waiting->>'kind' = 'provider' AND waiting->>'key' = $4 \
+                     THEN waiting->>'queued_at' \
+                     ELSE to_char(clock_timestamp() AT TIME ZONE 'UTC', \
+                         'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END), \
+             run_at = least(now() + $5 * interval '1 millisecond', \
+                 (SELECT min(expires_at) FROM provider_slots \
+                  WHERE limit_key = $4 AND expires_at > clock_timestamp())), \
+             lease_owner = NULL, key_slot = NULL, lease_expires_at = NULL, updated_at = now() \
+         WHERE id = $1 AND lease_epoch = $2 AND finished_at IS NULL \
+         RETURNING run_at AS until, \
+             greatest(0, ceil(extract(epoch FROM run_at - clock_timestamp()) * 1000))::bigint AS left_ms",
+    )
+    .bind::<Text, _>(&fence.job_id)
+    .bind::<BigInt, _>(fence.epoch)
+    .bind::<Text, _>(ask.call_key)
+    .bind::<Text, _>(ask.key)
+    .bind::<BigInt, _>(PARKED_AT_MOST_MS)
+    .load(conn)
+    .await?;
+    Ok(match parked.into_iter().next() {
+        Some(p) => Admission::Parked {
+            until: p.until,
+            left_ms: p.left_ms,
+        },
+        None => Admission::Fenced,
+    })
+}
+
+/// Makes the first `n` jobs parked on `key` due now (by priority, then
+/// their place), announcing them; jobs woken already and not yet taken
+/// are not woken twice.
+async fn wake_parked(conn: &mut AsyncPgConnection, key: &str, n: i64) -> Result<(), StoreError> {
+    sql("WITH next AS ( \
+             SELECT id FROM jobs \
+             WHERE waiting->>'kind' = 'provider' AND waiting->>'key' = $1 \
+               AND finished_at IS NULL AND lease_owner IS NULL AND run_at > now() \
+             ORDER BY priority DESC, waiting->>'queued_at', id LIMIT $2 \
+             FOR UPDATE SKIP LOCKED), \
+         woken AS (UPDATE jobs j SET run_at = now(), updated_at = now() \
+             FROM next WHERE j.id = next.id RETURNING j.id) \
+         SELECT pg_notify($3, 'provider') WHERE EXISTS (SELECT 1 FROM woken)")
+    .bind::<Text, _>(key)
+    .bind::<BigInt, _>(n)
+    .bind::<Text, _>(super::rows::NEW_JOB_CHANNEL)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// Queues a refused call (or keeps its place) and says when to ask again.
@@ -458,7 +579,13 @@ async fn grant(
             .bind::<Text, _>(ask.key)
             .execute(conn)
             .await?;
+        wake_parked(conn, ask.key, 1).await?;
     }
+    // A job parked before holds its place no more.
+    sql("UPDATE jobs SET waiting = NULL WHERE id = $1 AND waiting->>'kind' = 'provider'")
+        .bind::<Text, _>(ask.job_id)
+        .execute(conn)
+        .await?;
     let mut saturation: f64 = if allowed.is_finite() {
         (room.live + 1) as f64 / allowed
     } else {
