@@ -162,6 +162,16 @@ pub struct ServeArgs {
     /// The same bound per API token.
     #[arg(long, env = "ONCEFLOW_MAX_STREAMS_PER_TOKEN", default_value_t = 100)]
     pub max_streams_per_token: usize,
+    /// Bytes of job intake bodies (submits and batches) this node holds at
+    /// once, from before they are read until they are answered; a request
+    /// past it is `429 busy` with `Retry-After` (at least one batch's
+    /// 16 × `ONCEFLOW_BODY_LIMIT`).
+    #[arg(long, env = "ONCEFLOW_MAX_BODY_BYTES_IN_FLIGHT", default_value_t = 64 << 20)]
+    pub max_body_bytes_in_flight: usize,
+    /// The same bound per API token (development mode and admin tokens
+    /// count as one).
+    #[arg(long, env = "ONCEFLOW_MAX_BODY_BYTES_PER_TOKEN", default_value_t = 32 << 20)]
+    pub max_body_bytes_per_token: usize,
 }
 
 impl ServeArgs {

@@ -204,6 +204,10 @@ fn api_state(
             let mut limits = api::Bounds::backlog(args.max_backlog, args.max_backlog_per_token);
             limits.max_streams = args.max_streams;
             limits.max_streams_per_token = args.max_streams_per_token;
+            // Room for one largest batch at least, whatever was asked.
+            let batch = args.body_limit.saturating_mul(16);
+            limits.max_body_bytes = args.max_body_bytes_in_flight.max(batch);
+            limits.max_body_bytes_per_token = args.max_body_bytes_per_token.max(batch);
             limits.min_schedule_interval = args.min_schedule_interval;
             limits
         },

@@ -1915,3 +1915,96 @@ async fn a_rerun_takes_the_submit_path_key_priority_tags_and_guard() {
         "nothing created"
     );
 }
+
+/// The bytes of intake bodies a node holds at once are bounded, per token
+/// too, before anything is read: while Alice's batch without a declared
+/// length (it holds the largest a batch may be, 16 MiB) is still arriving,
+/// her next batch of 2 MB would pass her 17 MB and is `429 busy` with
+/// `Retry-After`, nothing of it stored; Bob's 2 MB batch fits the node's
+/// 40 MB and is taken. Once Alice's first is answered, her second is taken.
+#[actix_rt::test]
+async fn the_bytes_of_bodies_a_node_holds_are_bounded_per_token_too() {
+    let env = TestEnv::new().await;
+    let mut bounds = Bounds::default();
+    bounds.max_body_bytes = 40_000_000;
+    bounds.max_body_bytes_per_token = 17_000_000;
+    let base = api_limited(
+        &env,
+        UrlGuard::allow_private(),
+        Hosts::Any,
+        Auth::Tokens { loopback: true },
+        bounds,
+    );
+    let alice = env.store.tokens().create("alice", false).await.unwrap();
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
+    let hook = env.consumer.url();
+    let batch = |prefix: &str, n: usize, pad: usize| {
+        let jobs: Vec<Value> = (0..n)
+            .map(|i| {
+                let mut job = job_body(&format!("{prefix}-{i}"), &hook);
+                job["input"]["messages"][0]["content"] = json!("x".repeat(pad));
+                job
+            })
+            .collect();
+        serde_json::to_vec(&json!({ "jobs": jobs })).unwrap()
+    };
+    // Alice's first batch, chunked, its last chunk held back a while.
+    let first = batch("slow", 2, 10);
+    let addr = base.trim_start_matches("http://").to_owned();
+    let alice_first = alice.clone();
+    let slow = std::thread::spawn(move || {
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        let head = format!(
+            "POST /v1/jobs/batch HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {alice_first}\r\n\
+             Content-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        );
+        stream.write_all(head.as_bytes()).unwrap();
+        let (a, b) = first.split_at(first.len() / 2);
+        write!(stream, "{:x}\r\n", a.len()).unwrap();
+        stream.write_all(a).unwrap();
+        stream.write_all(b"\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        write!(stream, "{:x}\r\n", b.len()).unwrap();
+        stream.write_all(b).unwrap();
+        stream.write_all(b"\r\n0\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let send = |token: &str, body: Vec<u8>| {
+        client()
+            .post(format!("{base}/v1/jobs/batch"))
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let second = batch("alice", 2, 1_000_000);
+    let r = send(&alice, second.clone()).await.unwrap();
+    assert_eq!(r.status().as_u16(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["error"]["code"], "busy", "{answer}");
+    let r = send(&bob, batch("bob", 2, 1_000_000)).await.unwrap();
+    assert_eq!(r.status().as_u16(), 200, "Bob's fits the node");
+    let first_answer = tokio::task::spawn_blocking(move || slow.join().unwrap())
+        .await
+        .unwrap();
+    assert!(first_answer.starts_with("HTTP/1.1 200"), "{first_answer}");
+    let r = send(&alice, second).await.unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        200,
+        "room again once the first was answered"
+    );
+    let stored = env
+        .sql(
+            "SELECT count(*) FILTER (WHERE id LIKE 'slow-%') AS slow, \
+                     count(*) FILTER (WHERE id LIKE 'alice-%') AS alice, \
+                     count(*) FILTER (WHERE id LIKE 'bob-%') AS bob FROM jobs",
+        )
+        .await[0]
+        .clone();
+    assert_eq!(stored, json!({ "slow": 2, "alice": 2, "bob": 2 }));
+}

@@ -39,6 +39,10 @@ pub(super) async fn submit_batch(
         return not_json();
     }
     let limit = state.body_limit.saturating_mul(16);
+    let place = match hold_body(&state, &req, who.owner(), limit) {
+        Ok(place) => place,
+        Err(busy) => return busy,
+    };
     let body = match read_body(&state, payload, limit, || {
         error(
             Code::TooLarge,
@@ -98,7 +102,11 @@ pub(super) async fn submit_batch(
         .buffered(16)
         .collect()
         .await;
-    HttpResponse::Ok().json(json!({ "jobs": answers }))
+    let answer = HttpResponse::Ok().json(json!({ "jobs": answers }));
+    let held = body.len();
+    drop((body, place));
+    give_memory_back(held);
+    answer
 }
 
 /// One job of a batch, answered as `POST /v1/jobs` would answer it.

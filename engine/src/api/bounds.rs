@@ -31,6 +31,41 @@ pub struct Bounds {
     pub min_schedule_interval: std::time::Duration,
     /// The event streams open now: in all, and per token.
     streams: Arc<std::sync::Mutex<OpenStreams>>,
+    /// Bytes of job intake bodies (a submit, a batch) this node holds at
+    /// once, from before they are read until they are answered
+    /// (`ONCEFLOW_MAX_BODY_BYTES_IN_FLIGHT`); one more is `429 busy`.
+    pub max_body_bytes: usize,
+    /// The same bound per API token (`ONCEFLOW_MAX_BODY_BYTES_PER_TOKEN`).
+    pub max_body_bytes_per_token: usize,
+    /// The intake bytes held now: in all, and per token.
+    bodies: Arc<std::sync::Mutex<HeldBytes>>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct HeldBytes {
+    total: usize,
+    per_token: std::collections::HashMap<Option<i64>, usize>,
+}
+
+/// A request body's place under [`Bounds::max_body_bytes`], given back
+/// when the request is answered.
+pub(super) struct BodyPlace {
+    bodies: Arc<std::sync::Mutex<HeldBytes>>,
+    token: Option<i64>,
+    bytes: usize,
+}
+
+impl Drop for BodyPlace {
+    fn drop(&mut self) {
+        let mut held = self.bodies.lock().expect("bodies lock");
+        held.total -= self.bytes;
+        if let Some(n) = held.per_token.get_mut(&self.token) {
+            *n -= self.bytes;
+            if *n == 0 {
+                held.per_token.remove(&self.token);
+            }
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -72,6 +107,9 @@ impl Default for Bounds {
             max_streams_per_token: 100,
             min_schedule_interval: std::time::Duration::from_secs(60),
             streams: Default::default(),
+            max_body_bytes: 64 << 20,
+            max_body_bytes_per_token: 32 << 20,
+            bodies: Default::default(),
         }
     }
 }
@@ -84,6 +122,36 @@ impl Bounds {
             max_backlog_per_token,
             ..Bounds::default()
         }
+    }
+
+    /// A place for a request body of up to `bytes` of `token` (`None`:
+    /// development mode or an admin's, counted together), or why not.
+    pub(super) fn hold_body(&self, token: Option<i64>, bytes: usize) -> Result<BodyPlace, String> {
+        let mut held = self.bodies.lock().expect("bodies lock");
+        if held.total + bytes > self.max_body_bytes {
+            return Err(format!(
+                "this node holds {} bytes of request bodies; with {bytes} more it would pass its bound of {}",
+                held.total, self.max_body_bytes
+            ));
+        }
+        let mine = held.per_token.entry(token).or_insert(0);
+        if *mine + bytes > self.max_body_bytes_per_token {
+            let n = *mine;
+            if n == 0 {
+                held.per_token.remove(&token);
+            }
+            return Err(format!(
+                "this token has {n} bytes of request bodies in flight; with {bytes} more it would pass its bound of {}",
+                self.max_body_bytes_per_token
+            ));
+        }
+        *mine += bytes;
+        held.total += bytes;
+        Ok(BodyPlace {
+            bodies: self.bodies.clone(),
+            token,
+            bytes,
+        })
     }
 
     /// A place for one more event stream of `token`, or why not.

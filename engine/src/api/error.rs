@@ -14,6 +14,7 @@ pub(crate) enum Code {
     BadBody,
     BadQuery,
     BodyTimeout,
+    Busy,
     Conflict,
     CrossSite,
     Delivering,
@@ -51,6 +52,7 @@ impl Code {
             Code::BadBody => "bad_body",
             Code::BadQuery => "bad_query",
             Code::BodyTimeout => "body_timeout",
+            Code::Busy => "busy",
             Code::Conflict => "conflict",
             Code::CrossSite => "cross_site",
             Code::Delivering => "delivering",
@@ -108,7 +110,7 @@ impl Code {
             Code::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Code::Misdirected => StatusCode::MISDIRECTED_REQUEST,
             Code::Invalid | Code::InvalidRequest => StatusCode::UNPROCESSABLE_ENTITY,
-            Code::BacklogFull | Code::TooManyStreams => StatusCode::TOO_MANY_REQUESTS,
+            Code::BacklogFull | Code::Busy | Code::TooManyStreams => StatusCode::TOO_MANY_REQUESTS,
             Code::Draining | Code::NotMigrated | Code::Unavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }

@@ -41,6 +41,10 @@ pub(super) async fn submit(
         Err(e) => return unavailable(e),
     }
     let limit = state.body_limit;
+    let _place = match hold_body(&state, &req, who.owner(), limit) {
+        Ok(place) => place,
+        Err(busy) => return busy,
+    };
     let too_large = || {
         error(
             Code::TooLarge,

@@ -162,6 +162,45 @@ async fn read_body(
     Ok(body)
 }
 
+/// Takes a place for the body of intake request `req` under the node's
+/// (and the token's) bound on the bytes of bodies held at once: its
+/// declared length, or `limit` when it declares none. `429 busy` with
+/// `Retry-After` when there is no room: nothing of it is read.
+fn hold_body(
+    state: &ApiState,
+    req: &HttpRequest,
+    token: Option<i64>,
+    limit: usize,
+) -> Result<bounds::BodyPlace, HttpResponse> {
+    let declared = req
+        .headers()
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(limit, |n| n.min(limit));
+    state
+        .limits
+        .hold_body(token, declared)
+        .map_err(|why| ApiError::new(Code::Busy, why).retry_after(1).into())
+}
+
+/// Gives the allocator's free pages back to the system after a request
+/// that held many bytes (glibc keeps them otherwise: a node that took a
+/// few large batches would keep their peak for good).
+fn give_memory_back(bytes: usize) {
+    if bytes < (1 << 20) {
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    actix_web::rt::task::spawn_blocking(|| {
+        // SAFETY: malloc_trim only returns free memory to the system; it
+        // takes the allocator's own locks and touches no live allocation.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    });
+}
+
 /// Mounts the API on an actix-web app.
 pub fn configure(state: ApiState) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
