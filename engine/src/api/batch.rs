@@ -41,7 +41,7 @@ pub(super) async fn submit_batch(
     let limit = state.body_limit.saturating_mul(16);
     let place = match hold_body(&state, &req, who.owner(), limit) {
         Ok(place) => place,
-        Err(busy) => return busy,
+        Err(why) => return busy(why),
     };
     let body = match read_body(&state, payload, limit, || {
         error(

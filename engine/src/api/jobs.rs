@@ -43,7 +43,7 @@ pub(super) async fn submit(
     let limit = state.body_limit;
     let _place = match hold_body(&state, &req, who.owner(), limit) {
         Ok(place) => place,
-        Err(busy) => return busy,
+        Err(why) => return busy(why),
     };
     let too_large = || {
         error(

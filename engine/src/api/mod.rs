@@ -164,24 +164,27 @@ async fn read_body(
 
 /// Takes a place for the body of intake request `req` under the node's
 /// (and the token's) bound on the bytes of bodies held at once: its
-/// declared length, or `limit` when it declares none. `429 busy` with
-/// `Retry-After` when there is no room: nothing of it is read.
+/// declared length, or `limit` when it declares none. Why not, when there
+/// is no room ([`busy`]): nothing of it is read.
 fn hold_body(
     state: &ApiState,
     req: &HttpRequest,
     token: Option<i64>,
     limit: usize,
-) -> Result<bounds::BodyPlace, HttpResponse> {
+) -> Result<bounds::BodyPlace, String> {
     let declared = req
         .headers()
         .get("content-length")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok())
         .map_or(limit, |n| n.min(limit));
-    state
-        .limits
-        .hold_body(token, declared)
-        .map_err(|why| ApiError::new(Code::Busy, why).retry_after(1).into())
+    state.limits.hold_body(token, declared)
+}
+
+/// `429 busy` with `Retry-After`: the node holds as many request bytes as
+/// it may.
+fn busy(why: String) -> HttpResponse {
+    ApiError::new(Code::Busy, why).retry_after(1).into()
 }
 
 /// Gives the allocator's free pages back to the system after a request
