@@ -438,21 +438,31 @@ async fn a_fired_job_counts_against_its_tokens_backlog() {
 }
 
 /// A revoked token's schedules stop firing: nothing fires more than a
-/// second after the revoke.
+/// second after the revoke, while another token's schedule, due at the
+/// same moments, goes on firing (the firing statement runs for it, and
+/// must leave the revoked one out itself).
 #[actix_rt::test]
 async fn a_revoked_tokens_schedules_stop_firing() {
     let env = TestEnv::new().await;
+    let id_of = |token: String| {
+        let env = &env;
+        async move {
+            env.store
+                .tokens()
+                .authenticate(&token)
+                .await
+                .unwrap()
+                .unwrap()
+                .token
+        }
+    };
     let alice = env.store.tokens().create("alice", false).await.unwrap();
-    let owner = env
-        .store
-        .tokens()
-        .authenticate(&alice)
-        .await
-        .unwrap()
-        .unwrap()
-        .token;
+    let owner = id_of(alice).await;
+    let bob = env.store.tokens().create("bob", false).await.unwrap();
+    let other = id_of(bob).await;
     let _node = env.start(registry(), env.config());
     every_second(&env, "gone", owner).await;
+    every_second(&env, "kept", other).await;
     assert!(
         wait_until(Duration::from_secs(10), || async {
             fired(&env, "gone").await.len() >= 2
@@ -469,6 +479,12 @@ async fn a_revoked_tokens_schedules_stop_firing() {
         .filter(|t| *t > revoked + chrono::Duration::seconds(1))
         .collect();
     assert!(late.is_empty(), "fired after the revoke: {late:?}");
+    let kept = fired(&env, "kept")
+        .await
+        .into_iter()
+        .filter(|t| *t > revoked + chrono::Duration::seconds(1))
+        .count();
+    assert!(kept >= 1, "the live token's schedule fired on");
 }
 
 /// A schedule firing every second on two nodes: each fire time is one job,

@@ -1471,3 +1471,116 @@ async fn jobs_waiting_for_a_provider_slot_hold_back_no_other_tenant() {
         assert_eq!(env.provider.requests_for(&format!("job:b-{i}:generate")), 1);
     }
 }
+
+/// Per-key concurrency when another node takes over: a `serve` node is
+/// SIGKILLed while it holds a slot of a key (limit 2) and stays dead; the
+/// other node (its own node id: no reclaim of its own slots) takes the
+/// dead node's job over once its lease lapsed, in the slot it held. Every
+/// job is acked, each model answer paid once, never more than 2 calls of
+/// the key at once, and the dead node's job ended on the other node.
+#[actix_rt::test]
+async fn a_concurrency_key_holds_when_another_node_takes_over() {
+    use crate::support::ServeProcess;
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(300));
+    let t = keyed_tenant(&env, "tenant-t").await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = |name: &str| node_vars(&env, name, Some("3000"));
+    let mut dying = ServeProcess::start(&vars("dying"), &log).await;
+    let mut keyed = std::collections::HashSet::new();
+    for i in 0..10 {
+        let id = format!("k-{i}");
+        submit(&env, t, &id, Some("conv-1")).await;
+        keyed.insert(id);
+    }
+    assert!(
+        wait_until(WAIT, || holds(&env, "dying", "key_slot")).await,
+        "the node holds a slot of the key before the kill"
+    );
+    let _steady = ServeProcess::start(&vars("steady"), &log).await;
+    dying.sigkill();
+    let orphaned: Vec<String> = env
+        .sql("SELECT id FROM jobs WHERE lease_owner = 'dying' AND key_slot IS NOT NULL")
+        .await
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(
+        all_acked(&env, 10).await,
+        "every job is acked; log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    for id in &orphaned {
+        let last = env.job(id).await.history.last().unwrap().worker.clone();
+        assert_eq!(last, "steady", "{id} ended on the node that took it over");
+    }
+    for i in 0..10 {
+        let key = format!("job:k-{i}:generate");
+        assert_eq!(env.provider.work_done(&key), 1, "{key} paid once");
+    }
+    let peaks = env
+        .provider
+        .peak_concurrency_by(|r| keyed.contains(&job_of(r)).then(|| "conv-1".to_owned()));
+    assert!(
+        (1..=2).contains(&peaks["conv-1"]),
+        "at most 2 calls of the key at once through the takeover: {peaks:?}"
+    );
+}
+
+/// A throttled key when another node takes over: the node running a job
+/// of a key throttled to 4 starts an hour is SIGKILLed and stays dead; the
+/// other node takes its job over after the lease, without a new start.
+/// Exactly 4 of the key's 8 jobs reach the provider, each paid once.
+#[actix_rt::test]
+async fn a_key_throttle_holds_when_another_node_takes_over() {
+    use crate::support::ServeProcess;
+    let env = TestEnv::new().await;
+    env.provider.set_latency(Duration::from_millis(1500));
+    let t = throttled_tenant(&env, "tenant-t", 4, 3600).await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = |name: &str| node_vars(&env, name, None);
+    let mut dying = ServeProcess::start(&vars("dying"), &log).await;
+    for i in 0..8 {
+        submit(&env, t, &format!("k-{i}"), Some("conv-1")).await;
+    }
+    assert!(
+        wait_until(WAIT, || holds(&env, "dying", "throttle_slot")).await,
+        "the node runs a throttled job before the kill"
+    );
+    let _steady = ServeProcess::start(&vars("steady"), &log).await;
+    dying.sigkill();
+    let orphaned: Vec<String> = env
+        .sql("SELECT id FROM jobs WHERE lease_owner = 'dying' AND throttle_slot IS NOT NULL")
+        .await
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(!orphaned.is_empty(), "the dead node held a started job");
+    assert!(
+        all_acked(&env, 4).await,
+        "the 4 started are acked, the dead node's by the other; log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let sent = jobs_sent(&env, "k-");
+    assert_eq!(sent.len(), 4, "4 starts in the hour: {sent:?}");
+    for id in &sent {
+        let key = format!("job:{id}:generate");
+        assert_eq!(env.provider.work_done(&key), 1, "{key} paid once");
+    }
+    for id in &orphaned {
+        let last = env.job(id).await.history.last().unwrap().worker.clone();
+        assert_eq!(last, "steady", "{id} ended on the node that took it over");
+    }
+    let stamped = env
+        .sql("SELECT count(*) AS n FROM jobs WHERE throttle_slot IS NOT NULL")
+        .await[0]["n"]
+        .clone();
+    assert_eq!(stamped, 4, "4 start slots taken");
+}
