@@ -1306,3 +1306,89 @@ async fn a_cascade_cancel_takes_a_tree_of_any_depth() {
         "the root and every descendant"
     );
 }
+
+/// The parent of [`a_child_finishing_as_its_parent_joins_wakes_it`]: it
+/// starts a child that waits, stops at a gate the test opens, then joins.
+struct JoinRace;
+
+static JOIN_READY: tokio::sync::Notify = tokio::sync::Notify::const_new();
+static JOIN_GO: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+impl Workflow for JoinRace {
+    const NAME: &'static str = "test.join_race";
+    type Input = Value;
+    type Output = usize;
+
+    async fn run(&self, ctx: &mut Context, _: Value) -> Result<usize, StepError> {
+        let child = ctx.spawn("c", AwaitsGo::NAME, &json!({})).await?;
+        ctx.step("gate", |_| async {
+            JOIN_READY.notify_one();
+            JOIN_GO.notified().await;
+            Ok(true)
+        })
+        .await?;
+        Ok(ctx.join(&[child], Duration::from_secs(300)).await?.len())
+    }
+}
+
+/// A child that finishes while its parent's join decides wakes the parent:
+/// the child's finish (held open in a transaction of the test) has run its
+/// trigger while the parent was leased (no wake-up), and commits only once
+/// the join is reading. The join waits for that commit (it share-locks the
+/// children it reads) and finds the child finished; without the lock it
+/// read the child live and let the parent wait for a wake-up that had
+/// already passed (until the join's 300 s timeout).
+#[actix_rt::test]
+async fn a_child_finishing_as_its_parent_joins_wakes_it() {
+    use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+    let env = TestEnv::new().await;
+    let mut registry = registry();
+    registry.register(AwaitsGo);
+    registry.register(JoinRace);
+    let _engine = env.start(registry, env.config());
+    env.submit_job(NewJob {
+        tags: Default::default(),
+        id: "race".into(),
+        workflow: JoinRace::NAME.into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: String::new(),
+        schedule: Default::default(),
+    })
+    .await;
+    tokio::time::timeout(WAIT, JOIN_READY.notified())
+        .await
+        .expect("the parent reaches its gate");
+    assert!(
+        wait_until(WAIT, || async {
+            env.sql(
+                "SELECT count(*) AS n FROM jobs WHERE id = 'race:child:c' \
+                     AND waiting IS NOT NULL AND lease_owner IS NULL",
+            )
+            .await[0]["n"]
+                == json!(1)
+        })
+        .await,
+        "the child waits, holding no lease"
+    );
+    let mut finish = AsyncPgConnection::establish(&env.db_url).await.unwrap();
+    finish
+        .batch_execute(
+            "BEGIN; UPDATE jobs SET state = 'acked', finished_at = now(), updated_at = now(), \
+             waiting = NULL WHERE id = 'race:child:c'",
+        )
+        .await
+        .unwrap();
+    JOIN_GO.notify_one();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    finish.batch_execute("COMMIT").await.unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            env.job("race").await.state == JobState::Acked
+        })
+        .await,
+        "the parent is woken: {:?}",
+        env.job("race").await.waiting
+    );
+    assert_eq!(env.job("race").await.result, Some(json!(1)));
+}
