@@ -1234,7 +1234,7 @@ export interface operations {
                 state?: components["schemas"]["JobState"];
                 /** @description Only this workflow's jobs */
                 workflow?: string;
-                /** @description Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`) */
+                /** @description Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`, `budget`, `concurrency`, `throttle`, `provider`) */
                 waiting?: string;
                 /** @description Created at or after (RFC 3339) */
                 since?: string;
@@ -1849,7 +1849,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorBody"];
                 };
             };
-            /** @description Already finished */
+            /** @description Already finished (it may have finished while the cancel waited for its webhook on the wire), or `delivering`: a send outlasted the wait */
             409: {
                 headers: {
                     [name: string]: unknown;
