@@ -1,3 +1,5 @@
+DROP TRIGGER jobs_child_life ON jobs;
+DROP FUNCTION onceflow_child_life();
 CREATE OR REPLACE FUNCTION onceflow_child_finished() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     UPDATE jobs SET run_at = now(), updated_at = now()

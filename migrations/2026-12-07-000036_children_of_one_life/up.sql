@@ -27,3 +27,16 @@ BEGIN
     END IF;
     RETURN NULL;
 END $$;
+
+-- A child inserted without its parent's life (by a node of an older
+-- version, during a rolling upgrade) takes it from the parent's row.
+CREATE FUNCTION onceflow_child_life() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT incarnation INTO NEW.parent_incarnation FROM jobs WHERE id = NEW.parent_id;
+    RETURN NEW;
+END $$;
+
+CREATE TRIGGER jobs_child_life BEFORE INSERT ON jobs
+    FOR EACH ROW
+    WHEN (NEW.parent_id IS NOT NULL AND NEW.parent_incarnation IS NULL)
+    EXECUTE FUNCTION onceflow_child_life();

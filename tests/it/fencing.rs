@@ -34,17 +34,26 @@ async fn count(env: &TestEnv, sql: &str) -> i64 {
     env.sql(sql).await[0]["n"].as_i64().unwrap()
 }
 
+/// Whether job `id` waits for a provider slot: parked (released with
+/// `waiting: {"kind": "provider"}`), or its call queued in place.
 async fn waiting(env: &TestEnv, id: &str) -> i64 {
     count(
         env,
-        &format!("SELECT count(*) AS n FROM provider_waiters WHERE holder LIKE 'job:{id}:%'"),
+        &format!(
+            "SELECT (SELECT count(*) FROM provider_waiters WHERE holder LIKE 'job:{id}:%') \
+                 + (SELECT count(*) FROM jobs WHERE id = '{id}' AND finished_at IS NULL \
+                    AND lease_owner IS NULL AND waiting->>'kind' = 'provider') AS n"
+        ),
     )
     .await
 }
 
-/// A call parked behind a provider limit, whose job is then taken over
-/// (its epoch moved on, as a takeover or a cancel moves it), is never
-/// admitted: the fence is read again as the slot is granted.
+/// A call that finds its provider limit's only slot held parks its job,
+/// under its fence, and sends nothing: the attempt ends `waiting` at once
+/// (it holds no lease while it waits), its journaled call is no longer
+/// marked in flight, and the job is due again when the slot frees. Its job
+/// taken over meanwhile (the epoch moved on, as a takeover or a cancel
+/// moves it), the old attempt has nothing left to send.
 #[actix_rt::test]
 async fn a_parked_model_call_of_a_taken_over_job_is_never_sent() {
     let env = TestEnv::new().await;
@@ -75,26 +84,46 @@ async fn a_parked_model_call_of_a_taken_over_job_is_never_sent() {
         .await,
         "the second call waits for the only slot"
     );
+    let outcome = tokio::time::timeout(Duration::from_secs(10), parking)
+        .await
+        .expect("the parked attempt ends at once")
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Waiting { .. }), "{outcome:?}");
+    let mark = env
+        .sql(
+            "SELECT in_flight_until IS NULL AS unmarked, attempts FROM model_calls \
+              WHERE idempotency_key = 'job:park-taken:generate'",
+        )
+        .await[0]
+        .clone();
+    assert_eq!(
+        mark,
+        json!({ "unmarked": true, "attempts": 0 }),
+        "never sent"
+    );
     // A takeover, seen by no heartbeat (these attempts have none).
     env.execute("UPDATE jobs SET lease_epoch = lease_epoch + 1 WHERE id = 'park-taken'")
         .await;
     assert_eq!(holding.await.unwrap(), Outcome::Acked);
-    let outcome = tokio::time::timeout(Duration::from_secs(10), parking)
-        .await
-        .expect("the parked attempt ends once the slot is free")
-        .unwrap();
-    assert_eq!(outcome, Outcome::LeaseLost);
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) AS n FROM jobs WHERE id = 'park-taken' AND run_at <= now()"
+        )
+        .await,
+        1,
+        "the freed slot made the parked job due"
+    );
     assert_eq!(
         env.provider.requests_for("job:park-taken:generate"),
         0,
-        "the fenced-out call was never sent"
+        "the old attempt's call was never sent"
     );
-    assert_eq!(waiting(&env, "park-taken").await, 0, "its place was left");
 }
 
-/// A cancel reaches a call parked behind a provider limit at once: the
-/// node stops the attempt (NOTIFY), its place in the queue is left long
-/// before the slot would have come free, and it never sends.
+/// A cancel reaches a job parked behind a provider limit at once: it holds
+/// no attempt, so the cancel ends it long before the slot would have come
+/// free, and it never sends.
 #[actix_rt::test]
 async fn a_cancel_wakes_a_parked_model_call_at_once() {
     let env = TestEnv::new().await;

@@ -992,7 +992,8 @@ async fn a_burst_of_submits_stops_at_the_backlog_limit() {
 
 /// A request refused (`422`) or an identical resubmission takes no place
 /// in its token's backlog: with a limit of 3 and 2 jobs stored, 20 bad
-/// requests and 20 repeats of a stored job leave room for exactly one more.
+/// requests and 20 repeats of a stored job leave room for exactly one more,
+/// taken by a new job sent in one batch beside another repeat.
 #[actix_rt::test]
 async fn refused_and_repeated_submits_take_no_place_in_the_backlog() {
     let env = TestEnv::new().await;
@@ -1033,7 +1034,26 @@ async fn refused_and_repeated_submits_take_no_place_in_the_backlog() {
     let statuses = futures_util::future::join_all(noise).await;
     assert_eq!(statuses.iter().filter(|s| **s == 422).count(), 20);
     assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 20);
-    assert_eq!(send(job_body("p-3", &hook)).await, 201, "room for one more");
+    // A repeat and a new job in one batch: the repeat takes no place.
+    let r = client()
+        .post(format!("{base}/v1/jobs/batch"))
+        .bearer_auth(&alice)
+        .json(&json!({ "jobs": [job_body("p-1", &hook), job_body("p-3", &hook)] }))
+        .send()
+        .await
+        .unwrap();
+    let answer: Value = r.json().await.unwrap();
+    let statuses: Vec<&Value> = answer["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| &a["status"])
+        .collect();
+    assert_eq!(
+        statuses,
+        [&json!(200), &json!(201)],
+        "room for one more: {answer}"
+    );
     assert_eq!(send(job_body("p-4", &hook)).await, 429, "and no more");
     assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 3);
 }

@@ -287,7 +287,9 @@ fn unknown_query_parameter(req: &actix_web::dev::ServiceRequest) -> Option<HttpR
     if query.is_empty() {
         return None;
     }
-    let known = match req.path() {
+    // The path as the router matches it (`/v1/jobs/%62atch` is the batch).
+    let path = percent_encoding::percent_decode_str(req.path()).decode_utf8_lossy();
+    let known = match path.as_ref() {
         "/" | "/console.js" | "/console.css" => NONE,
         path => openapi::query_params_of(req.method().as_str(), path)?,
     };

@@ -434,7 +434,16 @@ impl Context {
                 }
                 recorded
             }
-            Err(failure) => Box::pin(self.record_failure(&call, attempt, failure, span)).await,
+            Err(failure) => {
+                // A failed call gives its budget hold back; it holds again
+                // when it is sent again.
+                if held {
+                    if let Err(e) = Box::pin(self.store.waits().release_hold(&call.key)).await {
+                        tracing::warn!(error = %e, "could not give a failed call's budget hold back");
+                    }
+                }
+                Box::pin(self.record_failure(&call, attempt, failure, span)).await
+            }
         }
     }
 
@@ -456,34 +465,26 @@ impl Context {
             tokens: hold_for(call.request),
             for_ms: call.in_flight_ms,
         };
-        match Box::pin(self.store.waits().budget(self.owner_token, &hold)).await? {
+        match Box::pin(
+            self.store
+                .waits()
+                .budget(self.owner_token, &hold, &self.fence),
+        )
+        .await?
+        {
             Budget::Open { held } => Ok(held),
+            Budget::Fenced => Err(StepError::LeaseLost),
             Budget::Die { budget, spent } => Err(StepError::permanent(
                 "budget_exhausted",
                 "budget_exhausted: the token's model-token budget for the day is spent".to_owned(),
                 format!("spent {spent} of {budget} model tokens today (UTC); nothing was sent"),
             )),
-            Budget::Wait {
+            Budget::Wait { until, left_ms, .. } => Err(StepError::Waiting {
+                kind: "budget",
+                name: "budget".to_owned(),
                 until,
-                left_ms,
-                reserved,
-            } => {
-                if !Box::pin(
-                    self.store
-                        .waits()
-                        .wait_for_budget(&self.fence, until, reserved),
-                )
-                .await?
-                {
-                    return Err(StepError::LeaseLost);
-                }
-                Err(StepError::Waiting {
-                    kind: "budget",
-                    name: "budget".to_owned(),
-                    until,
-                    due: crate::store::waits::due_in(left_ms),
-                })
-            }
+                due: crate::store::waits::due_in(left_ms),
+            }),
         }
     }
 

@@ -21,7 +21,8 @@ pub enum Budget {
         /// it, and wakes the jobs that other holds kept waiting.
         held: bool,
     },
-    /// Spent, or held by the calls in flight: the job waits until `until`.
+    /// Spent, or held by the calls in flight: the job was released (no
+    /// lease) and waits until `until`.
     Wait {
         /// The next UTC day (spread over its first 30 s, so the held jobs
         /// do not all start at once), or, when only other calls' holds
@@ -33,6 +34,8 @@ pub enum Budget {
         /// Held by the calls in flight, not by what was spent.
         reserved: bool,
     },
+    /// The attempt no longer holds the job: nothing was held or released.
+    Fenced,
     /// Spent, and the token says a job then dies (`budget_exhausted`).
     Die {
         /// The budget.
@@ -109,7 +112,18 @@ impl Waits<'_> {
     /// estimate's error, and, for a request that does not bound its output
     /// (`max_tokens`, `max_completion_tokens`), what it writes beyond
     /// [`DEFAULT_OUTPUT_HOLD`] — never by the number of calls at once.
-    pub async fn budget(self, owner: Option<i64>, hold: &Hold<'_>) -> Result<Budget, StoreError> {
+    ///
+    /// A job that waits is released under `fence` in the same transaction
+    /// (no lease; `Budget::Wait`), while the day's row is locked: an answer
+    /// that settles a hold meanwhile commits after it, and so finds the job
+    /// waiting when it wakes the token's waiters. `Budget::Fenced` when the
+    /// attempt no longer holds the job.
+    pub async fn budget(
+        self,
+        owner: Option<i64>,
+        hold: &Hold<'_>,
+        fence: &Fence,
+    ) -> Result<Budget, StoreError> {
         let Some(owner) = owner else {
             return Ok(Budget::Open { held: false });
         };
@@ -162,37 +176,43 @@ impl Waits<'_> {
                 .bind::<Text, _>(hold.key)
                 .get_result(conn)
                 .await?;
-                if day.spent >= token.budget {
-                    return Ok(if token.action == "die" {
-                        Budget::Die {
+                let wait = if day.spent >= token.budget {
+                    if token.action == "die" {
+                        return Ok(Budget::Die {
                             budget: token.budget,
                             spent: day.spent,
-                        }
+                        });
+                    }
+                    Some((day.midnight, day.midnight_ms, false))
+                } else {
+                    let taken = day.spent.saturating_add(day.held);
+                    if taken > 0 && taken.saturating_add(hold.tokens) > token.budget {
+                        // Kept by other calls' holds: until the first lapses
+                        // (an answer settling one wakes it sooner). Kept by
+                        // the spend alone (what is left is less than it may
+                        // use): until the next day, or a budget raised.
+                        Some(match (day.lapse, day.lapse_ms) {
+                            (Some(until), Some(left_ms)) if until < day.midnight => {
+                                (until, left_ms, true)
+                            }
+                            _ => (day.midnight, day.midnight_ms, day.held > 0),
+                        })
                     } else {
-                        Budget::Wait {
-                            until: day.midnight,
-                            left_ms: day.midnight_ms,
-                            reserved: false,
-                        }
-                    });
-                }
-                let taken = day.spent + day.held;
-                if taken > 0 && taken + hold.tokens > token.budget {
-                    // Kept by other calls' holds: until the first lapses (an
-                    // answer settling one wakes it sooner). Kept by the
-                    // spend alone (what is left is less than it may use):
-                    // until the next day, or a budget raised.
-                    return Ok(match (day.lapse, day.lapse_ms) {
-                        (Some(until), Some(left_ms)) if until < day.midnight => Budget::Wait {
-                            until,
-                            left_ms,
-                            reserved: true,
-                        },
-                        _ => Budget::Wait {
-                            until: day.midnight,
-                            left_ms: day.midnight_ms,
-                            reserved: day.held > 0,
-                        },
+                        None
+                    }
+                };
+                if let Some((until, left_ms, reserved)) = wait {
+                    let mut waiting = serde_json::json!({ "kind": "budget", "until": until });
+                    if reserved {
+                        waiting["reserved"] = true.into();
+                    }
+                    if !super::waits::release_until(conn, fence, &waiting, until).await? {
+                        return Ok(Budget::Fenced);
+                    }
+                    return Ok(Budget::Wait {
+                        until,
+                        left_ms,
+                        reserved,
                     });
                 }
                 sql("INSERT INTO budget_holds (call_key, tenant, day, tokens, expires_at) \
@@ -213,32 +233,23 @@ impl Waits<'_> {
         .await
     }
 
+    /// Drops call `key`'s budget hold: the call failed, and is held again
+    /// when it is sent again.
+    pub async fn release_hold(self, key: &str) -> Result<(), StoreError> {
+        let mut conn = self.db().conn().await?;
+        sql("DELETE FROM budget_holds WHERE call_key = $1")
+            .bind::<Text, _>(key)
+            .execute(&mut conn)
+            .await?;
+        Ok(())
+    }
+
     /// Wakes the jobs of tenant `owner` that other calls' holds kept
     /// waiting (`waiting: {"kind": "budget", "reserved": true}`): an answer
     /// settled a hold, so there may be room. One indexed update (the
     /// waiting jobs by kind), and a `NOTIFY` when it woke any.
     pub async fn wake_held(self, owner: i64) -> Result<u64, StoreError> {
         wake_budget_waiters(self.db(), owner, true).await
-    }
-
-    /// Lets the job go until `until`, waiting for its budget (`waiting:
-    /// {"kind": "budget", "until"}`, no lease; the next acquire after
-    /// `until` clears it). False when the lease is lost.
-    pub async fn wait_for_budget(
-        self,
-        fence: &Fence,
-        until: chrono::DateTime<chrono::Utc>,
-        reserved: bool,
-    ) -> Result<bool, StoreError> {
-        let mut waiting = serde_json::json!({ "kind": "budget", "until": until });
-        if reserved {
-            waiting["reserved"] = true.into();
-        }
-        retrying!(self, "wait_for_budget", async || {
-            let mut conn = self.db().conn().await?;
-            super::waits::release_until(&mut conn, fence, &waiting, until).await
-        })
-        .await
     }
 
     /// Today's spend of every token with a budget (`owner`: that token's
@@ -273,11 +284,13 @@ pub fn hold_for(request: &serde_json::Value) -> i64 {
             .and_then(serde_json::Value::as_u64)
             .is_some()
     });
-    let estimate = crate::rules::quota::estimate_tokens(request) as i64;
+    // Clamped: a request asking for an absurd output holds a huge amount,
+    // never an overflow.
+    let estimate = (crate::rules::quota::estimate_tokens(request) as i64).clamp(0, i64::MAX / 4);
     if bounded {
         estimate
     } else {
-        estimate + DEFAULT_OUTPUT_HOLD
+        estimate.saturating_add(DEFAULT_OUTPUT_HOLD)
     }
 }
 

@@ -274,7 +274,9 @@ impl Limits<'_> {
         let mut conn = self.db().conn().await?;
         sql("WITH mark AS ( \
                  UPDATE model_calls SET in_flight_until = clock_timestamp() + $3 * interval '1 millisecond' \
-                 WHERE idempotency_key = $1 AND in_flight_epoch = $2 AND status <> 'completed' RETURNING 1) \
+                 WHERE idempotency_key = $1 AND in_flight_epoch = $2 AND status <> 'completed' RETURNING 1), \
+             hold AS (UPDATE budget_holds SET expires_at = clock_timestamp() + $3 * interval '1 millisecond' \
+                 WHERE call_key = $1 AND EXISTS (SELECT 1 FROM mark)) \
              UPDATE provider_slots SET expires_at = clock_timestamp() + $3 * interval '1 millisecond' \
              WHERE limit_key = $4 AND holder = $5 AND (SELECT count(*) FROM mark) >= 0")
         .bind::<Text, _>(call_key)
@@ -343,7 +345,11 @@ async fn lock_key(conn: &mut AsyncPgConnection, key: &str) -> Result<KeyRow, Sto
 
 /// Counts the key's room, in a statement of its own: its snapshot sees
 /// every slot and waiter committed before the key's lock was granted.
-/// (Lapsed slots and waiters of crashed nodes are cleared on the way.)
+/// (Lapsed slots and waiters of crashed nodes are cleared on the way.) A
+/// parked job counts among the waiters only once a freed slot woke it,
+/// and for 10 s: a woken job no node can take (every node full, or its
+/// concurrency key's slots held) never holds the key's other calls back.
+/// A job parked before keeps its place (`queued_at`) when it asks again.
 async fn count_room(conn: &mut AsyncPgConnection, ask: &Ask<'_>) -> Result<Room, StoreError> {
     Ok(sql(
         "WITH lapsed AS (DELETE FROM provider_slots \
@@ -357,7 +363,8 @@ async fn count_room(conn: &mut AsyncPgConnection, ask: &Ask<'_>) -> Result<Room,
              clock_timestamp()) AS since), \
          parked AS (SELECT p.priority, (p.waiting->>'queued_at')::timestamptz AS since, p.id \
              FROM jobs p WHERE p.waiting->>'kind' = 'provider' AND p.waiting->>'key' = $1 \
-               AND p.finished_at IS NULL AND p.lease_owner IS NULL AND p.id <> $4) \
+               AND p.finished_at IS NULL AND p.lease_owner IS NULL AND p.id <> $4 \
+               AND p.run_at <= now() AND p.run_at > now() - interval '10 seconds') \
          SELECT (SELECT count(*) FROM provider_slots \
                  WHERE limit_key = $1 AND expires_at > clock_timestamp() AND holder <> $2) AS live, \
              (SELECT count(*) FROM provider_waiters w, me \
@@ -406,7 +413,8 @@ async fn park(
         "WITH unsent AS ( \
              UPDATE model_calls SET in_flight_until = NULL, in_flight_epoch = NULL, \
                  attempts = greatest(attempts - 1, 0), updated_at = now() \
-             WHERE idempotency_key = $3 AND in_flight_epoch = $2 AND status <> 'completed') \
+             WHERE idempotency_key = $3 AND in_flight_epoch = $2 AND status <> 'completed'), \
+         unheld AS (DELETE FROM budget_holds WHERE call_key = $3) \
          UPDATE jobs SET waiting = jsonb_build_object('kind', 'provider', 'key', $4::text, \
                  'queued_at', CASE WHEN waiting->>'kind' = 'provider' AND waiting->>'key' = $4 \
                      THEN waiting->>'queued_at' \
@@ -532,6 +540,15 @@ async fn grant(
     .bind::<Text, _>(ask.call_key)
     .bind::<Text, _>(ask.job_id)
     .bind::<BigInt, _>(ask.epoch)
+    .bind::<BigInt, _>(ask.lease_ms)
+    .execute(conn)
+    .await?;
+    // The call's budget hold, if it has one, lasts as long as its send.
+    sql(
+        "UPDATE budget_holds SET expires_at = clock_timestamp() + $2 * interval '1 millisecond' \
+         WHERE call_key = $1",
+    )
+    .bind::<Text, _>(ask.call_key)
     .bind::<BigInt, _>(ask.lease_ms)
     .execute(conn)
     .await?;
