@@ -1410,7 +1410,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorBody"];
                 };
             };
-            /** @description Backlog full */
+            /** @description Backlog full, or `busy`: the node holds as many request bytes as it may */
             429: {
                 headers: {
                     [name: string]: unknown;
@@ -1508,6 +1508,15 @@ export interface operations {
             };
             /** @description Unprocessable Entity */
             422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description `busy`: the node holds as many request bytes as it may (`Retry-After`) */
+            429: {
                 headers: {
                     [name: string]: unknown;
                 };

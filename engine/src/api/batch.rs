@@ -21,6 +21,7 @@ pub const MAX_BATCH: usize = 1_000;
         (status = 413, body = ErrorBody),
         (status = 415, body = ErrorBody),
         (status = 422, body = ErrorBody),
+        (status = 429, description = "`busy`: the node holds as many request bytes as it may (`Retry-After`)", body = ErrorBody),
     ))]
 pub(super) async fn submit_batch(
     Writer(who): Writer,

@@ -12,7 +12,7 @@ use super::*;
         (status = 413, description = "Too large", body = ErrorBody),
         (status = 415, description = "Not application/json", body = ErrorBody),
         (status = 422, description = "A field is wrong (named)", body = ErrorBody),
-        (status = 429, description = "Backlog full", body = ErrorBody),
+        (status = 429, description = "Backlog full, or `busy`: the node holds as many request bytes as it may", body = ErrorBody),
         (status = 503, description = "Draining or the database is down", body = ErrorBody),
     ))]
 pub(super) async fn submit(
