@@ -1531,13 +1531,48 @@ async fn a_concurrency_key_holds_when_another_node_takes_over() {
         let key = format!("job:k-{i}:generate");
         assert_eq!(env.provider.work_done(&key), 1, "{key} paid once");
     }
-    let peaks = env
-        .provider
-        .peak_concurrency_by(|r| keyed.contains(&job_of(r)).then(|| "conv-1".to_owned()));
+    let peak = peak_jobs_at_once(&env, |job| keyed.contains(job));
     assert!(
-        (1..=2).contains(&peaks["conv-1"]),
-        "at most 2 calls of the key at once through the takeover: {peaks:?}"
+        (1..=2).contains(&peak),
+        "at most 2 jobs of the key at the provider at once through the takeover: {peak}"
     );
+}
+
+/// The most jobs (of those `counted`) that had a call open at the provider
+/// at once. A job's calls count as one: a killed node's request, which the
+/// provider may still be answering (or never answers: its client is gone),
+/// ends for this count when the same job's next request, its takeover's,
+/// arrives — that repeat under the job's key is the at-least-once the
+/// design accepts, not a second job in the key's slots.
+fn peak_jobs_at_once(env: &TestEnv, counted: impl Fn(&String) -> bool) -> usize {
+    let mut by_job: HashMap<String, Vec<(std::time::Instant, Option<std::time::Instant>)>> =
+        HashMap::new();
+    for r in env.provider.requests().iter().filter(|r| !r.throttled) {
+        let job = job_of(r);
+        if counted(&job) {
+            by_job
+                .entry(job)
+                .or_default()
+                .push((r.received_at, r.answered_at));
+        }
+    }
+    let mut edges = Vec::new();
+    for (_, mut calls) in by_job {
+        calls.sort();
+        let (first, last) = (calls[0].0, calls[calls.len() - 1]);
+        // Each job's calls end with its last one's answer.
+        let end = last.1.unwrap_or(last.0);
+        edges.push((first, 1i32));
+        edges.push((end.max(first), -1));
+    }
+    // Ends before starts at the same instant: touching is not overlapping.
+    edges.sort();
+    let (mut now, mut peak) = (0i32, 0i32);
+    for (_, d) in edges {
+        now += d;
+        peak = peak.max(now);
+    }
+    peak as usize
 }
 
 /// A throttled key when another node takes over: the node running a job
