@@ -1,6 +1,7 @@
 //! Model-token budgets: a token's budget per UTC day, what its tenant spent
-//! today (`token_spend`, added to when a model answer is recorded), and
-//! the wait of a job whose tenant has spent it.
+//! today (`token_spend`, added to when a model answer is recorded), the
+//! holds of the calls in flight (`budget_holds`: a budget is a reservation),
+//! and the wait of a job whose call does not fit.
 
 use diesel::sql_types::{BigInt, Bool, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
