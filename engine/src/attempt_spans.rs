@@ -1,6 +1,6 @@
 //! Spans and metrics of job attempts, on a node's [`Telemetry`].
 //!
-//! A job's trace is stored with the job at intake ([`crate::net::traceparent`]). Each
+//! A job's trace is stored with the job at intake ([`crate::rules::traceparent`]). Each
 //! attempt opens a `job` span whose parent is that stored context, so every
 //! attempt, on any node, after any crash, lands in the same trace. Each step
 //! is a child span of the attempt; the `traceparent` sent with a model,
@@ -19,7 +19,7 @@ use opentelemetry::trace::{
 };
 use opentelemetry::KeyValue;
 
-use crate::net::traceparent::TraceParent;
+use crate::rules::traceparent::TraceParent;
 
 /// The OpenTelemetry context of a stored `traceparent` (a remote parent).
 pub(crate) fn remote_context(tp: &TraceParent) -> opentelemetry::Context {

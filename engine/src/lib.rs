@@ -19,21 +19,24 @@
 //! * [`workflow`] + [`context`] — user workflows in Rust; every side effect
 //!   goes through the durable context, journaled under a key from
 //!   [`rules::keys`].
-//! * [`net`] — the model call ([`net::provider`]), the completion webhook
-//!   ([`net::webhook`]), one classified HTTP POST ([`net::outbound`]), the
-//!   SSRF guard ([`net::guard`]) and W3C trace context
-//!   ([`net::traceparent`]: one trace per job across its attempts).
+//! * [`net`] — the model call ([`net::provider`], one file per wire
+//!   format), the completion webhook ([`net::webhook`]), one classified
+//!   HTTP POST ([`net::outbound`]) and the SSRF guard ([`net::guard`]).
 //! * [`rules`] — what a failure means ([`rules::verdict`], over
 //!   [`rules::failure`]), backoff ([`rules::retry`]), provider limits and
 //!   their arithmetic ([`rules::quota`]), how a wait ends
 //!   ([`rules::wait_machine`]), a signal's rules ([`rules::signal`]), a
-//!   cron's fire times ([`rules::schedule`]): decided with no I/O.
+//!   cron's fire times ([`rules::schedule`]), the events a consumer is sent
+//!   ([`rules::event`]) and W3C trace context ([`rules::traceparent`]: one
+//!   trace per job across its attempts): decided with no I/O.
 //! * [`limiter`] — model calls waiting their turn on a quota; [`hub`] —
-//!   this node's watchers of streamed jobs and of token changes (in memory).
+//!   this node's watchers of streamed jobs and of token changes (in
+//!   memory). Both are used by the [`context`], so they sit below it, out
+//!   of the `node` wing.
 //! * [`store`] — all SQL; [`db`] the pool and migrations; [`pg`] the embedded
 //!   PostgreSQL.
-//! * [`node::shared`] — what a node's actors share; [`runtime`] — starting a
-//!   node ([`Engine`]).
+//! * [`node::shared`] — what a node's actors share; [`node::runtime`] —
+//!   starting a node ([`Engine`]).
 //! * [`attempt_spans`] — the OpenTelemetry spans and metrics of each
 //!   attempt; [`error`] — every error type.
 //! * [`faults`] — named failpoints at every boundary, for tests and the demo;
@@ -61,7 +64,6 @@ pub mod node;
 pub mod pg;
 pub mod request;
 pub mod rules;
-pub mod runtime;
 pub mod store;
 pub mod workflow;
 
@@ -70,10 +72,10 @@ pub use db::Db;
 pub use error::{ErrorEnvelope, StepError, StoreError};
 pub use faults::{Action, FailPoint, Faults};
 pub use net::guard::UrlGuard;
+pub use node::runtime::Engine;
 pub use node::shared::EngineConfig;
 pub use request::Throttle;
 pub use rules::lifecycle::JobState;
-pub use runtime::Engine;
 pub use store::Store;
 pub use workflow::{DeliveryPolicy, InvalidInput, Registry, Workflow};
 

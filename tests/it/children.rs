@@ -143,7 +143,7 @@ async fn a_parent_fans_out_to_children_and_joins_them_once_each() {
         .map(|c| c.token);
     let _engine = env.start(registry(), env.config());
     let job = parent(&env, "fan-1", &["a", "b", "c"], None);
-    let trace = onceflow_engine::net::traceparent::TraceParent::new_root();
+    let trace = onceflow_engine::rules::traceparent::TraceParent::new_root();
     env.store
         .jobs()
         .submit(

@@ -11,7 +11,7 @@ use std::time::Duration;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use onceflow_engine::api::{ApiState, DEFAULT_BODY_LIMIT};
 use onceflow_engine::faults::{Action, FailPoint};
-use onceflow_engine::net::traceparent::TraceParent;
+use onceflow_engine::rules::traceparent::TraceParent;
 use onceflow_engine::testkit::{
     database, wait_until, Behaviour, FakeConsumer, FakeProvider, TestEnv,
 };

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use onceflow_engine::faults::{Action, FailPoint};
-use onceflow_engine::net::traceparent::TraceParent;
+use onceflow_engine::rules::traceparent::TraceParent;
 use onceflow_engine::testkit::{Behaviour, TestEnv};
 use onceflow_engine::JobState;
 use serde_json::json;

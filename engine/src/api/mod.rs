@@ -31,8 +31,8 @@ use opentelemetry::trace::{Span as _, SpanKind, Status, Tracer as _};
 use opentelemetry::KeyValue;
 use serde_json::json;
 
-use crate::net::traceparent::TraceParent;
 use crate::node::intake::{self, IntakeError};
+use crate::rules::traceparent::TraceParent;
 use crate::store::{Intake, Store};
 use crate::workflow::Registry;
 
@@ -108,7 +108,7 @@ pub struct ApiState {
     /// This node's engine, when it runs one: a new job it has room for is
     /// handed to it in intake's commit (see [`crate::node::handoff`]).
     pub handoff: Option<crate::node::handoff::Handoff>,
-    /// This node's watchers ([`crate::runtime::Engine::hub`]): open streams
+    /// This node's watchers ([`crate::node::runtime::Engine::hub`]): open streams
     /// hear of a job's new events, and of their token's revocation, here.
     /// It must be the hub of the engine that runs beside the API (the
     /// engine feeds it); a hub of its own would leave open streams to their

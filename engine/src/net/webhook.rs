@@ -16,7 +16,6 @@ use sha2::Sha256;
 
 use crate::faults::{FailPoint, Faults};
 use crate::net::outbound::{post, Post, PostError, Seam};
-use crate::rules::keys::COMPLETED_EVENT;
 
 /// The Standard Webhooks signing secrets (`whsec_` + base64 key each; several,
 /// space-separated, while rotating): every delivery carries one `v1,`
@@ -94,42 +93,6 @@ impl WebhookSecret {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-}
-
-/// A new signing secret: `whsec_` + base64 of 32 random bytes.
-pub fn new_secret() -> String {
-    let key: [u8; 32] = rand::random();
-    format!("whsec_{}", B64.encode(key))
-}
-
-/// An event's body in the Standard Webhooks envelope:
-/// `{"type", "timestamp", "data"}`, `timestamp` the event's time (RFC 3339,
-/// UTC). Built once, when the event is claimed: every attempt resends the
-/// same bytes (only the `webhook-timestamp` header is the attempt's).
-/// The one place the envelope is built: the events the store queues in
-/// SQL (`job.dead`, `job.cancelled`, `job.waiting`) bind this body as a
-/// parameter (`security::tenant_webhooks_and_events_pass_the_reference_library_across_a_rotation`
-/// checks both kinds).
-pub fn event_body(event: &str, data: Value) -> Value {
-    let mut body = serde_json::Map::new();
-    body.insert("type".into(), event.into());
-    body.insert(
-        "timestamp".into(),
-        chrono::Utc::now()
-            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
-            .into(),
-    );
-    body.insert("data".into(), data);
-    Value::Object(body)
-}
-
-/// The completion event's body: `data` is `{"job_id", "result"}`.
-pub fn completed_body(job_id: &str, result: &Value) -> Value {
-    // Built directly: `json!` would serialise `result` into a new value.
-    let mut data = serde_json::Map::new();
-    data.insert("job_id".into(), job_id.into());
-    data.insert("result".into(), result.clone());
-    event_body(COMPLETED_EVENT, Value::Object(data))
 }
 
 /// How webhooks leave this node.

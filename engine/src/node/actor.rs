@@ -293,7 +293,7 @@ impl JobRun {
 
     /// Commits the output and claims the completion webhook (through `claimed`).
     async fn commit_result(&mut self, output: &Value) -> Result<JobState, StepError> {
-        let body = webhook::completed_body(&self.fence.job_id, output);
+        let body = crate::rules::event::completed(&self.fence.job_id, output, chrono::Utc::now());
         let key = keys::completed(&self.fence.key());
         let at_least_once = self.workflow.delivery_policy() == DeliveryPolicy::AtLeastOnce;
         let claim = Claim {

@@ -1,7 +1,7 @@
 //! A node's configuration and the parts every job actor of the node shares:
 //! the store, the registry, the clients, the limiter, the hand-off gate and
 //! the counters. Below the actor, the supervisor and the hand-off, which all
-//! hold an `Arc<Shared>`; the node is started by [`crate::runtime`].
+//! hold an `Arc<Shared>`; the node is started by [`crate::node::runtime`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize};

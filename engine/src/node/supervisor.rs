@@ -217,7 +217,7 @@ enum SchedulesDue {
 #[rtype(result = "()")]
 pub struct Listening;
 
-/// Purge now (see [`crate::runtime::Engine::purge_now`]).
+/// Purge now (see [`crate::node::runtime::Engine::purge_now`]).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct PurgeNow;
@@ -961,7 +961,7 @@ async fn send_events(shared: &Shared) -> Result<usize, crate::error::StoreError>
             secret: secret.as_deref(),
             timeout: config.webhook_timeout,
         };
-        let traceparent = crate::net::traceparent::TraceParent::new_root().to_string();
+        let traceparent = crate::rules::traceparent::TraceParent::new_root().to_string();
         let sent = crate::net::webhook::send(
             sender,
             &event.url,

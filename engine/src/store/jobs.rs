@@ -13,9 +13,9 @@ use super::sql::sql;
 use super::Jobs;
 use super::Leased;
 use crate::error::{ErrorEnvelope, StoreError};
-use crate::net::traceparent::TraceParent;
 use crate::request::{JobRequest, NewJob};
 use crate::rules::lifecycle::JobState;
+use crate::rules::traceparent::TraceParent;
 
 /// The node a new job is leased to in intake's own commit (a hand-off).
 #[derive(Debug, Clone)]

@@ -16,9 +16,9 @@ use super::sql::sql;
 use super::Store;
 use super::{Jobs, Leases};
 use crate::error::{ErrorEnvelope, StoreError};
-use crate::net::traceparent::TraceParent;
 use crate::request::JobRequest;
 use crate::rules::lifecycle::JobState;
+use crate::rules::traceparent::TraceParent;
 
 /// The identity of one attempt: every write it makes is guarded by it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -762,9 +762,10 @@ impl Store {
         // With its job.dead event, when the job asked for failure events,
         // announced on EVENTS_CHANNEL so any node sends it at once.
         let error = serde_json::to_value(error).expect("envelope serialises");
-        let body = crate::net::webhook::event_body(
+        let body = crate::rules::event::body(
             crate::rules::keys::DEAD_EVENT,
             serde_json::json!({ "job_id": fence.job_id, "reason": reason, "error": error }),
+            chrono::Utc::now(),
         );
         let moved = sql(
             "WITH moved AS ( \

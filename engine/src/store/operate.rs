@@ -372,9 +372,10 @@ impl Store {
             &crate::rules::keys::JobKey::new(id, incarnation),
             "cancelled",
         );
-        let body = crate::net::webhook::event_body(
+        let body = crate::rules::event::body(
             crate::rules::keys::CANCELLED_EVENT,
             serde_json::json!({ "job_id": id, "reason": reason, "by": by }),
+            chrono::Utc::now(),
         );
         sql("WITH moved AS ( \
                  UPDATE jobs SET state = 'cancelled', finished_at = now(), updated_at = now(), \

@@ -616,7 +616,7 @@ fn fired_job(row: &DueRow, target: &Fireable, at: DateTime<Utc>) -> NewRow {
         workflow_version: target.version,
         request_hash: canonical_hash(&stored),
         request: stored,
-        trace: crate::net::traceparent::TraceParent::new_root().to_string(),
+        trace: crate::rules::traceparent::TraceParent::new_root().to_string(),
         key_limit: None,
         throttle: None,
         // Counted by the schedule's own bound, or its parent's (a child).

@@ -204,7 +204,7 @@ impl Tokens<'_> {
         }
         let secret: [u8; 32] = rand::random();
         let token = format!("of_{}", hex::encode(secret));
-        let webhook_secret = (!admin).then(crate::net::webhook::new_secret);
+        let webhook_secret = (!admin).then(crate::rules::event::new_secret);
         let mut conn = self.db().conn().await.map_err(TokenError::Store)?;
         let inserted = sql(
             "INSERT INTO api_tokens (name, token_hash, admin, webhook_secret) VALUES ($1, $2, $3, $4) \
@@ -360,7 +360,7 @@ impl Tokens<'_> {
     /// newest previous one keeps signing beside it until the next
     /// rotation, so consumers can switch over. Returns the new secret.
     pub async fn rotate_secret(self, name: &str) -> Result<String, StoreError> {
-        let new = crate::net::webhook::new_secret();
+        let new = crate::rules::event::new_secret();
         let mut conn = self.db().conn().await?;
         // Announced in the same statement: every node signs with it at once.
         let n = sql("WITH rotated AS ( \

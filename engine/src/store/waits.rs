@@ -318,9 +318,10 @@ impl Waits<'_> {
                             .bind::<Text, _>(&fence.job_id)
                             .bind::<Text, _>(key)
                             .bind::<Text, _>(event)
-                            .bind::<Jsonb, _>(crate::net::webhook::event_body(
+                            .bind::<Jsonb, _>(crate::rules::event::body(
                                 "job.waiting",
                                 json!({ "job_id": fence.job_id, "waiting": waiting }),
+                                chrono::Utc::now(),
                             ))
                             .bind::<Text, _>(super::events::EVENTS_CHANNEL)
                             .execute(conn)
