@@ -54,12 +54,12 @@ impl Who {
     }
 }
 
-pub(super) fn unauthorized(message: &str) -> HttpResponse {
+pub(super) fn unauthorized(message: &str) -> ApiError {
     error(Code::Unauthorized, message, None)
 }
 
 /// Checks the request's token (never taken from the URL).
-pub(super) async fn authenticate(state: &ApiState, req: &HttpRequest) -> Result<Who, HttpResponse> {
+pub(super) async fn authenticate(state: &ApiState, req: &HttpRequest) -> Result<Who, ApiError> {
     let loopback = match state.auth {
         Auth::Off => return Ok(Who::Anyone),
         Auth::Tokens { loopback } => loopback,
@@ -119,8 +119,9 @@ pub(super) struct Reader(pub(super) Who);
 /// another site's page (else `403`).
 pub(super) struct Writer(pub(super) Who);
 
-/// The checks every handler's request passes before the handler runs.
-async fn front_door(req: HttpRequest, write: bool) -> Result<Who, actix_web::Error> {
+/// The checks every handler's request passes before the handler runs
+/// (once per request: see [`extract::caller`]).
+pub(super) async fn front_door(req: HttpRequest, write: bool) -> Result<Who, ApiError> {
     let state = req
         .app_data::<web::Data<ApiState>>()
         .cloned()
@@ -133,30 +134,28 @@ async fn front_door(req: HttpRequest, write: bool) -> Result<Who, actix_web::Err
         }
     });
     if let Some(refused) = refused {
-        return Err(actix_web::error::InternalError::from_response("refused", refused).into());
+        return Err(refused);
     }
-    authenticate(&state, &req).await.map_err(|refused| {
-        actix_web::error::InternalError::from_response("refused", refused).into()
-    })
+    authenticate(&state, &req).await
 }
 
 impl actix_web::FromRequest for Reader {
-    type Error = actix_web::Error;
+    type Error = ApiError;
     type Future = futures_util::future::LocalBoxFuture<'static, Result<Self, Self::Error>>;
 
     fn from_request(req: &HttpRequest, _: &mut actix_web::dev::Payload) -> Self::Future {
         let req = req.clone();
-        Box::pin(async move { front_door(req, false).await.map(Reader) })
+        Box::pin(async move { extract::caller(&req, false).await.map(Reader) })
     }
 }
 
 impl actix_web::FromRequest for Writer {
-    type Error = actix_web::Error;
+    type Error = ApiError;
     type Future = futures_util::future::LocalBoxFuture<'static, Result<Self, Self::Error>>;
 
     fn from_request(req: &HttpRequest, _: &mut actix_web::dev::Payload) -> Self::Future {
         let req = req.clone();
-        Box::pin(async move { front_door(req, true).await.map(Writer) })
+        Box::pin(async move { extract::caller(&req, true).await.map(Writer) })
     }
 }
 
@@ -216,7 +215,7 @@ impl Hosts {
 }
 
 /// `421` unless the request's `Host` is one this API answers.
-pub(super) fn misdirected(state: &ApiState, req: &HttpRequest) -> Option<HttpResponse> {
+pub(super) fn misdirected(state: &ApiState, req: &HttpRequest) -> Option<ApiError> {
     let host = req
         .headers()
         .get(actix_web::http::header::HOST)
@@ -238,7 +237,7 @@ pub(super) fn misdirected(state: &ApiState, req: &HttpRequest) -> Option<HttpRes
 /// `Sec-Fetch-Site`); it must be the server itself: the request's own
 /// `Host`, or a name the API answers. Clients that are not browsers send
 /// neither header and pass.
-pub(super) fn cross_site(state: &ApiState, req: &HttpRequest) -> Option<HttpResponse> {
+pub(super) fn cross_site(state: &ApiState, req: &HttpRequest) -> Option<ApiError> {
     let headers = req.headers();
     let same = match headers.get(actix_web::http::header::ORIGIN) {
         Some(origin) => {
@@ -274,7 +273,7 @@ pub(super) fn cross_site(state: &ApiState, req: &HttpRequest) -> Option<HttpResp
 
 /// `408`: a request body (intake's or an action's) did not arrive within
 /// [`Bounds::body_timeout`].
-pub(super) fn body_timed_out(limits: &Bounds) -> HttpResponse {
+pub(super) fn body_timed_out(limits: &Bounds) -> ApiError {
     error(
         Code::BodyTimeout,
         format!(

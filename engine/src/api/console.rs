@@ -6,19 +6,34 @@ use super::*;
 /// for an admin token, of all.
 #[utoipa::path(get, path = "/v1/stats", tag = "jobs",
     responses((status = 200, body = Stats), (status = 401, body = ErrorBody)))]
-pub(super) async fn stats(Reader(who): Reader, state: web::Data<ApiState>) -> HttpResponse {
-    let counted = state.store.jobs().stats(who.scope()).await;
-    let spent = state.store.waits().spend_today(who.scope()).await;
-    match (counted, spent) {
-        (Ok(counts), Ok(spend)) => {
-            let states: serde_json::Map<String, serde_json::Value> = counts
-                .into_iter()
-                .map(|(s, n)| (s.as_str().to_owned(), json!(n)))
-                .collect();
-            HttpResponse::Ok().json(json!({ "states": states, "budgets": spend }))
-        }
-        (Err(e), _) | (_, Err(e)) => unavailable(e),
-    }
+pub(super) async fn stats(Reader(who): Reader, state: web::Data<ApiState>) -> Answer {
+    let counts = state
+        .store
+        .jobs()
+        .stats(who.scope())
+        .await
+        .map_err(unavailable)?;
+    let budgets = state
+        .store
+        .waits()
+        .spend_today(who.scope())
+        .await
+        .map_err(unavailable)?;
+    let states = counts
+        .into_iter()
+        .map(|(s, n)| (s.as_str().to_owned(), n))
+        .collect();
+    Ok(HttpResponse::Ok().json(Stats { states, budgets }))
+}
+
+/// `GET /v1/stats`: jobs by state, and model-token spend against budgets.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Stats {
+    /// Jobs in each state (every state named, zero included).
+    states: std::collections::BTreeMap<String, u64>,
+    /// Each token with a daily model-token budget (a token sees its own):
+    /// what its jobs' answers used today (UTC), and the budget.
+    budgets: Vec<crate::store::budgets::Spend>,
 }
 
 /// The console's files, embedded in the binary.
@@ -44,7 +59,7 @@ pub(super) fn console_response(content_type: &'static str, body: String) -> Http
 /// `GET /`: the web console (it asks for a token itself, when one is needed).
 pub(super) async fn console_page(state: web::Data<ApiState>, req: HttpRequest) -> HttpResponse {
     if let Some(refused) = misdirected(&state, &req) {
-        return refused;
+        return refused.into();
     }
     let trace_url = state.trace_url.as_deref().unwrap_or_default();
     let escaped = trace_url

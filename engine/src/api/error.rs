@@ -5,14 +5,12 @@
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
-use serde_json::json;
 
 /// Every error code the API answers with; each has one status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Code {
     BacklogFull,
     BadBody,
-    BadQuery,
     BodyTimeout,
     Busy,
     Conflict,
@@ -50,7 +48,6 @@ impl Code {
         match self {
             Code::BacklogFull => "backlog_full",
             Code::BadBody => "bad_body",
-            Code::BadQuery => "bad_query",
             Code::BodyTimeout => "body_timeout",
             Code::Busy => "busy",
             Code::Conflict => "conflict",
@@ -86,9 +83,7 @@ impl Code {
     /// The status every answer with this code has.
     pub(crate) fn status(self) -> StatusCode {
         match self {
-            Code::BadBody | Code::BadQuery | Code::InvalidHeader | Code::MalformedJson => {
-                StatusCode::BAD_REQUEST
-            }
+            Code::BadBody | Code::InvalidHeader | Code::MalformedJson => StatusCode::BAD_REQUEST,
             Code::Unauthorized => StatusCode::UNAUTHORIZED,
             Code::CrossSite => StatusCode::FORBIDDEN,
             Code::NotFound => StatusCode::NOT_FOUND,
@@ -116,6 +111,24 @@ impl Code {
             }
         }
     }
+}
+
+/// Every error answer: `{"error": {"code", "message", "field"?}}`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ErrorBody {
+    pub(crate) error: ErrorDetail,
+}
+
+/// What went wrong, with the field at fault when one is.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ErrorDetail {
+    /// A stable code (`invalid`, `not_found`, `conflict`, …).
+    pub(crate) code: String,
+    /// For people; never internal detail.
+    pub(crate) message: String,
+    /// The request field at fault (`input.model`, `id`, …).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) field: Option<String>,
 }
 
 /// An error answer: its code, a message for the caller, the field it is
@@ -160,13 +173,27 @@ impl ApiError {
         )
     }
 
-    /// The body: `{"error": {"code", "message", "field"?}}`.
-    pub(crate) fn body(&self) -> serde_json::Value {
-        let mut body = json!({ "error": { "code": self.code.as_str(), "message": self.message } });
-        if let Some(field) = &self.field {
-            body["error"]["field"] = json!(field);
+    /// What went wrong, as the body and a batch's item say it.
+    pub(crate) fn detail(&self) -> ErrorDetail {
+        ErrorDetail {
+            code: self.code.as_str().to_owned(),
+            message: self.message.clone(),
+            field: self.field.clone(),
         }
-        body
+    }
+
+    /// The body: `{"error": {"code", "message", "field"?}}`.
+    pub(crate) fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: self.detail(),
+        }
+    }
+}
+
+/// A field that is wrong: `422 invalid`, naming it.
+impl From<crate::error::InvalidInput> for ApiError {
+    fn from(e: crate::error::InvalidInput) -> Self {
+        ApiError::new(Code::Invalid, e.to_string()).on(e.field)
     }
 }
 
@@ -202,6 +229,7 @@ impl From<ApiError> for HttpResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn each_code_answers_with_its_status_and_its_name() {
@@ -211,7 +239,7 @@ mod tests {
             StatusCode::UNPROCESSABLE_ENTITY
         );
         assert_eq!(
-            e.body(),
+            serde_json::to_value(e.body()).unwrap(),
             json!({ "error": { "code": "invalid", "message": "must be a string", "field": "id" } })
         );
         let r = ApiError::new(Code::Unauthorized, "no token").error_response();

@@ -30,38 +30,32 @@ pub(super) async fn job_events(
     Reader(who): Reader,
     state: web::Data<ApiState>,
     req: HttpRequest,
-    id: web::Path<String>,
-) -> HttpResponse {
+    OwnJob(job): OwnJob,
+) -> Answer {
     let after = match req.headers().get("last-event-id") {
         None => 0,
         Some(v) => match v.to_str().ok().and_then(|v| v.trim().parse::<i64>().ok()) {
             Some(n) if n >= 0 => n,
             _ => {
-                return error(Code::InvalidHeader,
+                return Err(error(Code::InvalidHeader,
                     "Last-Event-ID must be the id of an event this stream sent (a non-negative integer)",
                     Some("Last-Event-ID"),
-                )
+                ))
             }
         },
     };
-    if let Err(refused) = own_job(&state, who, &id).await {
-        return refused;
-    }
+    let id = job.id;
     if finished_before(&state.store, &id, after).await {
         // Nothing more will come: 204 tells an EventSource to stop
         // reconnecting (a 200 that ends at once makes it come back).
-        return HttpResponse::NoContent().finish();
+        return Ok(HttpResponse::NoContent().finish());
     }
-    let slot = match state.limits.open_stream(who.owner()) {
-        Ok(slot) => slot,
-        Err(message) => {
-            return ApiError::new(Code::TooManyStreams, message)
-                .retry_after(5)
-                .into();
-        }
-    };
+    let slot = state
+        .limits
+        .open_stream(who.owner())
+        .map_err(|message| ApiError::new(Code::TooManyStreams, message).retry_after(5))?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<web::Bytes>(64);
-    let (store, hub, id) = (state.store.clone(), state.hub.clone(), id.into_inner());
+    let (store, hub) = (state.store.clone(), state.hub.clone());
     let token = who.owner();
     actix_web::rt::spawn(async move {
         let _slot = slot; // held until the stream ends
@@ -84,11 +78,47 @@ pub(super) async fn job_events(
     let body = futures_util::stream::poll_fn(move |cx| {
         rx.poll_recv(cx).map(|b| b.map(Ok::<_, actix_web::Error>))
     });
-    HttpResponse::Ok()
+    Ok(HttpResponse::Ok()
         .content_type("text/event-stream")
         .insert_header(("cache-control", "no-cache"))
         .insert_header(("x-accel-buffering", "no"))
-        .streaming(body)
+        .streaming(body))
+}
+
+/// One server-sent event of `GET /v1/jobs/{id}/events`: what the stream
+/// writes ([`frame`](SseEvent::frame)) and the schema of each event in the
+/// document.
+#[derive(Debug, utoipa::ToSchema)]
+pub(super) struct SseEvent {
+    /// Its place in the job's one increasing sequence (`Last-Event-ID`).
+    #[schema(pattern = "^[0-9]+$")]
+    id: String,
+    /// `state`, `chunk`, `reset` or `tool`.
+    #[schema(pattern = "^(state|chunk|reset|tool)$")]
+    event: String,
+    /// A JSON object: `{"id", "kind", "text", "at"}`; for a chunk also its
+    /// `call`, `generation` and `offset`; for a tool event its `call` and
+    /// `tool` (`{"phase", "name", "tool_call_id"}`).
+    #[schema(content_media_type = "application/json")]
+    data: String,
+}
+
+impl SseEvent {
+    fn of(event: &crate::store::streams::JobEvent) -> Self {
+        SseEvent {
+            id: event.id.to_string(),
+            event: event.kind.to_string(),
+            data: serde_json::to_string(event).expect("an event serialises"),
+        }
+    }
+
+    /// The event as the stream sends it.
+    fn frame(&self) -> web::Bytes {
+        web::Bytes::from(format!(
+            "id: {}\nevent: {}\ndata: {}\n\n",
+            self.id, self.event, self.data
+        ))
+    }
 }
 
 /// Whether job `id` has finished and journaled no event after `after`
@@ -134,13 +164,7 @@ pub(super) async fn follow_events(
     } else {
         Duration::from_secs(1)
     };
-    let frame = |event: &crate::store::streams::JobEvent| {
-        let data = serde_json::to_string(event).expect("an event serialises");
-        web::Bytes::from(format!(
-            "id: {}\nevent: {}\ndata: {data}\n\n",
-            event.id, event.kind
-        ))
-    };
+    let frame = |event: &crate::store::streams::JobEvent| SseEvent::of(event).frame();
     // Subscribed before the first read, so a commit in between is not missed.
     let mut moved = hub.watch(&job_id);
     let mut revocations = hub.token_changes();

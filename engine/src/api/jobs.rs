@@ -1,6 +1,7 @@
 //! `POST /v1/jobs`, `GET /v1/jobs/{id}` and the paged `GET /v1/jobs`.
 
 use super::*;
+use crate::node::intake::SubmitJob;
 
 #[utoipa::path(post, path = "/v1/jobs", tag = "jobs", request_body = SubmitJob,
     responses(
@@ -19,84 +20,84 @@ pub(super) async fn submit(
     Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
-    payload: web::Payload,
-) -> HttpResponse {
-    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
-        return ApiError::new(
-            Code::Draining,
-            "this node is shutting down and takes no new jobs; retry (another node, or this one restarted)",
-        )
-        .retry_after(2)
-        .into();
-    }
-    // A form or text/plain POST is what a web page can send cross-site
-    // without a preflight: JSON only.
-    if !is_json(&req) {
-        return not_json();
-    }
-    // Refuse before reading the body when the backlog is full.
-    match state.limits.admit(&state.store, who.owner()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(message)) => return backlog_full(message),
-        Err(e) => return unavailable(e),
-    }
-    let limit = state.body_limit;
-    let _place = match hold_body(&state, &req, who.owner(), limit) {
-        Ok(place) => place,
-        Err(why) => return busy(why),
-    };
-    let too_large = || {
-        error(
-            Code::TooLarge,
-            format!("the request body exceeds {limit} bytes"),
-            None,
-        )
-    };
-    let declared = req
-        .headers()
-        .get("content-length")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return too_large();
-    }
-    let body = match read_body(&state, payload, limit, too_large).await {
-        Ok(body) => body,
-        Err(refused) => return refused,
-    };
-    let job = match parse_job(&state, who, &body) {
-        Ok(job) => job,
-        Err(refused) => {
-            let (code, message, field) = refused.parts();
-            return error(code, message, field.as_deref());
-        }
-    };
-    admit(&state, who, &req, job).await
+    Json(body, _held): Json<SubmitJob>,
+) -> Answer {
+    let job = intake::validate(body, &state.registry, &state.url_guard)?;
+    let (status, view) = admit(&state, who, &req, job).await?;
+    Ok(HttpResponse::build(status).json(view))
 }
 
-/// Admits one parsed job through [`intake`] and answers as a submit does
-/// (`201`, `200` for the identical job, `409`).
+impl extract::Body for SubmitJob {
+    fn limit(state: &ApiState) -> usize {
+        state.body_limit
+    }
+    const JOBS: bool = true;
+}
+
+/// Admits one job, whatever way it came through the API (a submit, a
+/// batch's item, a re-run), and answers as a submit does: `201` and the
+/// job, `200` and the identical job, or the refusal. One path for all:
+/// a tenant's priority within its bounds, the node's backlog bound, then
+/// the store's intake (the cluster-wide per-token backlog, decided under
+/// a lock) with the `submit` span continuing the caller's trace, failure
+/// events only with a webhook, the hand-off to this node when it has
+/// room, and the intake metric.
 pub(super) async fn admit(
     state: &ApiState,
     who: Who,
     req: &HttpRequest,
     job: crate::request::NewJob,
-) -> HttpResponse {
-    let result = intake(state, who, req, &job).await;
-    intake_answer(who, &job.id, result)
+) -> Result<(StatusCode, crate::store::JobView), ApiError> {
+    if matches!(who, Who::Token(c) if !c.admin)
+        && job.schedule.priority.abs() > intake::MAX_TENANT_PRIORITY
+    {
+        return Err(error(
+            Code::Invalid,
+            format!(
+                "priority: must be from -{m} to {m} for a token that is not admin",
+                m = intake::MAX_TENANT_PRIORITY
+            ),
+            Some("priority"),
+        ));
+    }
+    if let Err(message) = state
+        .limits
+        .admit(&state.store, who.owner())
+        .await
+        .map_err(unavailable)?
+    {
+        return Err(backlog_full(message));
+    }
+    let id = job.id.clone();
+    match stored(state, who, req, job).await.map_err(unavailable)? {
+        Intake::Created(view) => Ok((StatusCode::CREATED, view)),
+        // Another token's job: the id is taken, and nothing more is said.
+        Intake::Existing(view) | Intake::Conflict(view) if !who.sees(view.owner_token) => {
+            Err(error(
+                Code::Conflict,
+                format!("job id {id:?} is not available"),
+                Some("id"),
+            ))
+        }
+        Intake::Existing(view) => Ok((StatusCode::OK, view)),
+        Intake::Conflict(_) => Err(error(
+            Code::Conflict,
+            format!(
+                "job {id:?} already exists with a different request; the stored job is unchanged"
+            ),
+            Some("id"),
+        )),
+        Intake::BacklogFull(limit) => Err(backlog_full(backlog_message(limit))),
+    }
 }
 
-/// Stores one parsed job the way every job that comes through the API is
-/// stored (a submit, a batch's item, a re-run): the `submit` span
-/// continuing the caller's trace, failure events only with a webhook, the
-/// hand-off to this node when it has room, and the intake metric.
-pub(super) async fn intake(
+/// Stores one admitted job: the `submit` span, the hand-off, the metric.
+async fn stored(
     state: &ApiState,
     who: Who,
     req: &HttpRequest,
-    job: &crate::request::NewJob,
+    job: crate::request::NewJob,
 ) -> Result<Intake, crate::error::StoreError> {
-    let job = job.clone();
     let (mut span, trace) = submit_span(state, req, &job);
     // Failure events go where the completion would: nowhere without a webhook.
     let notify = state.registry.failure_events(&job.workflow) && !job.webhook_url.is_empty();
@@ -170,35 +171,6 @@ fn submit_span(
     (span, trace)
 }
 
-/// `POST /v1/jobs`'s answer for what intake did.
-fn intake_answer(
-    who: Who,
-    id: &str,
-    result: Result<Intake, crate::error::StoreError>,
-) -> HttpResponse {
-    match result {
-        Ok(Intake::Created(view)) => HttpResponse::Created().json(view),
-        // Another token's job: the id is taken, and nothing more is said.
-        Ok(Intake::Existing(view)) | Ok(Intake::Conflict(view)) if !who.sees(view.owner_token) => {
-            error(
-                Code::Conflict,
-                format!("job id {id:?} is not available"),
-                Some("id"),
-            )
-        }
-        Ok(Intake::Existing(view)) => HttpResponse::Ok().json(view),
-        Ok(Intake::Conflict(_)) => error(
-            Code::Conflict,
-            format!(
-                "job {id:?} already exists with a different request; the stored job is unchanged"
-            ),
-            Some("id"),
-        ),
-        Ok(Intake::BacklogFull(limit)) => backlog_full(backlog_message(limit)),
-        Err(e) => unavailable(e),
-    }
-}
-
 #[utoipa::path(get, path = "/v1/jobs/{id}", tag = "jobs",
     params(("id" = String, Path, description = "The job id")),
     responses(
@@ -207,30 +179,46 @@ fn intake_answer(
         (status = 404, description = "Unknown, or another token's", body = ErrorBody),
         (status = 422, body = ErrorBody),
     ))]
-pub(super) async fn get_job(
-    Reader(who): Reader,
-    state: web::Data<ApiState>,
-    id: web::Path<String>,
-) -> HttpResponse {
-    match state.store.jobs().get(&id).await {
-        // Another token's job is as absent as a job that never was.
-        Ok(Some(view)) if who.sees(view.owner_token) => HttpResponse::Ok().json(view),
-        Ok(_) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
-        Err(e) => unavailable(e),
-    }
+pub(super) async fn get_job(_: Reader, OwnJob(view): OwnJob) -> Answer {
+    Ok(HttpResponse::Ok().json(view))
 }
 
-/// The query of `GET /v1/jobs`: an unknown parameter is a `422` naming it.
-#[derive(Debug, serde::Deserialize)]
+/// The query of `GET /v1/jobs`, as parsed and as documented; each is
+/// read as text and checked here, so a bad one is a `422` naming it.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub(super) struct ListQuery {
+    /// Only jobs in this state.
+    #[param(value_type = Option<crate::JobState>)]
     state: Option<String>,
+    /// Only this workflow's jobs.
     workflow: Option<String>,
+    /// Created at or after (RFC 3339).
+    #[param(value_type = Option<chrono::DateTime<chrono::Utc>>)]
     since: Option<String>,
+    /// 1–500, default 50.
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 500)]
     limit: Option<String>,
+    /// `next_cursor` of the page before (opaque: any other value is a 422).
     cursor: Option<String>,
+    /// Only waiting jobs (`true`), the others (`false`), or the jobs
+    /// waiting for one kind of thing (`sleep`, `signal`, `approval`,
+    /// `children`, `budget`, `concurrency`, `throttle`, `provider`).
+    #[param(
+        pattern = "^(true|false|sleep|signal|approval|children|budget|concurrency|throttle|provider)$"
+    )]
     waiting: Option<String>,
+    /// Only jobs with this tag, `label:value`.
     tag: Option<String>,
+}
+
+/// A page of `GET /v1/jobs`.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(super) struct JobPage {
+    jobs: Vec<crate::store::jobs::JobSummary>,
+    /// Pass back as `cursor` for the next page; `null` on the last.
+    next_cursor: Option<String>,
 }
 
 /// `label:value`, as `?tag=` and a bulk cancel's `tag` take it.
@@ -279,16 +267,7 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
 /// `GET /v1/jobs?state=&workflow=&waiting=&since=&limit=&cursor=`: newest first,
 /// keyset-paginated; a token sees its own jobs, an admin token all.
 #[utoipa::path(get, path = "/v1/jobs", tag = "jobs",
-    params(
-        ("state" = Option<crate::JobState>, Query, description = "Only jobs in this state"),
-        ("workflow" = Option<String>, Query, description = "Only this workflow's jobs"),
-        ("waiting" = Option<String>, Query, pattern = "^(true|false|sleep|signal|approval|children|budget|concurrency|throttle|provider)$",
-            description = "Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`, `budget`, `concurrency`, `throttle`, `provider`)"),
-        ("since" = Option<chrono::DateTime<chrono::Utc>>, Query, description = "Created at or after (RFC 3339)"),
-        ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "1–500, default 50"),
-        ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before (opaque: any other value is a 422)"),
-        ("tag" = Option<String>, Query, description = "Only jobs with this tag, `label:value`"),
-    ),
+    params(ListQuery),
     responses(
         (status = 200, description = "Newest first", body = JobPage),
         (status = 401, body = ErrorBody),
@@ -297,12 +276,8 @@ pub(super) fn decode_cursor(cursor: &str) -> Option<(chrono::DateTime<chrono::Ut
 pub(super) async fn list_jobs(
     Reader(who): Reader,
     state: web::Data<ApiState>,
-    req: HttpRequest,
-) -> HttpResponse {
-    let query = match web::Query::<ListQuery>::from_query(req.query_string()) {
-        Ok(q) => q.into_inner(),
-        Err(e) => return bad_query(&e),
-    };
+    Query(query): Query<ListQuery>,
+) -> Answer {
     let invalid = |field: &str, message: String| error(Code::Invalid, message, Some(field));
     let job_state = match query
         .state
@@ -316,7 +291,10 @@ pub(super) async fn list_jobs(
                 .iter()
                 .map(|s| s.as_str())
                 .collect();
-            return invalid("state", format!("must be one of {}", names.join(", ")));
+            return Err(invalid(
+                "state",
+                format!("must be one of {}", names.join(", ")),
+            ));
         }
     };
     let since = match query
@@ -326,17 +304,27 @@ pub(super) async fn list_jobs(
     {
         None => None,
         Some(Ok(t)) => Some(t.with_timezone(&chrono::Utc)),
-        Some(Err(e)) => return invalid("since", format!("must be an RFC 3339 time: {e}")),
+        Some(Err(e)) => return Err(invalid("since", format!("must be an RFC 3339 time: {e}"))),
     };
     let limit = match query.limit.as_deref().map(str::parse::<i64>) {
         None => 50,
         Some(Ok(n)) if (1..=MAX_PAGE).contains(&n) => n,
-        Some(_) => return invalid("limit", format!("must be a number from 1 to {MAX_PAGE}")),
+        Some(_) => {
+            return Err(invalid(
+                "limit",
+                format!("must be a number from 1 to {MAX_PAGE}"),
+            ))
+        }
     };
     let before = match query.cursor.as_deref().map(decode_cursor) {
         None => None,
         Some(Some(c)) => Some(c),
-        Some(None) => return invalid("cursor", "is not a cursor this server gave out".into()),
+        Some(None) => {
+            return Err(invalid(
+                "cursor",
+                "is not a cursor this server gave out".into(),
+            ))
+        }
     };
     let (waiting, waiting_kind) = match query.waiting.as_deref() {
         None => (None, None),
@@ -347,16 +335,16 @@ pub(super) async fn list_jobs(
         }
         Some(kind) if WAIT_KINDS.contains(&kind) => (Some(true), Some(kind.to_owned())),
         Some(_) => {
-            return invalid(
+            return Err(invalid(
                 "waiting",
                 format!("must be true, false, or a kind: {}", WAIT_KINDS.join(", ")),
-            )
+            ))
         }
     };
     let tag = match query.tag.as_deref().map(parse_tag) {
         None => None,
         Some(Ok(tag)) => Some(tag),
-        Some(Err(message)) => return invalid("tag", message),
+        Some(Err(message)) => return Err(invalid("tag", message)),
     };
     let filter = crate::store::ListFilter {
         tag,
@@ -369,53 +357,16 @@ pub(super) async fn list_jobs(
         waiting,
         waiting_kind,
     };
-    match state.store.jobs().list(&filter).await {
-        Ok((jobs, more)) => {
-            let next_cursor = more
-                .then(|| jobs.last().map(|j| encode_cursor(j.created_at, &j.id)))
-                .flatten();
-            HttpResponse::Ok().json(json!({ "jobs": jobs, "next_cursor": next_cursor }))
-        }
-        Err(e) => unavailable(e),
-    }
-}
-
-/// Why a submission is refused, as `POST /v1/jobs` answers it.
-pub(super) struct Refusal(IntakeError);
-
-impl Refusal {
-    /// The status, code, message and field of the answer.
-    pub(super) fn parts(&self) -> (Code, String, Option<String>) {
-        match &self.0 {
-            IntakeError::Malformed(m) => (Code::MalformedJson, m.clone(), None),
-            IntakeError::Invalid(e) => (Code::Invalid, e.to_string(), Some(e.field.clone())),
-        }
-    }
-}
-
-/// A `POST /v1/jobs` body checked as intake checks it, and a tenant's
-/// priority within its bounds (an admin token's cuts across).
-pub(super) fn parse_job(
-    state: &ApiState,
-    who: Who,
-    body: &[u8],
-) -> Result<crate::request::NewJob, Refusal> {
-    let job = intake::parse(body, &state.registry, &state.url_guard).map_err(Refusal)?;
-    if matches!(who, Who::Token(c) if !c.admin)
-        && job.schedule.priority.abs() > intake::MAX_TENANT_PRIORITY
-    {
-        return Err(Refusal(
-            crate::error::InvalidInput::new(
-                "priority",
-                format!(
-                    "must be from -{m} to {m} for a token that is not admin",
-                    m = intake::MAX_TENANT_PRIORITY
-                ),
-            )
-            .into(),
-        ));
-    }
-    Ok(job)
+    let (jobs, more) = state
+        .store
+        .jobs()
+        .list(&filter)
+        .await
+        .map_err(unavailable)?;
+    let next_cursor = more
+        .then(|| jobs.last().map(|j| encode_cursor(j.created_at, &j.id)))
+        .flatten();
+    Ok(HttpResponse::Ok().json(JobPage { jobs, next_cursor }))
 }
 
 /// Why a job was refused when its token's backlog in the cluster is full.
@@ -424,8 +375,6 @@ pub(super) fn backlog_message(limit: u64) -> String {
 }
 
 /// `429 backlog_full` with `Retry-After`.
-pub(super) fn backlog_full(message: String) -> HttpResponse {
-    ApiError::new(Code::BacklogFull, message)
-        .retry_after(5)
-        .into()
+pub(super) fn backlog_full(message: String) -> ApiError {
+    ApiError::new(Code::BacklogFull, message).retry_after(5)
 }

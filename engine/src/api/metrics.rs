@@ -5,16 +5,23 @@ use super::*;
 /// Open to anyone and any `Host` (load balancers probe by address): it
 /// says nothing but whether the database answers.
 #[utoipa::path(get, path = "/healthz", tag = "operate", security(()),
-    responses((status = 200, description = "`{\"status\": \"ok\"}`"), (status = 503, body = ErrorBody)))]
-pub(super) async fn healthz(state: web::Data<ApiState>) -> HttpResponse {
+    responses((status = 200, description = "The node takes work", body = Health), (status = 503, body = ErrorBody)))]
+pub(super) async fn healthz(state: web::Data<ApiState>) -> Answer {
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
-        return error(Code::Draining, "this node is shutting down", None);
+        return Err(error(Code::Draining, "this node is shutting down", None));
     }
-    match state.store.healthy().await {
-        Ok(true) => HttpResponse::Ok().json(json!({ "status": "ok" })),
-        Ok(false) => error(Code::NotMigrated, "the schema is not migrated", None),
-        Err(e) => unavailable(e),
+    if !state.store.healthy().await.map_err(unavailable)? {
+        return Err(error(Code::NotMigrated, "the schema is not migrated", None));
     }
+    Ok(HttpResponse::Ok().json(Health { status: "ok" }))
+}
+
+/// `/healthz`'s answer when the node takes work.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Health {
+    /// Always `ok`.
+    #[schema(pattern = "^ok$")]
+    status: &'static str,
 }
 
 /// How long a scrape waits for the gauges' read before it answers with

@@ -29,9 +29,8 @@ use onceflow_observability::names::*;
 use onceflow_observability::Telemetry;
 use opentelemetry::trace::{Span as _, SpanKind, Status, Tracer as _};
 use opentelemetry::KeyValue;
-use serde_json::json;
 
-use crate::node::intake::{self, IntakeError};
+use crate::node::intake;
 use crate::rules::traceparent::TraceParent;
 use crate::store::{Intake, Store};
 use crate::workflow::Registry;
@@ -42,6 +41,7 @@ mod bounds;
 mod console;
 mod error;
 mod events;
+mod extract;
 mod jobs;
 mod metrics;
 pub mod openapi;
@@ -57,6 +57,7 @@ pub use bounds::Bounds;
 use console::*;
 use error::{ApiError, Code};
 use events::*;
+use extract::{own_job, Json, OwnJob, Query};
 pub use jobs::MAX_PAGE;
 use jobs::*;
 use metrics::*;
@@ -72,10 +73,9 @@ use crate::store::schedules::{ScheduleDetail, ScheduleView};
 #[allow(unused_imports)]
 use crate::store::waits::SignalView;
 #[allow(unused_imports)]
-use openapi::{
-    Action, BatchAnswer, BulkCancel, BulkCancelled, BulkRedrive, BulkRedriven, CreateSchedule,
-    ErrorBody, JobPage, Rerun, SchedulePage, SignalBody, SseEvent, Stats, SubmitBatch, SubmitJob,
-};
+use error::ErrorBody;
+#[allow(unused_imports)]
+use events::SseEvent;
 
 /// Default largest accepted request body (1 MiB).
 pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
@@ -114,77 +114,6 @@ pub struct ApiState {
     /// engine feeds it); a hub of its own would leave open streams to their
     /// once-a-minute safety read.
     pub hub: Arc<crate::hub::Hub>,
-}
-
-/// Whether the request says its body is JSON (`Content-Type: application/json`).
-fn is_json(req: &HttpRequest) -> bool {
-    req.headers()
-        .get(actix_web::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"))
-}
-
-/// The `415` for a body that is not JSON.
-fn not_json() -> HttpResponse {
-    error(
-        Code::UnsupportedMediaType,
-        "the body must be JSON, sent with Content-Type: application/json",
-        None,
-    )
-}
-
-/// Reads a body of at most `limit` bytes within the intake's body timeout
-/// (a dribbled body cannot hold a connection); `too_large` is the answer
-/// past the limit.
-async fn read_body(
-    state: &ApiState,
-    mut payload: web::Payload,
-    limit: usize,
-    too_large: impl Fn() -> HttpResponse,
-) -> Result<web::BytesMut, HttpResponse> {
-    let mut body = web::BytesMut::new();
-    let read = async {
-        while let Some(chunk) = payload.next().await {
-            let chunk =
-                chunk.map_err(|_| error(Code::BadBody, "could not read the request body", None))?;
-            if body.len() + chunk.len() > limit {
-                return Err(too_large());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(())
-    };
-    match actix_web::rt::time::timeout(state.limits.body_timeout, read).await {
-        Ok(read) => read?,
-        Err(_) => return Err(body_timed_out(&state.limits)),
-    }
-    Ok(body)
-}
-
-/// Takes a place for the body of intake request `req` under the node's
-/// (and the token's) bound on the bytes of bodies held at once: its
-/// declared length, or `limit` when it declares none. Why not, when there
-/// is no room ([`busy`]): nothing of it is read.
-fn hold_body(
-    state: &ApiState,
-    req: &HttpRequest,
-    token: Option<i64>,
-    limit: usize,
-) -> Result<bounds::BodyPlace, String> {
-    let declared = req
-        .headers()
-        .get("content-length")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok())
-        .map_or(limit, |n| n.min(limit));
-    state.limits.hold_body(token, declared)
-}
-
-/// `429 busy` with `Retry-After`: the node holds as many request bytes as
-/// it may.
-fn busy(why: String) -> HttpResponse {
-    ApiError::new(Code::Busy, why).retry_after(1).into()
 }
 
 /// Gives the allocator's free pages back to the system after a request
@@ -264,10 +193,10 @@ async fn hygiene(
                 format!("the {field} contains a NUL character (%00)"),
                 Some(field),
             );
-            req.into_response(answer)
+            req.into_response(HttpResponse::from(answer))
         }
         None => match unknown_query_parameter(&req) {
-            Some(answer) => req.into_response(answer),
+            Some(answer) => req.into_response(HttpResponse::from(answer)),
             None => next.call(req).await?.map_into_boxed_body(),
         },
     };
@@ -281,7 +210,7 @@ async fn hygiene(
 /// `422` naming the first query parameter that operation's entry in the
 /// OpenAPI document does not list, for every operation it describes; the
 /// console's page and assets take none.
-fn unknown_query_parameter(req: &actix_web::dev::ServiceRequest) -> Option<HttpResponse> {
+fn unknown_query_parameter(req: &actix_web::dev::ServiceRequest) -> Option<ApiError> {
     const NONE: &[String] = &[];
     let query = req.query_string();
     if query.is_empty() {
@@ -320,19 +249,21 @@ fn unknown_query_parameter(req: &actix_web::dev::ServiceRequest) -> Option<HttpR
     ))
 }
 
-/// The answer for `code` (its status), with `message` and the `field` it is about.
-fn error(code: Code, message: impl Into<String>, field: Option<&str>) -> HttpResponse {
+/// A handler's answer: its response, or the error it is refused with.
+type Answer = Result<HttpResponse, ApiError>;
+
+/// The error `code` (its status), with `message` and the `field` it is about.
+fn error(code: Code, message: impl Into<String>, field: Option<&str>) -> ApiError {
     let e = ApiError::new(code, message);
     match field {
         Some(field) => e.on(field),
         None => e,
     }
-    .into()
 }
 
 /// `503 unavailable` for a database error (logged, never sent).
-fn unavailable(e: impl std::fmt::Display) -> HttpResponse {
-    ApiError::unavailable(e).into()
+fn unavailable(e: impl std::fmt::Display) -> ApiError {
+    ApiError::unavailable(e)
 }
 
 /// No route: `405` with `Allow` when the path is one the API serves with
@@ -340,7 +271,7 @@ fn unavailable(e: impl std::fmt::Display) -> HttpResponse {
 /// to the routes), else `404`.
 async fn not_found(req: HttpRequest) -> HttpResponse {
     if let Some(allowed) = openapi::methods_of(req.path()) {
-        let mut answer = error(
+        let mut answer: HttpResponse = error(
             Code::MethodNotAllowed,
             format!(
                 "{} {} is not served; use {allowed}",
@@ -348,7 +279,8 @@ async fn not_found(req: HttpRequest) -> HttpResponse {
                 req.path()
             ),
             None,
-        );
+        )
+        .into();
         if let Ok(value) = actix_web::http::header::HeaderValue::from_str(&allowed) {
             answer
                 .headers_mut()
@@ -361,11 +293,12 @@ async fn not_found(req: HttpRequest) -> HttpResponse {
         format!("no route for {} {}", req.method(), req.path()),
         None,
     )
+    .into()
 }
 
 /// A query string that does not parse, or names a parameter the endpoint
 /// does not take: `422`, naming the parameter when the parser did.
-pub(crate) fn bad_query(e: &actix_web::error::QueryPayloadError) -> HttpResponse {
+pub(crate) fn bad_query(e: &actix_web::error::QueryPayloadError) -> ApiError {
     let message = e.to_string();
     let field = message
         .split_once("unknown field `")

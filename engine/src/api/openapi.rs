@@ -1,275 +1,38 @@
 //! `GET /v1/openapi.json`: the HTTP API as an OpenAPI 3.1 document, built
-//! by `utoipa` from the types the handlers answer with (`JobView`,
-//! `JobSummary`, `SignalView`, `ScheduleView`, …). The handlers read their
-//! bodies by hand (for the field-naming `422`s), so the request bodies and
-//! the few answers built in place are described by the types below, next
-//! to the paths; `engine/tests/openapi.rs` checks that every route
+//! by `utoipa` from the very types the handlers parse and answer with: the
+//! bodies the [`Json`](super::extract::Json) extractor reads
+//! (`SubmitJob`, `SubmitBatch`, `Action`, `BulkCancel`, …), the queries
+//! [`Query`](super::extract::Query) reads (`ListQuery`, `RedriveQuery`,
+//! `ScheduleQuery`), and the answers (`JobView`, `JobPage`, `ErrorBody`,
+//! …). No type exists here for the document alone, so the document cannot
+//! drift from the server: `engine/tests/openapi.rs` checks that every route
 //! `configure` registers (but the console's page and assets) is in the
-//! document, and nothing else.
+//! document, and nothing else, and `tests/it/security.rs`
+//! (`the_document_names_every_parameter_and_field_the_server_takes`) that
+//! the server takes every parameter and body field the document names and
+//! refuses one it does not.
 
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::{Modify, OpenApi, ToSchema};
+use utoipa::{Modify, OpenApi};
 
+use super::batch::{BatchAnswer, BatchItem, SubmitBatch};
+use super::console::Stats;
+use super::error::{ErrorBody, ErrorDetail};
+use super::events::SseEvent;
+use super::jobs::JobPage;
+use super::metrics::Health;
+use super::operate::{Action, BulkCancel, BulkCancelled, BulkRedrive, BulkRedriven, Rerun};
+use super::schedules::{CreateSchedule, SchedulePage};
+use super::signals::SignalBody;
 use super::*;
 use crate::error::ErrorEnvelope;
+use crate::node::intake::SubmitJob;
 use crate::rules::lifecycle::JobState;
 use crate::store::jobs::{
     ChildView, DeliveryView, HistoryEntry, JobSummary, JobView, ModelCallView, ToolCallView,
 };
 use crate::store::schedules::{ScheduleDetail, ScheduleView, ScheduledJob};
 use crate::store::waits::SignalView;
-
-/// Every error answer: `{"error": {"code", "message", "field"?}}`.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct ErrorBody {
-    error: ErrorDetail,
-}
-
-/// What went wrong, with the field at fault when one is.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct ErrorDetail {
-    /// A stable code (`invalid_input`, `not_found`, `conflict`, …).
-    code: String,
-    /// For people; never internal detail.
-    message: String,
-    /// The request field at fault (`input.model`, `id`, …).
-    field: Option<String>,
-}
-
-/// `POST /v1/jobs`.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct SubmitJob {
-    /// The job id, your business id: 1–200 characters of `A-Z a-z 0-9 _ . : -`.
-    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
-    id: String,
-    /// A registered workflow: `completion`, `agent`, or your own.
-    workflow: String,
-    /// The workflow's input: for `completion`, `{"model", "messages",
-    /// "stream"?, "provider"?, …}`; for `agent`, `{"model", "messages",
-    /// "max_turns"?, "approval"?, …}` (see the guide).
-    #[schema(value_type = Object)]
-    input: serde_json::Value,
-    /// Where the outcome is POSTed (Standard Webhooks): an http(s) URL of a
-    /// public address (a name is resolved and checked). Without it the job
-    /// runs to `acked` with its result stored and nothing is POSTed.
-    #[schema(format = "uri", pattern = "^https?://")]
-    webhook_url: Option<String>,
-    /// Higher runs first among the due jobs of its tenant (-100 to 100 for
-    /// a tenant's token). Between tenants, weighted turns decide; only an
-    /// admin token's priority cuts across them.
-    priority: Option<i32>,
-    /// A key of yours (a customer, a conversation): at most the limit
-    /// (the smaller of the token's `--key-concurrency` and the workflow's,
-    /// else the one set, else 1) of this token's jobs with the same key run
-    /// at once, across every node. The limit is fixed at intake; a job
-    /// starts only while fewer than its own limit of the key's jobs run.
-    /// The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
-    /// A throttle (the token's `--key-throttle`, or the workflow's; with
-    /// both, the fewer starts over the longer period) also bounds how many
-    /// of the key's jobs start per
-    /// period: the rest wait, shown as `waiting: {"kind": "throttle",
-    /// "key", "until"}` (never a 429).
-    #[schema(min_length = 1, max_length = 200)]
-    concurrency_key: Option<String>,
-    /// Labels to list and cancel jobs by (`?tag=label:value`): at most 20,
-    /// each label 1–64 characters of `A-Z a-z 0-9 _ . -`, each value a
-    /// string of at most 256 characters.
-    #[schema(value_type = Option<HashMap<String, String>>)]
-    tags: Option<std::collections::HashMap<String, String>>,
-    /// Not before this time (RFC 3339, at most 30 days ahead).
-    run_at: Option<chrono::DateTime<chrono::Utc>>,
-    /// Not before this many milliseconds (at most 30 days); not with `run_at`.
-    #[schema(maximum = 2_592_000_000_u64)]
-    delay_ms: Option<u64>,
-}
-
-/// One server-sent event of `GET /v1/jobs/{id}/events` (the schema of
-/// each event in the stream).
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct SseEvent {
-    /// Its place in the job's one increasing sequence (`Last-Event-ID`).
-    #[schema(pattern = "^[0-9]+$")]
-    id: String,
-    /// `state`, `chunk`, `reset` or `tool`.
-    #[schema(pattern = "^(state|chunk|reset|tool)$")]
-    event: String,
-    /// A JSON object: `{"id", "kind", "text", "at"}`; for a chunk also its
-    /// `call`, `generation` and `offset`; for a tool event its `call` and
-    /// `tool` (`{"phase", "name", "tool_call_id"}`).
-    #[schema(content_media_type = "application/json")]
-    data: String,
-}
-
-/// A page of `GET /v1/jobs`.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct JobPage {
-    jobs: Vec<JobSummary>,
-    /// Pass back as `cursor` for the next page; `null` on the last.
-    next_cursor: Option<String>,
-}
-
-/// `GET /v1/stats`: jobs by state, and model-token spend against budgets.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct Stats {
-    #[schema(value_type = Object)]
-    states: serde_json::Value,
-    /// Each token with a daily model-token budget (a token sees its own):
-    /// what its jobs' answers used today (UTC), and the budget.
-    budgets: Vec<crate::store::budgets::Spend>,
-}
-
-/// The optional body of cancel and redrive.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct Action {
-    /// Why (kept in the job's history).
-    reason: Option<String>,
-}
-
-/// `POST /v1/jobs/redrive`.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct BulkRedrive {
-    reason: Option<String>,
-    /// Only this workflow's dead jobs.
-    workflow: Option<String>,
-    /// At most this many (1–1,000, default 1,000).
-    #[schema(minimum = 1, maximum = 1000)]
-    limit: Option<i64>,
-}
-
-/// `POST /v1/jobs/batch`: up to 1,000 jobs, each a `POST /v1/jobs` body.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)] // described, not built: the handler reads it
-pub(super) struct SubmitBatch {
-    /// The jobs (1–1,000), each as `POST /v1/jobs` takes it.
-    #[schema(value_type = Vec<Object>, min_items = 1, max_items = 1000)]
-    jobs: Vec<serde_json::Value>,
-}
-
-/// One job's answer in a batch: its status, and the job or the error.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct BatchItem {
-    /// What `POST /v1/jobs` would have answered (201, 200, 409, 422, 429, …).
-    status: u16,
-    /// The job (201, 200).
-    job: Option<JobView>,
-    /// Why not (any other status).
-    error: Option<ErrorDetail>,
-}
-
-/// `POST /v1/jobs/batch`'s answer: one per job, in the order sent.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct BatchAnswer {
-    jobs: Vec<BatchItem>,
-}
-
-/// `POST /v1/jobs/cancel`: which live jobs to cancel.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct BulkCancel {
-    reason: Option<String>,
-    /// Only jobs in this live state.
-    #[schema(pattern = "^(received|generated|persisted|claimed|delivered)$")]
-    state: Option<String>,
-    /// Only this workflow's jobs.
-    workflow: Option<String>,
-    /// At most this many, oldest first (1–1,000, default 1,000).
-    #[schema(minimum = 1, maximum = 1000)]
-    limit: Option<i64>,
-}
-
-/// What a bulk cancel did.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct BulkCancelled {
-    /// Jobs cancelled now (their live children go with them, uncounted).
-    cancelled: i64,
-}
-
-/// `POST /v1/jobs/{id}/rerun`.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct Rerun {
-    /// The new job's id (1–200 characters of `A-Z a-z 0-9 _ . : -`).
-    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
-    id: String,
-}
-
-/// What a bulk redrive did.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct BulkRedriven {
-    redriven: i64,
-    /// Dead jobs whose webhook outcome is unknown, left alone without `confirm_unknown`.
-    skipped_unknown: i64,
-}
-
-/// `POST /v1/jobs/{id}/signals/{name}`.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-#[serde(deny_unknown_fields)]
-pub(super) struct SignalBody {
-    /// The sender's id for this signal: the same id again is the same signal.
-    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
-    id: String,
-    /// What it carries (at most 64 KiB).
-    #[schema(value_type = Object)]
-    payload: serde_json::Value,
-    /// The `until` of the wait this decides, as `waiting` shows it: then the
-    /// signal is recorded only while the job waits for this name with this
-    /// due time (else `409 not_waiting`), so a decision on a wait that is
-    /// over is never kept for a later wait of the same name.
-    #[schema(format = DateTime)]
-    until: Option<String>,
-}
-
-/// `POST /v1/schedules`.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-#[serde(deny_unknown_fields)]
-pub(super) struct CreateSchedule {
-    /// 1–150 characters of `A-Z a-z 0-9 _ . -`.
-    #[schema(pattern = "^[A-Za-z0-9_.-]{1,150}$")]
-    id: String,
-    /// Five fields, or six with seconds first.
-    #[schema(min_length = 9)]
-    cron: String,
-    /// An IANA time zone (default UTC).
-    timezone: Option<String>,
-    workflow: String,
-    #[schema(value_type = Object)]
-    input: serde_json::Value,
-    /// Each job's webhook; none: the jobs POST nothing.
-    #[schema(format = "uri", pattern = "^https?://")]
-    webhook_url: Option<String>,
-    /// `latest` (default), `all` or `none`.
-    #[schema(pattern = "^(latest|all|none)$")]
-    catch_up: Option<String>,
-}
-
-/// A page of `GET /v1/schedules`.
-#[derive(ToSchema)]
-#[allow(dead_code)] // described, not built: the handler writes it
-pub(super) struct SchedulePage {
-    schedules: Vec<ScheduleView>,
-    /// The `cursor` of the next page; `null` on the last.
-    next_cursor: Option<String>,
-}
 
 /// Bearer tokens (`onceflow token create`).
 struct BearerAuth;
@@ -379,7 +142,7 @@ impl Modify for CommonErrors {
         JobView, JobSummary, HistoryEntry, DeliveryView, ModelCallView, ToolCallView, ChildView,
         SignalView, JobState, ErrorEnvelope, ScheduleView, ScheduleDetail, ScheduledJob,
         ErrorBody, ErrorDetail, SubmitJob, SseEvent, JobPage, Stats, Action, BulkRedrive, BulkRedriven, BulkCancel, BulkCancelled, Rerun, SubmitBatch, BatchItem, BatchAnswer,
-        SignalBody, CreateSchedule, SchedulePage, crate::store::budgets::Spend
+        SignalBody, CreateSchedule, SchedulePage, Health, crate::store::budgets::Spend
     )),
     modifiers(&BearerAuth, &CommonErrors),
     security(("bearer" = []))

@@ -3,90 +3,98 @@
 use super::*;
 use crate::rules::lifecycle::JobState;
 
-/// The body of an operator's action: why.
-#[derive(Debug, Default)]
-pub(super) struct ActionBody {
+/// The optional body of cancel and redrive.
+#[derive(Debug, Default, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Action {
+    /// Why (kept in the job's history).
     reason: Option<String>,
-    /// Bulk cancel: only jobs in this live state.
-    state: Option<String>,
-    /// Bulk cancel: only jobs with this tag (`label:value`).
-    tag: Option<String>,
-    /// Bulk redrive: only this workflow's dead jobs.
+}
+
+impl extract::Body for Action {
+    fn empty() -> Option<Self> {
+        Some(Self::default())
+    }
+}
+
+/// `POST /v1/jobs/redrive`: which dead jobs to redrive.
+#[derive(Debug, Default, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BulkRedrive {
+    /// Why (kept in each job's history).
+    reason: Option<String>,
+    /// Only this workflow's dead jobs.
     workflow: Option<String>,
-    /// Bulk redrive: at most this many (default and most 1,000).
+    /// At most this many (1–1,000, default 1,000).
+    #[schema(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
 }
 
-/// Reads an action's optional JSON body (at most 16 KiB, within the
-/// intake's body timeout, so a dribbled body cannot hold a connection).
-/// A field the action does not take (`takes`) is a `422` naming it.
-pub(super) async fn action_body(
-    state: &ApiState,
-    req: &HttpRequest,
-    payload: web::Payload,
-    takes: &[&str],
-) -> Result<ActionBody, HttpResponse> {
-    let body = read_body(state, payload, 16 * 1024, || {
-        error(Code::TooLarge, "an action's body is at most 16 KiB", None)
-    })
-    .await?;
-    if body.is_empty() {
-        return Ok(ActionBody::default());
+impl extract::Body for BulkRedrive {
+    fn empty() -> Option<Self> {
+        Some(Self::default())
     }
-    if !is_json(req) {
-        return Err(not_json());
-    }
-    // `null` is no body, as an empty one is. A field of the wrong type is
-    // a `422` naming it, as at intake (`"limit": 99.0` as `"priority": 1.0`).
-    let invalid = |field: &str, message: &str| {
-        error(
-            Code::InvalidRequest,
-            format!("{field}: {message}"),
-            Some(field),
-        )
-    };
-    let mut fields = match crate::node::intake::parse_json(&body) {
-        Ok(serde_json::Value::Null) => return Ok(ActionBody::default()),
-        Ok(serde_json::Value::Object(map)) => {
-            if let Some(extra) = map.keys().find(|k| !takes.contains(&k.as_str())) {
-                return Err(invalid(extra, "unknown field"));
-            }
-            map
-        }
-        Ok(_) => return Err(invalid("body", "must be a JSON object")),
-        Err(e) => return Err(error(Code::MalformedJson, e.to_string(), None)),
-    };
-    let mut text = |field: &'static str| match fields.remove(field) {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(serde_json::Value::String(t)) if t.contains('\0') => {
-            Err((field, "contains a NUL character"))
-        }
-        Some(serde_json::Value::String(t)) => Ok(Some(t)),
-        Some(_) => Err((field, "must be a string")),
-    };
-    let reason = text("reason").map_err(|(f, m)| invalid(f, m))?;
-    let job_state = text("state").map_err(|(f, m)| invalid(f, m))?;
-    let tag = text("tag").map_err(|(f, m)| invalid(f, m))?;
-    let workflow = text("workflow").map_err(|(f, m)| invalid(f, m))?;
-    let limit = match fields.remove("limit") {
-        None | Some(serde_json::Value::Null) => None,
-        Some(v) => Some(
-            v.as_i64()
-                .ok_or_else(|| invalid("limit", "must be an integer from 1 to 1000"))?,
-        ),
-    };
-    if let Some(extra) = fields.keys().next() {
-        return Err(invalid(extra, "unknown field"));
-    }
-    let parsed = ActionBody {
-        reason,
-        state: job_state,
-        tag,
-        workflow,
-        limit,
-    };
-    Ok(parsed)
 }
+
+/// `POST /v1/jobs/cancel`: which live jobs to cancel.
+#[derive(Debug, Default, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BulkCancel {
+    /// Why (kept in each job's history).
+    reason: Option<String>,
+    /// Only jobs in this live state.
+    #[schema(pattern = "^(received|generated|persisted|claimed|delivered)$")]
+    state: Option<String>,
+    /// Only this workflow's jobs.
+    workflow: Option<String>,
+    /// Only jobs with this tag, `label:value`.
+    tag: Option<String>,
+    /// At most this many, oldest first (1–1,000, default 1,000).
+    #[schema(minimum = 1, maximum = 1000)]
+    limit: Option<i64>,
+}
+
+impl extract::Body for BulkCancel {
+    fn empty() -> Option<Self> {
+        Some(Self::default())
+    }
+}
+
+/// What a bulk cancel did.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(super) struct BulkCancelled {
+    /// Jobs cancelled now (their live children go with them, uncounted).
+    cancelled: u64,
+}
+
+/// What a bulk redrive did.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(super) struct BulkRedriven {
+    redriven: u64,
+    /// Dead jobs whose webhook outcome is unknown, left alone without `confirm_unknown`.
+    skipped_unknown: u64,
+}
+
+/// The query of a redrive.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub(super) struct RedriveQuery {
+    /// Also resend webhooks whose outcome is unknown (at most once may
+    /// have reached the consumer).
+    confirm_unknown: Option<bool>,
+}
+
+/// `POST /v1/jobs/{id}/rerun`.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Rerun {
+    /// The new job's id (1–200 characters of `A-Z a-z 0-9 _ . : -`).
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
+    id: String,
+}
+
+impl extract::Body for Rerun {}
 
 /// A bulk action's `limit`: 1–1,000, 1,000 when not given; `None` out of it.
 fn bulk_limit(limit: Option<i64>) -> Option<i64> {
@@ -94,7 +102,7 @@ fn bulk_limit(limit: Option<i64>) -> Option<i64> {
 }
 
 /// The answer to a bulk action's `limit` out of its range.
-fn bad_bulk_limit() -> HttpResponse {
+fn bad_bulk_limit() -> ApiError {
     error(
         Code::Invalid,
         "limit: must be from 1 to 1000",
@@ -113,19 +121,6 @@ pub(super) async fn caller_name(state: &ApiState, who: Who) -> String {
     }
 }
 
-/// The job `id` if `who` may act on it, else the answer to give.
-pub(super) async fn own_job(
-    state: &ApiState,
-    who: Who,
-    id: &str,
-) -> Result<crate::store::JobView, HttpResponse> {
-    match state.store.jobs().get(id).await {
-        Ok(Some(view)) if who.sees(view.owner_token) => Ok(view),
-        Ok(_) => Err(error(Code::NotFound, format!("no job {id:?}"), None)),
-        Err(e) => Err(unavailable(e)),
-    }
-}
-
 /// `POST /v1/jobs/{id}/cancel` `{"reason"}`: `202` and the job once it is
 /// `cancelled` (also when it already was); `409` when it finished first.
 #[utoipa::path(post, path = "/v1/jobs/{id}/cancel", tag = "operate", request_body = Option<Action>,
@@ -139,65 +134,49 @@ pub(super) async fn own_job(
 pub(super) async fn cancel(
     Writer(who): Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
-    id: web::Path<String>,
-    payload: web::Payload,
-) -> HttpResponse {
-    let body = match action_body(&state, &req, payload, &["reason"]).await {
-        Ok(b) => b,
-        Err(refused) => return refused,
-    };
-    if let Err(refused) = own_job(&state, who, &id).await {
-        return refused;
-    }
+    Json(body, _held): Json<Action>,
+    OwnJob(job): OwnJob,
+) -> Answer {
+    let id = job.id;
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "no reason given".into());
     use crate::store::operate::Cancelled;
-    let cancelled = state.store.jobs().cancel(&id, &by, &reason).await;
-    if let Ok(Cancelled::Now) = cancelled {
-        state
-            .telemetry
-            .metrics()
-            .transition(crate::rules::lifecycle::JobState::Cancelled.as_str());
-    }
-    match cancelled {
-        Ok(Cancelled::Now | Cancelled::Already) => match state.store.jobs().get(&id).await {
-            Ok(Some(view)) => HttpResponse::Accepted().json(view),
-            Ok(None) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
-            Err(e) => unavailable(e),
-        },
-        Ok(Cancelled::Finished(s)) => error(
+    let cancelled = state
+        .store
+        .jobs()
+        .cancel(&id, &by, &reason)
+        .await
+        .map_err(unavailable)?;
+    Err(match cancelled {
+        Cancelled::Now | Cancelled::Already => {
+            if matches!(cancelled, Cancelled::Now) {
+                state
+                    .telemetry
+                    .metrics()
+                    .transition(JobState::Cancelled.as_str());
+            }
+            let view = own_job(&state, who, &id).await?;
+            return Ok(HttpResponse::Accepted().json(view));
+        }
+        Cancelled::Finished(s) => error(
             Code::Finished,
-            format!(
-                "job {:?} already finished as {s}; only a live job can be cancelled",
-                id.as_str()
-            ),
+            format!("job {id:?} already finished as {s}; only a live job can be cancelled"),
             None,
         ),
-        Ok(Cancelled::Missing) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
-        Ok(Cancelled::Delivering) => ApiError::new(
+        Cancelled::Missing => error(Code::NotFound, format!("no job {id:?}"), None),
+        Cancelled::Delivering => ApiError::new(
             Code::Delivering,
-            format!(
-                "job {:?} is sending its webhook and the send has not ended; retry",
-                id.as_str()
-            ),
+            format!("job {id:?} is sending its webhook and the send has not ended; retry"),
         )
-        .retry_after(5)
-        .into(),
-        Err(e) => unavailable(e),
-    }
-}
-
-#[derive(Debug, serde::Deserialize)]
-pub(super) struct RedriveQuery {
-    confirm_unknown: Option<bool>,
+        .retry_after(5),
+    })
 }
 
 /// `POST /v1/jobs/{id}/redrive` `{"reason"}`: `202` and the job resumed at
 /// its last live state, with the same keys; `409` when it is not dead, or
 /// when its webhook's outcome is unknown and `?confirm_unknown=true` is absent.
 #[utoipa::path(post, path = "/v1/jobs/{id}/redrive", tag = "operate", request_body = Option<Action>,
-    params(("id" = String, Path), ("confirm_unknown" = Option<bool>, Query)),
+    params(("id" = String, Path), RedriveQuery),
     responses(
         (status = 202, body = JobView),
         (status = 401, body = ErrorBody),
@@ -207,47 +186,39 @@ pub(super) struct RedriveQuery {
 pub(super) async fn redrive(
     Writer(who): Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
-    id: web::Path<String>,
-    payload: web::Payload,
-) -> HttpResponse {
-    let confirm = match web::Query::<RedriveQuery>::from_query(req.query_string()) {
-        Ok(q) => q.confirm_unknown.unwrap_or(false),
-        Err(e) => return error(Code::BadQuery, e.to_string(), Some("confirm_unknown")),
-    };
-    let body = match action_body(&state, &req, payload, &["reason"]).await {
-        Ok(b) => b,
-        Err(refused) => return refused,
-    };
-    if let Err(refused) = own_job(&state, who, &id).await {
-        return refused;
-    }
+    Query(query): Query<RedriveQuery>,
+    Json(body, _held): Json<Action>,
+    OwnJob(job): OwnJob,
+) -> Answer {
+    let id = job.id;
+    let confirm = query.confirm_unknown.unwrap_or(false);
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "no reason given".into());
     use crate::store::operate::Redriven;
-    match state.store.jobs().redrive(&id, &by, &reason, confirm).await {
-        Ok(Redriven::Resumed(_)) => match state.store.jobs().get(&id).await {
-            Ok(Some(view)) => HttpResponse::Accepted().json(view),
-            Ok(None) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
-            Err(e) => unavailable(e),
-        },
-        Ok(Redriven::NotDead(s)) => error(
+    let redriven = state
+        .store
+        .jobs()
+        .redrive(&id, &by, &reason, confirm)
+        .await
+        .map_err(unavailable)?;
+    Err(match redriven {
+        Redriven::Resumed(_) => {
+            let view = own_job(&state, who, &id).await?;
+            return Ok(HttpResponse::Accepted().json(view));
+        }
+        Redriven::NotDead(s) => error(
             Code::NotDead,
-            format!(
-                "job {:?} is {s}; only a dead job can be redriven",
-                id.as_str()
-            ),
+            format!("job {id:?} is {s}; only a dead job can be redriven"),
             None,
         ),
-        Ok(Redriven::UnknownDelivery) => error(
+        Redriven::UnknownDelivery => error(
             Code::DeliveryUnknown,
             "its webhook may have reached the consumer (at-most-once, outcome unknown); \
              redrive with ?confirm_unknown=true to send it again under the same webhook-id",
             None,
         ),
-        Ok(Redriven::Missing) => error(Code::NotFound, format!("no job {:?}", id.as_str()), None),
-        Err(e) => unavailable(e),
-    }
+        Redriven::Missing => error(Code::NotFound, format!("no job {id:?}"), None),
+    })
 }
 
 /// `POST /v1/jobs/redrive` `{"reason", "workflow"?, "limit"?}`: redrives the
@@ -255,7 +226,7 @@ pub(super) async fn redrive(
 /// skipping those whose delivery is unknown unless `?confirm_unknown=true`;
 /// answers `{"redriven": n, "skipped_unknown": m}`.
 #[utoipa::path(post, path = "/v1/jobs/redrive", tag = "operate", request_body = Option<BulkRedrive>,
-    params(("confirm_unknown" = Option<bool>, Query, description = "Also resend webhooks whose outcome is unknown")),
+    params(RedriveQuery),
     responses(
         (status = 202, body = BulkRedriven),
         (status = 400, body = ErrorBody),
@@ -265,42 +236,38 @@ pub(super) async fn redrive(
 pub(super) async fn redrive_bulk(
     Writer(who): Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
-    payload: web::Payload,
-) -> HttpResponse {
-    let confirm = match web::Query::<RedriveQuery>::from_query(req.query_string()) {
-        Ok(q) => q.confirm_unknown.unwrap_or(false),
-        Err(e) => return error(Code::BadQuery, e.to_string(), Some("confirm_unknown")),
-    };
-    let body = match action_body(&state, &req, payload, &["reason", "workflow", "limit"]).await {
-        Ok(b) => b,
-        Err(refused) => return refused,
-    };
-    let Some(limit) = bulk_limit(body.limit) else {
-        return bad_bulk_limit();
-    };
+    Query(query): Query<RedriveQuery>,
+    Json(body, _held): Json<BulkRedrive>,
+) -> Answer {
+    let confirm = query.confirm_unknown.unwrap_or(false);
+    let limit = bulk_limit(body.limit).ok_or_else(bad_bulk_limit)?;
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "bulk redrive".into());
-    let ids = match state
+    let ids = state
         .store
         .jobs()
         .dead_ids(body.workflow.as_deref(), who.scope(), limit)
         .await
-    {
-        Ok(ids) => ids,
-        Err(e) => return unavailable(e),
-    };
-    let (mut redriven, mut skipped) = (0u64, 0u64);
+        .map_err(unavailable)?;
+    let (mut redriven, mut skipped_unknown) = (0u64, 0u64);
     for id in ids {
         use crate::store::operate::Redriven;
-        match state.store.jobs().redrive(&id, &by, &reason, confirm).await {
-            Ok(Redriven::Resumed(_)) => redriven += 1,
-            Ok(Redriven::UnknownDelivery) => skipped += 1,
-            Ok(Redriven::NotDead(_) | Redriven::Missing) => {}
-            Err(e) => return unavailable(e),
+        match state
+            .store
+            .jobs()
+            .redrive(&id, &by, &reason, confirm)
+            .await
+            .map_err(unavailable)?
+        {
+            Redriven::Resumed(_) => redriven += 1,
+            Redriven::UnknownDelivery => skipped_unknown += 1,
+            Redriven::NotDead(_) | Redriven::Missing => {}
         }
     }
-    HttpResponse::Accepted().json(json!({ "redriven": redriven, "skipped_unknown": skipped }))
+    Ok(HttpResponse::Accepted().json(BulkRedriven {
+        redriven,
+        skipped_unknown,
+    }))
 }
 
 /// `POST /v1/jobs/cancel` `{"reason", "state"?, "workflow"?, "limit"?}`:
@@ -317,72 +284,52 @@ pub(super) async fn redrive_bulk(
 pub(super) async fn cancel_bulk(
     Writer(who): Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
-    payload: web::Payload,
-) -> HttpResponse {
-    let body = match action_body(
-        &state,
-        &req,
-        payload,
-        &["reason", "state", "workflow", "tag", "limit"],
-    )
-    .await
-    {
-        Ok(b) => b,
-        Err(refused) => return refused,
-    };
-    let Some(limit) = bulk_limit(body.limit) else {
-        return bad_bulk_limit();
-    };
+    Json(body, _held): Json<BulkCancel>,
+) -> Answer {
+    let limit = bulk_limit(body.limit).ok_or_else(bad_bulk_limit)?;
     let only =
         match body.state.as_deref().map(str::parse::<JobState>) {
             None => None,
             Some(Ok(s)) if !s.is_terminal() => Some(s),
-            Some(_) => return error(
+            Some(_) => return Err(error(
                 Code::Invalid,
                 "state: must be a live state (received, generated, persisted, claimed, delivered)",
                 Some("state"),
-            ),
+            )),
         };
     let tag = match body.tag.as_deref().map(super::jobs::parse_tag) {
         None => None,
         Some(Ok(tag)) => Some(tag),
-        Some(Err(message)) => return error(Code::Invalid, format!("tag: {message}"), Some("tag")),
+        Some(Err(message)) => {
+            return Err(error(Code::Invalid, format!("tag: {message}"), Some("tag")))
+        }
     };
     let by = caller_name(&state, who).await;
     let reason = body.reason.unwrap_or_else(|| "bulk cancel".into());
-    let ids = match state
+    let ids = state
         .store
         .jobs()
         .live_ids(only, body.workflow.as_deref(), tag, who.scope(), limit)
         .await
-    {
-        Ok(ids) => ids,
-        Err(e) => return unavailable(e),
-    };
+        .map_err(unavailable)?;
     let mut cancelled = 0u64;
     for id in ids {
         use crate::store::operate::Cancelled;
-        match state.store.jobs().cancel(&id, &by, &reason).await {
-            Ok(Cancelled::Now) => {
-                cancelled += 1;
-                state
-                    .telemetry
-                    .metrics()
-                    .transition(JobState::Cancelled.as_str());
-            }
-            Ok(_) => {}
-            Err(e) => return unavailable(e),
+        let now = state
+            .store
+            .jobs()
+            .cancel(&id, &by, &reason)
+            .await
+            .map_err(unavailable)?;
+        if matches!(now, Cancelled::Now) {
+            cancelled += 1;
+            state
+                .telemetry
+                .metrics()
+                .transition(JobState::Cancelled.as_str());
         }
     }
-    HttpResponse::Accepted().json(json!({ "cancelled": cancelled }))
-}
-
-/// The body of `POST /v1/jobs/{id}/rerun`: the new job's id.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RerunBody {
-    id: String,
+    Ok(HttpResponse::Accepted().json(BulkCancelled { cancelled }))
 }
 
 /// `POST /v1/jobs/{id}/rerun` `{"id": new id}`: a new job with the
@@ -407,75 +354,35 @@ pub(super) async fn rerun(
     Writer(who): Writer,
     state: web::Data<ApiState>,
     req: HttpRequest,
-    id: web::Path<String>,
-    payload: web::Payload,
-) -> HttpResponse {
-    if !is_json(&req) {
-        return not_json();
-    }
-    let body = match read_body(&state, payload, 16 * 1024, || {
-        error(Code::TooLarge, "a rerun's body is at most 16 KiB", None)
-    })
-    .await
-    {
-        Ok(b) => b,
-        Err(refused) => return refused,
-    };
-    let new_id = match serde_json::from_slice::<RerunBody>(&body) {
-        Ok(b) => b.id,
-        Err(e) if e.is_data() => {
-            return error(
-                Code::Invalid,
-                format!("body: {e} (expected {{\"id\": \"<new job id>\"}})"),
-                Some("id"),
-            )
-        }
-        Err(e) => return error(Code::MalformedJson, e.to_string(), None),
-    };
-    if let Err(e) = crate::node::intake::validate_id(&new_id) {
-        return error(Code::Invalid, e.to_string(), Some("id"));
-    }
-    let original = match own_job(&state, who, &id).await {
-        Ok(view) => view,
-        Err(refused) => return refused,
-    };
+    Json(body, _held): Json<Rerun>,
+    OwnJob(original): OwnJob,
+) -> Answer {
+    crate::node::intake::validate_id(&body.id)?;
     if state.draining.load(std::sync::atomic::Ordering::Acquire) {
-        return error(
+        return Err(error(
             Code::Draining,
             "this node is shutting down and takes no new jobs; retry",
             None,
-        );
+        ));
     }
     // A re-run is a new job submitted with the original's request under
     // the new id: it passes the same checks a submit does (the workflow
-    // registered, its input, the webhook URL's guard, a tenant's priority)
-    // and keeps the original's concurrency key, priority and tags, so the
-    // key's limit and throttle bind it as they bound the original.
-    let mut request = serde_json::json!({
-        "id": new_id,
-        "workflow": original.workflow,
-        "input": original.input,
-        "priority": original.priority,
-        "tags": original.tags,
-    });
-    if !original.webhook_url.is_empty() {
-        request["webhook_url"] = original.webhook_url.clone().into();
-    }
-    if let Some(key) = &original.concurrency_key {
-        request["concurrency_key"] = key.clone().into();
-    }
-    let job = match super::jobs::parse_job(&state, who, request.to_string().as_bytes()) {
-        Ok(job) => job,
-        Err(refused) => {
-            let (code, message, field) = refused.parts();
-            return error(code, message, field.as_deref());
-        }
+    // registered, its input, the webhook URL's guard, a tenant's priority,
+    // the backlog) and keeps the original's concurrency key, priority and
+    // tags, so the key's limit and throttle bind it as they bound the
+    // original.
+    let request = crate::node::intake::SubmitJob {
+        id: body.id,
+        workflow: original.workflow,
+        input: original.input,
+        webhook_url: Some(original.webhook_url).filter(|url| !url.is_empty()),
+        priority: Some(original.priority),
+        concurrency_key: original.concurrency_key,
+        tags: Some(original.tags.into_iter().collect()),
+        run_at: None,
+        delay_ms: None,
     };
-    // A rerun is a new job: it takes a place in the backlog as a submit does.
-    match state.limits.admit(&state.store, who.owner()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(message)) => return super::jobs::backlog_full(message),
-        Err(e) => return unavailable(e),
-    }
-    super::jobs::admit(&state, who, &req, job).await
+    let job = crate::node::intake::validate(request, &state.registry, &state.url_guard)?;
+    let (status, view) = super::jobs::admit(&state, who, &req, job).await?;
+    Ok(HttpResponse::build(status).json(view))
 }

@@ -16,56 +16,75 @@ pub const MAX_SCHEDULES_PER_TOKEN: i64 = 100;
 /// Schedules a page of `GET /v1/schedules` shows at most (and by default).
 const SCHEDULE_PAGE: i64 = 1000;
 
-fn invalid(e: InvalidInput) -> HttpResponse {
-    error(Code::Invalid, e.to_string(), Some(&e.field))
+/// `POST /v1/schedules`, as parsed and as documented.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CreateSchedule {
+    /// 1–150 characters of `A-Z a-z 0-9 _ . -`.
+    #[schema(pattern = "^[A-Za-z0-9_.-]{1,150}$")]
+    id: String,
+    /// Five fields, or six with seconds first.
+    #[schema(min_length = 9)]
+    cron: String,
+    /// An IANA time zone (default UTC).
+    timezone: Option<String>,
+    /// The workflow each firing's job runs.
+    workflow: String,
+    /// Each job's input, checked by the workflow as a submit's is.
+    #[schema(value_type = Object)]
+    input: serde_json::Value,
+    /// Each job's webhook; none: the jobs POST nothing.
+    #[schema(format = "uri", pattern = "^https?://")]
+    webhook_url: Option<String>,
+    /// `latest` (default), `all` or `none`.
+    #[schema(pattern = "^(latest|all|none)$")]
+    catch_up: Option<String>,
+}
+
+impl extract::Body for CreateSchedule {
+    fn limit(state: &ApiState) -> usize {
+        state.body_limit
+    }
 }
 
 /// Validates a `POST /v1/schedules` body: the schedule's own fields here,
 /// and `workflow`, `input` and `webhook_url` as intake validates a job's.
-fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetable), IntakeError> {
-    let serde_json::Value::Object(mut obj) = crate::node::intake::parse_json(body)? else {
-        return Err(InvalidInput::new("body", "must be a JSON object").into());
-    };
-    let mut text = |field: &str, required: bool| -> Result<Option<String>, InvalidInput> {
-        match obj.remove(field) {
-            Some(serde_json::Value::String(s)) => Ok(Some(s)),
-            // `null` for an optional field is its absence, as documented.
-            Some(serde_json::Value::Null) if !required => Ok(None),
-            Some(_) => Err(InvalidInput::new(field, "must be a string")),
-            None if required => Err(InvalidInput::new(field, "is required")),
-            None => Ok(None),
-        }
-    };
-    let id = text("id", true)?.unwrap_or_default();
-    crate::rules::schedule::validate_id(&id)?;
-    let cron = text("cron", true)?.unwrap_or_default();
-    if cron.len() > MAX_CRON_LEN {
-        return Err(InvalidInput::new("cron", format!("at most {MAX_CRON_LEN} characters")).into());
+fn parse_schedule(
+    state: &ApiState,
+    body: CreateSchedule,
+) -> Result<(NewSchedule, Timetable), InvalidInput> {
+    crate::rules::schedule::validate_id(&body.id)?;
+    if body.cron.len() > MAX_CRON_LEN {
+        return Err(InvalidInput::new(
+            "cron",
+            format!("at most {MAX_CRON_LEN} characters"),
+        ));
     }
-    let timezone = text("timezone", false)?.unwrap_or_else(|| "UTC".to_owned());
-    let catch_up = match text("catch_up", false)? {
+    let timezone = body.timezone.unwrap_or_else(|| "UTC".to_owned());
+    let catch_up = match body.catch_up {
         None => CatchUp::Latest,
         Some(c) => CatchUp::parse(&c).ok_or_else(|| {
             InvalidInput::new("catch_up", "must be \"latest\", \"all\" or \"none\"")
         })?,
     };
-    let table = Timetable::parse(&cron, &timezone)?;
-    // The rest is a job's, checked by intake (as the first job would be).
-    let job_fields = ["workflow", "input", "webhook_url"];
-    if let Some(extra) = obj.keys().find(|k| !job_fields.contains(&k.as_str())) {
-        return Err(InvalidInput::new(extra.clone(), "unknown field").into());
-    }
-    // (A placeholder id: the jobs' own ids are the schedules' to make.)
-    obj.insert(
-        "id".into(),
-        serde_json::Value::String("schedule-check".into()),
-    );
-    let job_body = serde_json::to_vec(&obj).expect("a JSON object serialises");
-    let job = crate::node::intake::parse(&job_body, &state.registry, &state.url_guard)?;
+    let table = Timetable::parse(&body.cron, &timezone)?;
+    // The rest is a job's, checked by intake (as the first job would be;
+    // a placeholder id: the jobs' own ids are the schedule's to make).
+    let job = crate::node::intake::validate(
+        crate::node::intake::SubmitJob {
+            id: "schedule-check".into(),
+            workflow: body.workflow,
+            input: body.input,
+            webhook_url: body.webhook_url,
+            ..Default::default()
+        },
+        &state.registry,
+        &state.url_guard,
+    )?;
     Ok((
         NewSchedule {
-            id,
-            cron,
+            id: body.id,
+            cron: body.cron,
             timezone,
             workflow: job.workflow,
             input: job.input,
@@ -91,64 +110,45 @@ fn parse_schedule(state: &ApiState, body: &[u8]) -> Result<(NewSchedule, Timetab
 pub(super) async fn create_schedule(
     Writer(who): Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
-    payload: web::Payload,
-) -> HttpResponse {
-    if !is_json(&req) {
-        return not_json();
-    }
-    let limit = state.body_limit;
-    let body = match read_body(&state, payload, limit, || {
-        error(
-            Code::TooLarge,
-            format!("the request body exceeds {limit} bytes"),
-            None,
-        )
-    })
-    .await
-    {
-        Ok(b) => b,
-        Err(refused) => return refused,
-    };
-    let (schedule, table) = match parse_schedule(&state, &body) {
-        Ok(parsed) => parsed,
-        Err(IntakeError::Invalid(e)) => return invalid(e),
-        Err(IntakeError::Malformed(m)) => return error(Code::MalformedJson, m, None),
-    };
+    Json(body, _held): Json<CreateSchedule>,
+) -> Answer {
+    let (schedule, table) = parse_schedule(&state, body)?;
     if who.scope().is_some() {
         // A tenant's bounds: how often its schedule fires, and how many.
         // (An admin token, and development mode without tokens, may ask for less.)
         let shortest = state.limits.min_schedule_interval;
         if let Some(gap) = table.shortest_gap(chrono::Utc::now(), 20) {
             if gap.to_std().unwrap_or_default() < shortest {
-                return invalid(InvalidInput::new(
+                return Err(InvalidInput::new(
                     "cron",
                     format!(
                         "fires every {} s; a token's schedule fires at most once every {} s",
                         gap.num_seconds(),
                         shortest.as_secs()
                     ),
-                ));
+                )
+                .into());
             }
         }
     }
     // A tenant's schedules are capped; the store counts them under a lock
     // per token, so concurrent creates on any nodes stop at the cap.
     let cap = who.scope().map(|_| MAX_SCHEDULES_PER_TOKEN);
-    match state
+    let created = state
         .store
         .schedules()
         .create(&schedule, &table, who.owner(), cap)
         .await
-    {
-        Ok(ScheduleIntake::TooMany(n)) => error(
+        .map_err(unavailable)?;
+    Err(match created {
+        ScheduleIntake::Created(view) => return Ok(HttpResponse::Created().json(view)),
+        ScheduleIntake::Existing(view) => return Ok(HttpResponse::Ok().json(view)),
+        ScheduleIntake::TooMany(n) => error(
             Code::TooManySchedules,
             format!("this token has {n} schedules, as many as it may; delete one first"),
             None,
         ),
-        Ok(ScheduleIntake::Created(view)) => HttpResponse::Created().json(view),
-        Ok(ScheduleIntake::Existing(view)) => HttpResponse::Ok().json(view),
-        Ok(ScheduleIntake::Conflict) => error(
+        ScheduleIntake::Conflict => error(
             Code::ScheduleConflict,
             format!(
                 "schedule {:?} exists with another body; the stored one is unchanged",
@@ -156,25 +156,33 @@ pub(super) async fn create_schedule(
             ),
             Some("id"),
         ),
-        Err(e) => unavailable(e),
-    }
+    })
 }
 
-/// The query of `GET /v1/schedules`.
-#[derive(Debug, serde::Deserialize)]
+/// The query of `GET /v1/schedules`, as parsed and as documented.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
-struct ScheduleQuery {
+#[into_params(parameter_in = Query)]
+pub(super) struct ScheduleQuery {
+    /// `next_cursor` of the page before.
     cursor: Option<String>,
+    /// 1–1000, default 1000.
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]
     limit: Option<String>,
+}
+
+/// A page of `GET /v1/schedules`.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(super) struct SchedulePage {
+    schedules: Vec<ScheduleView>,
+    /// The `cursor` of the next page; `null` on the last.
+    next_cursor: Option<String>,
 }
 
 /// `GET /v1/schedules?cursor=&limit=`: the caller's schedules (an admin's:
 /// all), by id, a page at a time (`next_cursor`).
 #[utoipa::path(get, path = "/v1/schedules", tag = "schedules",
-    params(
-        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1–1000, default 1000"),
-        ("cursor" = Option<String>, Query, description = "`next_cursor` of the page before"),
-    ),
+    params(ScheduleQuery),
     responses(
         (status = 200, body = SchedulePage),
         (status = 401, body = ErrorBody),
@@ -183,37 +191,33 @@ struct ScheduleQuery {
 pub(super) async fn list_schedules(
     Reader(who): Reader,
     state: web::Data<ApiState>,
-    req: HttpRequest,
-) -> HttpResponse {
-    let query = match web::Query::<ScheduleQuery>::from_query(req.query_string()) {
-        Ok(q) => q.into_inner(),
-        Err(e) => return bad_query(&e),
-    };
+    Query(query): Query<ScheduleQuery>,
+) -> Answer {
     let limit = match query.limit.as_deref().map(str::parse::<i64>) {
         None => SCHEDULE_PAGE,
         Some(Ok(n)) if (1..=SCHEDULE_PAGE).contains(&n) => n,
         Some(_) => {
-            return invalid(InvalidInput::new(
+            return Err(InvalidInput::new(
                 "limit",
                 format!("must be an integer from 1 to {SCHEDULE_PAGE}"),
-            ))
+            )
+            .into())
         }
     };
     let scope = who.scope();
-    match state
+    let schedules = state
         .store
         .schedules()
         .list(scope.is_none(), scope, query.cursor.as_deref(), limit)
         .await
-    {
-        Ok(list) => {
-            let next = (list.len() as i64 == limit)
-                .then(|| list.last().map(|s| s.id.clone()))
-                .flatten();
-            HttpResponse::Ok().json(serde_json::json!({ "schedules": list, "next_cursor": next }))
-        }
-        Err(e) => unavailable(e),
-    }
+        .map_err(unavailable)?;
+    let next_cursor = (schedules.len() as i64 == limit)
+        .then(|| schedules.last().map(|s| s.id.clone()))
+        .flatten();
+    Ok(HttpResponse::Ok().json(SchedulePage {
+        schedules,
+        next_cursor,
+    }))
 }
 
 /// Schedule `id` when the caller may see it; `404` otherwise.
@@ -221,11 +225,10 @@ async fn own_schedule(
     state: &ApiState,
     who: Who,
     id: &str,
-) -> Result<crate::store::schedules::ScheduleDetail, HttpResponse> {
-    match state.store.schedules().get(id).await {
-        Ok(Some(s)) if who.sees(s.schedule.owner_token) => Ok(s),
-        Ok(_) => Err(error(Code::NotFound, format!("no schedule {id:?}"), None)),
-        Err(e) => Err(unavailable(e)),
+) -> Result<crate::store::schedules::ScheduleDetail, ApiError> {
+    match state.store.schedules().get(id).await.map_err(unavailable)? {
+        Some(s) if who.sees(s.schedule.owner_token) => Ok(s),
+        _ => Err(error(Code::NotFound, format!("no schedule {id:?}"), None)),
     }
 }
 
@@ -238,11 +241,8 @@ pub(super) async fn get_schedule(
     Reader(who): Reader,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
-    match own_schedule(&state, who, &id).await {
-        Ok(s) => HttpResponse::Ok().json(s),
-        Err(refused) => refused,
-    }
+) -> Answer {
+    Ok(HttpResponse::Ok().json(own_schedule(&state, who, &id).await?))
 }
 
 /// `DELETE /v1/schedules/{id}`: `204`, and nothing fires after · `404`.
@@ -254,16 +254,21 @@ pub(super) async fn delete_schedule(
     Writer(who): Writer,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
-    match state.store.schedules().delete(&id, who.scope()).await {
-        Ok(true) => HttpResponse::NoContent().finish(),
-        Ok(false) => error(
+) -> Answer {
+    if !state
+        .store
+        .schedules()
+        .delete(&id, who.scope())
+        .await
+        .map_err(unavailable)?
+    {
+        return Err(error(
             Code::NotFound,
             format!("no schedule {:?}", id.as_str()),
             None,
-        ),
-        Err(e) => unavailable(e),
+        ));
     }
+    Ok(HttpResponse::NoContent().finish())
 }
 
 /// `POST /v1/schedules/{id}/pause`: `200` and the schedule; nothing fires
@@ -275,7 +280,7 @@ pub(super) async fn pause_schedule(
     writer: Writer,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
+) -> Answer {
     set_paused(writer, state, id, true).await
 }
 
@@ -289,7 +294,7 @@ pub(super) async fn resume_schedule(
     writer: Writer,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
+) -> Answer {
     set_paused(writer, state, id, false).await
 }
 
@@ -298,25 +303,19 @@ async fn set_paused(
     state: web::Data<ApiState>,
     id: web::Path<String>,
     paused: bool,
-) -> HttpResponse {
-    match state
+) -> Answer {
+    if !state
         .store
         .schedules()
         .set_paused(&id, who.scope(), paused)
         .await
+        .map_err(unavailable)?
     {
-        Ok(true) => {}
-        Ok(false) => {
-            return error(
-                Code::NotFound,
-                format!("no schedule {:?}", id.as_str()),
-                None,
-            )
-        }
-        Err(e) => return unavailable(e),
+        return Err(error(
+            Code::NotFound,
+            format!("no schedule {:?}", id.as_str()),
+            None,
+        ));
     }
-    match own_schedule(&state, who, &id).await {
-        Ok(s) => HttpResponse::Ok().json(s),
-        Err(refused) => refused,
-    }
+    Ok(HttpResponse::Ok().json(own_schedule(&state, who, &id).await?))
 }

@@ -6,29 +6,37 @@ use crate::rules::signal::SignalBody as CheckedSignal;
 pub use crate::rules::signal::MAX_SIGNAL_PAYLOAD;
 use crate::store::waits::SignalOutcome;
 
-/// Reads a signal's JSON body (within the intake's body timeout; at most
-/// the payload's bound plus room for the id) and checks it
-/// ([`CheckedSignal::parse`]).
-async fn signal_body(
-    state: &ApiState,
-    req: &HttpRequest,
-    payload: web::Payload,
-    name: &str,
-) -> Result<CheckedSignal, HttpResponse> {
-    if !is_json(req) {
-        return Err(not_json());
+/// `POST /v1/jobs/{id}/signals/{name}`, as parsed and as documented; its
+/// rules are checked by [`CheckedSignal::checked`].
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SignalBody {
+    /// The sender's id for this signal: the same id again is the same signal.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
+    id: String,
+    /// What it carries (at most 64 KiB).
+    #[schema(value_type = Object)]
+    payload: serde_json::Value,
+    /// The `until` of the wait this decides, as `waiting` shows it: then the
+    /// signal is recorded only while the job waits for this name with this
+    /// due time (else `409 not_waiting`), so a decision on a wait that is
+    /// over is never kept for a later wait of the same name.
+    #[schema(format = DateTime)]
+    until: Option<String>,
+}
+
+impl extract::Body for SignalBody {
+    /// The payload's bound, and room for the id.
+    fn limit(_: &ApiState) -> usize {
+        MAX_SIGNAL_PAYLOAD + 4 * 1024
     }
-    let body = read_body(state, payload, MAX_SIGNAL_PAYLOAD + 4 * 1024, || {
-        error(
+    fn too_large(_: usize) -> ApiError {
+        ApiError::new(
             Code::Invalid,
             format!("payload: at most {MAX_SIGNAL_PAYLOAD} bytes"),
-            Some("payload"),
         )
-    })
-    .await?;
-    let value = crate::node::intake::parse_json(&body)
-        .map_err(|e| error(Code::MalformedJson, e.to_string(), None))?;
-    CheckedSignal::parse(name, value).map_err(|e| error(Code::Invalid, e.message, Some(&e.field)))
+        .on("payload")
+    }
 }
 
 /// `202` the signal, recorded now · `200` the same id and payload again ·
@@ -50,45 +58,41 @@ async fn signal_body(
         (status = 422, body = ErrorBody),
     ))]
 pub(super) async fn signal(
-    Writer(who): Writer,
+    _: Writer,
     state: web::Data<ApiState>,
-    req: HttpRequest,
     path: web::Path<(String, String)>,
-    payload: web::Payload,
-) -> HttpResponse {
+    Json(body, _held): Json<SignalBody>,
+    OwnJob(_): OwnJob,
+) -> Answer {
     let (id, name) = path.into_inner();
-    let body = match signal_body(&state, &req, payload, &name).await {
-        Ok(b) => b,
-        Err(refused) => return refused,
-    };
+    let body = CheckedSignal::checked(&name, body.id, body.payload, body.until.as_deref())?;
     let signal_id = body.id.clone();
-    if let Err(refused) = own_job(&state, who, &id).await {
-        return refused;
-    }
-    match state
+    let outcome = state
         .store
-        .waits().signal(&id, &name, &body)
+        .waits()
+        .signal(&id, &name, &body)
         .await
-    {
-        Ok(SignalOutcome::Created(view)) => HttpResponse::Accepted().json(view),
-        Ok(SignalOutcome::Existing(view)) => HttpResponse::Ok().json(view),
-        Ok(SignalOutcome::Conflict) => error(Code::SignalConflict,
+        .map_err(unavailable)?;
+    Err(match outcome {
+        SignalOutcome::Created(view) => return Ok(HttpResponse::Accepted().json(view)),
+        SignalOutcome::Existing(view) => return Ok(HttpResponse::Ok().json(view)),
+        SignalOutcome::Conflict => error(Code::SignalConflict,
             format!("signal {signal_id:?} of {name:?} was recorded with another payload; the stored one is unchanged"),
             Some("payload"),
         ),
-        Ok(SignalOutcome::Finished) => error(Code::JobFinished,
+        SignalOutcome::Finished => error(Code::JobFinished,
             format!("job {id:?} has finished; nothing waits for a signal any more"),
             None,
         ),
-        Ok(SignalOutcome::NotWaiting) => error(Code::NotWaiting,
+        SignalOutcome::NotWaiting => error(Code::NotWaiting,
             format!("job {id:?} is not waiting for {name:?} due at that `until`: that wait is over (or not reached); nothing was recorded"),
             Some("until"),
         ),
-        Ok(SignalOutcome::Decided) => error(Code::WaitDecided,
+        SignalOutcome::Decided => error(Code::WaitDecided,
             format!("the wait of job {id:?} for {name:?} due at that `until` has its decision already; nothing was recorded"),
             Some("until"),
         ),
-        Ok(SignalOutcome::TooMany) => error(Code::TooManySignals,
+        SignalOutcome::TooMany => error(Code::TooManySignals,
             format!(
                 "job {id:?} holds {} untaken signals (or {} bytes of them), as many as it may; nothing was recorded",
                 crate::store::waits::MAX_UNTAKEN_SIGNALS,
@@ -96,10 +100,9 @@ pub(super) async fn signal(
             ),
             None,
         ),
-        Ok(SignalOutcome::NotFound) => error(Code::NotFound,
+        SignalOutcome::NotFound => error(Code::NotFound,
             format!("no job {id:?}"),
             None,
         ),
-        Err(e) => unavailable(e),
-    }
+    })
 }

@@ -40,78 +40,163 @@ impl From<InvalidInput> for IntakeError {
     }
 }
 
+/// The body of `POST /v1/jobs` (and each job of a batch), as it is parsed
+/// and as the OpenAPI document describes it: one type for both, so the
+/// document cannot drift from the server. [`validate`] checks what a type
+/// cannot say and makes the [`NewJob`].
+#[derive(Debug, Clone, Default, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitJob {
+    /// The job id, your business id: 1–200 characters of `A-Z a-z 0-9 _ . : -`.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
+    pub id: String,
+    /// A registered workflow: `completion`, `agent`, or your own.
+    pub workflow: String,
+    /// The workflow's input: for `completion`, `{"model", "messages",
+    /// "stream"?, "provider"?, …}`; for `agent`, `{"model", "messages",
+    /// "max_turns"?, "approval"?, …}` (see the guide).
+    #[schema(value_type = Object)]
+    pub input: Value,
+    /// Where the outcome is POSTed (Standard Webhooks): an http(s) URL of a
+    /// public address (a name is resolved and checked). Without it the job
+    /// runs to `acked` with its result stored and nothing is POSTed.
+    #[schema(format = "uri", pattern = "^https?://")]
+    pub webhook_url: Option<String>,
+    /// Higher runs first among the due jobs of its tenant (-100 to 100 for
+    /// a tenant's token). Between tenants, weighted turns decide; only an
+    /// admin token's priority cuts across them.
+    pub priority: Option<i32>,
+    /// A key of yours (a customer, a conversation): at most the limit
+    /// (the smaller of the token's `--key-concurrency` and the workflow's,
+    /// else the one set, else 1) of this token's jobs with the same key run
+    /// at once, across every node. The limit is fixed at intake; a job
+    /// starts only while fewer than its own limit of the key's jobs run.
+    /// The others wait, shown as `waiting: {"kind": "concurrency", "key"}`.
+    /// A throttle (the token's `--key-throttle`, or the workflow's; with
+    /// both, the fewer starts over the longer period) also bounds how many
+    /// of the key's jobs start per
+    /// period: the rest wait, shown as `waiting: {"kind": "throttle",
+    /// "key", "until"}` (never a 429).
+    #[schema(min_length = 1, max_length = 200)]
+    pub concurrency_key: Option<String>,
+    /// Labels to list and cancel jobs by (`?tag=label:value`): at most 20,
+    /// each label 1–64 characters of `A-Z a-z 0-9 _ . -`, each value a
+    /// string of at most 256 characters.
+    #[schema(value_type = Option<HashMap<String, String>>)]
+    pub tags: Option<std::collections::BTreeMap<String, String>>,
+    /// Not before this time (RFC 3339, at most 30 days ahead).
+    pub run_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Not before this many milliseconds (at most 30 days); not with `run_at`.
+    #[schema(maximum = 2_592_000_000_u64)]
+    pub delay_ms: Option<u64>,
+}
+
 /// Parses and validates a submission body against the registered workflows
 /// and the SSRF guard.
 pub fn parse(body: &[u8], registry: &Registry, guard: &UrlGuard) -> Result<NewJob, IntakeError> {
-    let value = parse_json(body)?;
+    let job: SubmitJob = typed(parse_json(body)?)?;
+    Ok(validate(job, registry, guard)?)
+}
+
+/// `value` as a `T`, or the field at fault: a string or key holding a NUL
+/// (which PostgreSQL cannot store), an unknown field, a missing one, or one
+/// of the wrong type, each named by its path (`input.messages[1].content`,
+/// `tags.team`, `priority`).
+pub fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, InvalidInput> {
     if let Some(field) = find_nul(&value, "") {
         return Err(InvalidInput::new(
             field,
             "contains a NUL character (\\u0000), which onceflow cannot store",
-        )
-        .into());
+        ));
     }
-    let Value::Object(mut obj) = value else {
-        return Err(InvalidInput::new("body", "must be a JSON object").into());
-    };
-    let id = take_string(&mut obj, "id")?;
-    validate_id(&id)?;
-    let workflow_name = take_string(&mut obj, "workflow")?;
-    let Some(workflow) = registry.get(&workflow_name) else {
+    if !value.is_object() {
+        return Err(InvalidInput::new("body", "must be a JSON object"));
+    }
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let message = e.into_inner().to_string();
+        // serde names an unknown or missing field in its message, at the
+        // path of the object that holds it.
+        let named = ["unknown field `", "missing field `"]
+            .iter()
+            .find_map(|p| message.strip_prefix(p))
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(name, _)| name.to_owned());
+        // (An unknown field's path ends with its name already.)
+        let within = |name: &str| {
+            if path == "." || path.is_empty() {
+                name.to_owned()
+            } else if path == name || path.ends_with(&format!(".{name}")) {
+                path.clone()
+            } else {
+                format!("{path}.{name}")
+            }
+        };
+        match named {
+            Some(name) if message.starts_with("unknown") => {
+                InvalidInput::new(within(&name), "unknown field")
+            }
+            Some(name) => InvalidInput::new(within(&name), "is required"),
+            None if path == "." || path.is_empty() => InvalidInput::new("body", message),
+            None => InvalidInput::new(path, message),
+        }
+    })
+}
+
+/// A parsed submission checked as a type cannot check it: the id, the
+/// workflow registered and its input, the webhook URL's guard, the
+/// schedule (`run_at` or `delay_ms`, the key), the tags.
+pub fn validate(
+    job: SubmitJob,
+    registry: &Registry,
+    guard: &UrlGuard,
+) -> Result<NewJob, InvalidInput> {
+    validate_id(&job.id)?;
+    let Some(workflow) = registry.get(&job.workflow) else {
         let known: Vec<_> = registry.names().collect();
         return Err(InvalidInput::new(
             "workflow",
             format!(
-                "unknown workflow {workflow_name:?}; registered: {}",
+                "unknown workflow {:?}; registered: {}",
+                job.workflow,
                 known.join(", ")
             ),
-        )
-        .into());
+        ));
     };
     // Optional: a job without one runs to `acked` with its result stored
     // and sends nothing (it is followed by GET, its events, or a wait).
-    let webhook_url = match obj.remove("webhook_url") {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(url)) => {
+    let webhook_url = match job.webhook_url {
+        None => String::new(),
+        Some(url) => {
             validate_webhook_url(&url, guard)?;
             url
         }
-        Some(_) => return Err(InvalidInput::new("webhook_url", "must be a string").into()),
     };
-    let input = obj
-        .remove("input")
-        .ok_or_else(|| InvalidInput::new("input", "is required"))?;
-    if !input.is_object() {
-        return Err(InvalidInput::new("input", "must be a JSON object").into());
+    if !job.input.is_object() {
+        return Err(InvalidInput::new("input", "must be a JSON object"));
     }
-    workflow.validate(&input)?;
-    let mut schedule = take_schedule(&mut obj)?;
+    workflow.validate(&job.input)?;
+    let mut schedule = schedule_of(job.priority, job.run_at, job.delay_ms, job.concurrency_key)?;
     schedule.concurrency_limit = workflow.concurrency_per_key();
     schedule.throttle = workflow.throttle_per_key();
-    let tags = take_tags(&mut obj)?;
-    if let Some(extra) = obj.keys().next() {
-        return Err(InvalidInput::new(extra.clone(), "unknown field").into());
-    }
+    let tags = tags_of(job.tags.unwrap_or_default())?;
     Ok(NewJob {
         tags,
-        id,
+        id: job.id,
         workflow_version: workflow.version() as i32,
-        workflow: workflow_name,
-        input,
+        workflow: job.workflow,
+        input: job.input,
         webhook_url,
         schedule,
     })
 }
 
-/// `tags`, optional: an object of at most 20 labels (1–64 characters of
-/// `A-Z a-z 0-9 _ . -`), each a string of at most 256 characters.
-fn take_tags(obj: &mut Map<String, Value>) -> Result<crate::request::Tags, InvalidInput> {
+/// `tags`: at most 20 labels (1–64 characters of `A-Z a-z 0-9 _ . -`),
+/// each a string of at most 256 characters.
+fn tags_of(
+    tags: std::collections::BTreeMap<String, String>,
+) -> Result<crate::request::Tags, InvalidInput> {
     use crate::request::{valid_tag_key, MAX_TAGS, MAX_TAG_VALUE};
-    let tags = match obj.remove("tags") {
-        None | Some(Value::Null) => return Ok(Default::default()),
-        Some(Value::Object(tags)) => tags,
-        Some(_) => return Err(InvalidInput::new("tags", "must be an object of strings")),
-    };
     if tags.len() > MAX_TAGS {
         return Err(InvalidInput::new(
             "tags",
@@ -126,55 +211,31 @@ fn take_tags(obj: &mut Map<String, Value>) -> Result<crate::request::Tags, Inval
                 format!("label {key:?}: must be 1-64 characters of A-Z a-z 0-9 _ . -"),
             ));
         }
-        match value {
-            Value::String(v) if v.chars().count() <= MAX_TAG_VALUE => {
-                out.insert(key, v);
-            }
-            _ => {
-                return Err(InvalidInput::new(
-                    format!("tags.{key}"),
-                    format!("must be a string of at most {MAX_TAG_VALUE} characters"),
-                ))
-            }
+        if value.chars().count() > MAX_TAG_VALUE {
+            return Err(InvalidInput::new(
+                format!("tags.{key}"),
+                format!("must be a string of at most {MAX_TAG_VALUE} characters"),
+            ));
         }
+        out.insert(key, value);
     }
     Ok(out)
 }
 
-/// `priority`, `run_at` and `delay_ms`, each optional; `run_at` and
-/// `delay_ms` not both.
-fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput> {
-    // `null` is the field's absence, as the OpenAPI document says.
-    let priority = match obj.remove("priority") {
-        None | Some(Value::Null) => 0,
-        Some(v) => v
-            .as_i64()
-            .and_then(|p| i32::try_from(p).ok())
-            .ok_or_else(|| {
-                InvalidInput::new("priority", "must be an integer (higher runs first)")
-            })?,
-    };
-    let run_at = match obj.remove("run_at") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(
-            chrono::DateTime::parse_from_rfc3339(&s)
-                .map_err(|_| {
-                    InvalidInput::new("run_at", "must be an RFC 3339 time (2026-12-01T10:00:00Z)")
-                })?
-                .with_timezone(&chrono::Utc),
-        ),
-        Some(_) => return Err(InvalidInput::new("run_at", "must be a string (RFC 3339)")),
-    };
-
-    let delay_ms = match obj.remove("delay_ms") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(v.as_u64().filter(|ms| *ms <= MAX_DELAY_MS).ok_or_else(|| {
-            InvalidInput::new(
-                "delay_ms",
-                format!("must be an integer from 0 to {MAX_DELAY_MS} (30 days)"),
-            )
-        })?),
-    };
+/// `priority`, `run_at`, `delay_ms` and `concurrency_key`, each optional;
+/// `run_at` and `delay_ms` not both.
+fn schedule_of(
+    priority: Option<i32>,
+    run_at: Option<chrono::DateTime<chrono::Utc>>,
+    delay_ms: Option<u64>,
+    concurrency_key: Option<String>,
+) -> Result<Schedule, InvalidInput> {
+    if delay_ms.is_some_and(|ms| ms > MAX_DELAY_MS) {
+        return Err(InvalidInput::new(
+            "delay_ms",
+            format!("must be an integer from 0 to {MAX_DELAY_MS} (30 days)"),
+        ));
+    }
     if run_at.is_some() && delay_ms.is_some() {
         return Err(InvalidInput::new(
             "delay_ms",
@@ -188,25 +249,20 @@ fn take_schedule(obj: &mut Map<String, Value>) -> Result<Schedule, InvalidInput>
             "must be at most 30 days ahead (as delay_ms)",
         ));
     }
-    let concurrency_key = match obj.remove("concurrency_key") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(k))
-            if !k.is_empty() && k.chars().count() <= crate::request::MAX_CONCURRENCY_KEY =>
-        {
-            Some(k)
-        }
-        Some(_) => {
-            return Err(InvalidInput::new(
-                "concurrency_key",
-                format!(
-                    "must be a string of 1 to {} characters",
-                    crate::request::MAX_CONCURRENCY_KEY
-                ),
-            ))
-        }
-    };
+    if concurrency_key
+        .as_ref()
+        .is_some_and(|k| k.is_empty() || k.chars().count() > crate::request::MAX_CONCURRENCY_KEY)
+    {
+        return Err(InvalidInput::new(
+            "concurrency_key",
+            format!(
+                "must be a string of 1 to {} characters",
+                crate::request::MAX_CONCURRENCY_KEY
+            ),
+        ));
+    }
     Ok(Schedule {
-        priority,
+        priority: priority.unwrap_or(0),
         run_at,
         delay_ms,
         concurrency_key,
@@ -317,14 +373,6 @@ fn find_nul(value: &Value, path: &str) -> Option<String> {
             }
         }),
         Value::Null | Value::Bool(_) | Value::Number(_) | Value::String(_) => None,
-    }
-}
-
-fn take_string(obj: &mut Map<String, Value>, field: &str) -> Result<String, InvalidInput> {
-    match obj.remove(field) {
-        Some(Value::String(s)) => Ok(s),
-        Some(_) => Err(InvalidInput::new(field, "must be a string")),
-        None => Err(InvalidInput::new(field, "is required")),
     }
 }
 

@@ -98,16 +98,39 @@ impl SignalBody {
         };
         let until = match body.remove("until") {
             None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(
-                DateTime::parse_from_rfc3339(&s)
-                    .map_err(|_| InvalidInput::new("until", UNTIL_RULE))?
-                    .with_timezone(&Utc),
-            ),
+            Some(Value::String(s)) => Some(s),
             Some(_) => return Err(InvalidInput::new("until", UNTIL_RULE)),
         };
         if let Some(extra) = body.keys().next() {
             return Err(InvalidInput::new(extra.clone(), "unknown field"));
         }
+        Self::checked(name, id, payload, until.as_deref())
+    }
+
+    /// Checks a signal of `name` whose fields are parsed already: the id,
+    /// the payload's size, characters and (for an approval) shape, and
+    /// `until` in RFC 3339.
+    pub fn checked(
+        name: &str,
+        id: String,
+        payload: Value,
+        until: Option<&str>,
+    ) -> Result<SignalBody, InvalidInput> {
+        const NAME_RULE: &str = "must be 1-200 characters of A-Z a-z 0-9 _ . : -";
+        if !valid_wait_name(name) {
+            return Err(InvalidInput::new("name", NAME_RULE));
+        }
+        if !valid_wait_name(&id) {
+            return Err(InvalidInput::new("id", NAME_RULE));
+        }
+        let until = match until {
+            None => None,
+            Some(s) => Some(
+                DateTime::parse_from_rfc3339(s)
+                    .map_err(|_| InvalidInput::new("until", UNTIL_RULE))?
+                    .with_timezone(&Utc),
+            ),
+        };
         let size = serde_json::to_vec(&payload).map_or(usize::MAX, |b| b.len());
         if size > MAX_SIGNAL_PAYLOAD {
             return Err(InvalidInput::new(
