@@ -1103,6 +1103,116 @@ async fn every_operation_refuses_a_query_parameter_it_does_not_take() {
     assert_eq!(env.job("q").await.state, JobState::Cancelled);
 }
 
+/// The served document and the server take the same parameters and body
+/// fields: for every operation, each query parameter and each body field
+/// the document names is taken (whatever else the server says of its
+/// value, it is not refused as unknown), and a parameter or field the
+/// document does not name is refused with `422` naming it. Each body is
+/// parsed into the type the document is derived from, so a field added on
+/// one side only (a property kept for the document alone, a parameter
+/// described by hand) fails here.
+#[actix_rt::test]
+async fn the_document_names_every_parameter_and_field_the_server_takes() {
+    let env = TestEnv::new().await;
+    let base = list_api(&env, onceflow_engine::api::Auth::Off);
+    let doc = onceflow_engine::api::openapi::document();
+    let schemas = doc["components"]["schemas"].clone();
+    let resolve = |schema: &Value| -> Value {
+        let mut schema = schema.clone();
+        // `Option<Body>` is `oneOf [null, $ref]`.
+        if let Some(one) = schema["oneOf"].as_array() {
+            if let Some(s) = one.iter().find(|s| s.get("$ref").is_some()) {
+                schema = s.clone();
+            }
+        }
+        match schema["$ref"].as_str() {
+            Some(r) => schemas[r.trim_start_matches("#/components/schemas/")].clone(),
+            None => schema,
+        }
+    };
+    // Refused as unknown: a 422 naming `name` whose message says so.
+    let unknown = |status: u16, body: &Value, name: &str| {
+        status == 422
+            && body["error"]["field"] == name
+            && body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("unknown"))
+    };
+    let send = |method: reqwest::Method, url: String, body: Option<Value>| async move {
+        let mut r = client()
+            .request(method, url)
+            .header("content-type", "application/json");
+        if let Some(body) = body {
+            r = r.body(body.to_string());
+        }
+        let r = r.send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.unwrap_or(Value::Null))
+    };
+    let (mut params, mut fields, mut operations) = (0, 0, 0);
+    for (pattern, item) in doc["paths"].as_object().unwrap() {
+        for (verb, op) in item.as_object().unwrap() {
+            let method: reqwest::Method = verb.to_uppercase().parse().unwrap();
+            // A fresh job per operation: an action may end the one before.
+            operations += 1;
+            env.submit(&format!("doc-{operations}"), "hi").await;
+            let path = pattern
+                .replace("{id}", &format!("doc-{operations}"))
+                .replace("{name}", "go");
+            let url = format!("{base}{path}");
+            let body = op["requestBody"]["content"]["application/json"]["schema"].clone();
+            let has_body = !body.is_null();
+            let empty = has_body.then(|| json!({}));
+            for p in op["parameters"].as_array().into_iter().flatten() {
+                if p["in"] != "query" {
+                    continue;
+                }
+                let name = p["name"].as_str().unwrap();
+                let (status, answer) =
+                    send(method.clone(), format!("{url}?{name}=1"), empty.clone()).await;
+                assert!(!unknown(status, &answer, name), "{verb} {pattern} ?{name}: {answer}");
+                params += 1;
+            }
+            let (status, answer) = send(
+                method.clone(),
+                format!("{url}?zz_undocumented=1"),
+                empty.clone(),
+            )
+            .await;
+            assert!(unknown(status, &answer, "zz_undocumented"), "{verb} {pattern}: {answer}");
+            if !has_body {
+                continue;
+            }
+            let schema = resolve(&body);
+            let properties = schema["properties"].as_object().expect("a body of fields");
+            for name in properties.keys() {
+                let (status, answer) =
+                    send(method.clone(), url.clone(), Some(json!({ name: null }))).await;
+                assert!(!unknown(status, &answer, name), "{verb} {pattern} .{name}: {answer}");
+                fields += 1;
+            }
+            let (status, answer) = send(
+                method.clone(),
+                url.clone(),
+                Some(json!({ "zz_undocumented": 1 })),
+            )
+            .await;
+            assert!(
+                unknown(status, &answer, "zz_undocumented"),
+                "{verb} {pattern} body: {answer}"
+            );
+        }
+    }
+    // list (7), two redrives (1 each), schedules (2); submit (9), batch (1),
+    // signal (3), cancel, redrive (1 each), bulk cancel (5), bulk redrive
+    // (3), rerun (1), a schedule (7).
+    assert_eq!(
+        (operations, params, fields),
+        (21, 11, 31),
+        "every operation, parameter and field tried"
+    );
+}
+
 /// A cancel that lands while the completion webhook is on the wire waits
 /// for the send's outcome: the consumer holds each POST for a second, a
 /// cancel (one, then a bulk cancel by tag of three more) is sent as soon as
