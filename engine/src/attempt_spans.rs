@@ -134,13 +134,40 @@ pub(crate) struct StepSpan {
     ended: bool,
 }
 
+/// Counts `n` jobs admitted, whatever their source (a submit, a batch's
+/// item, a re-run, a child, a schedule's firing): `onceflow.jobs.submitted`
+/// by workflow and outcome (`created`, or `existing` for one found again).
+pub fn count_intake(telemetry: &Telemetry, workflow: &str, outcome: &'static str, n: u64) {
+    telemetry.metrics().jobs_submitted.add(
+        n,
+        &[
+            KeyValue::new(
+                onceflow_observability::names::WORKFLOW_NAME,
+                workflow.to_owned(),
+            ),
+            KeyValue::new(onceflow_observability::names::SUBMIT_OUTCOME, outcome),
+        ],
+    );
+}
+
 impl StepSpan {
     /// The `traceparent` for this step's outgoing request.
     pub(crate) fn traceparent(&self) -> String {
+        self.trace().to_string()
+    }
+
+    /// The trace context this step's work continues (a request's, a
+    /// child's).
+    pub(crate) fn trace(&self) -> TraceParent {
         trace_parent(self.span.span_context())
             .filter(|tp| tp.span_id != self.stored_span)
             .unwrap_or(self.fallback)
-            .to_string()
+    }
+
+    /// Counts a job this step made, as intake counts every job it admits
+    /// (`onceflow.jobs.submitted`, by workflow and outcome).
+    pub(crate) fn count_intake(&self, workflow: &str, outcome: &'static str) {
+        count_intake(&self.telemetry, workflow, outcome, 1);
     }
 
     pub(crate) fn set(&mut self, kv: KeyValue) {

@@ -1170,7 +1170,10 @@ async fn the_document_names_every_parameter_and_field_the_server_takes() {
                 let name = p["name"].as_str().unwrap();
                 let (status, answer) =
                     send(method.clone(), format!("{url}?{name}=1"), empty.clone()).await;
-                assert!(!unknown(status, &answer, name), "{verb} {pattern} ?{name}: {answer}");
+                assert!(
+                    !unknown(status, &answer, name),
+                    "{verb} {pattern} ?{name}: {answer}"
+                );
                 params += 1;
             }
             let (status, answer) = send(
@@ -1179,7 +1182,10 @@ async fn the_document_names_every_parameter_and_field_the_server_takes() {
                 empty.clone(),
             )
             .await;
-            assert!(unknown(status, &answer, "zz_undocumented"), "{verb} {pattern}: {answer}");
+            assert!(
+                unknown(status, &answer, "zz_undocumented"),
+                "{verb} {pattern}: {answer}"
+            );
             if !has_body {
                 continue;
             }
@@ -1188,7 +1194,10 @@ async fn the_document_names_every_parameter_and_field_the_server_takes() {
             for name in properties.keys() {
                 let (status, answer) =
                     send(method.clone(), url.clone(), Some(json!({ name: null }))).await;
-                assert!(!unknown(status, &answer, name), "{verb} {pattern} .{name}: {answer}");
+                assert!(
+                    !unknown(status, &answer, name),
+                    "{verb} {pattern} .{name}: {answer}"
+                );
                 fields += 1;
             }
             let (status, answer) = send(

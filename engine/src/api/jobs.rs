@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::node::intake::SubmitJob;
+use crate::rules::wait_machine::WaitKind;
 
 #[utoipa::path(post, path = "/v1/jobs", tag = "jobs", request_body = SubmitJob,
     responses(
@@ -129,13 +130,7 @@ async fn stored(
         _ => false,
     };
     if counted {
-        state.telemetry.metrics().jobs_submitted.add(
-            1,
-            &[
-                KeyValue::new(WORKFLOW_NAME, job.workflow.clone()),
-                KeyValue::new(SUBMIT_OUTCOME, outcome),
-            ],
-        );
+        crate::attempt_spans::count_intake(&state.telemetry, &job.workflow, outcome, 1);
     }
     result
 }
@@ -229,18 +224,6 @@ pub(super) fn parse_tag(tag: &str) -> Result<(String, String), String> {
     }
 }
 
-/// The kinds of wait `GET /v1/jobs?waiting=` filters by.
-const WAIT_KINDS: [&str; 8] = [
-    "sleep",
-    "signal",
-    "approval",
-    "children",
-    "budget",
-    "concurrency",
-    "throttle",
-    "provider",
-];
-
 /// Largest page of `GET /v1/jobs`.
 pub const MAX_PAGE: i64 = 500;
 
@@ -333,12 +316,15 @@ pub(super) async fn list_jobs(
         Some(kind) if crate::store::COMPUTED_WAIT_KINDS.contains(&kind) => {
             (None, Some(kind.to_owned()))
         }
-        Some(kind) if WAIT_KINDS.contains(&kind) => (Some(true), Some(kind.to_owned())),
+        Some(kind) if WaitKind::ALL.iter().any(|k| k.as_str() == kind) => {
+            (Some(true), Some(kind.to_owned()))
+        }
         Some(_) => {
+            let kinds: Vec<&str> = WaitKind::ALL.iter().map(|k| k.as_str()).collect();
             return Err(invalid(
                 "waiting",
-                format!("must be true, false, or a kind: {}", WAIT_KINDS.join(", ")),
-            ))
+                format!("must be true, false, or a kind: {}", kinds.join(", ")),
+            ));
         }
     };
     let tag = match query.tag.as_deref().map(parse_tag) {
@@ -377,4 +363,25 @@ pub(super) fn backlog_message(limit: u64) -> String {
 /// `429 backlog_full` with `Retry-After`.
 pub(super) fn backlog_full(message: String) -> ApiError {
     ApiError::new(Code::BacklogFull, message).retry_after(5)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The document's `waiting` parameter names every kind of wait the
+    /// wait machine has (it is written by hand in the attribute).
+    #[test]
+    fn the_waiting_parameter_names_every_kind() {
+        let doc = super::super::openapi::document();
+        let params = doc["paths"]["/v1/jobs"]["get"]["parameters"]
+            .as_array()
+            .unwrap();
+        let waiting = params.iter().find(|p| p["name"] == "waiting").unwrap();
+        let kinds: Vec<&str> = WaitKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(
+            waiting["schema"]["pattern"],
+            format!("^(true|false|{})$", kinds.join("|"))
+        );
+    }
 }

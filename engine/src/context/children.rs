@@ -19,7 +19,8 @@ use super::wait::valid_wait_name;
 use super::Context;
 use crate::error::{InvalidInput, StepError};
 use crate::faults::FailPoint;
-use crate::request::{canonical_hash, NewJob, Schedule};
+use crate::request::{NewJob, Schedule};
+use crate::rules::wait_machine::WaitKind;
 use crate::store::children::Spawned;
 use crate::store::waits::WaitStep;
 
@@ -180,31 +181,20 @@ impl Context {
                 ),
             ],
         );
-        let request = job.request().to_value();
-        let row = crate::store::group_writes::NewRow {
-            id: id.clone(),
-            workflow: job.workflow.clone(),
-            workflow_version: version,
-            request_hash: canonical_hash(&request),
-            request,
-            trace: span.traceparent(),
-            owner: self.owner_token,
-            notify_failures: notify_failures && webhook_url.is_some(),
-            priority: self.priority,
-            run_at: None,
-            delay_ms: None,
-            lease: None,
-            parent: Some(self.job_id().to_owned()),
-            key_limit: None,
-            throttle: None,
-            // Counted by the schedule's own bound, or its parent's (a child).
-            backlog_limit: None,
-        };
+        // The row as every source makes it: in the child's trace, of the
+        // parent's token, a child of this life of the parent; bounded by
+        // its parent's place in the backlog, not a place of its own.
+        let row = crate::store::Submission::new(&job)
+            .traced(span.trace())
+            .owned(self.owner_token, notify_failures)
+            .child_of(self.job_id())
+            .row();
         self.faults
             .hit(self.job_id(), FailPoint::BeforeCommit("spawn"))
             .await?;
         match Box::pin(self.store.waits().spawn_child(&self.fence, row)).await? {
-            Spawned::Created | Spawned::Existing => {}
+            Spawned::Created => span.count_intake(workflow, "created"),
+            Spawned::Existing => span.count_intake(workflow, "existing"),
             Spawned::LeaseLost => return Err(StepError::LeaseLost),
             Spawned::Conflict => {
                 return Err(StepError::permanent(
@@ -242,7 +232,7 @@ impl Context {
         let name = format!("join:{}", self.joins);
         let key = format!("{}:{name}", self.fence.key().as_str());
         self.follow_journal(&name, &key, false).await?;
-        let outcome = match self.journaled_outcome(&key) {
+        let outcome = match self.journaled_wait(&key, WaitKind::Children)? {
             Some(outcome) => outcome,
             None => {
                 self.not_draining()?;
@@ -278,20 +268,24 @@ impl Context {
                 }
             }
         };
-        let listed = outcome["children"].as_array().cloned().unwrap_or_default();
+        let Some(listed) = outcome.into_children() else {
+            return Err(StepError::permanent(
+                "invalid_journal",
+                format!("the journaled outcome of {key:?} is not a join's"),
+                String::new(),
+            ));
+        };
         Ok(listed
             .into_iter()
             .map(|c| {
-                let text = |k: &str| c[k].as_str().map(str::to_owned);
-                let state = text("state").unwrap_or_default();
-                if state == "acked" {
-                    Ok(c["result"].clone())
+                if c.state == "acked" {
+                    Ok(c.result.unwrap_or(Value::Null))
                 } else {
                     Err(ChildFailed {
-                        id: text("id").unwrap_or_default(),
-                        state,
-                        reason: text("dead_reason"),
-                        error: Some(c["error"].clone()).filter(|e| !e.is_null()),
+                        id: c.id,
+                        state: c.state,
+                        reason: c.dead_reason,
+                        error: c.error,
                     })
                 }
             })

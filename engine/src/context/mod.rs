@@ -198,6 +198,31 @@ impl Context {
             .and_then(|k| k.outcome.clone())
     }
 
+    /// A wait's outcome journaled before this attempt began, as the wait
+    /// machine decides it (its first rule: a journaled outcome is the
+    /// wait's outcome); one it cannot read stops the job.
+    fn journaled_wait(
+        &self,
+        key: &str,
+        kind: crate::rules::wait_machine::WaitKind,
+    ) -> Result<Option<crate::rules::wait_machine::WaitOutcome>, StepError> {
+        use crate::rules::wait_machine::{decide, Decision, Seen, WaitOutcome};
+        let Some(raw) = self.journaled_outcome(key) else {
+            return Ok(None);
+        };
+        let journaled = WaitOutcome::from_json(&raw).ok_or_else(|| {
+            StepError::permanent(
+                "invalid_journal",
+                format!("the journaled outcome of {key:?} is not one this node reads"),
+                raw.to_string(),
+            )
+        })?;
+        Ok(match decide(kind, Some(journaled), Seen::default()) {
+            Decision::Over(outcome) => Some(outcome),
+            Decision::Wait => None,
+        })
+    }
+
     /// The job's id (its business id).
     pub fn job_id(&self) -> &str {
         &self.fence.job_id

@@ -86,10 +86,10 @@ impl Context {
         timeout: Duration,
     ) -> Result<Option<Decision>, StepError> {
         let name = format!("approval:{tool_call_id}");
-        let detail = serde_json::json!({
-            "tool": { "tool_call_id": tool_call_id, "name": tool_name, "arguments": arguments }
+        let tool = serde_json::json!({
+            "tool_call_id": tool_call_id, "name": tool_name, "arguments": arguments
         });
-        self.signal_wait(WaitKind::Approval, &name, timeout, Some(&detail))
+        self.signal_wait(WaitKind::Approval, &name, timeout, Some(&tool))
             .await
     }
 
@@ -99,7 +99,7 @@ impl Context {
         kind: WaitKind,
         name: &str,
         timeout: Duration,
-        detail: Option<&Value>,
+        tool: Option<&Value>,
     ) -> Result<Option<T>, StepError> {
         let nth = {
             let n = self.signal_waits.entry(name.to_owned()).or_insert(0);
@@ -111,9 +111,9 @@ impl Context {
         let event =
             (kind == WaitKind::Approval).then(|| keys::waiting(&self.fence.key(), name, nth));
         let outcome = self
-            .wait(kind, name, key, Until::After(timeout), detail, event)
+            .wait(kind, name, key, Until::After(timeout), tool, event)
             .await?;
-        match WaitOutcome::from_json(&outcome).and_then(WaitOutcome::into_signal) {
+        match outcome.into_signal() {
             Some(signal) => serde_json::from_value(signal.payload)
                 .map(Some)
                 .map_err(|e| {
@@ -133,9 +133,9 @@ impl Context {
         name: &str,
         key: String,
         until: Until,
-        detail: Option<&Value>,
+        tool: Option<&Value>,
         event: Option<(String, String)>,
-    ) -> Result<Value, StepError> {
+    ) -> Result<WaitOutcome, StepError> {
         if !valid_wait_name(name) {
             return Err(StepError::permanent(
                 "invalid_wait_name",
@@ -147,7 +147,7 @@ impl Context {
             ));
         }
         self.follow_journal(name, &key, false).await?;
-        if let Some(outcome) = self.journaled_outcome(&key) {
+        if let Some(outcome) = self.journaled_wait(&key, kind)? {
             // Over before this attempt began (a due timer is recorded as the
             // job is picked up): nothing to write.
             return Ok(outcome);
@@ -158,7 +158,7 @@ impl Context {
             kind,
             name,
             until,
-            detail,
+            tool,
             event: event.as_ref().map(|(k, e)| (k.as_str(), e.as_str())),
         };
         // Boundaries for the crash-point explorer: before the wait is

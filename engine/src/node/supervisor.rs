@@ -798,6 +798,14 @@ impl Handler<FireSchedules> for Supervisor {
                 let now = std::time::Instant::now();
                 act.schedules_due = match result {
                     Ok(fired) => {
+                        for (workflow, made) in &fired.by_workflow {
+                            crate::attempt_spans::count_intake(
+                                &act.shared.config.telemetry,
+                                workflow,
+                                "created",
+                                *made as u64,
+                            );
+                        }
                         if fired.jobs > 0 {
                             tracing::info!(
                                 jobs = fired.jobs,

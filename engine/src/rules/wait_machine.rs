@@ -1,9 +1,12 @@
-//! The wait machine, pure: what a wait is (`WaitKind`), how it ends
-//! (`WaitOutcome`, journaled as the same JSON it always was), and the one
-//! function that decides it from its row, the signal it may take and the
-//! database's clock ([`decide`]). No I/O: the store runs the statements
-//! around it (`store::waits`), the context reads the outcome back
-//! (`context::wait`), and a table test covers every kind × state × timing
+//! The wait machine, pure: what a job waits for ([`WaitKind`], and
+//! [`Waiting`], the one type the `jobs.waiting` column is written from and
+//! read back as), how a journaled wait ends ([`WaitOutcome`], journaled as
+//! the same JSON it always was), and the one function that decides it
+//! from what the store read and the database's clock ([`decide`]) — the
+//! journaled outcome first, always. No I/O: the store runs the statements
+//! around it (`store::waits`, `store::children`), the context reads the
+//! outcome back typed (`context::wait`, `context::children`), and table
+//! tests cover every kind × state × timing, and canned journals replayed,
 //! without a database.
 //!
 //! On disk, in `waits.outcome`:
@@ -13,11 +16,25 @@
 //! | the timer fired | `{"slept": true}` |
 //! | a signal was taken | `{"signal": {"id": "<signal id>", "payload": <JSON>}}` |
 //! | no signal before the due time | `{"timeout": true}` |
+//! | a join ended (every child over, or its timeout) | `{"children": [{"id", "state", "finished", "result", "error", "dead_reason"}, …]}` |
+//!
+//! In `jobs.waiting` (and `GET /v1/jobs/{id}`'s `waiting`), by `kind`:
+//! `sleep`, `signal`, `approval` (`name`, `until`; an approval also its
+//! `tool`), `children` (`name`, `until`, `children`, `pending`), `budget`
+//! (`until`, `reserved`?), `concurrency` (`key`), `throttle` (`key`,
+//! `until`), `provider` (`key`, `queued_at`). Rust writes the first five
+//! from [`Waiting`]; a provider's wait is written, and a key's computed,
+//! in SQL where one statement decides them (`store::slots`,
+//! `store::jobs`), in the same shape: the test kit reads every job's
+//! `waiting` back as [`Waiting`] and fails on one that does not parse.
 
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// What a job waits for.
+/// What a job waits for: a journaled wait (sleep, signal, approval, a
+/// join of children), or a turn it is not given yet (a budget, a key's
+/// concurrency or throttle, a provider's slot).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitKind {
     /// A timer (`ctx.sleep`, `ctx.sleep_until`).
@@ -26,21 +43,153 @@ pub enum WaitKind {
     Signal,
     /// A person's decision on a tool call: a signal named `approval:{tool_call_id}`.
     Approval,
+    /// Its children, joined (`ctx.join`), with a timeout.
+    Children,
+    /// Its token's daily model-token budget, spent or reserved.
+    Budget,
+    /// A slot of its concurrency key.
+    Concurrency,
+    /// A start of its key's throttle.
+    Throttle,
+    /// A slot of a provider limit.
+    Provider,
 }
 
 impl WaitKind {
+    /// Every kind, as `GET /v1/jobs?waiting=` takes them.
+    pub const ALL: [WaitKind; 8] = [
+        WaitKind::Sleep,
+        WaitKind::Signal,
+        WaitKind::Approval,
+        WaitKind::Children,
+        WaitKind::Budget,
+        WaitKind::Concurrency,
+        WaitKind::Throttle,
+        WaitKind::Provider,
+    ];
+
     /// The name stored and shown (`"waiting": {"kind": …}`).
     pub fn as_str(self) -> &'static str {
         match self {
             WaitKind::Sleep => "sleep",
             WaitKind::Signal => "signal",
             WaitKind::Approval => "approval",
+            WaitKind::Children => "children",
+            WaitKind::Budget => "budget",
+            WaitKind::Concurrency => "concurrency",
+            WaitKind::Throttle => "throttle",
+            WaitKind::Provider => "provider",
         }
     }
 
     /// Whether a signal of the wait's name ends it.
     pub fn takes_signals(self) -> bool {
         matches!(self, WaitKind::Signal | WaitKind::Approval)
+    }
+
+    /// Whether the wait is journaled and ends with a [`WaitOutcome`] (the
+    /// others are turns the job is given, and leave nothing in its journal).
+    pub fn is_journaled(self) -> bool {
+        matches!(
+            self,
+            WaitKind::Sleep | WaitKind::Signal | WaitKind::Approval | WaitKind::Children
+        )
+    }
+}
+
+/// What a job waits for, as `jobs.waiting` holds it and the API shows it:
+/// written only from this type, read back as it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Waiting {
+    /// A timer.
+    Sleep {
+        /// The timer's name.
+        name: String,
+        /// When it fires.
+        until: DateTime<Utc>,
+    },
+    /// A signal of `name`, until its timeout.
+    Signal {
+        /// The signal's name.
+        name: String,
+        /// When the wait times out (send `until` with the signal to decide this wait only).
+        until: DateTime<Utc>,
+    },
+    /// A person's decision on a tool call (the signal `approval:{tool_call_id}`).
+    Approval {
+        /// `approval:{tool_call_id}`.
+        name: String,
+        /// When the wait times out.
+        until: DateTime<Utc>,
+        /// The tool call: `{"tool_call_id", "name", "arguments"}`.
+        #[schema(value_type = Object)]
+        tool: Value,
+    },
+    /// Its children, joined.
+    Children {
+        /// The join's name (`join:{n}`).
+        name: String,
+        /// When the join times out.
+        until: DateTime<Utc>,
+        /// Children not over yet (at most 100 shown).
+        children: Vec<String>,
+        /// How many children are not over.
+        pending: usize,
+    },
+    /// Its token's daily model-token budget.
+    Budget {
+        /// When it is looked at again (the next UTC day, or a reservation's lapse).
+        until: DateTime<Utc>,
+        /// Held by other calls' reservations, not by spend.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        reserved: bool,
+    },
+    /// Every slot of its concurrency key is held.
+    Concurrency {
+        /// The key.
+        key: String,
+    },
+    /// Its key's starts for the period are used up.
+    Throttle {
+        /// The key.
+        key: String,
+        /// When a start frees.
+        until: DateTime<Utc>,
+    },
+    /// Every slot of a provider limit is held.
+    Provider {
+        /// The limit's key (`provider:model`).
+        key: String,
+        /// When it first waited for this limit (its place in the line).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        queued_at: Option<DateTime<Utc>>,
+    },
+}
+
+impl Waiting {
+    /// Its kind.
+    pub fn kind(&self) -> WaitKind {
+        match self {
+            Waiting::Sleep { .. } => WaitKind::Sleep,
+            Waiting::Signal { .. } => WaitKind::Signal,
+            Waiting::Approval { .. } => WaitKind::Approval,
+            Waiting::Children { .. } => WaitKind::Children,
+            Waiting::Budget { .. } => WaitKind::Budget,
+            Waiting::Concurrency { .. } => WaitKind::Concurrency,
+            Waiting::Throttle { .. } => WaitKind::Throttle,
+            Waiting::Provider { .. } => WaitKind::Provider,
+        }
+    }
+
+    /// As the column holds it.
+    pub fn to_json(&self) -> Value {
+        serde_json::to_value(self).expect("a wait serialises")
+    }
+
+    /// Read back from the column; `None` for a value no kind here writes.
+    pub fn from_json(value: &Value) -> Option<Self> {
+        serde_json::from_value(value.clone()).ok()
     }
 }
 
@@ -54,6 +203,27 @@ pub struct TakenSignal {
     pub payload: Value,
 }
 
+/// One child, as a join's outcome holds it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChildOutcome {
+    /// The child's id.
+    pub id: String,
+    /// Its state (`missing` when no such job exists).
+    pub state: String,
+    /// Whether it is over (absent for a missing child).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished: Option<bool>,
+    /// Its result, when it was acked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// Its last error, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<Value>,
+    /// Why it died, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_reason: Option<String>,
+}
+
 /// How a wait ended, as journaled (see the module's table).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -64,6 +234,8 @@ pub enum WaitOutcome {
     Signal(TakenSignal),
     /// The due time passed with no signal (always `true`).
     Timeout(bool),
+    /// A join ended: every child, in the order joined, as it stood.
+    Children(Vec<ChildOutcome>),
 }
 
 impl WaitOutcome {
@@ -73,18 +245,38 @@ impl WaitOutcome {
     }
 
     /// An outcome read back from the journal; `None` for one this machine
-    /// never writes (a join's outcome is its own).
+    /// never writes.
     pub fn from_json(value: &Value) -> Option<Self> {
         serde_json::from_value(value.clone()).ok()
     }
 
-    /// The signal's payload, when a signal ended the wait.
+    /// The signal, when a signal ended the wait.
     pub fn into_signal(self) -> Option<TakenSignal> {
         match self {
             WaitOutcome::Signal(s) => Some(s),
-            WaitOutcome::Slept(_) | WaitOutcome::Timeout(_) => None,
+            _ => None,
         }
     }
+
+    /// The children, when a join ended.
+    pub fn into_children(self) -> Option<Vec<ChildOutcome>> {
+        match self {
+            WaitOutcome::Children(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+/// What the store read, in the transaction that decides a wait.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Seen {
+    /// The oldest signal of the wait's name it may take (`None` for a
+    /// timer or a join, or when none was sent).
+    pub signal: Option<TakenSignal>,
+    /// A join's children as they stand, and whether every one is over.
+    pub children: Option<(Vec<ChildOutcome>, bool)>,
+    /// Whether the due time has passed, by the database's clock.
+    pub due: bool,
 }
 
 /// What the machine decided.
@@ -97,26 +289,41 @@ pub enum Decision {
     Wait,
 }
 
-/// Decides a wait of `kind` from what the store read in one transaction:
-/// the outcome journaled before (a replay returns it, whatever else
-/// changed), the oldest signal of its name it may take (`None` for a
-/// timer, or when none was sent), and whether the due time has passed by
-/// the database's clock. A signal wins over a timeout that fell due at the
-/// same moment: it was sent before the job looked.
-pub fn decide(
-    kind: WaitKind,
-    journaled: Option<WaitOutcome>,
-    signal: Option<TakenSignal>,
-    due: bool,
-) -> Decision {
+/// Decides a journaled wait of `kind`: the outcome journaled before
+/// first (a replay returns it, whatever else changed — the one place this
+/// rule is coded; the store and the context both ask here), else from what
+/// the store `seen` in one transaction. A signal wins over a timeout that
+/// fell due at the same moment (it was sent before the job looked); a join
+/// is over when every child is, or at its due time with the children as
+/// they stand. A turn (budget, key, provider) is no journaled wait: it
+/// waits here, and is decided where its turn is given.
+pub fn decide(kind: WaitKind, journaled: Option<WaitOutcome>, seen: Seen) -> Decision {
     if let Some(outcome) = journaled {
         return Decision::Over(outcome);
     }
-    match (kind.takes_signals(), signal, due) {
-        (true, Some(signal), _) => Decision::Over(WaitOutcome::Signal(signal)),
-        (false, _, true) => Decision::Over(WaitOutcome::Slept(true)),
-        (true, None, true) => Decision::Over(WaitOutcome::Timeout(true)),
-        (_, _, false) => Decision::Wait,
+    let Seen {
+        signal,
+        children,
+        due,
+    } = seen;
+    match kind {
+        WaitKind::Sleep if due => Decision::Over(WaitOutcome::Slept(true)),
+        WaitKind::Signal | WaitKind::Approval => match (signal, due) {
+            (Some(signal), _) => Decision::Over(WaitOutcome::Signal(signal)),
+            (None, true) => Decision::Over(WaitOutcome::Timeout(true)),
+            (None, false) => Decision::Wait,
+        },
+        WaitKind::Children => match children {
+            Some((children, all_over)) if all_over || due => {
+                Decision::Over(WaitOutcome::Children(children))
+            }
+            _ => Decision::Wait,
+        },
+        WaitKind::Sleep
+        | WaitKind::Budget
+        | WaitKind::Concurrency
+        | WaitKind::Throttle
+        | WaitKind::Provider => Decision::Wait,
     }
 }
 
@@ -132,11 +339,26 @@ mod tests {
         }
     }
 
-    /// Every kind × journaled or not × a signal or not × due or not.
+    fn child(id: &str, state: &str) -> ChildOutcome {
+        ChildOutcome {
+            id: id.into(),
+            state: state.into(),
+            finished: Some(state == "acked" || state == "dead"),
+            result: (state == "acked").then(|| json!({ "n": 1 })),
+            error: None,
+            dead_reason: None,
+        }
+    }
+
+    /// A join's children as they stand, and whether every one is over.
+    type Standing = Option<(Vec<ChildOutcome>, bool)>;
+
+    /// Every kind × journaled or not × a signal or not × children over or
+    /// not × due or not.
     #[test]
     fn the_table_of_every_kind_state_and_timing() {
         use Decision::{Over, Wait};
-        use WaitKind::{Approval, Signal, Sleep};
+        use WaitKind::*;
         let slept = WaitOutcome::Slept(true);
         let timeout = WaitOutcome::Timeout(true);
         let took = WaitOutcome::Signal(signal());
@@ -144,32 +366,60 @@ mod tests {
             id: "earlier".into(),
             payload: json!(1),
         });
+        let done = vec![child("a", "acked"), child("b", "dead")];
+        let partly = vec![child("a", "acked"), child("b", "received")];
+        let joined = WaitOutcome::Children(done.clone());
+        let timed_out = WaitOutcome::Children(partly.clone());
+        let over = Some((done.clone(), true));
+        let running = Some((partly.clone(), false));
         #[rustfmt::skip]
-        let table: Vec<(WaitKind, Option<WaitOutcome>, bool, bool, Decision)> = vec![
-            // kind      journaled             signal due    decision
-            (Sleep,    None,                  false, false, Wait),
-            (Sleep,    None,                  false, true,  Over(slept.clone())),
-            (Sleep,    None,                  true,  false, Wait), // a timer takes no signal
-            (Sleep,    None,                  true,  true,  Over(slept.clone())),
-            (Sleep,    Some(slept.clone()),   false, false, Over(slept.clone())),
-            (Sleep,    Some(slept.clone()),   true,  true,  Over(slept.clone())),
-            (Signal,   None,                  false, false, Wait),
-            (Signal,   None,                  false, true,  Over(timeout.clone())),
-            (Signal,   None,                  true,  false, Over(took.clone())),
-            (Signal,   None,                  true,  true,  Over(took.clone())), // the signal wins
-            (Signal,   Some(timeout.clone()), true,  false, Over(timeout.clone())), // a replay keeps it
-            (Signal,   Some(before.clone()),  true,  true,  Over(before.clone())),
-            (Approval, None,                  false, false, Wait),
-            (Approval, None,                  false, true,  Over(timeout.clone())),
-            (Approval, None,                  true,  false, Over(took.clone())),
-            (Approval, None,                  true,  true,  Over(took.clone())),
-            (Approval, Some(took.clone()),    false, true,  Over(took.clone())),
+        let table: Vec<(WaitKind, Option<WaitOutcome>, bool, Standing, bool, Decision)> = vec![
+            // kind       journaled              signal children         due    decision
+            (Sleep,       None,                  false, None,            false, Wait),
+            (Sleep,       None,                  false, None,            true,  Over(slept.clone())),
+            (Sleep,       None,                  true,  None,            false, Wait), // a timer takes no signal
+            (Sleep,       None,                  true,  None,            true,  Over(slept.clone())),
+            (Sleep,       Some(slept.clone()),   false, None,            false, Over(slept.clone())),
+            (Sleep,       Some(slept.clone()),   true,  None,            true,  Over(slept.clone())),
+            (Signal,      None,                  false, None,            false, Wait),
+            (Signal,      None,                  false, None,            true,  Over(timeout.clone())),
+            (Signal,      None,                  true,  None,            false, Over(took.clone())),
+            (Signal,      None,                  true,  None,            true,  Over(took.clone())), // the signal wins
+            (Signal,      Some(timeout.clone()), true,  None,            false, Over(timeout.clone())), // a replay keeps it
+            (Signal,      Some(before.clone()),  true,  None,            true,  Over(before.clone())),
+            (Approval,    None,                  false, None,            false, Wait),
+            (Approval,    None,                  false, None,            true,  Over(timeout.clone())),
+            (Approval,    None,                  true,  None,            false, Over(took.clone())),
+            (Approval,    None,                  true,  None,            true,  Over(took.clone())),
+            (Approval,    Some(took.clone()),    false, None,            true,  Over(took.clone())),
+            (Children,    None,                  false, running.clone(), false, Wait),
+            (Children,    None,                  false, running.clone(), true,  Over(timed_out.clone())), // the timeout, as they stand
+            (Children,    None,                  false, over.clone(),    false, Over(joined.clone())),
+            (Children,    None,                  true,  over.clone(),    true,  Over(joined.clone())), // a join takes no signal
+            (Children,    Some(timed_out.clone()), false, over.clone(),  true,  Over(timed_out.clone())), // a replay keeps it
+            (Children,    None,                  false, None,            false, Wait),
+            (Budget,      None,                  true,  over.clone(),    true,  Wait), // a turn is decided where it is given
+            (Concurrency, None,                  true,  None,            true,  Wait),
+            (Throttle,    None,                  false, None,            true,  Wait),
+            (Provider,    None,                  false, None,            true,  Wait),
+            (Provider,    Some(slept.clone()),   false, None,            false, Over(slept.clone())),
         ];
-        for (kind, journaled, has_signal, due, expected) in table {
-            let got = decide(kind, journaled.clone(), has_signal.then(signal), due);
+        for kind in WaitKind::ALL {
+            assert!(
+                table.iter().any(|row| row.0 == kind),
+                "{kind:?} is in the table"
+            );
+        }
+        for (kind, journaled, has_signal, children, due, expected) in table {
+            let seen = Seen {
+                signal: has_signal.then(signal),
+                children: children.clone(),
+                due,
+            };
+            let got = decide(kind, journaled.clone(), seen);
             assert_eq!(
                 got, expected,
-                "{kind:?} journaled={journaled:?} signal={has_signal} due={due}"
+                "{kind:?} journaled={journaled:?} signal={has_signal} children={children:?} due={due}"
             );
         }
     }
@@ -184,11 +434,166 @@ mod tests {
                 WaitOutcome::Signal(signal()),
                 json!({ "signal": { "id": "s-1", "payload": { "approved": true } } }),
             ),
+            (
+                WaitOutcome::Children(vec![child("p:child:a", "acked")]),
+                json!({ "children": [{ "id": "p:child:a", "state": "acked", "finished": true, "result": { "n": 1 } }] }),
+            ),
         ] {
             assert_eq!(outcome.to_json(), json);
             assert_eq!(WaitOutcome::from_json(&json), Some(outcome));
         }
-        // A join's outcome is not the machine's.
-        assert_eq!(WaitOutcome::from_json(&json!({ "children": [] })), None);
+        assert_eq!(WaitOutcome::from_json(&json!({ "woke": true })), None);
+    }
+
+    /// Journals as earlier versions wrote them (a join wrote every field,
+    /// `null` included; a missing child only its id and state), replayed
+    /// against a workflow changed since — another wait kind at the same
+    /// key, other signals sent, other children's states, another clock —
+    /// decide as they were recorded, in the manner of a canned history.
+    #[test]
+    fn canned_journals_replay_to_the_recorded_decisions() {
+        let canned = [
+            (WaitKind::Sleep, r#"{"slept": true}"#),
+            (WaitKind::Signal, r#"{"timeout": true}"#),
+            (
+                WaitKind::Approval,
+                r#"{"signal": {"id": "ops-7", "payload": {"approved": false, "note": "no"}}}"#,
+            ),
+            (
+                WaitKind::Children,
+                r#"{"children": [
+                    {"id": "o:child:a", "state": "acked", "finished": true, "result": {"n": 2}, "error": null, "dead_reason": null},
+                    {"id": "o:child:b", "state": "dead", "finished": true, "result": null, "error": {"code": "x"}, "dead_reason": "exhausted"},
+                    {"id": "o:child:c", "state": "missing"}]}"#,
+            ),
+        ];
+        for (recorded_kind, raw) in canned {
+            let journaled = WaitOutcome::from_json(&serde_json::from_str(raw).unwrap())
+                .unwrap_or_else(|| panic!("a journal this machine reads: {raw}"));
+            for kind in WaitKind::ALL {
+                for due in [false, true] {
+                    let seen = Seen {
+                        signal: Some(signal()),
+                        children: Some((vec![child("other", "received")], false)),
+                        due,
+                    };
+                    assert_eq!(
+                        decide(kind, Some(journaled.clone()), seen),
+                        Decision::Over(journaled.clone()),
+                        "{raw} recorded by {recorded_kind:?}, replayed as {kind:?}"
+                    );
+                }
+            }
+        }
+        let children = WaitOutcome::from_json(&serde_json::from_str(canned[3].1).unwrap())
+            .and_then(WaitOutcome::into_children)
+            .unwrap();
+        assert_eq!(children[0].result, Some(json!({ "n": 2 })));
+        assert_eq!(children[1].dead_reason.as_deref(), Some("exhausted"));
+        assert_eq!(
+            (children[2].state.as_str(), children[2].finished),
+            ("missing", None)
+        );
+    }
+
+    /// Every kind of `waiting`, as the column holds it, both ways.
+    #[test]
+    fn every_waiting_is_written_and_read_as_one_type() {
+        let until = DateTime::parse_from_rfc3339("2026-12-06T10:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let at = "2026-12-06T10:00:00Z";
+        let cases = [
+            (
+                Waiting::Sleep {
+                    name: "nap".into(),
+                    until,
+                },
+                json!({ "kind": "sleep", "name": "nap", "until": at }),
+            ),
+            (
+                Waiting::Signal {
+                    name: "go".into(),
+                    until,
+                },
+                json!({ "kind": "signal", "name": "go", "until": at }),
+            ),
+            (
+                Waiting::Approval {
+                    name: "approval:t1".into(),
+                    until,
+                    tool: json!({ "tool_call_id": "t1", "name": "refund", "arguments": {} }),
+                },
+                json!({ "kind": "approval", "name": "approval:t1", "until": at,
+                        "tool": { "tool_call_id": "t1", "name": "refund", "arguments": {} } }),
+            ),
+            (
+                Waiting::Children {
+                    name: "join:1".into(),
+                    until,
+                    children: vec!["p:child:a".into()],
+                    pending: 1,
+                },
+                json!({ "kind": "children", "name": "join:1", "until": at,
+                        "children": ["p:child:a"], "pending": 1 }),
+            ),
+            (
+                Waiting::Budget {
+                    until,
+                    reserved: false,
+                },
+                json!({ "kind": "budget", "until": at }),
+            ),
+            (
+                Waiting::Budget {
+                    until,
+                    reserved: true,
+                },
+                json!({ "kind": "budget", "until": at, "reserved": true }),
+            ),
+            (
+                Waiting::Concurrency {
+                    key: "cust-1".into(),
+                },
+                json!({ "kind": "concurrency", "key": "cust-1" }),
+            ),
+            (
+                Waiting::Throttle {
+                    key: "cust-1".into(),
+                    until,
+                },
+                json!({ "kind": "throttle", "key": "cust-1", "until": at }),
+            ),
+            (
+                Waiting::Provider {
+                    key: "openai:gpt".into(),
+                    queued_at: None,
+                },
+                json!({ "kind": "provider", "key": "openai:gpt" }),
+            ),
+            (
+                Waiting::Provider {
+                    key: "openai:gpt".into(),
+                    queued_at: Some(until),
+                },
+                json!({ "kind": "provider", "key": "openai:gpt", "queued_at": at }),
+            ),
+        ];
+        for kind in WaitKind::ALL {
+            assert!(
+                cases.iter().any(|(w, _)| w.kind() == kind),
+                "{kind:?} has a case"
+            );
+        }
+        for (waiting, json) in cases {
+            assert_eq!(waiting.to_json()["kind"], waiting.kind().as_str());
+            let read = Waiting::from_json(&json).unwrap_or_else(|| panic!("{json}"));
+            assert_eq!(read, waiting);
+            assert_eq!(
+                Waiting::from_json(&waiting.to_json()).as_ref(),
+                Some(&waiting)
+            );
+        }
+        assert_eq!(Waiting::from_json(&json!({ "kind": "nap" })), None);
     }
 }

@@ -203,10 +203,7 @@ impl Waits<'_> {
                     }
                 };
                 if let Some((until, left_ms, reserved)) = wait {
-                    let mut waiting = serde_json::json!({ "kind": "budget", "until": until });
-                    if reserved {
-                        waiting["reserved"] = true.into();
-                    }
+                    let waiting = crate::rules::wait_machine::Waiting::Budget { until, reserved };
                     if !super::waits::release_until(conn, fence, &waiting, until).await? {
                         return Ok(Budget::Fenced);
                     }

@@ -15,7 +15,7 @@
 use diesel::sql_types::{Array, Bool, Integer, Jsonb, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, RunQueryDsl};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::group_writes::{intake_on, NewRow};
 use super::rows::NEW_JOB_CHANNEL;
@@ -24,6 +24,7 @@ use super::waits::WaitStep;
 use super::Waits;
 use super::{Fence, Store};
 use crate::error::StoreError;
+use crate::rules::wait_machine::{decide, ChildOutcome, Decision, Seen, WaitKind, Waiting};
 
 /// What starting a child did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,8 +140,14 @@ impl Waits<'_> {
                     None,
                 )
                 .await?;
-                if let Some(outcome) = wait.outcome {
-                    return Ok(WaitStep::Done(outcome));
+                // Journaled before: the machine returns it as it is.
+                let journaled = super::waits::journaled_outcome(wait.outcome.as_ref())?;
+                if journaled.is_some() {
+                    if let Decision::Over(outcome) =
+                        decide(WaitKind::Children, journaled, Seen::default())
+                    {
+                        return Ok(WaitStep::Done(outcome));
+                    }
                 }
                 // The children's rows are share-locked: a child finishing
                 // now waits for this commit, so its trigger sees the parent
@@ -180,30 +187,46 @@ impl Waits<'_> {
                         .execute(conn)
                         .await?;
                 }
-                if pending.is_empty() || wait.due {
-                    let outcome = json!({
-                        "children": children.iter().map(|id| match by_id.remove(id.as_str()) {
-                            None => json!({ "id": id, "state": "missing" }),
-                            Some(r) => json!({
-                                "id": r.id,
-                                "state": r.state,
-                                "finished": r.finished,
-                                "result": r.result,
-                                "error": r.error,
-                                "dead_reason": r.dead_reason,
-                            }),
-                        }).collect::<Vec<_>>(),
-                    });
+                let standing: Vec<ChildOutcome> = children
+                    .iter()
+                    .map(|id| match by_id.remove(id.as_str()) {
+                        None => ChildOutcome {
+                            id: id.clone(),
+                            state: "missing".into(),
+                            finished: None,
+                            result: None,
+                            error: None,
+                            dead_reason: None,
+                        },
+                        Some(r) => ChildOutcome {
+                            id: r.id.clone(),
+                            state: r.state.clone(),
+                            finished: Some(r.finished),
+                            result: r.result.clone(),
+                            error: r.error.clone(),
+                            dead_reason: r.dead_reason.clone(),
+                        },
+                    })
+                    .collect();
+                let seen = Seen {
+                    signal: None,
+                    children: Some((standing, pending.is_empty())),
+                    due: wait.due,
+                };
+                if let Decision::Over(outcome) = decide(WaitKind::Children, None, seen) {
                     super::waits::close_wait(conn, &fence.job_id, key, &outcome).await?;
                     return Ok(WaitStep::Done(outcome));
                 }
-                let waiting = json!({
-                    "kind": "children",
-                    "name": name,
-                    "until": wait.until,
-                    "children": pending.iter().take(SHOWN_PENDING).collect::<Vec<_>>(),
-                    "pending": pending.len(),
-                });
+                let waiting = Waiting::Children {
+                    name: name.to_owned(),
+                    until: wait.until,
+                    children: pending
+                        .iter()
+                        .take(SHOWN_PENDING)
+                        .map(|id| (*id).clone())
+                        .collect(),
+                    pending: pending.len(),
+                };
                 super::waits::release_until(conn, fence, &waiting, wait.until).await?;
                 Ok(WaitStep::Waiting {
                     until: wait.until,

@@ -46,6 +46,8 @@ pub struct Submission<'a> {
     /// nodes taking a burst of submits at once admit no more than this
     /// between them (`None`: no bound, or no token).
     pub backlog_limit: Option<u64>,
+    /// The job that started it (a child), when one did.
+    pub parent: Option<String>,
 }
 
 impl<'a> Submission<'a> {
@@ -58,6 +60,55 @@ impl<'a> Submission<'a> {
             notify_failures: false,
             hand_to: None,
             backlog_limit: None,
+            parent: None,
+        }
+    }
+
+    /// A child of job `parent` (of the life of it that holds its lease).
+    pub fn child_of(mut self, parent: &str) -> Self {
+        self.parent = Some(parent.to_owned());
+        self
+    }
+
+    /// The row every source inserts (`group_writes::intake_on`): the one
+    /// place a job becomes a row, whether it came through the API (a
+    /// submit, a batch's item, a re-run), from a parent (a child), or from
+    /// a schedule's firing — its request and hash, trace, owner, failure
+    /// events, priority and delay, its key's limit and throttle, its
+    /// parent, the backlog bound, and the hand-off's lease.
+    pub(crate) fn row(&self) -> super::group_writes::NewRow {
+        let job = self.job;
+        let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
+        // A job with a concurrency key takes a slot of its key when an
+        // acquire leases it; it is never born leased.
+        let hand_to = self
+            .hand_to
+            .as_ref()
+            .filter(|_| !later && job.schedule.concurrency_key.is_none());
+        let stored = job.request().to_value();
+        super::group_writes::NewRow {
+            id: job.id.clone(),
+            workflow: job.workflow.clone(),
+            workflow_version: job.workflow_version,
+            request_hash: crate::request::canonical_hash(&stored),
+            request: stored,
+            trace: self.trace.to_string(),
+            owner: self.owner,
+            notify_failures: self.notify_failures && !job.webhook_url.is_empty(),
+            priority: job.schedule.priority,
+            run_at: job.schedule.run_at,
+            delay_ms: job.schedule.delay_ms.map(|ms| ms as i64),
+            lease: hand_to.map(|h| (h.node.clone(), h.lease_ms)),
+            parent: self.parent.clone(),
+            key_limit: job.schedule.concurrency_limit.map(|n| n.min(1000) as i32),
+            throttle: job
+                .schedule
+                .throttle
+                .map(|t| (t.starts as i32, t.per.as_secs() as i32)),
+            backlog_limit: self
+                .backlog_limit
+                .filter(|_| self.owner.is_some())
+                .map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
         }
     }
 
@@ -166,12 +217,10 @@ pub struct JobView {
     pub model_calls: Vec<ModelCallView>,
     /// The tool ledger: position, tool, call id, status, executions.
     pub tool_calls: Vec<ToolCallView>,
-    /// What the job waits for: `{"kind": "sleep"|"signal"|"approval",
-    /// "name", "until"}`, `{"kind": "concurrency", "key"}` (every slot of
-    /// its key is held), `{"kind": "throttle", "key", "until"}` (its key's
-    /// starts for the period are used up), `{"kind": "budget", "until"}`,
-    /// or `null`. It holds no lease meanwhile.
-    #[schema(value_type = Option<Object>)]
+    /// What the job waits for, by `kind` (see [`Waiting`](crate::rules::wait_machine::Waiting),
+    /// the one type it is written from and read back as), or `null`. It
+    /// holds no lease meanwhile.
+    #[schema(value_type = Option<crate::rules::wait_machine::Waiting>)]
     pub waiting: Option<Value>,
     /// The signals sent to the job, oldest first, each with the wait that
     /// took it (`taken_by`) or `null` while it is kept.
@@ -397,47 +446,13 @@ impl Jobs<'_> {
     /// for the node to adopt (see [`crate::node::handoff`]); a job that exists
     /// already, is scheduled for later, or has a concurrency key is not.
     pub async fn submit(self, submission: &Submission<'_>) -> Result<Submitted, StoreError> {
-        let Submission {
-            job,
-            trace,
-            owner,
-            notify_failures,
-            hand_to,
-            backlog_limit,
-        } = submission.clone();
-        let backlog_limit = backlog_limit.filter(|_| owner.is_some());
-        let later = job.schedule.run_at.is_some() || job.schedule.delay_ms.is_some_and(|d| d > 0);
-        // A job with a concurrency key takes a slot of its key when an
-        // acquire leases it; it is never born leased.
-        let hand_to = hand_to.filter(|_| !later && job.schedule.concurrency_key.is_none());
+        let (job, trace, owner) = (submission.job, submission.trace, submission.owner);
+        let new = submission.row();
+        let handed = new.lease.is_some();
+        let hand_to = submission.hand_to.clone().filter(|_| handed);
         let request = job.request();
-        let stored = request.to_value();
-        let hash = crate::request::canonical_hash(&stored);
-        let inserted = self
-            .batches
-            .intake
-            .call(super::group_writes::NewRow {
-                id: job.id.clone(),
-                workflow: job.workflow.clone(),
-                workflow_version: job.workflow_version,
-                request: stored,
-                request_hash: hash.clone(),
-                trace: trace.to_string(),
-                owner,
-                notify_failures,
-                priority: job.schedule.priority,
-                run_at: job.schedule.run_at,
-                delay_ms: job.schedule.delay_ms.map(|ms| ms as i64),
-                lease: hand_to.as_ref().map(|h| (h.node.clone(), h.lease_ms)),
-                parent: None,
-                key_limit: job.schedule.concurrency_limit.map(|n| n.min(1000) as i32),
-                throttle: job
-                    .schedule
-                    .throttle
-                    .map(|t| (t.starts as i32, t.per.as_secs() as i32)),
-                backlog_limit: backlog_limit.map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
-            })
-            .await?;
+        let hash = new.request_hash.clone();
+        let inserted = self.batches.intake.call(new).await?;
         if let Some(row) = inserted {
             let leased = hand_to.filter(|_| row.leased).map(|hand_to| Leased {
                 fence: super::Fence {
@@ -503,7 +518,7 @@ impl Jobs<'_> {
         let Some((view, stored_hash)) = self.load_view(&mut conn, &job.id).await? else {
             // Not inserted and not there: intake's statement left it out,
             // its token's backlog being full.
-            return match backlog_limit {
+            return match submission.backlog_limit.filter(|_| owner.is_some()) {
                 Some(limit) => Ok(Submitted {
                     intake: Intake::BacklogFull(limit),
                     leased: None,
@@ -687,7 +702,7 @@ pub struct JobSummary {
     pub dead_reason: Option<String>,
     /// What the job waits for, or `null`.
     #[diesel(sql_type = Nullable<Jsonb>)]
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<crate::rules::wait_machine::Waiting>)]
     pub waiting: Option<Value>,
     /// Its tags (label → value).
     #[diesel(sql_type = Jsonb)]

@@ -19,7 +19,7 @@ use super::sql::sql;
 use super::Schedules;
 use super::Store;
 use crate::error::StoreError;
-use crate::request::{canonical_hash, JobRequest};
+use crate::request::canonical_hash;
 use crate::rules::schedule::{job_id, CatchUp, Timetable};
 
 /// The `NOTIFY` channel a schedule created or resumed is announced on: the
@@ -149,6 +149,8 @@ pub struct Fireable {
 pub struct Fired {
     /// Jobs created.
     pub jobs: usize,
+    /// Jobs created, by workflow (for the intake metric).
+    pub by_workflow: std::collections::BTreeMap<String, usize>,
     /// Schedules fired.
     pub schedules: usize,
     /// How long until the next schedule this node can fire is due (`None`:
@@ -488,7 +490,11 @@ impl Schedules<'_> {
                     let Some(target) = fireable.iter().find(|f| f.workflow == row.workflow) else {
                         continue;
                     };
-                    fired.jobs += fire_one(conn, &row, target, backlog).await?;
+                    let made = fire_one(conn, &row, target, backlog).await?;
+                    fired.jobs += made;
+                    if made > 0 {
+                        *fired.by_workflow.entry(row.workflow.clone()).or_default() += made;
+                    }
                     fired.schedules += 1;
                 }
                 Ok(fired)
@@ -601,34 +607,23 @@ async fn fire_one(
     Ok(made)
 }
 
-/// The job of schedule `row` for fire time `at`.
+/// The job of schedule `row` for fire time `at`, made into its row by the
+/// one intake every source shares ([`Submission::row`](super::Submission::row)).
 fn fired_job(row: &DueRow, target: &Fireable, at: DateTime<Utc>) -> NewRow {
-    let request = JobRequest {
-        workflow: row.workflow.clone(),
-        input: row.input.clone(),
-        webhook_url: row.webhook_url.clone(),
-        ..JobRequest::default()
-    };
-    let stored = request.to_value();
-    NewRow {
+    let job = crate::request::NewJob {
         id: job_id(&row.id, at),
         workflow: row.workflow.clone(),
         workflow_version: target.version,
-        request_hash: canonical_hash(&stored),
-        request: stored,
-        trace: crate::rules::traceparent::TraceParent::new_root().to_string(),
-        key_limit: None,
-        throttle: None,
-        // Counted by the schedule's own bound, or its parent's (a child).
-        backlog_limit: None,
-        owner: row.owner_token,
-        notify_failures: target.notify_failures && !row.webhook_url.is_empty(),
-        priority: 0,
-        run_at: None,
-        delay_ms: None,
-        lease: None,
-        parent: None,
-    }
+        input: row.input.clone(),
+        webhook_url: row.webhook_url.clone(),
+        tags: Default::default(),
+        schedule: Default::default(),
+    };
+    // Bounded by the schedule's own count of its token's room, not the
+    // statement's (a firing skips what does not fit, and says so).
+    super::Submission::new(&job)
+        .owned(row.owner_token, target.notify_failures)
+        .row()
 }
 
 /// How many more unfinished jobs token `owner` may have (`backlog`).

@@ -29,7 +29,7 @@ use crate::error::StoreError;
 use super::Waits;
 pub use crate::rules::signal::{MAX_UNTAKEN_SIGNALS, MAX_UNTAKEN_SIGNAL_BYTES, SIGNALS_SHOWN};
 pub use crate::rules::wait_machine::WaitKind;
-use crate::rules::wait_machine::{decide, Decision, TakenSignal};
+use crate::rules::wait_machine::{decide, Decision, Seen, TakenSignal, WaitOutcome, Waiting};
 
 /// When a wait is over at the latest.
 #[derive(Debug, Clone, Copy)]
@@ -51,8 +51,9 @@ pub struct WaitAsk<'a> {
     pub name: &'a str,
     /// When it is over at the latest (used the first time only).
     pub until: Until,
-    /// More to show in `waiting` (an approval's tool call).
-    pub detail: Option<&'a Value>,
+    /// An approval's tool call (`{"tool_call_id", "name", "arguments"}`),
+    /// shown in its `waiting`.
+    pub tool: Option<&'a Value>,
     /// An event to send once when the job starts waiting (an approval's
     /// `job.waiting`): its key and its outbox event (`keys::waiting`).
     pub event: Option<(&'a str, &'a str)>,
@@ -61,9 +62,8 @@ pub struct WaitAsk<'a> {
 /// Where a wait stands.
 #[derive(Debug, Clone, PartialEq)]
 pub enum WaitStep {
-    /// The wait is over: `{"slept": true}`, `{"signal": {"id", "payload"}}`
-    /// or `{"timeout": true}`, as journaled.
-    Done(Value),
+    /// The wait is over, with its outcome as journaled.
+    Done(WaitOutcome),
     /// Not over: the job is released until then (or a signal), in the same commit.
     Waiting {
         /// When it runs again at the latest.
@@ -181,7 +181,7 @@ pub(super) async fn close_wait(
     conn: &mut diesel_async::AsyncPgConnection,
     job_id: &str,
     key: &str,
-    outcome: &Value,
+    outcome: &WaitOutcome,
 ) -> Result<(), StoreError> {
     sql(
         "WITH done AS (UPDATE waits SET outcome = $3, done_at = now() \
@@ -190,7 +190,7 @@ pub(super) async fn close_wait(
     )
     .bind::<Text, _>(job_id)
     .bind::<Text, _>(key)
-    .bind::<Jsonb, _>(outcome)
+    .bind::<Jsonb, _>(outcome.to_json())
     .execute(conn)
     .await?;
     Ok(())
@@ -201,7 +201,7 @@ pub(super) async fn close_wait(
 pub(super) async fn release_until(
     conn: &mut diesel_async::AsyncPgConnection,
     fence: &Fence,
-    waiting: &Value,
+    waiting: &Waiting,
     until: DateTime<Utc>,
 ) -> Result<bool, StoreError> {
     let n = sql(
@@ -211,11 +211,22 @@ pub(super) async fn release_until(
     )
     .bind::<Text, _>(&fence.job_id)
     .bind::<BigInt, _>(fence.epoch)
-    .bind::<Jsonb, _>(waiting)
+    .bind::<Jsonb, _>(waiting.to_json())
     .bind::<Timestamptz, _>(until)
     .execute(conn)
     .await?;
     Ok(n == 1)
+}
+
+/// A journaled outcome read back; one this machine cannot read is an
+/// error (`invalid_data`), never a wait begun again.
+pub(super) fn journaled_outcome(raw: Option<&Value>) -> Result<Option<WaitOutcome>, StoreError> {
+    raw.map(|raw| {
+        WaitOutcome::from_json(raw).ok_or_else(|| {
+            StoreError::InvalidData(format!("a wait's outcome this node cannot read: {raw}"))
+        })
+    })
+    .transpose()
 }
 
 /// The instant, on this process's monotonic clock, by which `left_ms` (the
@@ -257,14 +268,13 @@ impl Waits<'_> {
                 };
                 let row = journal_wait(conn, &fence.job_id, ask.key, ask.kind.as_str(), ask.name, after_ms, at)
                     .await?;
-                // Journaled before: a replay returns it as it is (the
-                // machine's first rule), byte for byte.
-                if let Some(raw) = row.outcome {
-                    return Ok(WaitStep::Done(raw));
-                }
+                // Journaled before: the machine returns it as it is (its
+                // first rule), whatever this transaction would see.
+                let journaled = journaled_outcome(row.outcome.as_ref())?;
+                let replay = journaled.is_some();
                 // The oldest signal of its name it may take (taken in this
                 // transaction, kept only as the wait's outcome).
-                let signal = if ask.kind.takes_signals() {
+                let signal = if ask.kind.takes_signals() && !replay {
                         let taken: Vec<Taken> = sql(
                             "UPDATE signals SET taken_by = $2 \
                              WHERE (job_id, name, signal_id) = ( \
@@ -286,23 +296,31 @@ impl Waits<'_> {
                 } else {
                     None
                 };
-                match decide(ask.kind, None, signal, row.due) {
+                let seen = Seen {
+                    signal,
+                    children: None,
+                    due: row.due,
+                };
+                match decide(ask.kind, journaled, seen) {
                     Decision::Over(outcome) => {
-                        let outcome = outcome.to_json();
-                        close_wait(conn, &fence.job_id, ask.key, &outcome).await?;
+                        if !replay {
+                            close_wait(conn, &fence.job_id, ask.key, &outcome).await?;
+                        }
                         Ok(WaitStep::Done(outcome))
                     }
                     Decision::Wait => {
-                        let mut waiting = json!({
-                            "kind": ask.kind.as_str(),
-                            "name": ask.name,
-                            "until": row.until,
-                        });
-                        if let Some(Value::Object(detail)) = ask.detail {
-                            for (k, v) in detail {
-                                waiting[k] = v.clone();
+                        let (name, until) = (ask.name.to_owned(), row.until);
+                        let waiting = match (ask.kind, ask.tool) {
+                            (WaitKind::Approval, Some(tool)) => Waiting::Approval {
+                                name,
+                                until,
+                                tool: tool.clone(),
+                            },
+                            (WaitKind::Signal | WaitKind::Approval, _) => {
+                                Waiting::Signal { name, until }
                             }
-                        }
+                            _ => Waiting::Sleep { name, until },
+                        };
                         if let Some((key, event)) = ask.event {
                             // Once per wait: the key is the event's identity,
                             // and the event's name (one row per job and
@@ -320,7 +338,7 @@ impl Waits<'_> {
                             .bind::<Text, _>(event)
                             .bind::<Jsonb, _>(crate::rules::event::body(
                                 "job.waiting",
-                                json!({ "job_id": fence.job_id, "waiting": waiting }),
+                                json!({ "job_id": fence.job_id, "waiting": waiting.to_json() }),
                                 chrono::Utc::now(),
                             ))
                             .bind::<Text, _>(super::events::EVENTS_CHANNEL)

@@ -131,12 +131,22 @@ impl TestEnv {
 
     /// The job as the API shows it.
     pub async fn job(&self, id: &str) -> JobView {
-        self.store
+        let view = self
+            .store
             .jobs()
             .get(id)
             .await
             .expect("load job")
-            .expect("job exists")
+            .expect("job exists");
+        // Every `waiting` a test sees is one the wait machine's type reads
+        // (those SQL writes or computes included).
+        if let Some(waiting) = &view.waiting {
+            assert!(
+                crate::rules::wait_machine::Waiting::from_json(waiting).is_some(),
+                "job {id}'s waiting is no Waiting: {waiting}"
+            );
+        }
+        view
     }
 
     /// Waits until job `id` is in `state`; panics with the job after `timeout`.
