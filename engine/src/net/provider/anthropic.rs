@@ -10,9 +10,8 @@
 
 use serde_json::{json, Map, Value};
 
-use super::format::WireFormat;
-use super::sse::Answer;
-use super::ProviderConfig;
+use super::config::ProviderConfig;
+use super::format::{Answer, WireFormat};
 
 /// The `anthropic-version` header onceflow speaks.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";

@@ -3,20 +3,22 @@
 //! what is sent for such a request (URL, auth headers, body), and reads the
 //! provider's answer — whole or as server-sent events — back into a chat
 //! completion, so journals, keys, usage and workflows are the same for
-//! every provider. A request names its format in onceflow's own
-//! `"provider"` field (never sent); [`FORMATS`] lists them, the first being
-//! the default.
+//! every provider; [`Answer`] assembles what a format's stream events
+//! carry (text, tool calls in pieces, finish reason, usage) into one chat
+//! completion. A request names its format in onceflow's own `"provider"`
+//! field (never sent); [`super::FORMATS`] lists them, the first being the
+//! default.
 //!
 //! Adding a format is one new file beside this one implementing the trait,
-//! and one line in [`FORMATS`] (plus its base URL and key in
+//! and one line in [`super::FORMATS`] (plus its base URL and key in
 //! [`ProviderConfig`] when it has its own).
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
-use super::anthropic::AnthropicMessages;
-use super::openai::OpenAiChat;
-use super::sse::Answer;
-use super::ProviderConfig;
+use super::config::ProviderConfig;
+
+/// Most tool calls taken from one streamed answer.
+pub const MAX_TOOL_CALLS: usize = 128;
 
 /// One provider's wire format.
 pub trait WireFormat: Send + Sync + std::fmt::Debug {
@@ -50,55 +52,148 @@ pub trait WireFormat: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Every wire format onceflow speaks; the first is a request's default.
-pub static FORMATS: &[&dyn WireFormat] = &[&OpenAiChat, &AnthropicMessages];
-
-/// The format `request` names in its `"provider"` field (the first of
-/// [`FORMATS`] when it names none); an unknown name is an error listing
-/// the known ones.
-pub fn of(request: &Value) -> Result<&'static dyn WireFormat, String> {
-    let Some(name) = request.get("provider") else {
-        return Ok(FORMATS[0]);
-    };
-    let known = || {
-        FORMATS
-            .iter()
-            .map(|f| f.name())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let Some(name) = name.as_str() else {
-        return Err(format!("provider must be a string ({})", known()));
-    };
-    FORMATS
-        .iter()
-        .find(|f| f.name() == name)
-        .copied()
-        .ok_or_else(|| format!("unknown provider {name:?} ({})", known()))
+/// The answer, assembled from its events by its format.
+#[derive(Debug)]
+pub struct Answer {
+    /// The text so far.
+    pub content: String,
+    /// Events taken.
+    pub chunks: usize,
+    /// The stream's end arrived.
+    pub done: bool,
+    /// Bytes of text taken so far (the answer's and tool calls').
+    pub size: usize,
+    /// The answer's id, when an event gave it.
+    pub id: Option<Value>,
+    /// The model that answered, when an event gave it.
+    pub model: Option<Value>,
+    /// The chat-completion finish reason, when an event gave it.
+    pub finish_reason: Option<Value>,
+    /// The usage as a chat completion reports it, when an event gave it.
+    pub usage: Option<Value>,
+    /// Tool calls, by their `index`: each arrives as a first delta with
+    /// its id, type and name, then its `arguments` in pieces.
+    tool_calls: std::collections::BTreeMap<u64, Value>,
+    format: &'static dyn WireFormat,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
+impl Answer {
+    /// An answer read from `format`'s events.
+    pub fn new(format: &'static dyn WireFormat) -> Self {
+        Answer {
+            content: String::new(),
+            chunks: 0,
+            done: false,
+            size: 0,
+            id: None,
+            model: None,
+            finish_reason: None,
+            usage: None,
+            tool_calls: Default::default(),
+            format,
+        }
+    }
 
-    #[test]
-    fn a_request_names_its_format_or_gets_the_first() {
-        assert_eq!(of(&json!({ "model": "m" })).unwrap().name(), "openai");
-        assert_eq!(
-            of(&json!({ "provider": "openai" })).unwrap().name(),
-            "openai"
+    /// Takes one event's data; returns the text it adds, if any.
+    pub fn take(&mut self, data: &str) -> Result<Option<String>, String> {
+        let format = self.format;
+        format.event(self, data)
+    }
+
+    /// One event of the stream, counted; an error the provider reports
+    /// in the stream (credentials redacted) fails it.
+    pub fn event(&mut self, data: &str) -> Result<Value, String> {
+        let event: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        if let Some(error) = event.get("error") {
+            return Err(format!(
+                "the provider reported an error mid-stream: {}",
+                crate::net::outbound::redact(&error.to_string())
+            ));
+        }
+        self.chunks += 1;
+        Ok(event)
+    }
+
+    /// Keeps `event`'s `id` and `model` fields unless known already.
+    pub fn first_of(&mut self, event: &Value, id: &str, model: &str) {
+        for (field, slot) in [(id, &mut self.id), (model, &mut self.model)] {
+            if slot.is_none() {
+                *slot = event.get(field).cloned();
+            }
+        }
+    }
+
+    /// Adds a piece of the answer's text; returns it.
+    pub fn text(&mut self, text: &str) -> String {
+        self.size += text.len();
+        self.content.push_str(text);
+        text.to_owned()
+    }
+
+    /// Whether a tool call has started at `index`.
+    pub fn has_tool_call(&self, index: u64) -> bool {
+        self.tool_calls.contains_key(&index)
+    }
+
+    /// Adds one chat-completion `delta.tool_calls` entry to the call at its
+    /// `index`.
+    pub fn tool_call(&mut self, delta: &Value) -> Result<(), String> {
+        let index = delta["index"]
+            .as_u64()
+            .ok_or("a tool-call delta without an index")?;
+        if !self.tool_calls.contains_key(&index) && self.tool_calls.len() >= MAX_TOOL_CALLS {
+            return Err(format!(
+                "more than {MAX_TOOL_CALLS} tool calls in one answer"
+            ));
+        }
+        let call = self.tool_calls.entry(index).or_insert_with(
+            || json!({ "id": "", "type": "function", "function": { "name": "", "arguments": "" } }),
         );
-        assert_eq!(
-            of(&json!({ "provider": "anthropic" })).unwrap().name(),
-            "anthropic"
-        );
-        assert_eq!(
-            of(&json!({ "provider": "gemini" })).unwrap_err(),
-            r#"unknown provider "gemini" (openai, anthropic)"#
-        );
-        assert!(of(&json!({ "provider": 1 })).is_err());
-        let names: std::collections::BTreeSet<_> = FORMATS.iter().map(|f| f.name()).collect();
-        assert_eq!(names.len(), FORMATS.len(), "each format's name is its own");
+        for field in ["id", "type"] {
+            if let Some(v) = delta[field].as_str() {
+                call[field] = json!(v);
+            }
+        }
+        if let Some(name) = delta["function"]["name"].as_str() {
+            // Sent once, in the call's first piece (some servers repeat it).
+            self.size += name.len();
+            call["function"]["name"] = json!(name);
+        }
+        if let Some(piece) = delta["function"]["arguments"].as_str() {
+            self.size += piece.len();
+            if let Some(Value::String(so_far)) = call["function"].get_mut("arguments") {
+                so_far.push_str(piece);
+            }
+        }
+        Ok(())
+    }
+
+    /// The chat completion the stream amounted to, as its format's whole
+    /// answer reads.
+    pub fn completion(&self, request: &Value) -> Value {
+        let mut message = json!({ "role": "assistant", "content": self.content });
+        if !self.tool_calls.is_empty() {
+            if self.content.is_empty() {
+                message["content"] = Value::Null;
+            }
+            message["tool_calls"] = Value::Array(self.tool_calls.values().cloned().collect());
+        }
+        let mut out = json!({
+            "object": "chat.completion",
+            "model": self.model.clone().unwrap_or_else(|| request["model"].clone()),
+            "choices": [{
+                "index": 0,
+                "message": message,
+                "finish_reason": self.finish_reason.clone().unwrap_or(Value::Null),
+            }],
+        });
+        if let Some(id) = &self.id {
+            out["id"] = id.clone();
+        }
+        if let Some(usage) = &self.usage {
+            out["usage"] = usage.clone();
+        }
+        self.format.finish(&mut out);
+        out
     }
 }

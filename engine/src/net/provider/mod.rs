@@ -9,12 +9,16 @@
 //! ([`sse`]).
 
 pub mod anthropic;
+pub mod config;
 pub mod format;
 pub mod openai;
 pub mod sse;
 
+use anthropic::AnthropicMessages;
 pub use anthropic::{ANTHROPIC_DEFAULT_MAX_TOKENS, ANTHROPIC_VERSION};
+pub use config::{ProviderConfig, DEFAULT_MAX_RESPONSE_BYTES};
 pub use format::WireFormat;
+use openai::OpenAiChat;
 
 use std::time::Duration;
 
@@ -24,25 +28,31 @@ use crate::faults::{FailPoint, Faults};
 use crate::net::outbound::{post as post_to, Post, PostError, Seam};
 use crate::rules::failure::Failure;
 
-/// Where and how to reach the model. `Debug` never shows the API key.
-#[derive(Clone)]
-pub struct ProviderConfig {
-    /// `OPENAI_BASE_URL`, e.g. `https://api.openai.com/v1`.
-    pub base_url: String,
-    /// `OPENAI_API_KEY`; sent as a bearer token when set.
-    pub api_key: Option<String>,
-    /// Timeout of one request.
-    pub timeout: Duration,
-    /// Speak HTTP/2 without TLS (prior knowledge, "h2c") to a plain-`http`
-    /// provider or gateway that supports it: every in-flight call shares one
-    /// connection. HTTPS providers negotiate HTTP/2 by ALPN without this.
-    pub h2c: bool,
-    /// Largest answer read (default 8 MiB); more is `response_too_large`.
-    pub max_response_bytes: usize,
-    /// `ANTHROPIC_BASE_URL`: requests go to `{base}/v1/messages`.
-    pub anthropic_base_url: String,
-    /// `ANTHROPIC_API_KEY`, sent as `x-api-key`.
-    pub anthropic_api_key: Option<String>,
+/// Every wire format onceflow speaks; the first is a request's default.
+pub static FORMATS: &[&dyn WireFormat] = &[&OpenAiChat, &AnthropicMessages];
+
+/// The format `request` names in its `"provider"` field (the first of
+/// [`FORMATS`] when it names none); an unknown name is an error listing
+/// the known ones.
+pub fn format_of(request: &Value) -> Result<&'static dyn WireFormat, String> {
+    let Some(name) = request.get("provider") else {
+        return Ok(FORMATS[0]);
+    };
+    let known = || {
+        FORMATS
+            .iter()
+            .map(|f| f.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let Some(name) = name.as_str() else {
+        return Err(format!("provider must be a string ({})", known()));
+    };
+    FORMATS
+        .iter()
+        .find(|f| f.name() == name)
+        .copied()
+        .ok_or_else(|| format!("unknown provider {name:?} ({})", known()))
 }
 
 /// Where a model request goes (see `Provider::target`).
@@ -51,40 +61,6 @@ struct Target {
     url: String,
     /// The key, the trace and the provider's own headers.
     headers: Vec<(&'static str, String)>,
-}
-
-impl std::fmt::Debug for ProviderConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProviderConfig")
-            .field("base_url", &self.base_url)
-            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
-            .field("timeout", &self.timeout)
-            .field("h2c", &self.h2c)
-            .field("max_response_bytes", &self.max_response_bytes)
-            .field("anthropic_base_url", &self.anthropic_base_url)
-            .field(
-                "anthropic_api_key",
-                &self.anthropic_api_key.as_ref().map(|_| "[redacted]"),
-            )
-            .finish()
-    }
-}
-
-/// The default cap on a provider's answer.
-pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 8 << 20;
-
-impl Default for ProviderConfig {
-    fn default() -> Self {
-        ProviderConfig {
-            base_url: "https://api.openai.com/v1".to_owned(),
-            api_key: None,
-            timeout: Duration::from_secs(120),
-            h2c: false,
-            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-            anthropic_base_url: "https://api.anthropic.com".to_owned(),
-            anthropic_api_key: None,
-        }
-    }
 }
 
 /// Token usage reported by the provider.
@@ -128,7 +104,7 @@ impl Provider {
     /// the headers every send carries (the key, the trace, the provider's
     /// own). An unknown provider is a permanent `400`.
     fn target(&self, request: &Value, key: &str, traceparent: &str) -> Result<Target, PostError> {
-        let format = format::of(request).map_err(|body| {
+        let format = format_of(request).map_err(|body| {
             PostError::Failed(Failure::Status {
                 status: 400,
                 retry_after: None,
@@ -249,9 +225,9 @@ impl Provider {
         mut response: reqwest::Response,
         format: &'static dyn WireFormat,
         on_text: &mut (dyn FnMut(&str) + Send),
-    ) -> Result<sse::Answer, PostError> {
+    ) -> Result<format::Answer, PostError> {
         let mut events = sse::Events::default();
-        let mut answer = sse::Answer::new(format);
+        let mut answer = format::Answer::new(format);
         let broken = |what: String| PostError::Failed(Failure::Ambiguous(what));
         loop {
             // The model timeout bounds each gap between chunks.
@@ -321,5 +297,36 @@ impl Usage {
             input_tokens: tokens("prompt_tokens"),
             output_tokens: tokens("completion_tokens"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_request_names_its_format_or_gets_the_first() {
+        assert_eq!(
+            format_of(&json!({ "model": "m" })).unwrap().name(),
+            "openai"
+        );
+        assert_eq!(
+            format_of(&json!({ "provider": "openai" })).unwrap().name(),
+            "openai"
+        );
+        assert_eq!(
+            format_of(&json!({ "provider": "anthropic" }))
+                .unwrap()
+                .name(),
+            "anthropic"
+        );
+        assert_eq!(
+            format_of(&json!({ "provider": "gemini" })).unwrap_err(),
+            r#"unknown provider "gemini" (openai, anthropic)"#
+        );
+        assert!(format_of(&json!({ "provider": 1 })).is_err());
+        let names: std::collections::BTreeSet<_> = FORMATS.iter().map(|f| f.name()).collect();
+        assert_eq!(names.len(), FORMATS.len(), "each format's name is its own");
     }
 }

@@ -6,9 +6,8 @@
 
 use serde_json::{json, Value};
 
-use super::format::WireFormat;
-use super::sse::Answer;
-use super::ProviderConfig;
+use super::config::ProviderConfig;
+use super::format::{Answer, WireFormat};
 
 /// OpenAI chat completions (and every gateway that speaks them).
 #[derive(Debug)]
