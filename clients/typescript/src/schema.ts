@@ -404,6 +404,17 @@ export interface components {
             /** @description Why (kept in the job's history). */
             reason?: string | null;
         };
+        /** @description The tool call an approval is asked for. */
+        ApprovalCall: {
+            /** @description Its arguments, as the model gave them. */
+            arguments: {
+                [key: string]: unknown;
+            };
+            /** @description The tool. */
+            name: string;
+            /** @description The model's id for the call. */
+            tool_call_id: string;
+        };
         BTreeMap: {
             [key: string]: string;
         };
@@ -428,9 +439,12 @@ export interface components {
              * @description At most this many, oldest first (1–1,000, default 1,000).
              */
             limit?: number | null;
+            /** @description Why (kept in each job's history). */
             reason?: string | null;
             /** @description Only jobs in this live state. */
             state?: string | null;
+            /** @description Only jobs with this tag, `label:value`. */
+            tag?: string | null;
             /** @description Only this workflow's jobs. */
             workflow?: string | null;
         };
@@ -442,13 +456,14 @@ export interface components {
              */
             cancelled: number;
         };
-        /** @description `POST /v1/jobs/redrive`. */
+        /** @description `POST /v1/jobs/redrive`: which dead jobs to redrive. */
         BulkRedrive: {
             /**
              * Format: int64
              * @description At most this many (1–1,000, default 1,000).
              */
             limit?: number | null;
+            /** @description Why (kept in each job's history). */
             reason?: string | null;
             /** @description Only this workflow's dead jobs. */
             workflow?: string | null;
@@ -586,7 +601,7 @@ export interface components {
         };
         /** @description What went wrong, with the field at fault when one is. */
         ErrorDetail: {
-            /** @description A stable code (`invalid_input`, `not_found`, `conflict`, …). */
+            /** @description A stable code (`invalid`, `not_found`, `conflict`, …). */
             code: string;
             /** @description The request field at fault (`input.model`, `id`, …). */
             field?: string | null;
@@ -601,6 +616,11 @@ export interface components {
             message: string;
             /** @description Whether the failure was judged transient (worth retrying). */
             retryable: boolean;
+        };
+        /** @description `/healthz`'s answer when the node takes work. */
+        Health: {
+            /** @description Always `ok`. */
+            status: string;
         };
         /** @description One transition. */
         HistoryEntry: {
@@ -675,10 +695,7 @@ export interface components {
              * @description When the job row last changed.
              */
             updated_at: string;
-            /** @description What the job waits for, or `null`. */
-            waiting?: {
-                [key: string]: unknown;
-            } | null;
+            waiting?: components["schemas"]["Waiting"] | null;
             /** @description The name of the workflow it runs. */
             workflow: string;
             /**
@@ -762,16 +779,7 @@ export interface components {
              * @description When the job row last changed.
              */
             updated_at: string;
-            /**
-             * @description What the job waits for: `{"kind": "sleep"|"signal"|"approval",
-             *     "name", "until"}`, `{"kind": "concurrency", "key"}` (every slot of
-             *     its key is held), `{"kind": "throttle", "key", "until"}` (its key's
-             *     starts for the period are used up), `{"kind": "budget", "until"}`,
-             *     or `null`. It holds no lease meanwhile.
-             */
-            waiting?: {
-                [key: string]: unknown;
-            } | null;
+            waiting?: components["schemas"]["Waiting"] | null;
             /** @description Where the outcome is delivered by webhook (empty: nowhere). */
             webhook_url: string;
             /** @description The name of the workflow it runs. */
@@ -922,10 +930,7 @@ export interface components {
             /** @description The token's name. */
             token: string;
         };
-        /**
-         * @description One server-sent event of `GET /v1/jobs/{id}/events` (the schema of
-         *     each event in the stream).
-         */
+        /** @description One server-sent event of `GET /v1/jobs/{id}/events`. */
         SseEvent: {
             /**
              * @description A JSON object: `{"id", "kind", "text", "at"}`; for a chunk also its
@@ -945,20 +950,25 @@ export interface components {
              *     what its jobs' answers used today (UTC), and the budget.
              */
             budgets: components["schemas"]["Spend"][];
+            /** @description Jobs in each state (every state named, zero included). */
             states: {
-                [key: string]: unknown;
+                [key: string]: number;
             };
         };
         /** @description `POST /v1/jobs/batch`: up to 1,000 jobs, each a `POST /v1/jobs` body. */
         SubmitBatch: {
-            /** @description The jobs (1–1,000), each as `POST /v1/jobs` takes it. */
+            /**
+             * @description The jobs (1–1,000), each a `SubmitJob` as `POST /v1/jobs` takes it,
+             *     each checked and answered on its own (a job refused is its own
+             *     item's `422`, never the batch's).
+             */
             jobs: {
                 [key: string]: unknown;
             }[];
         };
-        /** @description `POST /v1/jobs`. */
+        /** @description `POST /v1/jobs`: one job (also each job of a batch). */
         SubmitJob: components["schemas"]["SubmitJob_agent"] | components["schemas"]["SubmitJob_completion"];
-        /** @description `POST /v1/jobs`. */
+        /** @description `POST /v1/jobs`: one job (also each job of a batch). */
         SubmitJob_agent: {
             /**
              * @description A key of yours (a customer, a conversation): at most the limit
@@ -1035,7 +1045,7 @@ export interface components {
              */
             workflow: "agent";
         };
-        /** @description `POST /v1/jobs`. */
+        /** @description `POST /v1/jobs`: one job (also each job of a batch). */
         SubmitJob_completion: {
             /**
              * @description A key of yours (a customer, a conversation): at most the limit
@@ -1135,6 +1145,89 @@ export interface components {
              */
             turn: number;
         };
+        /** @description What a job waits for, by `kind`. */
+        Waiting: {
+            /** @enum {string} */
+            kind: "sleep";
+            /** @description The timer's name. */
+            name: string;
+            /**
+             * Format: date-time
+             * @description When it fires.
+             */
+            until: string;
+        } | {
+            /** @enum {string} */
+            kind: "signal";
+            /** @description The signal's name. */
+            name: string;
+            /**
+             * Format: date-time
+             * @description When the wait times out (send `until` with the signal to decide this wait only).
+             */
+            until: string;
+        } | {
+            /** @enum {string} */
+            kind: "approval";
+            /** @description `approval:{tool_call_id}`. */
+            name: string;
+            /** @description The tool call waiting for the decision. */
+            tool: components["schemas"]["ApprovalCall"];
+            /**
+             * Format: date-time
+             * @description When the wait times out.
+             */
+            until: string;
+        } | {
+            /** @description Children not over yet (at most 100 shown). */
+            children: string[];
+            /** @enum {string} */
+            kind: "children";
+            /** @description The join's name (`join:{n}`). */
+            name: string;
+            /** @description How many children are not over. */
+            pending: number;
+            /**
+             * Format: date-time
+             * @description When the join times out.
+             */
+            until: string;
+        } | {
+            /** @enum {string} */
+            kind: "budget";
+            /** @description Held by other calls' reservations, not by spend. */
+            reserved?: boolean;
+            /**
+             * Format: date-time
+             * @description When it is looked at again (the next UTC day, or a reservation's lapse).
+             */
+            until: string;
+        } | {
+            /** @description The key. */
+            key: string;
+            /** @enum {string} */
+            kind: "concurrency";
+        } | {
+            /** @description The key. */
+            key: string;
+            /** @enum {string} */
+            kind: "throttle";
+            /**
+             * Format: date-time
+             * @description When a start frees.
+             */
+            until: string;
+        } | {
+            /** @description The limit's key (`provider:model`). */
+            key: string;
+            /** @enum {string} */
+            kind: "provider";
+            /**
+             * Format: date-time
+             * @description When it first waited for this limit (its place in the line).
+             */
+            queued_at?: string | null;
+        };
     };
     responses: never;
     parameters: never;
@@ -1153,12 +1246,14 @@ export interface operations {
         };
         requestBody?: never;
         responses: {
-            /** @description `{"status": "ok"}` */
+            /** @description The node takes work */
             200: {
                 headers: {
                     [name: string]: unknown;
                 };
-                content?: never;
+                content: {
+                    "application/json": components["schemas"]["Health"];
+                };
             };
             /** @description Misdirected: a Host this node does not answer for */
             421: {
@@ -1230,19 +1325,23 @@ export interface operations {
     list_jobs: {
         parameters: {
             query?: {
-                /** @description Only jobs in this state */
+                /** @description Only jobs in this state. */
                 state?: components["schemas"]["JobState"];
-                /** @description Only this workflow's jobs */
+                /** @description Only this workflow's jobs. */
                 workflow?: string;
-                /** @description Only waiting jobs (`true`), the others (`false`), or the jobs waiting for one kind of thing (`sleep`, `signal`, `approval`, `children`, `budget`, `concurrency`, `throttle`, `provider`) */
-                waiting?: string;
-                /** @description Created at or after (RFC 3339) */
+                /** @description Created at or after (RFC 3339). */
                 since?: string;
-                /** @description 1–500, default 50 */
+                /** @description 1–500, default 50. */
                 limit?: number;
-                /** @description `next_cursor` of the page before (opaque: any other value is a 422) */
+                /** @description `next_cursor` of the page before (opaque: any other value is a 422). */
                 cursor?: string;
-                /** @description Only jobs with this tag, `label:value` */
+                /**
+                 * @description Only waiting jobs (`true`), the others (`false`), or the jobs
+                 *     waiting for one kind of thing (`sleep`, `signal`, `approval`,
+                 *     `children`, `budget`, `concurrency`, `throttle`, `provider`).
+                 */
+                waiting?: string;
+                /** @description Only jobs with this tag, `label:value`. */
                 tag?: string;
             };
             header?: never;
@@ -1634,7 +1733,10 @@ export interface operations {
     redrive_bulk: {
         parameters: {
             query?: {
-                /** @description Also resend webhooks whose outcome is unknown */
+                /**
+                 * @description Also resend webhooks whose outcome is unknown (at most once may
+                 *     have reached the consumer).
+                 */
                 confirm_unknown?: boolean;
             };
             header?: never;
@@ -2013,6 +2115,10 @@ export interface operations {
     redrive: {
         parameters: {
             query?: {
+                /**
+                 * @description Also resend webhooks whose outcome is unknown (at most once may
+                 *     have reached the consumer).
+                 */
                 confirm_unknown?: boolean;
             };
             header?: never;
@@ -2423,10 +2529,10 @@ export interface operations {
     list_schedules: {
         parameters: {
             query?: {
-                /** @description 1–1000, default 1000 */
-                limit?: number;
-                /** @description `next_cursor` of the page before */
+                /** @description `next_cursor` of the page before. */
                 cursor?: string;
+                /** @description 1–1000, default 1000. */
+                limit?: number;
             };
             header?: never;
             path?: never;

@@ -14,9 +14,10 @@ pub const MAX_BATCH: usize = 1_000;
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct SubmitBatch {
-    /// The jobs (1–1,000), each as `POST /v1/jobs` takes it, each checked
-    /// and answered on its own.
-    #[schema(value_type = Vec<SubmitJob>, min_items = 1, max_items = 1000)]
+    /// The jobs (1–1,000), each a `SubmitJob` as `POST /v1/jobs` takes it,
+    /// each checked and answered on its own (a job refused is its own
+    /// item's `422`, never the batch's).
+    #[schema(value_type = Vec<Object>, min_items = 1, max_items = 1000)]
     jobs: Vec<serde_json::Value>,
 }
 

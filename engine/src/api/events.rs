@@ -85,9 +85,9 @@ pub(super) async fn job_events(
         .streaming(body))
 }
 
-/// One server-sent event of `GET /v1/jobs/{id}/events`: what the stream
-/// writes ([`frame`](SseEvent::frame)) and the schema of each event in the
-/// document.
+// What the stream writes (`frame`) and the schema of each event in the
+// document.
+/// One server-sent event of `GET /v1/jobs/{id}/events`.
 #[derive(Debug, utoipa::ToSchema)]
 pub(super) struct SseEvent {
     /// Its place in the job's one increasing sequence (`Last-Event-ID`).

@@ -178,8 +178,9 @@ pub(super) async fn get_job(_: Reader, OwnJob(view): OwnJob) -> Answer {
     Ok(HttpResponse::Ok().json(view))
 }
 
-/// The query of `GET /v1/jobs`, as parsed and as documented; each is
-/// read as text and checked here, so a bad one is a `422` naming it.
+// As parsed and as documented; each is read as text and checked by the
+// handler, so a bad one is a `422` naming it.
+/// The query of `GET /v1/jobs`.
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]

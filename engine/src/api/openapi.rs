@@ -142,7 +142,8 @@ impl Modify for CommonErrors {
         JobView, JobSummary, HistoryEntry, DeliveryView, ModelCallView, ToolCallView, ChildView,
         SignalView, JobState, ErrorEnvelope, ScheduleView, ScheduleDetail, ScheduledJob,
         ErrorBody, ErrorDetail, SubmitJob, SseEvent, JobPage, Stats, Action, BulkRedrive, BulkRedriven, BulkCancel, BulkCancelled, Rerun, SubmitBatch, BatchItem, BatchAnswer,
-        SignalBody, CreateSchedule, SchedulePage, Health, crate::store::budgets::Spend
+        SignalBody, CreateSchedule, SchedulePage, Health, crate::store::budgets::Spend,
+        crate::rules::wait_machine::Waiting, crate::rules::wait_machine::ApprovalCall
     )),
     modifiers(&BearerAuth, &CommonErrors),
     security(("bearer" = []))

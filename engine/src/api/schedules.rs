@@ -16,7 +16,7 @@ pub const MAX_SCHEDULES_PER_TOKEN: i64 = 100;
 /// Schedules a page of `GET /v1/schedules` shows at most (and by default).
 const SCHEDULE_PAGE: i64 = 1000;
 
-/// `POST /v1/schedules`, as parsed and as documented.
+/// `POST /v1/schedules`.
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct CreateSchedule {
@@ -159,7 +159,7 @@ pub(super) async fn create_schedule(
     })
 }
 
-/// The query of `GET /v1/schedules`, as parsed and as documented.
+/// The query of `GET /v1/schedules`.
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]

@@ -6,8 +6,9 @@ use crate::rules::signal::SignalBody as CheckedSignal;
 pub use crate::rules::signal::MAX_SIGNAL_PAYLOAD;
 use crate::store::waits::SignalOutcome;
 
-/// `POST /v1/jobs/{id}/signals/{name}`, as parsed and as documented; its
-/// rules are checked by [`CheckedSignal::checked`].
+// As parsed and as documented; its rules are checked by
+// `CheckedSignal::checked`.
+/// `POST /v1/jobs/{id}/signals/{name}`.
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct SignalBody {

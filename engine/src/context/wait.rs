@@ -14,7 +14,7 @@ use super::Context;
 use crate::error::StepError;
 use crate::faults::FailPoint;
 use crate::rules::keys;
-use crate::rules::wait_machine::WaitOutcome;
+use crate::rules::wait_machine::{ApprovalCall, WaitOutcome};
 use crate::store::waits::{Until, WaitAsk, WaitKind, WaitStep};
 
 pub use crate::rules::signal::{valid_wait_name, Decision, MAX_WAIT_NAME};
@@ -86,9 +86,11 @@ impl Context {
         timeout: Duration,
     ) -> Result<Option<Decision>, StepError> {
         let name = format!("approval:{tool_call_id}");
-        let tool = serde_json::json!({
-            "tool_call_id": tool_call_id, "name": tool_name, "arguments": arguments
-        });
+        let tool = ApprovalCall {
+            tool_call_id: tool_call_id.to_owned(),
+            name: tool_name.to_owned(),
+            arguments: arguments.clone(),
+        };
         self.signal_wait(WaitKind::Approval, &name, timeout, Some(&tool))
             .await
     }
@@ -99,7 +101,7 @@ impl Context {
         kind: WaitKind,
         name: &str,
         timeout: Duration,
-        tool: Option<&Value>,
+        tool: Option<&ApprovalCall>,
     ) -> Result<Option<T>, StepError> {
         let nth = {
             let n = self.signal_waits.entry(name.to_owned()).or_insert(0);
@@ -133,7 +135,7 @@ impl Context {
         name: &str,
         key: String,
         until: Until,
-        tool: Option<&Value>,
+        tool: Option<&ApprovalCall>,
         event: Option<(String, String)>,
     ) -> Result<WaitOutcome, StepError> {
         if !valid_wait_name(name) {

@@ -40,10 +40,10 @@ impl From<InvalidInput> for IntakeError {
     }
 }
 
-/// The body of `POST /v1/jobs` (and each job of a batch), as it is parsed
-/// and as the OpenAPI document describes it: one type for both, so the
-/// document cannot drift from the server. [`validate`] checks what a type
-/// cannot say and makes the [`NewJob`].
+// The body as it is parsed and as the OpenAPI document describes it: one
+// type for both, so the document cannot drift from the server; `validate`
+// checks what a type cannot say and makes the `NewJob`.
+/// `POST /v1/jobs`: one job (also each job of a batch).
 #[derive(Debug, Clone, Default, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitJob {

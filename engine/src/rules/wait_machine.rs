@@ -97,8 +97,9 @@ impl WaitKind {
     }
 }
 
-/// What a job waits for, as `jobs.waiting` holds it and the API shows it:
-/// written only from this type, read back as it.
+// As `jobs.waiting` holds it and the API shows it: written from this
+// type, read back as it.
+/// What a job waits for, by `kind`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Waiting {
@@ -122,9 +123,8 @@ pub enum Waiting {
         name: String,
         /// When the wait times out.
         until: DateTime<Utc>,
-        /// The tool call: `{"tool_call_id", "name", "arguments"}`.
-        #[schema(value_type = Object)]
-        tool: Value,
+        /// The tool call waiting for the decision.
+        tool: ApprovalCall,
     },
     /// Its children, joined.
     Children {
@@ -165,6 +165,18 @@ pub enum Waiting {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         queued_at: Option<DateTime<Utc>>,
     },
+}
+
+/// The tool call an approval is asked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ApprovalCall {
+    /// The model's id for the call.
+    pub tool_call_id: String,
+    /// The tool.
+    pub name: String,
+    /// Its arguments, as the model gave them.
+    #[schema(value_type = Object)]
+    pub arguments: Value,
 }
 
 impl Waiting {
@@ -522,7 +534,11 @@ mod tests {
                 Waiting::Approval {
                     name: "approval:t1".into(),
                     until,
-                    tool: json!({ "tool_call_id": "t1", "name": "refund", "arguments": {} }),
+                    tool: ApprovalCall {
+                        tool_call_id: "t1".into(),
+                        name: "refund".into(),
+                        arguments: json!({}),
+                    },
                 },
                 json!({ "kind": "approval", "name": "approval:t1", "until": at,
                         "tool": { "tool_call_id": "t1", "name": "refund", "arguments": {} } }),

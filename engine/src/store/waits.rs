@@ -29,7 +29,9 @@ use crate::error::StoreError;
 use super::Waits;
 pub use crate::rules::signal::{MAX_UNTAKEN_SIGNALS, MAX_UNTAKEN_SIGNAL_BYTES, SIGNALS_SHOWN};
 pub use crate::rules::wait_machine::WaitKind;
-use crate::rules::wait_machine::{decide, Decision, Seen, TakenSignal, WaitOutcome, Waiting};
+use crate::rules::wait_machine::{
+    decide, ApprovalCall, Decision, Seen, TakenSignal, WaitOutcome, Waiting,
+};
 
 /// When a wait is over at the latest.
 #[derive(Debug, Clone, Copy)]
@@ -51,9 +53,8 @@ pub struct WaitAsk<'a> {
     pub name: &'a str,
     /// When it is over at the latest (used the first time only).
     pub until: Until,
-    /// An approval's tool call (`{"tool_call_id", "name", "arguments"}`),
-    /// shown in its `waiting`.
-    pub tool: Option<&'a Value>,
+    /// An approval's tool call, shown in its `waiting`.
+    pub tool: Option<&'a ApprovalCall>,
     /// An event to send once when the job starts waiting (an approval's
     /// `job.waiting`): its key and its outbox event (`keys::waiting`).
     pub event: Option<(&'a str, &'a str)>,
