@@ -309,7 +309,7 @@ const ACQUIRE: &str = concat!(
          SELECT tenant, max(turn + 1 / weight), true FROM picked GROUP BY tenant ORDER BY tenant \
          ON CONFLICT (tenant) DO UPDATE SET pass = greatest(tenant_turns.pass, excluded.pass)), \
      fired AS ( \
-         UPDATE waits w SET outcome = '{\"slept\": true}', done_at = now() \
+         UPDATE waits w SET outcome = $7, done_at = now() \
          FROM picked WHERE w.job_id = picked.id AND picked.waiting->>'kind' = 'sleep' \
            AND w.kind = 'sleep' AND w.name = picked.waiting->>'name' \
            AND w.done_at IS NULL AND w.until <= now() \
@@ -376,6 +376,8 @@ impl Leases<'_> {
                 .bind::<Bool, _>(reclaim_own)
                 .bind::<Nullable<Array<Text>>, _>(workflows)
                 .bind::<Array<Text>, _>(running)
+                // A due timer's outcome, as the wait machine writes it.
+                .bind::<Jsonb, _>(crate::rules::wait_machine::WaitOutcome::Slept(true).to_json())
                 .load(&mut conn)
                 .await;
             // Two acquires that give out slots of two keys in opposite
