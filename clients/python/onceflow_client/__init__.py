@@ -13,23 +13,33 @@ and ``events``). Answers are typed models (``Job``, ``JobSummary``,
 sent). Errors are ``OnceflowError`` with the API's status, code, message
 and the field at fault, raised as the subclass of their status
 (``Invalid`` for 422, ``Conflict`` for 409, ``NotFound``, ``RateLimited``,
-``Unavailable``, ``Unauthorized``, ``BadRequest``).
+``Unavailable``, ``ServerError``, ``Unauthorized``, ``BadRequest``); no
+answer at all is ``ConnectionFailed`` (``Timeout`` for a timeout).
 
-Retried, at most ``max_retries`` times (after the answer's Retry-After, at
-most 30 s, or a backoff): a read on 429, 503 or a failed connection; a
-write on 429 (refused before any work) or a connection that could not be
-opened (never sent), and on nothing else, so a bulk cancel or a redrive is
-never done twice. Webhooks are verified with the Standard Webhooks
-reference library and de-duplicated by their webhook-id (WebhookReceiver).
+Retried, at most ``max_retries`` times, with full-jitter backoff (a random
+pause up to 0.25 s × 2^attempt, at most 8 s) or after the answer's
+Retry-After (at most 30 s): every call on 429, 500, 502, 503 and 504, a
+connection refused, reset or closed mid-answer, and a timeout. That is
+safe because every write of the API is idempotent by its id: a submit sent
+again is the same job (``200``, ``created`` false), a signal the same
+signal, a cancel the same cancel, a re-run the same new job, a schedule
+the same schedule. Two calls are not keyed by an id and are retried only
+where the server did no work (429, or a connection never opened):
+``cancel_all`` and ``redrive_all``. A transport failure that outlasts the
+retries raises ``ConnectionFailed`` (``Timeout`` for a timeout), with the
+``httpx`` error as its cause. Webhooks are verified with the Standard
+Webhooks reference library and de-duplicated by their webhook-id
+(WebhookReceiver).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Mapping, Optional, Union
 from urllib.parse import quote
 
 import httpx
@@ -57,6 +67,7 @@ __all__ = [
     "Child",
     "Client",
     "Conflict",
+    "ConnectionFailed",
     "Event",
     "HistoryEntry",
     "Invalid",
@@ -67,8 +78,10 @@ __all__ = [
     "RateLimited",
     "Schedule",
     "ScheduledJob",
+    "ServerError",
     "Signal",
     "Stats",
+    "Timeout",
     "Unauthorized",
     "Unavailable",
     "WebhookReceiver",
@@ -84,6 +97,22 @@ class OnceflowError(Exception):
         self.code = code
         self.message = message
         self.field = field
+
+
+class ConnectionFailed(OnceflowError):
+    """No answer: the connection could not be opened, was reset or closed
+    before the answer, after every retry (``status`` 0; the ``httpx`` error
+    is the ``__cause__``)."""
+
+    def __init__(self, message: str, code: str = "connection"):
+        super().__init__(0, code, message)
+
+
+class Timeout(ConnectionFailed):
+    """No answer within the client's ``timeout``, after every retry."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "timeout")
 
 
 class BadRequest(OnceflowError):
@@ -111,7 +140,12 @@ class RateLimited(OnceflowError):
 
 
 class Unavailable(OnceflowError):
-    """503: the node is draining or its database is down; retried first on reads."""
+    """503: the node is draining or its database is down; retried first."""
+
+
+class ServerError(OnceflowError):
+    """500, 502, 504 (or another 5xx): the server or a proxy before it
+    failed; retried first."""
 
 
 _BY_STATUS = {
@@ -121,7 +155,10 @@ _BY_STATUS = {
     409: Conflict,
     422: Invalid,
     429: RateLimited,
+    500: ServerError,
+    502: ServerError,
     503: Unavailable,
+    504: ServerError,
 }
 
 
@@ -134,6 +171,8 @@ class _Req:
     params: Optional[Dict[str, str]] = None
     body: Any = None
     wrap: Callable[[Any], Any] = field(default=lambda answer: answer)
+    # Keyed by an id (every write but the two bulk ones): safe to send again.
+    idempotent: bool = True
 
     def kwargs(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
@@ -208,7 +247,9 @@ class _Calls:
     @staticmethod
     def cancel_all(reason, state, workflow, tag, limit) -> _Req:
         body = _with(_reason(reason) or {}, state=state, workflow=workflow, tag=tag, limit=limit)
-        return _Req("POST", "/v1/jobs/cancel", body=body, wrap=lambda a: a["cancelled"])
+        return _Req(
+            "POST", "/v1/jobs/cancel", body=body, wrap=lambda a: a["cancelled"], idempotent=False
+        )
 
     @staticmethod
     def rerun(id: str, new_id: str) -> _Req:
@@ -226,7 +267,7 @@ class _Calls:
     def redrive_all(reason, workflow, limit, confirm_unknown) -> _Req:
         params = {"confirm_unknown": "true"} if confirm_unknown else None
         body = _with(_reason(reason) or {}, workflow=workflow, limit=limit)
-        return _Req("POST", "/v1/jobs/redrive", params=params, body=body)
+        return _Req("POST", "/v1/jobs/redrive", params=params, body=body, idempotent=False)
 
     @staticmethod
     def signal(id, name, signal_id, payload, until) -> _Req:
@@ -263,16 +304,28 @@ class _Calls:
         return _Req("DELETE", f"/v1/schedules/{_segment(id)}", wrap=lambda _: None)
 
 
-def _retry(method: str, attempt: int, max_retries: int, outcome: Union[httpx.Response, Exception]) -> Optional[float]:
-    """How long to wait before trying again, or ``None`` to stop here."""
+#: Answers a call is sent again after: busy, or the server or a proxy failed.
+RETRIED_STATUSES = (429, 500, 502, 503, 504)
+
+
+def _retry(req: "_Req", attempt: int, max_retries: int, outcome: Union[httpx.Response, Exception]) -> Optional[float]:
+    """How long to wait before sending ``req`` again, or ``None`` to stop here."""
     if attempt >= max_retries:
         return None
-    read = method == "GET"
     if isinstance(outcome, Exception):
-        unsent = (httpx.TransportError,) if read else (httpx.ConnectError, httpx.ConnectTimeout)
-        return _backoff(attempt) if isinstance(outcome, unsent) else None
-    again = (429, 503) if read else (429,)
+        # A bulk call is sent again only when it never left.
+        again = (httpx.TransportError,) if req.idempotent else (httpx.ConnectError, httpx.ConnectTimeout)
+        return _backoff(attempt) if isinstance(outcome, again) else None
+    again = RETRIED_STATUSES if req.idempotent else (429,)
     return _retry_after(outcome, attempt) if outcome.status_code in again else None
+
+
+def _failed(e: httpx.TransportError, req: "_Req") -> ConnectionFailed:
+    """The client's own error for a transport failure (its cause kept)."""
+    what = f"{req.method} {req.path}"
+    if isinstance(e, httpx.TimeoutException):
+        return Timeout(f"{what}: no answer in time ({type(e).__name__})")
+    return ConnectionFailed(f"{what}: {type(e).__name__}: {e}")
 
 
 def _event(sse: Any) -> Event:
@@ -312,11 +365,11 @@ class Client:
             try:
                 response = self._http.request(req.method, req.path, **req.kwargs())
             except httpx.TransportError as e:
-                pause = _retry(req.method, attempt, self.max_retries, e)
+                pause = _retry(req, attempt, self.max_retries, e)
                 if pause is None:
-                    raise
+                    raise _failed(e, req) from e
             else:
-                pause = _retry(req.method, attempt, self.max_retries, response)
+                pause = _retry(req, attempt, self.max_retries, response)
                 if pause is None:
                     return req.wrap(_answer(response))
             _sleep(pause)
@@ -542,11 +595,11 @@ class AsyncClient:
             try:
                 response = await self._http.request(req.method, req.path, **req.kwargs())
             except httpx.TransportError as e:
-                pause = _retry(req.method, attempt, self.max_retries, e)
+                pause = _retry(req, attempt, self.max_retries, e)
                 if pause is None:
-                    raise
+                    raise _failed(e, req) from e
             else:
-                pause = _retry(req.method, attempt, self.max_retries, response)
+                pause = _retry(req, attempt, self.max_retries, response)
                 if pause is None:
                     return req.wrap(_answer(response))
             await _asleep(pause)
@@ -718,8 +771,12 @@ class WebhookReceiver:
     """Verifies onceflow's webhooks (Standard Webhooks) and drops repeats.
 
     `receive(body, headers)` returns the event, or None for a webhook-id
-    seen before (a resend after a lost answer is the same event). Keep the
-    seen ids durable in production: here they are kept in memory.
+    seen before (a resend after a lost answer is the same event). ``body``
+    is the raw bytes as received; ``headers`` any mapping of names to
+    values, whatever their case: FastAPI's and Starlette's
+    ``request.headers``, Flask's, ``http.server``'s ``self.headers``, a
+    ``dict``. Keep the seen ids durable in production: here they are kept
+    in memory.
     """
 
     def __init__(self, *secrets: str):
@@ -728,7 +785,7 @@ class WebhookReceiver:
         self._verifiers = [Webhook(s) for s in secrets]
         self._seen: set[str] = set()
 
-    def receive(self, body: bytes, headers: dict) -> Optional[dict]:
+    def receive(self, body: bytes, headers: Mapping[str, str]) -> Optional[dict]:
         lowered = {k.lower(): v for k, v in headers.items()}
         event = None
         for verifier in self._verifiers:
@@ -755,7 +812,9 @@ async def _asleep(seconds: float) -> None:
 
 
 def _backoff(attempt: int) -> float:
-    return min(0.25 * (2**attempt), 8.0)
+    """Full jitter: a random pause up to the attempt's exponential bound, so
+    clients refused together do not come back together."""
+    return random.uniform(0.0, min(0.25 * (2**attempt), 8.0))
 
 
 def _retry_after(response: httpx.Response, attempt: int) -> float:

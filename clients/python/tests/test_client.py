@@ -9,6 +9,7 @@ processed per job, repeats dropped by webhook-id.
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ try:  # installed (`pip install clients/python`), as CI tests it in a fresh venv
     import onceflow_client  # noqa: F401
 except ImportError:  # or this tree's source
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from onceflow_client import Client, OnceflowError, WebhookReceiver  # noqa: E402
+from onceflow_client import Client, ConnectionFailed, OnceflowError, Timeout, WebhookReceiver  # noqa: E402
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 BIN = os.environ.get("ONCEFLOW_BIN", os.path.join(os.path.dirname(__file__), "../../../target/debug/onceflow"))
@@ -398,3 +399,110 @@ def test_the_async_client_submits_follows_waits_lists_signals_and_cancels(node):
         time.sleep(0.1)
         mine = [e for e in Consumer.processed if e["data"]["job_id"] == "py-async"]
     assert len(mine) == 1
+
+
+class Faulty(BaseHTTPRequestHandler):
+    """A proxy before the node that loses the answer after the node did the
+    work: for each POST path, in turn, a 503, a 502, a reset connection and
+    an answer later than the client's timeout; then the node's own answer."""
+
+    target = None
+    plan = ["503", "502", "reset", "slow"]
+    seen = {}
+    lock = threading.Lock()
+
+    def forward(self, method):
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else None
+        headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
+        answer = httpx.request(method, Faulty.target + self.path, content=body, headers=headers, timeout=30)
+        with Faulty.lock:
+            n = Faulty.seen.get((method, self.path), 0)
+            Faulty.seen[(method, self.path)] = n + 1
+        fault = Faulty.plan[n] if method == "POST" and n < len(Faulty.plan) else None
+        if fault == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+            return
+        if fault == "slow":
+            time.sleep(2.5)
+        status, data = answer.status_code, answer.content
+        if fault in ("503", "502"):
+            status, data = int(fault), b'{"error": {"code": "unavailable", "message": "lost"}}'
+        try:
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            pass  # the client gave up (a slow answer)
+
+    def do_POST(self):  # noqa: N802
+        self.forward("POST")
+
+    def do_GET(self):  # noqa: N802
+        self.forward("GET")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_submit_a_signal_and_a_cancel_ride_through_lost_answers_and_are_done_once(node, monkeypatch):
+    """Every write is idempotent by its id, so the client sends it again on a
+    503, a 502, a reset connection and a timeout: each reached the node five
+    times, and the node made one job, recorded one signal and one cancel."""
+    import onceflow_client
+
+    slept = []
+    monkeypatch.setattr(onceflow_client, "_sleep", slept.append)
+    client, _ = node
+    Faulty.target = str(client._http.base_url).rstrip("/")
+    Faulty.seen = {}
+    proxy, proxy_url = serve(Faulty)
+    try:
+        flaky = Client(proxy_url, token=client._http.headers["authorization"].split(" ", 1)[1],
+                       timeout=1.0, max_retries=4)
+        job = flaky.submit("py-flaky", "completion", completion("x"), delay_ms=600_000)
+        assert job.id == "py-flaky" and job.state == "received"
+        signal = flaky.signal("py-flaky", "nudge", "n-1", {"n": 1})
+        assert signal["id"] == "n-1"
+        cancelled = flaky.cancel("py-flaky", "tidy")
+        assert cancelled.state == "cancelled"
+        for path in ["/v1/jobs", "/v1/jobs/py-flaky/signals/nudge", "/v1/jobs/py-flaky/cancel"]:
+            assert Faulty.seen[("POST", path)] == 5, f"every fault fired before the answer: {path}"
+        seen = client.get("py-flaky")
+        assert [s["id"] for s in seen.signals] == ["n-1"], "one signal recorded"
+        assert [h["state"] for h in seen["history"]].count("cancelled") == 1, "one cancel recorded"
+        assert Provider.requests.count("job:py-flaky:generate") == 0, "a delayed job was never run"
+        assert len(slept) == 12 and all(0 <= s <= 8 for s in slept), slept
+        assert len(set(slept)) > 1, "full jitter: the pauses differ"
+    finally:
+        proxy.shutdown()
+
+
+def test_no_answer_is_the_clients_own_error_with_its_cause():
+    """A connection refused and an answer that never comes outlast the
+    retries as ConnectionFailed and Timeout, the httpx error kept as cause."""
+    port = free_port()
+    with pytest.raises(ConnectionFailed) as refused:
+        Client(f"http://127.0.0.1:{port}", max_retries=1).get("j")
+    assert isinstance(refused.value.__cause__, httpx.ConnectError)
+    assert refused.value.status == 0 and refused.value.code == "connection"
+
+    class Silent(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            time.sleep(1.5)
+
+        def log_message(self, *args):
+            pass
+
+    server, url = serve(Silent)
+    try:
+        with pytest.raises(Timeout) as late:
+            Client(url, timeout=0.3, max_retries=1).get("j")
+        assert isinstance(late.value.__cause__, httpx.TimeoutException)
+        assert isinstance(late.value, ConnectionFailed) and late.value.code == "timeout"
+    finally:
+        server.shutdown()

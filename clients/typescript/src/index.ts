@@ -12,11 +12,15 @@
  * const job = await client.wait("order-42", { timeoutMs: 60_000 });
  * ```
  *
- * Retried, at most `maxRetries` times (after the answer's `Retry-After`,
- * at most 30 s, or a backoff): a read on `429`, `503` or a failed
- * connection; a write only on `429` (refused before any work) or a
- * connection that could not be opened (never sent), so a write is never
- * done twice.
+ * Retried, at most `maxRetries` times, with full-jitter backoff (a random
+ * pause up to 250 ms × 2^attempt, at most 8 s) or after the answer's
+ * `Retry-After` (at most 30 s): every call on `429`, `500`, `502`, `503`
+ * and `504`, a connection refused, reset or closed mid-answer, and a
+ * timeout. That is safe because every write of the API is idempotent by
+ * its id: a submit sent again is the same job (`200`, `created` false), a
+ * signal the same signal, a cancel the same cancel. A failure that
+ * outlasts the retries rejects with `OnceflowConnectionError`
+ * (`OnceflowTimeoutError` for a timeout), the fetch error as its `cause`.
  */
 import createClient from "openapi-fetch";
 import { EventSource } from "eventsource";
@@ -27,14 +31,25 @@ import type { components, paths } from "./schema.js";
 export type { components, paths };
 /** A job as `GET /v1/jobs/{id}` shows it. */
 export type Job = components["schemas"]["JobView"];
-/** `POST /v1/jobs`'s body: one variant per registered workflow. */
+/** `POST /v1/jobs`'s body: one variant per workflow this package's document knows. */
 export type SubmitJob = components["schemas"]["SubmitJob"];
+/**
+ * `POST /v1/jobs`'s body for any workflow, your own included: `workflow`
+ * a name, `input` whatever it takes (the node checks it, `422` naming the
+ * field). Generate types from your own node's document for typed inputs.
+ */
+export type AnyJob = Omit<components["schemas"]["SubmitJob_completion"], "workflow" | "input"> & {
+  workflow: string;
+  input: unknown;
+};
 /** A page of `GET /v1/jobs`. */
 export type JobPage = components["schemas"]["JobPage"];
 /** What `GET /v1/jobs` filters on. */
 export type ListQuery = NonNullable<paths["/v1/jobs"]["get"]["parameters"]["query"]>;
 /** A signal: its sender's id and its payload. */
 export type SignalBody = components["schemas"]["SignalBody"];
+/** A signal as recorded. */
+export type Signal = components["schemas"]["SignalView"];
 
 /** One event of a job's stream. */
 export interface JobEvent {
@@ -55,9 +70,30 @@ export class OnceflowError extends Error {
     readonly code: string,
     message: string,
     readonly field?: string,
+    options?: { cause?: unknown },
   ) {
-    super(`${status} ${code}: ${message}${field ? ` (field ${field})` : ""}`);
+    super(`${status} ${code}: ${message}${field ? ` (field ${field})` : ""}`, options);
     this.name = "OnceflowError";
+  }
+}
+
+/**
+ * No answer: the connection could not be opened, was reset or closed
+ * before the answer, after every retry (`status` 0; the fetch error is the
+ * `cause`).
+ */
+export class OnceflowConnectionError extends OnceflowError {
+  constructor(message: string, cause: unknown, code = "connection") {
+    super(0, code, message, undefined, { cause });
+    this.name = "OnceflowConnectionError";
+  }
+}
+
+/** No answer within `timeoutMs`, after every retry. */
+export class OnceflowTimeoutError extends OnceflowConnectionError {
+  constructor(message: string, cause: unknown) {
+    super(message, cause, "timeout");
+    this.name = "OnceflowTimeoutError";
   }
 }
 
@@ -66,12 +102,11 @@ export interface Options {
   baseUrl: string;
   /** An API token (`onceflow token create`); none in development mode. */
   token?: string;
-  /** Retries of a 429, a 503 or a failed connection (default 3). */
+  /** Retries of a 429, a 5xx, a failed connection or a timeout (default 3). */
   maxRetries?: number;
   /**
-   * How long one request may take, in milliseconds (default 30,000): a
-   * read that runs over is retried like a failed connection; a write is
-   * not (it may have been done), and rejects with a `TimeoutError`.
+   * How long one request may take, in milliseconds (default 30,000); one
+   * that runs over is retried, then rejects with `OnceflowTimeoutError`.
    * The event stream has no such bound.
    */
   timeoutMs?: number;
@@ -99,29 +134,36 @@ export class Onceflow {
     });
   }
 
-  /** Submits a job; the same job again returns the stored one (200). */
-  async submit(job: SubmitJob): Promise<{ job: Job; created: boolean }> {
-    const answer = await this.call(() => this.api.POST("/v1/jobs", { body: job }));
+  /**
+   * Submits a job of any workflow (your own too: `workflow` a name, `input`
+   * what it takes); the same job again returns the stored one (200).
+   */
+  async submit(job: SubmitJob | AnyJob): Promise<{ job: Job; created: boolean }> {
+    const answer = await this.call(() => this.api.POST("/v1/jobs", { body: job as SubmitJob }));
     return { job: answer.data as Job, created: answer.response.status === 201 };
   }
 
   /** The job, with its history, journal, waits and children. */
   async get(id: string): Promise<Job> {
-    const answer = await this.call(() => this.api.GET("/v1/jobs/{id}", { params: { path: { id } } }), true);
+    const answer = await this.call(() => this.api.GET("/v1/jobs/{id}", { params: { path: { id } } }));
     return answer.data as Job;
   }
 
   /** One page of jobs, newest first; give `next_cursor` back as `cursor`. */
   async list(query: ListQuery = {}): Promise<JobPage> {
-    const answer = await this.call(() => this.api.GET("/v1/jobs", { params: { query } }), true);
+    const answer = await this.call(() => this.api.GET("/v1/jobs", { params: { query } }));
     return answer.data as JobPage;
   }
 
-  /** Sends a signal (a decision, an event) to a job; kept until a wait takes it. */
-  async signal(id: string, name: string, body: SignalBody): Promise<void> {
-    await this.call(() =>
+  /**
+   * Sends a signal (a decision, an event) to a job, recorded once under its
+   * id; kept until a wait takes it. The signal as recorded.
+   */
+  async signal(id: string, name: string, body: SignalBody): Promise<Signal> {
+    const answer = await this.call(() =>
       this.api.POST("/v1/jobs/{id}/signals/{name}", { params: { path: { id, name } }, body }),
     );
+    return answer.data as Signal;
   }
 
   /** Cancels a job (and its children); the job once it is `cancelled`. */
@@ -202,7 +244,13 @@ export class Onceflow {
     }
   }
 
-  private async call<T>(request: () => Promise<Answer<T>>, read = false): Promise<Answer<T>> {
+  /**
+   * Sends `request`, again on a busy or failed answer or no answer (see the
+   * module's comment); `idempotent` false (a call keyed by no id) is sent
+   * again only when the server did no work: a `429`, or a connection never
+   * opened.
+   */
+  private async call<T>(request: () => Promise<Answer<T>>, idempotent = true): Promise<Answer<T>> {
     const tries = Number.isFinite(this.maxRetries) ? Math.max(0, this.maxRetries) : 3;
     for (let attempt = 0; ; attempt++) {
       const last = attempt >= tries;
@@ -210,12 +258,13 @@ export class Onceflow {
       try {
         answer = await request();
       } catch (e) {
-        if (last || !(read || neverSent(e))) throw e;
+        if (last || !(idempotent || neverSent(e))) throw noAnswer(e);
         await sleep(backoff(attempt));
         continue;
       }
       const status = answer.response.status;
-      if ((status === 429 || (read && status === 503)) && !last) {
+      const again = idempotent ? RETRIED_STATUSES.includes(status) : status === 429;
+      if (again && !last) {
         await sleep(retryAfter(answer.response, attempt));
         continue;
       }
@@ -233,6 +282,19 @@ export class Onceflow {
   }
 }
 
+/** Answers a call is sent again after: busy, or the server or a proxy failed. */
+export const RETRIED_STATUSES: readonly number[] = [429, 500, 502, 503, 504];
+
+/** The client's own error for a request that got no answer (its cause kept). */
+function noAnswer(e: unknown): OnceflowConnectionError {
+  const name = (e as { name?: string })?.name;
+  if (name === "TimeoutError" || name === "AbortError") {
+    return new OnceflowTimeoutError("no answer in time", e);
+  }
+  const cause = (e as { cause?: { code?: string; message?: string } })?.cause;
+  return new OnceflowConnectionError(cause?.code ?? cause?.message ?? String(e), e);
+}
+
 /**
  * Verifies one of onceflow's webhooks (Standard Webhooks) with any of the
  * `whsec_` secrets given, and returns its event; throws when none verifies.
@@ -242,9 +304,9 @@ export class Onceflow {
 export function verifyWebhook(
   secrets: string | string[],
   body: string | Uint8Array,
-  headers: Record<string, string>,
+  headers: WebhookHeaders,
 ): { type: string; timestamp: string; data: Record<string, unknown> } {
-  const lowered = Object.fromEntries(Object.entries(headers).map(([k, v]) => [k.toLowerCase(), v]));
+  const lowered = plainHeaders(headers);
   let failure: unknown;
   for (const secret of Array.isArray(secrets) ? secrets : [secrets]) {
     try {
@@ -256,14 +318,49 @@ export function verifyWebhook(
   throw failure ?? new Error("no secret given");
 }
 
+/**
+ * The headers a framework hands a handler: a fetch `Headers` (a `Request`'s,
+ * in Next.js, Hono, Deno, Bun), Node's `IncomingHttpHeaders` (Express,
+ * `node:http`: a value may be a list or absent), or a plain record.
+ */
+export type WebhookHeaders =
+  | Headers
+  | Record<string, string | string[] | undefined>
+  | Iterable<[string, string]>;
+
+/** `headers` as one lower-case name to one value. */
+function plainHeaders(headers: WebhookHeaders): Record<string, string> {
+  const out: Record<string, string> = {};
+  const put = (name: string, value: string | string[] | undefined) => {
+    if (value === undefined) return;
+    out[name.toLowerCase()] = Array.isArray(value) ? value.join(", ") : value;
+  };
+  if (typeof (headers as Headers).forEach === "function" && typeof (headers as Headers).get === "function") {
+    (headers as Headers).forEach((value, name) => put(name, value));
+  } else if (Symbol.iterator in Object(headers) && !isRecord(headers)) {
+    for (const [name, value] of headers as Iterable<[string, string]>) put(name, value);
+  } else {
+    for (const [name, value] of Object.entries(headers as Record<string, string | string[] | undefined>)) {
+      put(name, value);
+    }
+  }
+  return out;
+}
+
+function isRecord(value: unknown): boolean {
+  const proto = Object.getPrototypeOf(value);
+  return proto === Object.prototype || proto === null;
+}
+
 /** A connection that could not be opened: the request never left. */
 function neverSent(e: unknown): boolean {
   const code = (e as { cause?: { code?: string } })?.cause?.code;
   return code === "ECONNREFUSED" || code === "ENOTFOUND" || code === "EAI_AGAIN";
 }
 
+/** Full jitter: a random pause up to the attempt's exponential bound. */
 function backoff(attempt: number): number {
-  return Math.min(250 * 2 ** attempt, 8000);
+  return Math.random() * Math.min(250 * 2 ** attempt, 8000);
 }
 
 function retryAfter(response: Response, attempt: number): number {

@@ -12,7 +12,13 @@ import { mkdtempSync, chmodSync, openSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 
-import { Onceflow, OnceflowError, verifyWebhook } from "../src/index.js";
+import {
+  Onceflow,
+  OnceflowConnectionError,
+  OnceflowError,
+  OnceflowTimeoutError,
+  verifyWebhook,
+} from "../src/index.js";
 
 const SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const BIN = resolve(process.env.ONCEFLOW_BIN ?? "../../target/debug/onceflow");
@@ -24,6 +30,8 @@ let serve: ChildProcess;
 let client: Onceflow;
 let hook: string;
 let folder: string;
+let base: string;
+let token: string;
 
 function listen(handler: (body: string, headers: Record<string, string>) => [number, string]): Promise<string> {
   const server = createServer((req, res) => {
@@ -79,7 +87,7 @@ before(async () => {
   chmodSync(folder, 0o755); // the embedded server may run as `postgres`
   const env: NodeJS.ProcessEnv = { ...process.env, ONCEFLOW_DATA_DIR: join(folder, "data") };
   delete env.DATABASE_URL;
-  const token = execFileSync(BIN, ["token", "create", "--name", "ts", "--admin"], {
+  token = execFileSync(BIN, ["token", "create", "--name", "ts", "--admin"], {
     env,
     encoding: "utf8",
     stdio: ["ignore", "pipe", "ignore"],
@@ -100,7 +108,7 @@ before(async () => {
     },
     stdio: ["ignore", log, log],
   });
-  const base = `http://127.0.0.1:${port}`;
+  base = `http://127.0.0.1:${port}`;
   for (let i = 0; i < 240; i++) {
     try {
       if ((await fetch(`${base}/healthz`)).ok) break;
@@ -168,13 +176,18 @@ test("a waiting job is listed, signalled and cancelled; a bad request is a typed
     (e: unknown) => e instanceof OnceflowError && e.status === 422 && e.field !== undefined,
   );
   assert.equal(modelRequests.filter((k) => k.startsWith("job:ts-later")).length, 0, "no model request");
+  // A workflow of the user's own is a plain name and any input: sent, and
+  // judged by the node (this one does not run "greet").
+  await assert.rejects(
+    client.submit({ id: "ts-own", workflow: "greet", input: { name: "Ada" } }),
+    (e: unknown) => e instanceof OnceflowError && e.status === 422 && e.field === "workflow",
+  );
 });
 
-test("a read's 503 is retried and the bound holds; a write's is not", async () => {
+test("a 503 is retried for a read and a write alike, within the bound", async () => {
   let seen = 0;
-  const flaky = await listen((body) => {
+  const flaky = await listen(() => {
     seen += 1;
-    if (body !== "") return [503, JSON.stringify({ error: { code: "unavailable", message: "partly done" } })];
     return seen <= 2 ? [503, JSON.stringify({ error: { code: "busy", message: "later" } })] : [200, JSON.stringify({ id: "j", state: "acked" })];
   });
   const patient = new Onceflow({ baseUrl: flaky });
@@ -185,27 +198,118 @@ test("a read's 503 is retried and the bound holds; a write's is not", async () =
   await assert.rejects(hasty.get("j"), (e: unknown) => e instanceof OnceflowError && e.status === 503);
   assert.equal(seen, 2, "one retry, then the error");
   seen = 0;
-  await assert.rejects(patient.cancel("j", "tidy"), (e: unknown) => e instanceof OnceflowError && e.status === 503);
-  assert.equal(seen, 1, "a write's 503 is not retried");
+  assert.equal((await patient.cancel("j", "tidy")).state, "acked");
+  assert.equal(seen, 3, "a cancel is idempotent: sent again after each 503");
 });
 
-test("a request past its timeout is given up; a read is retried, a write is not", async () => {
+test("a request past its timeout is sent again, then rejects with the client's own timeout", async () => {
   let seen = 0;
   const silent = createServer(() => {
     seen += 1; // never answers
   });
   servers.push(silent);
-  const base: string = await new Promise((ok) =>
+  const url: string = await new Promise((ok) =>
     silent.listen(0, "127.0.0.1", () => {
       const address = silent.address();
       ok(`http://127.0.0.1:${typeof address === "object" && address ? address.port : 0}`);
     }),
   );
-  const impatient = new Onceflow({ baseUrl: base, timeoutMs: 200, maxRetries: 1 });
-  await assert.rejects(impatient.get("j"), (e: unknown) => (e as Error).name === "TimeoutError");
-  assert.equal(seen, 2, "a read: one retry after the timeout");
-  seen = 0;
-  await assert.rejects(impatient.cancel("j"), (e: unknown) => (e as Error).name === "TimeoutError");
-  assert.equal(seen, 1, "a write is not sent again");
+  const impatient = new Onceflow({ baseUrl: url, timeoutMs: 200, maxRetries: 1 });
+  for (const call of [() => impatient.get("j"), () => impatient.cancel("j")]) {
+    seen = 0;
+    await assert.rejects(call(), (e: unknown) => {
+      assert.ok(e instanceof OnceflowTimeoutError && e instanceof OnceflowConnectionError, String(e));
+      assert.equal((e.cause as Error).name, "TimeoutError");
+      assert.equal(e.status, 0);
+      return true;
+    });
+    assert.equal(seen, 2, "one retry after the timeout");
+  }
   silent.closeAllConnections();
+  const refused = new Onceflow({ baseUrl: "http://127.0.0.1:9", maxRetries: 1 });
+  await assert.rejects(refused.get("j"), (e: unknown) => e instanceof OnceflowConnectionError && !(e instanceof OnceflowTimeoutError) && e.cause !== undefined);
+});
+
+/**
+ * A proxy before the node that loses the answer after the node did the
+ * work: for each POST, in turn, a 503, a 502, a reset connection and an
+ * answer later than the client's timeout; then the node's own answer.
+ */
+async function faultyProxy(target: string): Promise<{ url: string; seen: Map<string, number> }> {
+  const seen = new Map<string, number>();
+  const plan = ["503", "502", "reset", "slow"];
+  const server = createServer((req, res) => {
+    const chunks: Buffer[] = [];
+    req.on("data", (c: Buffer) => chunks.push(c));
+    req.on("end", async () => {
+      const body = Buffer.concat(chunks);
+      const headers: Record<string, string> = {};
+      for (const name of ["authorization", "content-type"]) {
+        const value = req.headers[name];
+        if (typeof value === "string") headers[name] = value;
+      }
+      const answer = await fetch(target + req.url, { method: req.method, headers, body: body.length ? body : undefined });
+      const data = Buffer.from(await answer.arrayBuffer());
+      const key = `${req.method} ${req.url}`;
+      const n = seen.get(key) ?? 0;
+      seen.set(key, n + 1);
+      const fault = req.method === "POST" ? plan[n] : undefined;
+      if (fault === "reset") {
+        req.socket.resetAndDestroy();
+        return;
+      }
+      if (fault === "slow") await new Promise((ok) => setTimeout(ok, 1500));
+      const lost = fault === "503" || fault === "502";
+      try {
+        res
+          .writeHead(lost ? Number(fault) : answer.status, { "content-type": "application/json" })
+          .end(lost ? JSON.stringify({ error: { code: "unavailable", message: "lost" } }) : data);
+      } catch {
+        // the client gave up on a slow answer
+      }
+    });
+  });
+  servers.push(server);
+  const url: string = await new Promise((ok) =>
+    server.listen(0, "127.0.0.1", () => {
+      const address = server.address();
+      ok(`http://127.0.0.1:${typeof address === "object" && address ? address.port : 0}`);
+    }),
+  );
+  return { url, seen };
+}
+
+test("a submit, a signal and a cancel ride through lost answers and are done once", async () => {
+  const proxy = await faultyProxy(base);
+  const flaky = new Onceflow({ baseUrl: proxy.url, token, timeoutMs: 700, maxRetries: 4 });
+  const submitted = await flaky.submit({ id: "ts-flaky", workflow: "completion", input: completion("x"), delay_ms: 600_000 });
+  assert.equal(submitted.job.id, "ts-flaky");
+  assert.equal(submitted.created, false, "created by the first send, found by the fifth");
+  const signal = await flaky.signal("ts-flaky", "nudge", { id: "n-1", payload: { n: 1 } });
+  assert.equal(signal.id, "n-1");
+  assert.equal((await flaky.cancel("ts-flaky", "tidy")).state, "cancelled");
+  for (const path of ["/v1/jobs", "/v1/jobs/ts-flaky/signals/nudge", "/v1/jobs/ts-flaky/cancel"]) {
+    assert.equal(proxy.seen.get(`POST ${path}`), 5, `every fault fired before the answer: ${path}`);
+  }
+  const job = await client.get("ts-flaky");
+  assert.deepEqual(job.signals.map((s) => s.id), ["n-1"], "one signal recorded");
+  assert.equal(job.history.filter((h) => h.state === "received").length, 1, "one job made");
+  assert.equal(job.history.filter((h) => h.state === "cancelled").length, 1, "one cancel recorded");
+  assert.equal(modelRequests.filter((k) => k.startsWith("job:ts-flaky")).length, 0, "a delayed job never ran");
+});
+
+test("webhooks verify with the headers each framework hands over", async () => {
+  const secret = "whsec_" + Buffer.from("k".repeat(32)).toString("base64");
+  const { Webhook } = await import("standardwebhooks");
+  const body = JSON.stringify({ type: "job.completed", timestamp: new Date().toISOString(), data: { job_id: "w" } });
+  const at = new Date();
+  const signature = new Webhook(secret).sign("job:w:completed", at, body);
+  const plain = { "webhook-id": "job:w:completed", "webhook-timestamp": String(Math.floor(at.getTime() / 1000)), "webhook-signature": signature };
+  const fetchHeaders = new Headers(plain);
+  const nodeHeaders: import("node:http").IncomingHttpHeaders = { ...plain, "x-forwarded-for": ["a", "b"] };
+  const upper = Object.fromEntries(Object.entries(plain).map(([k, v]) => [k.toUpperCase(), v]));
+  for (const headers of [plain, fetchHeaders, nodeHeaders, upper, Object.entries(plain) as Iterable<[string, string]>]) {
+    assert.equal(verifyWebhook(secret, body, headers).data.job_id, "w");
+  }
+  assert.throws(() => verifyWebhook(secret, body + " ", fetchHeaders));
 });
