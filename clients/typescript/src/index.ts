@@ -50,6 +50,27 @@ export type ListQuery = NonNullable<paths["/v1/jobs"]["get"]["parameters"]["quer
 export type SignalBody = components["schemas"]["SignalBody"];
 /** A signal as recorded. */
 export type Signal = components["schemas"]["SignalView"];
+/** One job's answer in a batch: `status`, and `job` or `error`. */
+export type BatchItem = components["schemas"]["BatchItem"];
+/** A schedule, with its next fire time. */
+export type Schedule = components["schemas"]["ScheduleView"];
+/** A schedule with its latest jobs. */
+export type ScheduleDetail = components["schemas"]["ScheduleDetail"];
+/** `POST /v1/schedules`'s body: one variant per workflow this package's document knows. */
+export type CreateSchedule = components["schemas"]["CreateSchedule"];
+/** A schedule of any workflow, your own included. */
+export type AnySchedule = Omit<components["schemas"]["CreateSchedule_completion"], "workflow" | "input"> & {
+  workflow: string;
+  input: unknown;
+};
+/** Jobs by state, and model-token spend against budgets. */
+export type Stats = components["schemas"]["Stats"];
+/** A job's state. */
+export type JobState = components["schemas"]["JobState"];
+/** What `cancelAll` takes. */
+export type BulkCancel = components["schemas"]["BulkCancel"];
+/** What `redriveAll` takes. */
+export type BulkRedrive = components["schemas"]["BulkRedrive"];
 
 /** One event of a job's stream. */
 export interface JobEvent {
@@ -174,6 +195,127 @@ export class Onceflow {
     return answer.data as Job;
   }
 
+  /**
+   * Every job the query matches, newest first, page after page (the keyset
+   * cursor followed for you).
+   */
+  async *jobs(query: Omit<ListQuery, "cursor"> = {}): AsyncGenerator<components["schemas"]["JobSummary"]> {
+    let cursor: string | undefined;
+    for (;;) {
+      const page = await this.list({ ...query, cursor });
+      yield* page.jobs;
+      if (!page.next_cursor) return;
+      cursor = page.next_cursor;
+    }
+  }
+
+  /**
+   * Submits up to 1,000 jobs in one request: one answer per job, in order,
+   * as a single submit would have answered it (each idempotent by its id).
+   */
+  async submitBatch(jobs: (SubmitJob | AnyJob)[]): Promise<BatchItem[]> {
+    const answer = await this.call(() =>
+      this.api.POST("/v1/jobs/batch", { body: { jobs: jobs as Record<string, unknown>[] } }),
+    );
+    return (answer.data as { jobs: BatchItem[] }).jobs;
+  }
+
+  /**
+   * A new job `newId` with job `id`'s workflow, input and webhook (the same
+   * re-run again is the same new job).
+   */
+  async rerun(id: string, newId: string): Promise<{ job: Job; created: boolean }> {
+    const answer = await this.call(() =>
+      this.api.POST("/v1/jobs/{id}/rerun", { params: { path: { id } }, body: { id: newId } }),
+    );
+    return { job: answer.data as Job, created: answer.response.status === 201 };
+  }
+
+  /**
+   * Resumes a dead job at its last live state, with the same keys;
+   * `confirmUnknown` also sends again a webhook whose outcome is unknown.
+   */
+  async redrive(id: string, options: { reason?: string; confirmUnknown?: boolean } = {}): Promise<Job> {
+    const query = options.confirmUnknown ? { confirm_unknown: true } : undefined;
+    const body = options.reason ? { reason: options.reason } : {};
+    const answer = await this.call(() =>
+      this.api.POST("/v1/jobs/{id}/redrive", { params: { path: { id }, query }, body }),
+    );
+    return answer.data as Job;
+  }
+
+  /**
+   * Cancels the caller's live jobs that match (an admin token: everyone's);
+   * how many were cancelled now. Keyed by no id: sent again only when the
+   * server did no work.
+   */
+  async cancelAll(filter: BulkCancel = {}): Promise<number> {
+    const answer = await this.call(() => this.api.POST("/v1/jobs/cancel", { body: filter }), false);
+    return (answer.data as { cancelled: number }).cancelled;
+  }
+
+  /** Redrives the caller's dead jobs that match; sent again only when the server did no work. */
+  async redriveAll(
+    filter: BulkRedrive = {},
+    options: { confirmUnknown?: boolean } = {},
+  ): Promise<{ redriven: number; skipped_unknown: number }> {
+    const query = options.confirmUnknown ? { confirm_unknown: true } : undefined;
+    const answer = await this.call(
+      () => this.api.POST("/v1/jobs/redrive", { params: { query }, body: filter }),
+      false,
+    );
+    return answer.data as { redriven: number; skipped_unknown: number };
+  }
+
+  /** Jobs by state, and model-token spend against budgets. */
+  async stats(): Promise<Stats> {
+    const answer = await this.call(() => this.api.GET("/v1/stats"));
+    return answer.data as Stats;
+  }
+
+  /** Creates a schedule (the same schedule again is the stored one). */
+  async createSchedule(schedule: CreateSchedule | AnySchedule): Promise<{ schedule: Schedule; created: boolean }> {
+    const answer = await this.call(() =>
+      this.api.POST("/v1/schedules", { body: schedule as CreateSchedule }),
+    );
+    return { schedule: answer.data as Schedule, created: answer.response.status === 201 };
+  }
+
+  /** A schedule, with its latest jobs. */
+  async getSchedule(id: string): Promise<ScheduleDetail> {
+    const answer = await this.call(() => this.api.GET("/v1/schedules/{id}", { params: { path: { id } } }));
+    return answer.data as ScheduleDetail;
+  }
+
+  /** Every schedule the caller sees, by id, page after page. */
+  async *schedules(): AsyncGenerator<Schedule> {
+    let cursor: string | undefined;
+    for (;;) {
+      const answer = await this.call(() => this.api.GET("/v1/schedules", { params: { query: { cursor } } }));
+      const page = answer.data as { schedules: Schedule[]; next_cursor?: string | null };
+      yield* page.schedules;
+      if (!page.next_cursor) return;
+      cursor = page.next_cursor;
+    }
+  }
+
+  /** Pauses a schedule: nothing fires until it is resumed. */
+  async pauseSchedule(id: string): Promise<ScheduleDetail> {
+    const answer = await this.call(() => this.api.POST("/v1/schedules/{id}/pause", { params: { path: { id } } }));
+    return answer.data as ScheduleDetail;
+  }
+
+  /** Resumes a schedule at its next fire time from now. */
+  async resumeSchedule(id: string): Promise<ScheduleDetail> {
+    const answer = await this.call(() => this.api.POST("/v1/schedules/{id}/resume", { params: { path: { id } } }));
+    return answer.data as ScheduleDetail;
+  }
+
+  /** Deletes a schedule (its jobs stay); deleting it again is `404`. */
+  async deleteSchedule(id: string): Promise<void> {
+    await this.call(() => this.api.DELETE("/v1/schedules/{id}", { params: { path: { id } } }));
+  }
+
   /** Waits for the job to be final (acked, dead or cancelled) and returns it. */
   async wait(id: string, options: { timeoutMs?: number } = {}): Promise<Job> {
     const deadline = options.timeoutMs === undefined ? undefined : Date.now() + options.timeoutMs;
@@ -227,7 +369,11 @@ export class Onceflow {
       // Closed for good: a 204 (nothing more to say), or a refusal.
       if (source.readyState === EventSource.CLOSED) {
         const status = (e as { code?: number }).code;
-        push(status === undefined || status === 204 ? null : new OnceflowError(status, "stream", e.message ?? "refused"));
+        push(
+          status === undefined || status === 204
+            ? null
+            : new OnceflowError(status, STREAM_REFUSALS[status] ?? "http", e.message ?? "refused"),
+        );
       }
     };
     try {
@@ -281,6 +427,21 @@ export class Onceflow {
     }
   }
 }
+
+/**
+ * The API's code for a stream refused with this status (an event stream's
+ * answer has no body to read it from).
+ */
+const STREAM_REFUSALS: Record<number, string> = {
+  401: "unauthorized",
+  403: "cross_site",
+  404: "not_found",
+  400: "invalid_header",
+  421: "misdirected",
+  422: "invalid_request",
+  429: "too_many_streams",
+  503: "unavailable",
+};
 
 /** Answers a call is sent again after: busy, or the server or a proxy failed. */
 export const RETRIED_STATUSES: readonly number[] = [429, 500, 502, 503, 504];

@@ -313,3 +313,45 @@ test("webhooks verify with the headers each framework hands over", async () => {
   }
   assert.throws(() => verifyWebhook(secret, body + " ", fetchHeaders));
 });
+
+test("every call of the API: batch, re-run, redrive, bulk cancel, schedules, stats, paging", async () => {
+  const items = await client.submitBatch([
+    { id: "ts-b1", workflow: "completion", input: completion("b1"), delay_ms: 600_000, tags: { batch: "ts" } },
+    { id: "ts-b2", workflow: "completion", input: { model: "m", messages: [] } },
+  ]);
+  assert.deepEqual(items.map((i) => i.status), [201, 422], "one answer per job, in order");
+  assert.equal(items[1].error?.field, "input.messages");
+  const first = await client.rerun("ts-b1", "ts-b1-again");
+  const again = await client.rerun("ts-b1", "ts-b1-again");
+  assert.deepEqual([first.created, again.created], [true, false], "a re-run is idempotent by its new id");
+  await assert.rejects(client.redrive("ts-b1"), (e: unknown) => e instanceof OnceflowError && e.status === 409 && e.code === "not_dead");
+  // The re-run (no delay of its own) runs at once; the delayed original is live.
+  assert.equal((await client.wait("ts-b1-again", { timeoutMs: 30_000 })).state, "acked");
+  assert.equal(await client.cancelAll({ tag: "batch:ts", reason: "tidy" }), 1, "the one live job of the tag");
+  assert.equal((await client.get("ts-b1")).state, "cancelled");
+  const seen: string[] = [];
+  for await (const job of client.jobs({ limit: 1, tag: "batch:ts" })) seen.push(job.id);
+  assert.deepEqual(seen.sort(), ["ts-b1", "ts-b1-again"], "every page, one job each");
+  const stats = await client.stats();
+  assert.ok((stats.states["cancelled"] ?? 0) >= 1 && (stats.states["acked"] ?? 0) >= 1, JSON.stringify(stats));
+  const made = await client.createSchedule({ id: "ts-nightly", cron: "0 3 * * *", workflow: "completion", input: completion("n") });
+  assert.equal(made.created, true);
+  assert.equal((await client.createSchedule({ id: "ts-nightly", cron: "0 3 * * *", workflow: "completion", input: completion("n") })).created, false);
+  assert.equal((await client.pauseSchedule("ts-nightly")).paused, true);
+  assert.equal((await client.resumeSchedule("ts-nightly")).paused, false);
+  assert.equal((await client.getSchedule("ts-nightly")).id, "ts-nightly");
+  const schedules: string[] = [];
+  for await (const schedule of client.schedules()) schedules.push(schedule.id);
+  assert.ok(schedules.includes("ts-nightly"));
+  await client.deleteSchedule("ts-nightly");
+  await assert.rejects(client.getSchedule("ts-nightly"), (e: unknown) => e instanceof OnceflowError && e.status === 404);
+  const stranger = new Onceflow({ baseUrl: base, token: "not-a-token" });
+  await assert.rejects(
+    (async () => {
+      for await (const _ of stranger.events("ts-b1")) {
+        // refused before any event
+      }
+    })(),
+    (e: unknown) => e instanceof OnceflowError && e.status === 401 && e.code === "unauthorized",
+  );
+});
