@@ -506,3 +506,62 @@ def test_no_answer_is_the_clients_own_error_with_its_cause():
         assert isinstance(late.value, ConnectionFailed) and late.value.code == "timeout"
     finally:
         server.shutdown()
+
+
+def test_a_fastapi_consumer_verifies_a_real_delivery_and_drops_its_repeat(node):
+    """A consumer as a team writes one in FastAPI: the raw body and
+    Starlette's headers to WebhookReceiver, a repeat dropped by webhook-id."""
+    import uvicorn
+    from fastapi import FastAPI, Request, Response
+    from standardwebhooks.webhooks import Webhook as Signer
+
+    client, _ = node
+    receiver = WebhookReceiver(SECRET)
+    processed, requests = [], []
+    app = FastAPI()
+
+    @app.post("/hooks")
+    async def hook(request: Request):
+        requests.append(request.headers.get("webhook-id"))
+        try:
+            event = receiver.receive(await request.body(), request.headers)
+        except Exception:
+            return Response(status_code=401)
+        if event is None:
+            return Response(status_code=200)
+        processed.append(event["data"]["job_id"])
+        return Response(status_code=204)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if server.started:
+                break
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/hooks"
+        client.submit("py-fastapi", "completion", completion("fastapi"), url)
+        for _ in range(150):
+            if processed:
+                break
+            time.sleep(0.1)
+        assert processed == ["py-fastapi"], requests
+        assert client.wait("py-fastapi", timeout=30)["delivery"]["status"] == "delivered"
+        # The same delivery again (a resend after a lost answer): answered, not processed.
+        import datetime
+
+        at = datetime.datetime.now(datetime.timezone.utc)
+        body = json.dumps({"type": "job.completed", "timestamp": at.isoformat(), "data": {"job_id": "py-fastapi"}})
+        signature = Signer(SECRET).sign("job:py-fastapi:completed", at, body)
+        headers = {
+            "content-type": "application/json", "webhook-id": "job:py-fastapi:completed",
+            "webhook-timestamp": str(int(at.timestamp())), "webhook-signature": signature,
+        }
+        assert httpx.post(url, content=body, headers=headers).status_code == 200
+        assert httpx.post(url, content=body, headers={"webhook-id": "x"}).status_code == 401
+        assert processed == ["py-fastapi"], "processed once"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

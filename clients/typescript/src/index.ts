@@ -496,9 +496,8 @@ function plainHeaders(headers: WebhookHeaders): Record<string, string> {
     if (value === undefined) return;
     out[name.toLowerCase()] = Array.isArray(value) ? value.join(", ") : value;
   };
-  if (typeof (headers as Headers).forEach === "function" && typeof (headers as Headers).get === "function") {
-    (headers as Headers).forEach((value, name) => put(name, value));
-  } else if (Symbol.iterator in Object(headers) && !isRecord(headers)) {
+  // A fetch `Headers` (and any list of pairs) iterates its pairs.
+  if (Symbol.iterator in Object(headers) && !isRecord(headers)) {
     for (const [name, value] of headers as Iterable<[string, string]>) put(name, value);
   } else {
     for (const [name, value] of Object.entries(headers as Record<string, string | string[] | undefined>)) {

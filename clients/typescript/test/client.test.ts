@@ -12,6 +12,11 @@ import { mkdtempSync, chmodSync, openSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 
+import express from "express";
+import { Hono } from "hono";
+import { serve as serveHono } from "@hono/node-server";
+import type { AddressInfo } from "node:net";
+
 import {
   Onceflow,
   OnceflowConnectionError,
@@ -354,4 +359,87 @@ test("every call of the API: batch, re-run, redrive, bulk cancel, schedules, sta
     })(),
     (e: unknown) => e instanceof OnceflowError && e.status === 401 && e.code === "unauthorized",
   );
+});
+
+/**
+ * A consumer as a team writes one: verify the raw body with the headers its
+ * framework hands over, then drop a repeat by its webhook-id.
+ */
+class Consumer {
+  requests = 0;
+  readonly processed: string[] = [];
+  private readonly seen = new Set<string>();
+  receive(body: string | Uint8Array, headers: Parameters<typeof verifyWebhook>[2], id: string | null): number {
+    this.requests += 1;
+    const event = verifyWebhook(SECRET, body, headers);
+    if (!id || this.seen.has(id)) return 200;
+    this.seen.add(id);
+    this.processed.push(String(event.data.job_id));
+    return 204;
+  }
+}
+
+test("webhooks in real servers: Express and Hono verify a real delivery and drop its repeat", async () => {
+  const viaExpress = new Consumer();
+  const app = express();
+  app.post("/hooks", express.raw({ type: "application/json" }), (req, res) => {
+    try {
+      const id = req.get("webhook-id") ?? null;
+      res.sendStatus(viaExpress.receive(req.body as Buffer, req.headers, id));
+    } catch {
+      res.sendStatus(401);
+    }
+  });
+  const expressServer = app.listen(0, "127.0.0.1");
+  await new Promise((ok) => expressServer.once("listening", ok));
+  servers.push(expressServer);
+
+  const viaHono = new Consumer();
+  const hono = new Hono();
+  hono.post("/hooks", async (c) => {
+    try {
+      const status = viaHono.receive(await c.req.text(), c.req.raw.headers, c.req.header("webhook-id") ?? null);
+      return c.body(null, status as 200 | 204);
+    } catch {
+      return c.body(null, 401);
+    }
+  });
+  const honoServer = await new Promise<Server>((ok) => {
+    const server = serveHono({ fetch: hono.fetch, port: 0, hostname: "127.0.0.1" }, () => ok(server as Server));
+  });
+  servers.push(honoServer);
+
+  const urls = [expressServer, honoServer].map((s) => `http://127.0.0.1:${(s.address() as AddressInfo).port}/hooks`);
+  for (const [i, url] of urls.entries()) {
+    await client.submit({ id: `ts-fw-${i}`, workflow: "completion", input: completion("fw"), webhook_url: url });
+  }
+  for (const consumer of [viaExpress, viaHono]) {
+    for (let i = 0; i < 150 && consumer.processed.length === 0; i++) await new Promise((ok) => setTimeout(ok, 100));
+  }
+  assert.deepEqual(viaExpress.processed, ["ts-fw-0"], "Express verified the delivery");
+  assert.deepEqual(viaHono.processed, ["ts-fw-1"], "Hono verified the delivery");
+  // The same delivery again (a resend after a lost answer) is dropped by its id.
+  const delivered = await client.get("ts-fw-0");
+  assert.equal(delivered.delivery?.status, "delivered");
+  const { Webhook } = await import("standardwebhooks");
+  for (const [i, consumer] of [viaExpress, viaHono].entries()) {
+    const url = urls[i];
+    const at = new Date();
+    const body = JSON.stringify({ type: "job.completed", timestamp: at.toISOString(), data: { job_id: `ts-fw-${i}` } });
+    const id = `job:ts-fw-${i}:completed`;
+    const replay = await fetch(url, {
+      method: "POST",
+      headers: {
+        "content-type": "application/json",
+        "webhook-id": id,
+        "webhook-timestamp": String(Math.floor(at.getTime() / 1000)),
+        "webhook-signature": new Webhook(SECRET).sign(id, at, body),
+      },
+      body,
+    });
+    assert.equal(replay.status, 200, "a signed repeat is answered, not processed again");
+    const forged = await fetch(url, { method: "POST", headers: { "content-type": "application/json", "webhook-id": "x" }, body });
+    assert.equal(forged.status, 401, "an unsigned request is refused");
+    assert.equal(consumer.processed.length, 1, "processed once");
+  }
 });
