@@ -47,7 +47,9 @@ import httpx_sse
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from .models import (
+    STATES,
     TERMINAL,
+    JobState,
     BatchAnswer,
     Child,
     Event,
@@ -72,6 +74,7 @@ __all__ = [
     "HistoryEntry",
     "Invalid",
     "Job",
+    "JobState",
     "JobSummary",
     "NotFound",
     "OnceflowError",
@@ -79,6 +82,7 @@ __all__ = [
     "Schedule",
     "ScheduledJob",
     "ServerError",
+    "STATES",
     "Signal",
     "Stats",
     "Timeout",

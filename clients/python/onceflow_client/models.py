@@ -8,7 +8,7 @@ its documented fields: ``job.state``, ``job.signals[0].taken_by``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, List, Optional, TypeVar, overload
+from typing import Any, Callable, Dict, Generic, List, Literal, Optional, Tuple, TypeVar, get_args, overload
 
 T = TypeVar("T")
 
@@ -23,8 +23,18 @@ __all__ = [
     "ScheduledJob",
     "Signal",
     "Stats",
+    "JobState",
+    "STATES",
     "TERMINAL",
 ]
+
+#: A job's state, as the document's ``JobState`` enum names them.
+JobState = Literal[
+    "received", "generated", "persisted", "claimed", "delivered", "acked", "dead", "cancelled"
+]
+
+#: Every state, in the lifecycle's order.
+STATES: Tuple[JobState, ...] = get_args(JobState)
 
 #: The states a job ends in.
 TERMINAL = frozenset({"acked", "dead", "cancelled"})
@@ -66,7 +76,7 @@ def _list_of(model: Callable[[Any], T]) -> Callable[[Any], List[T]]:
 class HistoryEntry(_Record):
     """One transition: the state reached, when, on which attempt and node."""
 
-    state: _Field[str] = _Field("state")
+    state: _Field[JobState] = _Field("state")
     at: _Field[str] = _Field("at")
     attempt: _Field[int] = _Field("attempt")
     worker: _Field[str] = _Field("worker")
@@ -87,7 +97,7 @@ class Child(_Record):
 
     id: _Field[str] = _Field("id")
     workflow: _Field[str] = _Field("workflow")
-    state: _Field[str] = _Field("state")
+    state: _Field[JobState] = _Field("state")
 
 
 class JobSummary(_Record):
@@ -95,7 +105,7 @@ class JobSummary(_Record):
 
     id: _Field[str] = _Field("id")
     workflow: _Field[str] = _Field("workflow")
-    state: _Field[str] = _Field("state")
+    state: _Field[JobState] = _Field("state")
     attempts: _Field[int] = _Field("attempts")
     incarnation: _Field[int] = _Field("incarnation")
     created_at: _Field[str] = _Field("created_at")
@@ -137,7 +147,7 @@ class ScheduledJob(_Record):
 
     id: _Field[str] = _Field("id")
     fire_at: _Field[str] = _Field("fire_at")
-    state: _Field[Optional[str]] = _Field("state")
+    state: _Field[Optional[JobState]] = _Field("state")
     skipped: _Field[Optional[str]] = _Field("skipped")
 
 

@@ -565,3 +565,12 @@ def test_a_fastapi_consumer_verifies_a_real_delivery_and_drops_its_repeat(node):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_the_states_are_the_documents(node):
+    """``JobState`` (a ``Literal``) names exactly the document's enum, in order."""
+    from onceflow_client import STATES
+
+    client, _ = node
+    doc = client._http.get("/v1/openapi.json").json()
+    assert list(STATES) == doc["components"]["schemas"]["JobState"]["enum"]
