@@ -1,0 +1,402 @@
+/**
+ * A client for onceflow's HTTP API. Its types come from the served OpenAPI
+ * document (`src/schema.ts`, made by openapi-typescript; `npm run generate`
+ * with `ONCEFLOW_OPENAPI` naming a saved `GET /v1/openapi.json`), its
+ * requests go through openapi-fetch, a job's events are followed with
+ * `eventsource`, and webhooks are verified with `standardwebhooks`.
+ *
+ * ```ts
+ * const client = new Onceflow({ baseUrl: "http://127.0.0.1:8080", token: process.env.ONCEFLOW_TOKEN });
+ * await client.submit({ id: "order-42", workflow: "completion", input: { model: "gpt-4o-mini", messages } });
+ * for await (const event of client.events("order-42")) console.log(event.kind, event.data);
+ * const job = await client.wait("order-42", { timeoutMs: 60_000 });
+ * ```
+ *
+ * Retried, at most `maxRetries` times, with full-jitter backoff (a random
+ * pause up to 250 ms × 2^attempt, at most 8 s) or after the answer's
+ * `Retry-After` (at most 30 s): every call on `429`, `500`, `502`, `503`
+ * and `504`, a connection refused, reset or closed mid-answer, and a
+ * timeout. That is safe because every write of the API is idempotent by
+ * its id: a submit sent again is the same job (`200`, `created` false), a
+ * signal the same signal, a cancel the same cancel. A failure that
+ * outlasts the retries rejects with `OnceflowConnectionError`
+ * (`OnceflowTimeoutError` for a timeout), the fetch error as its `cause`.
+ */
+import createClient from "openapi-fetch";
+import { EventSource } from "eventsource";
+import { Webhook } from "standardwebhooks";
+const TERMINAL = new Set(["acked", "dead", "cancelled"]);
+/** An answer other than 2xx: `{"error": {"code", "message", "field"?}}`. */
+export class OnceflowError extends Error {
+    status;
+    code;
+    field;
+    constructor(status, code, message, field, options) {
+        super(`${status} ${code}: ${message}${field ? ` (field ${field})` : ""}`, options);
+        this.status = status;
+        this.code = code;
+        this.field = field;
+        this.name = "OnceflowError";
+    }
+}
+/**
+ * No answer: the connection could not be opened, was reset or closed
+ * before the answer, after every retry (`status` 0; the fetch error is the
+ * `cause`).
+ */
+export class OnceflowConnectionError extends OnceflowError {
+    constructor(message, cause, code = "connection") {
+        super(0, code, message, undefined, { cause });
+        this.name = "OnceflowConnectionError";
+    }
+}
+/** No answer within `timeoutMs`, after every retry. */
+export class OnceflowTimeoutError extends OnceflowConnectionError {
+    constructor(message, cause) {
+        super(message, cause, "timeout");
+        this.name = "OnceflowTimeoutError";
+    }
+}
+/** The API of one onceflow node. */
+export class Onceflow {
+    api;
+    headers;
+    baseUrl;
+    maxRetries;
+    timeoutMs;
+    constructor(options) {
+        this.baseUrl = options.baseUrl.replace(/\/+$/, "");
+        this.headers = options.token ? { Authorization: `Bearer ${options.token}` } : {};
+        this.maxRetries = options.maxRetries ?? 3;
+        this.timeoutMs = options.timeoutMs ?? 30_000;
+        this.api = createClient({
+            baseUrl: this.baseUrl,
+            headers: this.headers,
+            fetch: (request) => fetch(request, { signal: AbortSignal.timeout(this.timeoutMs) }),
+        });
+    }
+    /**
+     * Submits a job of any workflow (your own too: `workflow` a name, `input`
+     * what it takes); the same job again returns the stored one (200).
+     */
+    async submit(job) {
+        const answer = await this.call(() => this.api.POST("/v1/jobs", { body: job }));
+        return { job: answer.data, created: answer.response.status === 201 };
+    }
+    /** The job, with its history, journal, waits and children. */
+    async get(id) {
+        const answer = await this.call(() => this.api.GET("/v1/jobs/{id}", { params: { path: { id } } }));
+        return answer.data;
+    }
+    /** One page of jobs, newest first; give `next_cursor` back as `cursor`. */
+    async list(query = {}) {
+        const answer = await this.call(() => this.api.GET("/v1/jobs", { params: { query } }));
+        return answer.data;
+    }
+    /**
+     * Sends a signal (a decision, an event) to a job, recorded once under its
+     * id; kept until a wait takes it. The signal as recorded.
+     */
+    async signal(id, name, body) {
+        const answer = await this.call(() => this.api.POST("/v1/jobs/{id}/signals/{name}", { params: { path: { id, name } }, body }));
+        return answer.data;
+    }
+    /** Cancels a job (and its children); the job once it is `cancelled`. */
+    async cancel(id, reason) {
+        const answer = await this.call(() => this.api.POST("/v1/jobs/{id}/cancel", { params: { path: { id } }, body: reason ? { reason } : {} }));
+        return answer.data;
+    }
+    /**
+     * Every job the query matches, newest first, page after page (the keyset
+     * cursor followed for you).
+     */
+    async *jobs(query = {}) {
+        let cursor;
+        for (;;) {
+            const page = await this.list({ ...query, cursor });
+            yield* page.jobs;
+            if (!page.next_cursor)
+                return;
+            cursor = page.next_cursor;
+        }
+    }
+    /**
+     * Submits up to 1,000 jobs in one request: one answer per job, in order,
+     * as a single submit would have answered it (each idempotent by its id).
+     */
+    async submitBatch(jobs) {
+        const answer = await this.call(() => this.api.POST("/v1/jobs/batch", { body: { jobs: jobs } }));
+        return answer.data.jobs;
+    }
+    /**
+     * A new job `newId` with job `id`'s workflow, input and webhook (the same
+     * re-run again is the same new job).
+     */
+    async rerun(id, newId) {
+        const answer = await this.call(() => this.api.POST("/v1/jobs/{id}/rerun", { params: { path: { id } }, body: { id: newId } }));
+        return { job: answer.data, created: answer.response.status === 201 };
+    }
+    /**
+     * Resumes a dead job at its last live state, with the same keys;
+     * `confirmUnknown` also sends again a webhook whose outcome is unknown.
+     */
+    async redrive(id, options = {}) {
+        const query = options.confirmUnknown ? { confirm_unknown: true } : undefined;
+        const body = options.reason ? { reason: options.reason } : {};
+        const answer = await this.call(() => this.api.POST("/v1/jobs/{id}/redrive", { params: { path: { id }, query }, body }));
+        return answer.data;
+    }
+    /**
+     * Cancels the caller's live jobs that match (an admin token: everyone's);
+     * how many were cancelled now. Keyed by no id: sent again only when the
+     * server did no work.
+     */
+    async cancelAll(filter = {}) {
+        const answer = await this.call(() => this.api.POST("/v1/jobs/cancel", { body: filter }), false);
+        return answer.data.cancelled;
+    }
+    /** Redrives the caller's dead jobs that match; sent again only when the server did no work. */
+    async redriveAll(filter = {}, options = {}) {
+        const query = options.confirmUnknown ? { confirm_unknown: true } : undefined;
+        const answer = await this.call(() => this.api.POST("/v1/jobs/redrive", { params: { query }, body: filter }), false);
+        return answer.data;
+    }
+    /** Jobs by state, and model-token spend against budgets. */
+    async stats() {
+        const answer = await this.call(() => this.api.GET("/v1/stats"));
+        return answer.data;
+    }
+    /** Creates a schedule (the same schedule again is the stored one). */
+    async createSchedule(schedule) {
+        const answer = await this.call(() => this.api.POST("/v1/schedules", { body: schedule }));
+        return { schedule: answer.data, created: answer.response.status === 201 };
+    }
+    /** A schedule, with its latest jobs. */
+    async getSchedule(id) {
+        const answer = await this.call(() => this.api.GET("/v1/schedules/{id}", { params: { path: { id } } }));
+        return answer.data;
+    }
+    /** Every schedule the caller sees, by id, page after page. */
+    async *schedules() {
+        let cursor;
+        for (;;) {
+            const answer = await this.call(() => this.api.GET("/v1/schedules", { params: { query: { cursor } } }));
+            const page = answer.data;
+            yield* page.schedules;
+            if (!page.next_cursor)
+                return;
+            cursor = page.next_cursor;
+        }
+    }
+    /** Pauses a schedule: nothing fires until it is resumed. */
+    async pauseSchedule(id) {
+        const answer = await this.call(() => this.api.POST("/v1/schedules/{id}/pause", { params: { path: { id } } }));
+        return answer.data;
+    }
+    /** Resumes a schedule at its next fire time from now. */
+    async resumeSchedule(id) {
+        const answer = await this.call(() => this.api.POST("/v1/schedules/{id}/resume", { params: { path: { id } } }));
+        return answer.data;
+    }
+    /** Deletes a schedule (its jobs stay); deleting it again is `404`. */
+    async deleteSchedule(id) {
+        await this.call(() => this.api.DELETE("/v1/schedules/{id}", { params: { path: { id } } }));
+    }
+    /** Waits for the job to be final (acked, dead or cancelled) and returns it. */
+    async wait(id, options = {}) {
+        const deadline = options.timeoutMs === undefined ? undefined : Date.now() + options.timeoutMs;
+        let pause = 50;
+        for (;;) {
+            const job = await this.get(id);
+            if (TERMINAL.has(job.state))
+                return job;
+            if (deadline !== undefined && Date.now() >= deadline) {
+                throw new Error(`job ${id} is still ${job.state} after ${options.timeoutMs} ms`);
+            }
+            const left = deadline === undefined ? pause : Math.max(0, Math.min(pause, deadline - Date.now()));
+            await sleep(left);
+            pause = Math.min(pause * 2, 1000);
+        }
+    }
+    /**
+     * The job's events as they are journaled, after `lastEventId`. A dropped
+     * connection is resumed with `Last-Event-ID` (by `eventsource`, with its
+     * backoff), so nothing is lost or repeated; the iteration ends after the
+     * job's final state, or at once when resumed past the end of a finished
+     * job (204).
+     */
+    async *events(id, options = {}) {
+        const headers = { ...this.headers };
+        if (options.lastEventId !== undefined)
+            headers["Last-Event-ID"] = String(options.lastEventId);
+        const queue = [];
+        let wake;
+        const push = (item) => {
+            queue.push(item);
+            wake?.();
+            wake = undefined;
+        };
+        const source = new EventSource(`${this.baseUrl}/v1/jobs/${encodeURIComponent(id)}/events`, {
+            // Ours under eventsource's own: on a reconnect its Last-Event-ID
+            // (the last event received) wins over the one we started from.
+            fetch: (input, init) => {
+                const merged = new Headers(init?.headers);
+                for (const [name, value] of Object.entries(headers)) {
+                    if (!merged.has(name))
+                        merged.set(name, value);
+                }
+                return fetch(input, { ...init, headers: merged });
+            },
+        });
+        for (const kind of ["state", "chunk", "tool", "reset"]) {
+            source.addEventListener(kind, (e) => {
+                push({ id: Number(e.lastEventId), kind, data: JSON.parse(e.data) });
+            });
+        }
+        source.onerror = (e) => {
+            // Closed for good: a 204 (nothing more to say), or a refusal.
+            if (source.readyState === EventSource.CLOSED) {
+                const status = e.code;
+                push(status === undefined || status === 204
+                    ? null
+                    : new OnceflowError(status, STREAM_REFUSALS[status] ?? "http", e.message ?? "refused"));
+            }
+        };
+        try {
+            for (;;) {
+                while (queue.length === 0)
+                    await new Promise((resolve) => (wake = resolve));
+                const next = queue.shift();
+                if (next === null || next === undefined)
+                    return;
+                if (next instanceof Error)
+                    throw next;
+                yield next;
+                if (next.kind === "state" && TERMINAL.has(String(next.data.text)))
+                    return;
+            }
+        }
+        finally {
+            source.close();
+        }
+    }
+    /**
+     * Sends `request`, again on a busy or failed answer or no answer (see the
+     * module's comment); `idempotent` false (a call keyed by no id) is sent
+     * again only when the server did no work: a `429`, or a connection never
+     * opened.
+     */
+    async call(request, idempotent = true) {
+        const tries = Number.isFinite(this.maxRetries) ? Math.max(0, this.maxRetries) : 3;
+        for (let attempt = 0;; attempt++) {
+            const last = attempt >= tries;
+            let answer;
+            try {
+                answer = await request();
+            }
+            catch (e) {
+                if (last || !(idempotent || neverSent(e)))
+                    throw noAnswer(e);
+                await sleep(backoff(attempt));
+                continue;
+            }
+            const status = answer.response.status;
+            const again = idempotent ? RETRIED_STATUSES.includes(status) : status === 429;
+            if (again && !last) {
+                await sleep(retryAfter(answer.response, attempt));
+                continue;
+            }
+            if (status < 200 || status >= 300) {
+                const body = (answer.error ?? {});
+                throw new OnceflowError(status, body.error?.code ?? "http", body.error?.message ?? answer.response.statusText, body.error?.field);
+            }
+            return answer;
+        }
+    }
+}
+/**
+ * The API's code for a stream refused with this status (an event stream's
+ * answer has no body to read it from).
+ */
+const STREAM_REFUSALS = {
+    401: "unauthorized",
+    403: "cross_site",
+    404: "not_found",
+    400: "invalid_header",
+    421: "misdirected",
+    422: "invalid_request",
+    429: "too_many_streams",
+    503: "unavailable",
+};
+/** Answers a call is sent again after: busy, or the server or a proxy failed. */
+export const RETRIED_STATUSES = [429, 500, 502, 503, 504];
+/** The client's own error for a request that got no answer (its cause kept). */
+function noAnswer(e) {
+    const name = e?.name;
+    if (name === "TimeoutError" || name === "AbortError") {
+        return new OnceflowTimeoutError("no answer in time", e);
+    }
+    const cause = e?.cause;
+    return new OnceflowConnectionError(cause?.code ?? cause?.message ?? String(e), e);
+}
+/**
+ * Verifies one of onceflow's webhooks (Standard Webhooks) with any of the
+ * `whsec_` secrets given, and returns its event; throws when none verifies.
+ * De-duplicate what it returns by the `webhook-id` header: a resend after a
+ * lost answer is the same event.
+ */
+export function verifyWebhook(secrets, body, headers) {
+    const lowered = plainHeaders(headers);
+    let failure;
+    for (const secret of Array.isArray(secrets) ? secrets : [secrets]) {
+        try {
+            return new Webhook(secret).verify(body, lowered);
+        }
+        catch (e) {
+            failure = e;
+        }
+    }
+    throw failure ?? new Error("no secret given");
+}
+/** `headers` as one lower-case name to one value. */
+function plainHeaders(headers) {
+    const out = {};
+    const put = (name, value) => {
+        if (value === undefined)
+            return;
+        out[name.toLowerCase()] = Array.isArray(value) ? value.join(", ") : value;
+    };
+    // A fetch `Headers` (and any list of pairs) iterates its pairs.
+    if (Symbol.iterator in Object(headers) && !isRecord(headers)) {
+        for (const [name, value] of headers)
+            put(name, value);
+    }
+    else {
+        for (const [name, value] of Object.entries(headers)) {
+            put(name, value);
+        }
+    }
+    return out;
+}
+function isRecord(value) {
+    const proto = Object.getPrototypeOf(value);
+    return proto === Object.prototype || proto === null;
+}
+/** A connection that could not be opened: the request never left. */
+function neverSent(e) {
+    const code = e?.cause?.code;
+    return code === "ECONNREFUSED" || code === "ENOTFOUND" || code === "EAI_AGAIN";
+}
+/** Full jitter: a random pause up to the attempt's exponential bound. */
+function backoff(attempt) {
+    return Math.random() * Math.min(250 * 2 ** attempt, 8000);
+}
+function retryAfter(response, attempt) {
+    const seconds = Number(response.headers.get("retry-after"));
+    return Number.isFinite(seconds) && response.headers.has("retry-after")
+        ? Math.min(Math.max(seconds, 0), 30) * 1000
+        : backoff(attempt);
+}
+function sleep(ms) {
+    return new Promise((resolve) => setTimeout(resolve, ms));
+}
