@@ -662,6 +662,36 @@ async fn a_batch_answers_each_job_as_a_single_submit_would() {
     assert_eq!(counts(&env).await.0, 3, "b-1, b-3 and b-4 alone");
 }
 
+/// A NUL character in one job of a batch is that job's `422`, naming
+/// where; the other jobs of the batch are taken.
+#[actix_rt::test]
+async fn a_nul_in_one_job_of_a_batch_refuses_that_job_alone() {
+    use onceflow_engine::Registry;
+    let env = TestEnv::new().await;
+    let registry = || {
+        let mut r = Registry::new();
+        r.register(onceflow_workflows::Completion::default());
+        r
+    };
+    let base = serve_api(&env, registry(), None);
+    let hook = env.consumer.url();
+    let mut bad = job("nul-1", "m", &hook);
+    bad["input"]["messages"][0]["content"] = json!("a\u{0}b");
+    let (status, answer) = post_raw_to(
+        &format!("{base}/v1/jobs/batch"),
+        json!({ "jobs": [bad, job("nul-2", "m", &hook)] }),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["jobs"][0]["status"], 422, "{answer}");
+    assert_eq!(
+        answer["jobs"][0]["error"]["field"],
+        "input.messages[0].content"
+    );
+    assert_eq!(answer["jobs"][1]["status"], 201, "{answer}");
+    assert_eq!(counts(&env).await.0, 1, "nul-2 alone");
+}
+
 async fn post_raw_to(url: &str, body: Value) -> (u16, Value) {
     let r = crate::support::client()
         .post(url)

@@ -947,6 +947,17 @@ async fn a_full_backlog_is_refused_with_retry_after() {
     .await;
     assert_eq!(status, 429, "{body}");
     assert_eq!(body["error"]["code"], "backlog_full");
+    // Refused before the body is read: a body that is not even JSON is
+    // answered 429, not 400.
+    let r = client()
+        .post(&jobs)
+        .bearer_auth(&bob)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 429, "the backlog is looked at first");
     assert_eq!(env.sql("SELECT count(*) AS n FROM jobs").await[0]["n"], 3);
 }
 

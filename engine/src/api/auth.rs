@@ -119,26 +119,6 @@ pub(super) struct Reader(pub(super) Who);
 /// another site's page (else `403`).
 pub(super) struct Writer(pub(super) Who);
 
-/// The checks every handler's request passes before the handler runs
-/// (once per request: see [`extract::caller`]).
-pub(super) async fn front_door(req: HttpRequest, write: bool) -> Result<Who, ApiError> {
-    let state = req
-        .app_data::<web::Data<ApiState>>()
-        .cloned()
-        .expect("the API's state is registered with every route");
-    let refused = misdirected(&state, &req).or_else(|| {
-        if write {
-            cross_site(&state, &req)
-        } else {
-            None
-        }
-    });
-    if let Some(refused) = refused {
-        return Err(refused);
-    }
-    authenticate(&state, &req).await
-}
-
 impl actix_web::FromRequest for Reader {
     type Error = ApiError;
     type Future = futures_util::future::LocalBoxFuture<'static, Result<Self, Self::Error>>;

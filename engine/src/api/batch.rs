@@ -32,6 +32,30 @@ impl extract::Body for SubmitBatch {
         )
     }
     const JOBS: bool = true;
+
+    /// `{"jobs": [...]}` only: each job is checked on its own (a NUL or a
+    /// bad field in one is that job's `422`, never the batch's).
+    fn parse(value: serde_json::Value) -> Result<Self, crate::error::InvalidInput> {
+        let serde_json::Value::Object(mut body) = value else {
+            return Err(crate::error::InvalidInput::new(
+                "body",
+                "must be {\"jobs\": [...]}",
+            ));
+        };
+        if let Some(extra) = body.keys().find(|k| k.as_str() != "jobs") {
+            return Err(crate::error::InvalidInput::new(
+                extra.clone(),
+                "unknown field",
+            ));
+        }
+        match body.remove("jobs") {
+            Some(serde_json::Value::Array(jobs)) => Ok(SubmitBatch { jobs }),
+            _ => Err(crate::error::InvalidInput::new(
+                "jobs",
+                format!("must be an array of 1 to {MAX_BATCH} jobs"),
+            )),
+        }
+    }
 }
 
 /// One job's answer in a batch: its status, and the job or the error.

@@ -194,6 +194,26 @@ impl Bounds {
         store: &Store,
         owner: Option<i64>,
     ) -> Result<Result<(), String>, crate::error::StoreError> {
+        self.look(store, owner, true).await
+    }
+
+    /// Why a job of `owner` would be refused now (as [`admit`](Self::admit)
+    /// says), taking no place: the front door's refusal before a body is
+    /// read.
+    pub(super) async fn backlog_full(
+        &self,
+        store: &Store,
+        owner: Option<i64>,
+    ) -> Result<Option<String>, crate::error::StoreError> {
+        Ok(self.look(store, owner, false).await?.err())
+    }
+
+    async fn look(
+        &self,
+        store: &Store,
+        owner: Option<i64>,
+        take: bool,
+    ) -> Result<Result<(), String>, crate::error::StoreError> {
         let fresh = |seen: &BacklogSeen| {
             seen.get(&owner)
                 .is_some_and(|(at, _, _)| at.elapsed() < std::time::Duration::from_secs(1))
@@ -220,7 +240,9 @@ impl Bounds {
                 self.max_backlog_per_token
             )));
         }
-        *total += 1;
+        if take {
+            *total += 1;
+        }
         Ok(Ok(()))
     }
 }

@@ -25,10 +25,18 @@ use serde::de::DeserializeOwned;
 
 use super::*;
 
-/// The caller, worked out once per request by the front door's checks and
-/// kept in the request: [`Writer`], [`Json`] and [`OwnJob`] all ask, and
-/// the token is looked up once.
+/// The caller, through the front door's checks: the `Host` (else `421`),
+/// for a write a request not sent by another site's page (else `403`),
+/// both checked on every call, and the token (else `401`), looked up once
+/// per request and kept in it — [`Writer`], [`Json`], [`Query`] and
+/// [`OwnJob`] all ask.
 pub(super) async fn caller(req: &HttpRequest, write: bool) -> Result<Who, ApiError> {
+    let state = state_of(req);
+    let refused =
+        misdirected(&state, req).or_else(|| if write { cross_site(&state, req) } else { None });
+    if let Some(refused) = refused {
+        return Err(refused);
+    }
     let cell = {
         let mut extensions = req.extensions_mut();
         match extensions.get::<Rc<tokio::sync::OnceCell<Who>>>() {
@@ -40,7 +48,7 @@ pub(super) async fn caller(req: &HttpRequest, write: bool) -> Result<Who, ApiErr
             }
         }
     };
-    cell.get_or_try_init(|| front_door(req.clone(), write))
+    cell.get_or_try_init(|| async { authenticate(&state, req).await })
         .await
         .copied()
 }
@@ -75,6 +83,16 @@ pub(super) trait Body: DeserializeOwned + 'static {
     /// A body of jobs (a submit, a batch): refused while the node drains,
     /// and held under the node's bound on request bytes at once.
     const JOBS: bool = false;
+
+    /// Refused before it is read when the node's or the token's backlog is
+    /// full (a submit; a batch's jobs are each answered on their own).
+    const ADMITS: bool = false;
+
+    /// The parsed value as `Self`, or the field at fault (by default: no
+    /// NUL anywhere, no unknown field, each of its type).
+    fn parse(value: serde_json::Value) -> Result<Self, crate::error::InvalidInput> {
+        crate::node::intake::typed(value)
+    }
 }
 
 /// A body, parsed and checked, and its place under the node's bound on
@@ -146,6 +164,18 @@ impl<T: Body> actix_web::FromRequest for Json<T> {
             if !optional && !is_json(&req) {
                 return Err(not_json());
             }
+            if T::ADMITS {
+                // Refused before any of it is read; the place is taken at
+                // intake (`jobs::admit`), once.
+                let full = state
+                    .limits
+                    .backlog_full(&state.store, who.owner())
+                    .await
+                    .map_err(ApiError::unavailable)?;
+                if let Some(message) = full {
+                    return Err(super::jobs::backlog_full(message));
+                }
+            }
             let limit = T::limit(&state);
             let place = if T::JOBS {
                 // Its declared length, or the limit when it declares none:
@@ -183,7 +213,7 @@ impl<T: Body> actix_web::FromRequest for Json<T> {
                     return Ok(Json(empty, held));
                 }
             }
-            let parsed = crate::node::intake::typed::<T>(value)
+            let parsed = T::parse(value)
                 .map_err(|e| ApiError::new(Code::Invalid, e.to_string()).on(e.field))?;
             Ok(Json(parsed, held))
         })
@@ -221,16 +251,19 @@ async fn read(
 /// it does not take, or one of the wrong type, is a `422` naming it.
 pub(super) struct Query<T>(pub(super) T);
 
-impl<T: DeserializeOwned> actix_web::FromRequest for Query<T> {
+impl<T: DeserializeOwned + 'static> actix_web::FromRequest for Query<T> {
     type Error = ApiError;
-    type Future = std::future::Ready<Result<Self, ApiError>>;
+    type Future = LocalBoxFuture<'static, Result<Self, ApiError>>;
 
     fn from_request(req: &HttpRequest, _: &mut actix_web::dev::Payload) -> Self::Future {
-        std::future::ready(
+        let req = req.clone();
+        Box::pin(async move {
+            // Who asks first: a stranger's bad query is a 401, not a 422.
+            caller(&req, false).await?;
             web::Query::<T>::from_query(req.query_string())
                 .map(|q| Query(q.into_inner()))
-                .map_err(|e| bad_query(&e)),
-        )
+                .map_err(|e| bad_query(&e))
+        })
     }
 }
 

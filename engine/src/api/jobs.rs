@@ -33,6 +33,7 @@ impl extract::Body for SubmitJob {
         state.body_limit
     }
     const JOBS: bool = true;
+    const ADMITS: bool = true;
 }
 
 /// Admits one job, whatever way it came through the API (a submit, a

@@ -85,10 +85,24 @@ pub struct SubmitJob {
     #[schema(value_type = Option<HashMap<String, String>>)]
     pub tags: Option<std::collections::BTreeMap<String, String>>,
     /// Not before this time (RFC 3339, at most 30 days ahead).
+    #[serde(default, deserialize_with = "rfc3339")]
     pub run_at: Option<chrono::DateTime<chrono::Utc>>,
     /// Not before this many milliseconds (at most 30 days); not with `run_at`.
     #[schema(maximum = 2_592_000_000_u64)]
     pub delay_ms: Option<u64>,
+}
+
+/// An optional RFC 3339 time, strictly (chrono's own parser also takes a
+/// space for the `T` and other forms the document does not allow).
+fn rfc3339<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>, D::Error> {
+    let Some(text) = <Option<String> as serde::Deserialize>::deserialize(d)? else {
+        return Ok(None);
+    };
+    chrono::DateTime::parse_from_rfc3339(&text)
+        .map(|t| Some(t.with_timezone(&chrono::Utc)))
+        .map_err(|_| serde::de::Error::custom("must be an RFC 3339 time (2026-12-01T10:00:00Z)"))
 }
 
 /// Parses and validates a submission body against the registered workflows

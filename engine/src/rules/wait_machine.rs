@@ -365,6 +365,24 @@ mod tests {
     /// A join's children as they stand, and whether every one is over.
     type Standing = Option<(Vec<ChildOutcome>, bool)>;
 
+    /// `WaitKind::ALL` holds every kind, each once: a new kind fails to
+    /// compile here until it is placed (and so in every table below).
+    #[test]
+    fn all_is_every_kind() {
+        let place = |kind: WaitKind| match kind {
+            WaitKind::Sleep => 0,
+            WaitKind::Signal => 1,
+            WaitKind::Approval => 2,
+            WaitKind::Children => 3,
+            WaitKind::Budget => 4,
+            WaitKind::Concurrency => 5,
+            WaitKind::Throttle => 6,
+            WaitKind::Provider => 7,
+        };
+        let places: Vec<usize> = WaitKind::ALL.iter().map(|k| place(*k)).collect();
+        assert_eq!(places, (0..8).collect::<Vec<_>>());
+    }
+
     /// Every kind × journaled or not × a signal or not × children over or
     /// not × due or not.
     #[test]
