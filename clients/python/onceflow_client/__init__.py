@@ -21,11 +21,13 @@ pause up to 0.25 s × 2^attempt, at most 8 s) or after the answer's
 Retry-After (at most 30 s): every call on 429, 500, 502, 503 and 504, a
 connection refused, reset or closed mid-answer, and a timeout. That is
 safe because every write of the API is idempotent by its id: a submit sent
-again is the same job (``200``, ``created`` false), a signal the same
-signal, a cancel the same cancel, a re-run the same new job, a schedule
-the same schedule. Two calls are not keyed by an id and are retried only
-where the server did no work (429, or a connection never opened):
-``cancel_all`` and ``redrive_all``. A transport failure that outlasts the
+again is the same job (the stored one), a signal the same signal, a cancel
+the same cancel, a re-run the same new job, a schedule the same schedule,
+a schedule's delete sent again after it was done is taken as done. Three
+calls are sent again only where the server did no work (429, or a
+connection never opened): ``cancel_all`` and ``redrive_all`` (keyed by no
+id), and ``redrive`` (a redrive done twice could redrive a job that died
+again meanwhile). A transport failure that outlasts the
 retries raises ``ConnectionFailed`` (``Timeout`` for a timeout), with the
 ``httpx`` error as its cause. Webhooks are verified with the Standard
 Webhooks reference library and de-duplicated by their webhook-id
@@ -175,8 +177,11 @@ class _Req:
     params: Optional[Dict[str, str]] = None
     body: Any = None
     wrap: Callable[[Any], Any] = field(default=lambda answer: answer)
-    # Keyed by an id (every write but the two bulk ones): safe to send again.
+    # Keyed by an id (every write but a redrive and the bulk ones): safe
+    # to send again.
     idempotent: bool = True
+    # A delete: `404` after an earlier send got no answer means it was done.
+    gone_ok: bool = False
 
     def kwargs(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
@@ -264,7 +269,7 @@ class _Calls:
         params = {"confirm_unknown": "true"} if confirm_unknown else None
         return _Req(
             "POST", f"/v1/jobs/{_segment(id)}/redrive", params=params,
-            body=_reason(reason), wrap=Job,
+            body=_reason(reason), wrap=Job, idempotent=False,
         )
 
     @staticmethod
@@ -305,7 +310,7 @@ class _Calls:
 
     @staticmethod
     def delete_schedule(id: str) -> _Req:
-        return _Req("DELETE", f"/v1/schedules/{_segment(id)}", wrap=lambda _: None)
+        return _Req("DELETE", f"/v1/schedules/{_segment(id)}", wrap=lambda _: None, gone_ok=True)
 
 
 #: Answers a call is sent again after: busy, or the server or a proxy failed.
@@ -373,6 +378,8 @@ class Client:
                 if pause is None:
                     raise _failed(e, req) from e
             else:
+                if attempt > 0 and req.gone_ok and response.status_code == 404:
+                    return req.wrap(None)  # done by a send whose answer was lost
                 pause = _retry(req, attempt, self.max_retries, response)
                 if pause is None:
                     return req.wrap(_answer(response))
@@ -553,6 +560,10 @@ class Client:
                         source.response.read()
                         _answer(source.response)
                     for sse in source.iter_sse():
+                        if not sse.data:
+                            # A keep-alive comment: httpx-sse reports one as an
+                            # event (with the last id) once any event had an id.
+                            continue
                         event = _event(sse)
                         last, failures = event.id, 0
                         yield event
@@ -603,6 +614,8 @@ class AsyncClient:
                 if pause is None:
                     raise _failed(e, req) from e
             else:
+                if attempt > 0 and req.gone_ok and response.status_code == 404:
+                    return req.wrap(None)  # done by a send whose answer was lost
                 pause = _retry(req, attempt, self.max_retries, response)
                 if pause is None:
                     return req.wrap(_answer(response))
@@ -756,6 +769,10 @@ class AsyncClient:
                         await source.response.aread()
                         _answer(source.response)
                     async for sse in source.aiter_sse():
+                        if not sse.data:
+                            # A keep-alive comment: httpx-sse reports one as an
+                            # event (with the last id) once any event had an id.
+                            continue
                         event = _event(sse)
                         last, failures = event.id, 0
                         yield event

@@ -18,8 +18,10 @@
  * and `504`, a connection refused, reset or closed mid-answer, and a
  * timeout. That is safe because every write of the API is idempotent by
  * its id: a submit sent again is the same job (`200`, `created` false), a
- * signal the same signal, a cancel the same cancel. A failure that
- * outlasts the retries rejects with `OnceflowConnectionError`
+ * signal the same signal, a cancel the same cancel, a schedule's delete
+ * done once. A redrive and the bulk calls are sent again only when the
+ * server did no work. A failure that outlasts the retries rejects with
+ * `OnceflowConnectionError`
  * (`OnceflowTimeoutError` for a timeout), the fetch error as its `cause`.
  */
 import createClient from "openapi-fetch";
@@ -238,8 +240,11 @@ export class Onceflow {
   async redrive(id: string, options: { reason?: string; confirmUnknown?: boolean } = {}): Promise<Job> {
     const query = options.confirmUnknown ? { confirm_unknown: true } : undefined;
     const body = options.reason ? { reason: options.reason } : {};
-    const answer = await this.call(() =>
-      this.api.POST("/v1/jobs/{id}/redrive", { params: { path: { id }, query }, body }),
+    // Done twice, a redrive could redrive a job that died again meanwhile:
+    // sent again only when the server did no work.
+    const answer = await this.call(
+      () => this.api.POST("/v1/jobs/{id}/redrive", { params: { path: { id }, query }, body }),
+      false,
     );
     return answer.data as Job;
   }
@@ -313,7 +318,7 @@ export class Onceflow {
 
   /** Deletes a schedule (its jobs stay); deleting it again is `404`. */
   async deleteSchedule(id: string): Promise<void> {
-    await this.call(() => this.api.DELETE("/v1/schedules/{id}", { params: { path: { id } } }));
+    await this.call(() => this.api.DELETE("/v1/schedules/{id}", { params: { path: { id } } }), true, true);
   }
 
   /** Waits for the job to be final (acked, dead or cancelled) and returns it. */
@@ -396,7 +401,11 @@ export class Onceflow {
    * again only when the server did no work: a `429`, or a connection never
    * opened.
    */
-  private async call<T>(request: () => Promise<Answer<T>>, idempotent = true): Promise<Answer<T>> {
+  private async call<T>(
+    request: () => Promise<Answer<T>>,
+    idempotent = true,
+    goneOk = false,
+  ): Promise<Answer<T>> {
     const tries = Number.isFinite(this.maxRetries) ? Math.max(0, this.maxRetries) : 3;
     for (let attempt = 0; ; attempt++) {
       const last = attempt >= tries;
@@ -404,11 +413,16 @@ export class Onceflow {
       try {
         answer = await request();
       } catch (e) {
+        // Only a failure of the network is sent again and made our own
+        // error; any other (a body that does not serialise) is the caller's.
+        if (!isNetwork(e)) throw e;
         if (last || !(idempotent || neverSent(e))) throw noAnswer(e);
         await sleep(backoff(attempt));
         continue;
       }
       const status = answer.response.status;
+      // A delete whose earlier send got no answer: its 404 is that send's work.
+      if (goneOk && attempt > 0 && status === 404) return answer;
       const again = idempotent ? RETRIED_STATUSES.includes(status) : status === 429;
       if (again && !last) {
         await sleep(retryAfter(answer.response, attempt));
@@ -494,7 +508,11 @@ function plainHeaders(headers: WebhookHeaders): Record<string, string> {
   const out: Record<string, string> = {};
   const put = (name: string, value: string | string[] | undefined) => {
     if (value === undefined) return;
-    out[name.toLowerCase()] = Array.isArray(value) ? value.join(", ") : value;
+    const lower = name.toLowerCase();
+    // One name twice (`webhook-id` and `Webhook-Id`, a pair repeated) could
+    // verify one value while the consumer de-duplicates by the other.
+    if (lower in out) throw new Error(`the header ${lower} is given twice`);
+    out[lower] = Array.isArray(value) ? value.join(", ") : value;
   };
   // A fetch `Headers` (and any list of pairs) iterates its pairs.
   if (Symbol.iterator in Object(headers) && !isRecord(headers)) {
@@ -515,7 +533,16 @@ function isRecord(value: unknown): boolean {
 /** A connection that could not be opened: the request never left. */
 function neverSent(e: unknown): boolean {
   const code = (e as { cause?: { code?: string } })?.cause?.code;
-  return code === "ECONNREFUSED" || code === "ENOTFOUND" || code === "EAI_AGAIN";
+  return (
+    code === "ECONNREFUSED" || code === "ENOTFOUND" || code === "EAI_AGAIN" || code === "UND_ERR_CONNECT_TIMEOUT"
+  );
+}
+
+/** A failure of the network (fetch's `TypeError` with a cause) or our timeout. */
+function isNetwork(e: unknown): boolean {
+  const name = (e as { name?: string })?.name;
+  if (name === "TimeoutError" || name === "AbortError") return true;
+  return e instanceof TypeError && (e as { cause?: unknown }).cause !== undefined;
 }
 
 /** Full jitter: a random pause up to the attempt's exponential bound. */
@@ -523,11 +550,12 @@ function backoff(attempt: number): number {
   return Math.random() * Math.min(250 * 2 ** attempt, 8000);
 }
 
+/** The answer's `Retry-After` (seconds or an HTTP date; at most 30 s), or a backoff. */
 function retryAfter(response: Response, attempt: number): number {
-  const seconds = Number(response.headers.get("retry-after"));
-  return Number.isFinite(seconds) && response.headers.has("retry-after")
-    ? Math.min(Math.max(seconds, 0), 30) * 1000
-    : backoff(attempt);
+  const value = response.headers.get("retry-after")?.trim();
+  if (!value) return backoff(attempt);
+  const seconds = /^\d+$/.test(value) ? Number(value) : (Date.parse(value) - Date.now()) / 1000;
+  return Number.isFinite(seconds) ? Math.min(Math.max(seconds, 0), 30) * 1000 : backoff(attempt);
 }
 
 function sleep(ms: number): Promise<void> {

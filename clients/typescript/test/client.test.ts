@@ -205,6 +205,11 @@ test("a 503 is retried for a read and a write alike, within the bound", async ()
   seen = 0;
   assert.equal((await patient.cancel("j", "tidy")).state, "acked");
   assert.equal(seen, 3, "a cancel is idempotent: sent again after each 503");
+  for (const bulk of [() => patient.cancelAll({ reason: "tidy" }), () => patient.redriveAll(), () => patient.redrive("j")]) {
+    seen = 0;
+    await assert.rejects(bulk(), (e: unknown) => e instanceof OnceflowError && e.status === 503);
+    assert.equal(seen, 1, "keyed by no id (or a redrive): a 503 is not sent again");
+  }
 });
 
 test("a request past its timeout is sent again, then rejects with the client's own timeout", async () => {
@@ -317,6 +322,12 @@ test("webhooks verify with the headers each framework hands over", async () => {
     assert.equal(verifyWebhook(secret, body, headers).data.job_id, "w");
   }
   assert.throws(() => verifyWebhook(secret, body + " ", fetchHeaders));
+  // One name twice is refused: the consumer could de-duplicate by the other.
+  assert.throws(() => verifyWebhook(secret, body, { ...plain, "Webhook-Id": "job:other:completed" }), /twice/);
+  assert.throws(
+    () => verifyWebhook(secret, body, [...Object.entries(plain), ["webhook-id", "job:other:completed"]] as [string, string][]),
+    /twice/,
+  );
 });
 
 test("every call of the API: batch, re-run, redrive, bulk cancel, schedules, stats, paging", async () => {
