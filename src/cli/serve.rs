@@ -24,6 +24,10 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
     }
     config.telemetry = telemetry.clone();
     let database = args.db.resolve()?;
+    // The port first: a node that cannot listen exits before it takes a
+    // name, starts actors or opens the database.
+    let listener = std::net::TcpListener::bind(args.listen)
+        .with_context(|| format!("binding {}", args.listen))?;
     let result = actix_web::rt::System::new().block_on(async {
         let db = database.open(args.db.db_pool).await?;
         let store = Store::new(db);
@@ -72,8 +76,8 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
         // Signals are ours: the API keeps answering (503) while the node drains.
         .disable_signals()
         .shutdown_timeout(5)
-        .bind(args.listen)
-        .with_context(|| format!("binding {}", args.listen))?
+        .listen(listener)
+        .with_context(|| format!("listening on {}", args.listen))?
         .run();
         let http = server.handle();
         let mut serving = actix_web::rt::spawn(server);

@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use onceflow_engine::api::{self, ApiState, DEFAULT_BODY_LIMIT};
-use onceflow_engine::testkit::{wait_until, TestEnv};
+use onceflow_engine::testkit::TestEnv;
 use onceflow_engine::Registry;
 use serde_json::Value;
 
@@ -136,6 +136,14 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `serve` could not bind its port: another process took it first.
+#[derive(Debug)]
+struct PortTaken;
+
+fn read_log(log: &Path) -> String {
+    std::fs::read_to_string(log).unwrap_or_default()
+}
+
 /// The real `onceflow serve`, killed when dropped.
 pub struct ServeProcess {
     pub child: Child,
@@ -144,8 +152,17 @@ pub struct ServeProcess {
 
 impl ServeProcess {
     /// Starts `onceflow serve` with `env` and waits until `/healthz` answers 200.
+    /// A port taken by another test between `free_port()` and the bind is
+    /// tried again on another one.
     pub async fn start(env: &[(&str, String)], log: &Path) -> ServeProcess {
-        Self::start_on(free_port(), env, log).await
+        let binary = Path::new(env!("CARGO_BIN_EXE_onceflow"));
+        for _ in 0..4 {
+            match Self::try_start(binary, free_port(), env, log).await {
+                Ok(serve) => return serve,
+                Err(PortTaken) => continue,
+            }
+        }
+        panic!("four free ports were taken before onceflow serve bound them");
     }
 
     /// Starts a new server on this one's port (after it was killed).
@@ -165,6 +182,19 @@ impl ServeProcess {
         env: &[(&str, String)],
         log: &Path,
     ) -> ServeProcess {
+        match Self::try_start(binary, port, env, log).await {
+            Ok(serve) => serve,
+            Err(PortTaken) => panic!("port {port} is taken; log:\n{}", read_log(log)),
+        }
+    }
+
+    async fn try_start(
+        binary: &Path,
+        port: u16,
+        env: &[(&str, String)],
+        log: &Path,
+    ) -> Result<ServeProcess, PortTaken> {
+        let logged_before = std::fs::metadata(log).map_or(0, |m| m.len() as usize);
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -187,25 +217,39 @@ impl ServeProcess {
         let base = format!("http://127.0.0.1:{port}");
         let mut serve = ServeProcess { child, base };
         let healthz = format!("{}/healthz", serve.base);
-        let up = wait_until(Duration::from_secs(60), || async {
-            client()
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(Some(status)) = serve.child.try_wait() {
+                let said = read_log(log);
+                if said
+                    .get(logged_before..)
+                    .unwrap_or("")
+                    .contains("Address already in use")
+                {
+                    return Err(PortTaken);
+                }
+                panic!("onceflow serve exited early: {status}; log:\n{said}");
+            }
+            let healthy = client()
                 .get(&healthz)
+                .timeout(Duration::from_secs(2))
                 .send()
                 .await
-                .is_ok_and(|r| r.status() == 200)
-        })
-        .await;
-        if !up {
-            let _ = serve.child.kill();
-            panic!(
-                "onceflow serve did not become healthy; log:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
+                .is_ok_and(|r| r.status() == 200);
+            // Healthy and still ours (a server of another test could answer
+            // on a port we failed to take).
+            if healthy && matches!(serve.child.try_wait(), Ok(None)) {
+                return Ok(serve);
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = serve.child.kill();
+                panic!(
+                    "onceflow serve did not become healthy; log:\n{}",
+                    read_log(log)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        if let Ok(Some(status)) = serve.child.try_wait() {
-            panic!("onceflow serve exited early: {status}");
-        }
-        serve
     }
 
     pub fn sigkill(&mut self) {
