@@ -67,7 +67,7 @@ pub mod rules;
 pub mod store;
 pub mod workflow;
 
-pub use context::{Context, StepInvocation, ToolInvocation};
+pub use context::{Context, SendMode, StepInvocation, ToolCall, ToolInvocation};
 pub use db::Db;
 pub use error::{ErrorEnvelope, StepError, StoreError};
 pub use faults::{Action, FailPoint, Faults};

@@ -115,16 +115,32 @@ impl App {
         self.run_command(cli.command)
     }
 
-    fn registry(&self, tool_post_url: Option<&str>) -> Registry {
-        let mut registry = onceflow_workflows::registry_with_tools(tool_post_url, &self.tools);
+    fn registry(&self, args: &config::ServeArgs) -> anyhow::Result<Registry> {
+        use anyhow::Context as _;
+        let mcp = match args.mcp_servers.as_deref() {
+            Some(setting) => {
+                let servers = onceflow_workflows::mcp::McpServers::from_setting(setting)
+                    .map_err(anyhow::Error::msg)
+                    .context("ONCEFLOW_MCP_SERVERS")?;
+                servers
+                    .check(&args.engine_config()?.url_guard)
+                    .map_err(anyhow::Error::msg)
+                    .context("ONCEFLOW_MCP_SERVERS (set ONCEFLOW_ALLOW_PRIVATE_URLS for a server on loopback or a private network)")?;
+                tracing::info!(servers = ?servers.names(), "MCP servers configured");
+                servers
+            }
+            None => onceflow_workflows::mcp::McpServers::none(),
+        };
+        let mut registry =
+            onceflow_workflows::registry_with_mcp(args.tool_post_url.as_deref(), &self.tools, mcp);
         registry.extend(&self.workflows);
-        registry
+        Ok(registry)
     }
 
     fn run_command(self, command: Command) -> anyhow::Result<()> {
         match command {
             Command::Serve(args) => {
-                let registry = self.registry(args.tool_post_url.as_deref());
+                let registry = self.registry(&args)?;
                 serve::run(*args, registry)
             }
             Command::Migrate(args) => serve::migrate(args),
@@ -145,7 +161,7 @@ impl App {
 
 /// The flags that would carry a secret, by argument id, with the
 /// environment variable to use instead.
-const SECRET_FLAGS: [(&str, &str, &str); 5] = [
+const SECRET_FLAGS: [(&str, &str, &str); 6] = [
     ("token", "--token", "ONCEFLOW_TOKEN"),
     ("openai_api_key", "--openai-api-key", "OPENAI_API_KEY"),
     (
@@ -159,6 +175,11 @@ const SECRET_FLAGS: [(&str, &str, &str); 5] = [
         "ONCEFLOW_WEBHOOK_SECRET",
     ),
     ("database_url", "--database-url", "DATABASE_URL"),
+    (
+        "mcp_servers",
+        "--mcp-servers",
+        "ONCEFLOW_MCP_SERVERS (or --mcp-servers @file)",
+    ),
 ];
 
 /// Why the command line is refused, when it carries a secret: a flag's
@@ -171,6 +192,20 @@ fn secret_on_command_line(matches: &clap::ArgMatches) -> Option<String> {
             && matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
         if !given {
             continue;
+        }
+        if id == "mcp_servers" {
+            // A file's path is no secret; the JSON itself may hold one.
+            let value = matches
+                .try_get_raw(id)
+                .ok()
+                .flatten()
+                .and_then(|mut v| v.next());
+            if value
+                .and_then(|v| v.to_str())
+                .is_some_and(|v| v.starts_with('@'))
+            {
+                continue;
+            }
         }
         if id == "database_url" {
             let url = matches

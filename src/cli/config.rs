@@ -129,6 +129,12 @@ pub struct ServeArgs {
     /// Where the agent's built-in `http_post` tool posts; unset: the agent has no tools.
     #[arg(long, env = "ONCEFLOW_TOOL_POST_URL")]
     pub tool_post_url: Option<String>,
+    /// MCP servers whose tools agent jobs may use: JSON, or `@path` to a
+    /// JSON file, of `{"<server>": {"url": "http(s)://…", "headers"?: {…}}}`;
+    /// a header's value is a string, `{"env": "VAR"}` or `{"file": "path"}`
+    /// (give secrets the last two ways). On the command line only as `@path`.
+    #[arg(long, env = "ONCEFLOW_MCP_SERVERS", hide_env_values = true)]
+    pub mcp_servers: Option<String>,
     /// HTTP worker threads.
     #[arg(long, env = "ONCEFLOW_HTTP_WORKERS", default_value_t = 2)]
     pub http_workers: usize,

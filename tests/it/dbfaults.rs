@@ -664,6 +664,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
         tool_name: "lookup",
         arguments: &args,
         arguments_hash: &hash,
+        mode: onceflow_engine::rules::verdict::SendMode::AtLeastOnce,
     };
     assert_eq!(
         env.store
@@ -676,7 +677,12 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
     assert!(!env
         .store
         .journal()
-        .fail_tool_call(&old, position, &failed.error, true)
+        .fail_tool_call(
+            &old,
+            position,
+            &failed.error,
+            onceflow_engine::store::ledger::ToolFailure::Permanent
+        )
         .await
         .unwrap());
     let tool = env

@@ -25,6 +25,7 @@ use onceflow_engine::{Context, InvalidInput, StepError, Workflow};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::mcp::{McpServers, PinnedTool};
 use crate::tool::Tool;
 
 /// Turns allowed when the input does not say.
@@ -34,16 +35,22 @@ pub const DEFAULT_MAX_TURNS: u32 = 8;
 /// (`job:{id}:step:tools`).
 pub const TOOLS_STEP: &str = "tools";
 
+/// The step under which an agent job pins the tools its MCP servers listed
+/// (`job:{id}:step:mcp-tools`); only a job that asks for MCP servers has it.
+pub const MCP_TOOLS_STEP: &str = "mcp-tools";
+
 /// The agent workflow with its tools.
 #[derive(Clone, Default)]
 pub struct Agent {
     tools: BTreeMap<String, Arc<dyn Tool>>,
+    mcp: McpServers,
 }
 
 impl std::fmt::Debug for Agent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Agent")
             .field("tools", &self.tools.keys())
+            .field("mcp", &self.mcp)
             .finish()
     }
 }
@@ -59,6 +66,13 @@ impl Agent {
         let name = tool.name().to_owned();
         let previous = self.tools.insert(name.clone(), tool);
         assert!(previous.is_none(), "tool {name:?} registered twice");
+        self
+    }
+
+    /// Gives the agent the operator's MCP servers: a job names the ones it
+    /// uses in its input's `"mcp"`.
+    pub fn with_mcp_servers(mut self, servers: McpServers) -> Self {
+        self.mcp = servers;
         self
     }
 
@@ -102,6 +116,10 @@ pub struct AgentInput {
     /// most [`MAX_APPROVAL_TIMEOUT_S`]); unanswered, the call is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_timeout_s: Option<u64>,
+    /// MCP servers (names the operator configured) whose tools the model
+    /// is offered, as `mcp__{server}__{tool}`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp: Vec<String>,
 }
 
 /// Which tool calls wait for a person's approval.
@@ -114,18 +132,27 @@ pub enum Approval {
     Tools(Vec<String>),
 }
 
-/// The word `"all"`.
+/// The words `"all"` and `"destructive"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EveryTool {
     /// Every tool.
     All,
+    /// Every tool that does not say it is harmless: an MCP tool not marked
+    /// `readOnlyHint: true` or `destructiveHint: false`, and every Rust tool
+    /// (which says nothing of itself).
+    Destructive,
 }
 
 impl Approval {
-    fn covers(&self, tool: &str) -> bool {
+    /// Whether a call of `tool` waits for a person; `mcp` is the tool as
+    /// pinned when it comes from an MCP server.
+    fn covers(&self, tool: &str, mcp: Option<&PinnedTool>) -> bool {
         match self {
             Approval::Every(EveryTool::All) => true,
+            Approval::Every(EveryTool::Destructive) => {
+                mcp.is_none_or(PinnedTool::needs_approval_when_destructive)
+            }
             Approval::Tools(names) => names.iter().any(|n| n == tool),
         }
     }
@@ -133,12 +160,16 @@ impl Approval {
     /// The first listed name that is not among `tools`, with its index: a
     /// misspelt name would otherwise let the tool it meant run unasked.
     fn unknown<'a>(&'a self, tools: &[&str]) -> Option<(usize, &'a str)> {
+        self.unknown_where(|name| tools.contains(&name))
+    }
+
+    fn unknown_where<'a>(&'a self, known: impl Fn(&str) -> bool) -> Option<(usize, &'a str)> {
         match self {
-            Approval::Every(EveryTool::All) => None,
+            Approval::Every(_) => None,
             Approval::Tools(names) => names
                 .iter()
                 .enumerate()
-                .find(|(_, n)| !tools.contains(&n.as_str()))
+                .find(|(_, n)| !known(n))
                 .map(|(i, n)| (i, n.as_str())),
         }
     }
@@ -190,15 +221,18 @@ impl Workflow for Agent {
                 "stream": { "type": "boolean", "default": false,
                     "description": "Journal every turn's text as it arrives; watch it on GET /v1/jobs/{id}/events." },
                 "approval": {
-                    "description": "Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run: \"all\", or names of the agent's tools (a name it does not have is refused).",
+                    "description": "Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run: \"all\"; \"destructive\" (every tool not marked readOnlyHint: true or destructiveHint: false by its MCP server, and every Rust tool); or names of the agent's tools, MCP ones as mcp__{server}__{tool} (a name it does not have is refused).",
                     "oneOf": [
                         { "const": "all" },
+                        { "const": "destructive" },
                         { "type": "array", "items": { "type": "string" } },
                     ],
                 },
                 "approval_timeout_s": { "type": "integer", "minimum": 1,
                     "maximum": MAX_APPROVAL_TIMEOUT_S, "default": DEFAULT_APPROVAL_TIMEOUT_S,
                     "description": "Unanswered this long, the call is refused." },
+                "mcp": { "type": "array", "uniqueItems": true, "items": { "type": "string" },
+                    "description": "MCP servers of this node (ONCEFLOW_MCP_SERVERS) whose tools the model is offered, as mcp__{server}__{tool}." },
             },
         }))
     }
@@ -233,11 +267,39 @@ impl Workflow for Agent {
     }
 
     fn validate_here(&self, input: &AgentInput) -> Result<(), InvalidInput> {
+        for (i, server) in input.mcp.iter().enumerate() {
+            if self.mcp.get(server).is_none() {
+                return Err(InvalidInput::new(
+                    format!("input.mcp[{i}]"),
+                    format!(
+                        "names {server:?}, which is not an MCP server of this node {:?} (ONCEFLOW_MCP_SERVERS)",
+                        self.mcp.names()
+                    ),
+                ));
+            }
+            if input.mcp[..i].contains(server) {
+                return Err(InvalidInput::new(
+                    format!("input.mcp[{i}]"),
+                    format!("names {server:?} twice"),
+                ));
+            }
+        }
         let tools: Vec<&str> = self.tools.keys().map(String::as_str).collect();
-        match input.approval.as_ref().and_then(|a| a.unknown(&tools)) {
+        // An MCP tool is known once its server lists it; here its name
+        // must at least name one of the job's servers (the pinned list
+        // decides before any tool runs).
+        let known = |name: &str| {
+            tools.contains(&name)
+                || input.mcp.iter().any(|server| {
+                    name.strip_prefix(crate::mcp::PREFIX)
+                        .and_then(|rest| rest.strip_prefix(server.as_str()))
+                        .is_some_and(|rest| rest.len() > 2 && rest.starts_with("__"))
+                })
+        };
+        match input.approval.as_ref().and_then(|a| a.unknown_where(known)) {
             Some((i, name)) => Err(InvalidInput::new(
                 format!("input.approval[{i}]"),
-                format!("names {name:?}, which is not one of this agent's tools {tools:?}"),
+                format!("names {name:?}, which is not one of this agent's tools {tools:?} nor a tool of its MCP servers {:?}", input.mcp),
             )),
             None => Ok(()),
         }
@@ -252,7 +314,27 @@ impl Workflow for Agent {
         // asks the model with the same list, so each turn's request keeps
         // its key's hash.
         let here: Vec<Value> = self.tools.values().map(|t| t.definition()).collect();
-        let definitions: Vec<Value> = ctx.step(TOOLS_STEP, |_| async move { Ok(here) }).await?;
+        let mut definitions: Vec<Value> = ctx.step(TOOLS_STEP, |_| async move { Ok(here) }).await?;
+        // An MCP server's tools are listed once and pinned likewise: every
+        // node and every resume offers the same list.
+        let mcp_tools: Vec<PinnedTool> = if input.mcp.is_empty() {
+            Vec::new()
+        } else {
+            let (servers, wanted, timeout) = (&self.mcp, &input.mcp, ctx.tool_timeout());
+            ctx.step(MCP_TOOLS_STEP, |step| async move {
+                crate::mcp::list(
+                    servers,
+                    wanted,
+                    &step.client,
+                    &step.guard,
+                    timeout,
+                    step.response_limit,
+                )
+                .await
+            })
+            .await?
+        };
+        definitions.extend(mcp_tools.iter().map(PinnedTool::definition));
         // Intake checked the approval list against its node's tools; the
         // pinned set decides here, so a name that matches none of them ends
         // the job before any tool can run unasked (fails closed).
@@ -306,9 +388,18 @@ impl Workflow for Agent {
                         e.to_string(),
                     )
                 })?;
-                if let Some(refused) = approve(ctx, &input, id, name, &arguments).await? {
+                let mcp_tool = mcp_tools.iter().find(|t| t.name() == name);
+                if let Some(refused) = approve(ctx, &input, id, name, mcp_tool, &arguments).await? {
                     messages
                         .push(json!({ "role": "tool", "tool_call_id": id, "content": refused }));
+                    continue;
+                }
+                if let Some(pinned) = mcp_tool {
+                    let result = self
+                        .call_mcp(ctx, pinned, (turn, index), id, &arguments)
+                        .await?;
+                    executed += 1;
+                    messages.push(json!({ "role": "tool", "tool_call_id": id, "content": result }));
                     continue;
                 }
                 let tool = match self.tools.get(name) {
@@ -364,6 +455,51 @@ impl Workflow for Agent {
     }
 }
 
+impl Agent {
+    /// One call of a pinned MCP tool, through the tool ledger: run once, or
+    /// (a tool that may not run twice, its answer lost) stopped for a
+    /// decision.
+    async fn call_mcp(
+        &self,
+        ctx: &mut Context,
+        pinned: &PinnedTool,
+        (turn, index): (u32, usize),
+        id: &str,
+        arguments: &Value,
+    ) -> Result<String, StepError> {
+        let Some(server) = self.mcp.get(&pinned.server).cloned() else {
+            // Pinned for this job, unknown to this node's configuration:
+            // another node (or this one after its deploy) may have it.
+            return Err(StepError::Retry {
+                error: ErrorEnvelope {
+                    code: "tool_unavailable".to_owned(),
+                    message: format!(
+                        "this job's agent uses MCP server {:?}, which this node does not have",
+                        pinned.server
+                    ),
+                    retryable: true,
+                },
+                attempt: ctx.attempt().max(1) as u32,
+                retry_after: None,
+            });
+        };
+        let name = pinned.name();
+        let call = onceflow_engine::ToolCall {
+            turn: turn as i32,
+            index: index as i32,
+            tool_call_id: id,
+            tool_name: &name,
+            arguments,
+            mode: pinned.mode(),
+        };
+        ctx.tool_call(call, |invocation| {
+            let arguments = arguments.clone();
+            async move { crate::mcp::call(&server, pinned, arguments, invocation).await }
+        })
+        .await
+    }
+}
+
 /// When `name`'s calls need approval, waits for it; returns `None` when the
 /// call may run, or the tool message that tells the model it was refused.
 async fn approve(
@@ -371,9 +507,10 @@ async fn approve(
     input: &AgentInput,
     id: &str,
     name: &str,
+    mcp: Option<&PinnedTool>,
     arguments: &Value,
 ) -> Result<Option<String>, StepError> {
-    if !input.approval.as_ref().is_some_and(|a| a.covers(name)) {
+    if !input.approval.as_ref().is_some_and(|a| a.covers(name, mcp)) {
         return Ok(None);
     }
     let timeout_s = input

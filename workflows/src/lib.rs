@@ -9,6 +9,8 @@
 //! * [`agent`] — the model ↔ tool-call loop; each tool call runs once
 //!   through the tool ledger.
 //! * [`tool`] — the [`Tool`] trait and the built-in [`HttpPost`] tool.
+//! * [`mcp`] — tools from MCP servers, pinned per job, each call run once
+//!   or stopped for a decision.
 //! * [`example`] — a user's own workflow (a general step) and tool, as a model
 //!   to copy.
 //!
@@ -19,6 +21,7 @@
 pub mod agent;
 pub mod completion;
 pub mod example;
+pub mod mcp;
 pub mod tool;
 
 use onceflow_engine::Registry;
@@ -38,9 +41,19 @@ pub fn registry_with_tools(
     tool_post_url: Option<&str>,
     tools: &[std::sync::Arc<dyn Tool>],
 ) -> Registry {
+    registry_with_mcp(tool_post_url, tools, mcp::McpServers::none())
+}
+
+/// As [`registry_with_tools`], with the operator's MCP servers, which an
+/// agent job names in its input's `"mcp"`.
+pub fn registry_with_mcp(
+    tool_post_url: Option<&str>,
+    tools: &[std::sync::Arc<dyn Tool>],
+    mcp: mcp::McpServers,
+) -> Registry {
     let mut registry = Registry::new();
     registry.register(Completion::default());
-    let mut agent = Agent::new();
+    let mut agent = Agent::new().with_mcp_servers(mcp);
     if let Some(url) = tool_post_url {
         agent = agent.with_tool(HttpPost::new(url));
     }

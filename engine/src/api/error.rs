@@ -17,6 +17,7 @@ pub(crate) enum Code {
     CrossSite,
     Delivering,
     DeliveryUnknown,
+    ToolOutcomeUnknown,
     Draining,
     Finished,
     Invalid,
@@ -54,6 +55,7 @@ impl Code {
             Code::CrossSite => "cross_site",
             Code::Delivering => "delivering",
             Code::DeliveryUnknown => "delivery_unknown",
+            Code::ToolOutcomeUnknown => "tool_outcome_unknown",
             Code::Draining => "draining",
             Code::Finished => "finished",
             Code::Invalid => "invalid",
@@ -92,6 +94,7 @@ impl Code {
             Code::Conflict
             | Code::Delivering
             | Code::DeliveryUnknown
+            | Code::ToolOutcomeUnknown
             | Code::Finished
             | Code::JobFinished
             | Code::NotDead

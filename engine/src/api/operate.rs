@@ -217,6 +217,12 @@ pub(super) async fn redrive(
              redrive with ?confirm_unknown=true to send it again under the same webhook-id",
             None,
         ),
+        Redriven::UnknownToolCall => error(
+            Code::ToolOutcomeUnknown,
+            "a tool call that may not run twice was sent and its answer lost (it may have run); \
+             redrive with ?confirm_unknown=true to call it again under the same key",
+            None,
+        ),
         Redriven::Missing => error(Code::NotFound, format!("no job {id:?}"), None),
     })
 }
@@ -260,7 +266,7 @@ pub(super) async fn redrive_bulk(
             .map_err(unavailable)?
         {
             Redriven::Resumed(_) => redriven += 1,
-            Redriven::UnknownDelivery => skipped_unknown += 1,
+            Redriven::UnknownDelivery | Redriven::UnknownToolCall => skipped_unknown += 1,
             Redriven::NotDead(_) | Redriven::Missing => {}
         }
     }

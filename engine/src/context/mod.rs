@@ -27,7 +27,7 @@ mod wait;
 pub(crate) use children::ChildRules;
 pub use children::{child_id, Child, ChildFailed};
 pub use step::{StepInvocation, MAX_PARALLEL_STEPS};
-pub use tool::ToolInvocation;
+pub use tool::{SendMode, ToolCall, ToolInvocation, TOOL_OUTCOME_UNKNOWN};
 pub use wait::{valid_wait_name, Decision, MAX_WAIT_NAME};
 
 /// Everything a step needs; built by the job actor for one attempt.
@@ -231,6 +231,11 @@ impl Context {
     /// This attempt's number (1 on the first run).
     pub fn attempt(&self) -> i32 {
         self.fence.attempt
+    }
+
+    /// How long one tool call may take on this node (the webhook timeout).
+    pub fn tool_timeout(&self) -> std::time::Duration {
+        self.tool_timeout
     }
 
     /// The HTTP client steps and tools should use.

@@ -13,7 +13,9 @@ use crate::error::StepError;
 use crate::net::outbound::PostError;
 use crate::request::canonical_hash;
 use crate::rules::keys;
+pub use crate::rules::verdict::SendMode;
 use crate::rules::verdict::{on_call_failure, on_tool_error};
+use crate::store::ledger::ToolFailure;
 
 /// What a tool's execution gets: who asked, and the key to pass on.
 #[derive(Debug, Clone)]
@@ -78,6 +80,29 @@ impl ToolInvocation {
     }
 }
 
+/// One tool call as the model asked for it, and how a lost answer is
+/// treated (see [`Context::tool_call`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ToolCall<'a> {
+    /// The model turn that asked for it (0-based).
+    pub turn: i32,
+    /// Its place among that turn's calls (0-based).
+    pub index: i32,
+    /// The provider's id of the call.
+    pub tool_call_id: &'a str,
+    /// The tool's name.
+    pub tool_name: &'a str,
+    /// The arguments the model gave.
+    pub arguments: &'a Value,
+    /// Sent again after a lost answer ([`SendMode::AtLeastOnce`]), or never
+    /// without a person's decision ([`SendMode::AtMostOnce`]).
+    pub mode: SendMode,
+}
+
+/// The error code of a call that was sent and whose answer was lost, when
+/// it may not be sent twice.
+pub const TOOL_OUTCOME_UNKNOWN: &str = "tool_outcome_unknown";
+
 /// A tool event's phases, as the row's offset (one row per phase and
 /// attempt).
 const STARTED: (i32, &str) = (0, "started");
@@ -122,6 +147,10 @@ impl Context {
     /// after; a replay returns the stored result byte for byte. The same
     /// position with another tool-call id or other arguments is a permanent
     /// error and nothing is executed.
+    ///
+    /// A call whose answer was lost (the worker died mid-call) is executed
+    /// again under the same key; see [`tool_call`](Self::tool_call) for a
+    /// tool that may not run twice.
     pub async fn tool<F, Fut>(
         &mut self,
         turn: i32,
@@ -135,7 +164,42 @@ impl Context {
         F: FnOnce(ToolInvocation) -> Fut,
         Fut: std::future::Future<Output = Result<String, StepError>>,
     {
+        let call = ToolCall {
+            turn,
+            index,
+            tool_call_id,
+            tool_name,
+            arguments,
+            mode: SendMode::AtLeastOnce,
+        };
+        self.tool_call(call, execute).await
+    }
+
+    /// As [`tool`](Self::tool), with the call's [`SendMode`]: under
+    /// [`SendMode::AtMostOnce`] a call that was sent and whose answer was
+    /// never recorded is not sent again; the job ends `dead` with
+    /// `tool_outcome_unknown` (its ledger row `unknown`), and only a redrive
+    /// with `confirm_unknown=true` sends it again, under the same key. An
+    /// `execute` that returns the error code `tool_outcome_unknown` (its
+    /// request went out and no answer came) records the same.
+    pub async fn tool_call<F, Fut>(
+        &mut self,
+        call: ToolCall<'_>,
+        execute: F,
+    ) -> Result<String, StepError>
+    where
+        F: FnOnce(ToolInvocation) -> Fut,
+        Fut: std::future::Future<Output = Result<String, StepError>>,
+    {
         use crate::store::ledger::{Position, ToolCallSpec};
+        let ToolCall {
+            turn,
+            index,
+            tool_call_id,
+            tool_name,
+            arguments,
+            mode,
+        } = call;
         let position = Position { turn, index };
         let hash = canonical_hash(arguments);
         let spec = ToolCallSpec {
@@ -144,6 +208,7 @@ impl Context {
             tool_name,
             arguments,
             arguments_hash: &hash,
+            mode,
         };
         if crate::rules::payload::contains_nul(arguments) {
             return Err(StepError::permanent(
@@ -207,7 +272,8 @@ impl Context {
         let result = match executed {
             Ok(result) => result,
             Err(error) => {
-                let permanent = !on_tool_error(&error).retries();
+                let unknown = error.envelope().code == TOOL_OUTCOME_UNKNOWN;
+                let permanent = unknown || !on_tool_error(&error).retries();
                 let outcome = if permanent {
                     OUTCOME_FAILED
                 } else {
@@ -216,15 +282,24 @@ impl Context {
                 metrics.tool(outcome);
                 span.set(KeyValue::new(ERROR_CODE, error.envelope().code));
                 span.end(outcome);
+                let failure = match (unknown, permanent) {
+                    (true, _) => ToolFailure::Unknown,
+                    (false, true) => ToolFailure::Permanent,
+                    (false, false) => ToolFailure::Retry,
+                };
                 self.record_tool_failure(
                     key,
                     position,
                     &error.envelope(),
-                    permanent,
+                    failure,
                     tool_name,
                     tool_call_id,
                 )
                 .await?;
+                if unknown {
+                    // Whatever the tool said, the job stops for a decision.
+                    return Err(unknown_outcome(tool_name, tool_call_id));
+                }
                 return Err(match error {
                     StepError::Retry {
                         error, retry_after, ..
@@ -248,8 +323,15 @@ impl Context {
             metrics.tool(OUTCOME_FAILED);
             span.set(KeyValue::new(ERROR_CODE, "invalid_tool_result"));
             span.end(OUTCOME_FAILED);
-            self.record_tool_failure(key, position, &error, true, tool_name, tool_call_id)
-                .await?;
+            self.record_tool_failure(
+                key,
+                position,
+                &error,
+                ToolFailure::Permanent,
+                tool_name,
+                tool_call_id,
+            )
+            .await?;
             return Err(StepError::Permanent {
                 reason: format!("invalid tool result ({tool_name})"),
                 error,
@@ -309,6 +391,12 @@ impl Context {
                     span.end(OUTCOME_SUPPRESSED);
                     return Err(StepError::LeaseLost);
                 }
+                ToolCallStart::Unknown => {
+                    self.scope.metrics().tool(OUTCOME_FAILED);
+                    span.set(KeyValue::new(ERROR_CODE, TOOL_OUTCOME_UNKNOWN));
+                    span.end(OUTCOME_FAILED);
+                    return Err(unknown_outcome(spec.tool_name, tool_call_id));
+                }
                 ToolCallStart::Conflict {
                     stored_id,
                     stored_hash,
@@ -337,18 +425,31 @@ impl Context {
         key: &str,
         position: crate::store::ledger::Position,
         error: &crate::error::ErrorEnvelope,
-        permanent: bool,
+        failure: ToolFailure,
         tool_name: &str,
         tool_call_id: &str,
     ) -> Result<(), StepError> {
         if !self
             .store
             .journal()
-            .fail_tool_call(&self.fence, position, error, permanent)
+            .fail_tool_call(&self.fence, position, error, failure)
             .await?
         {
             return Err(StepError::LeaseLost);
         }
         self.tool_event(key, FAILED, tool_name, tool_call_id).await
     }
+}
+
+/// The job's end when an at-most-once call's outcome is unknown.
+fn unknown_outcome(tool_name: &str, tool_call_id: &str) -> StepError {
+    StepError::permanent(
+        TOOL_OUTCOME_UNKNOWN,
+        format!(
+            "tool call {tool_call_id} ({tool_name}) was sent and its answer was lost; the tool \
+             may have run, and it is not marked read-only or idempotent"
+        ),
+        "nothing is sent again without a decision: redrive the job with confirm_unknown=true \
+         to call it again under the same key",
+    )
 }

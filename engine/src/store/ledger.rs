@@ -36,6 +36,21 @@ pub struct ToolCallSpec<'a> {
     pub arguments: &'a Value,
     /// Their canonical SHA-256 (hex), compared on a replay.
     pub arguments_hash: &'a str,
+    /// Whether a send whose answer was lost may be sent again (under the
+    /// same key) or stops the job for a decision.
+    pub mode: SendMode,
+}
+
+/// How a tool call's failure is recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolFailure {
+    /// A later attempt executes it again.
+    Retry,
+    /// Never executed again (a redrive may).
+    Permanent,
+    /// It was sent and its answer lost, and it may not be sent twice: only a
+    /// redrive with `confirm_unknown` sends it again.
+    Unknown,
 }
 
 /// Where a tool call stands when an attempt is about to execute it.
@@ -63,6 +78,9 @@ pub enum ToolCallStart {
     },
     /// The lease is gone.
     LeaseLost,
+    /// An at-most-once call was sent and its answer never recorded: it may
+    /// have run, so it is not sent again without a person's decision.
+    Unknown,
 }
 
 #[derive(QueryableByName)]
@@ -167,18 +185,30 @@ impl Journal<'_> {
                         stored_hash: row.arguments_hash,
                     });
                 }
+                if row.status == "unknown" {
+                    return Ok(ToolCallStart::Unknown);
+                }
                 let send = SendRow {
                     done: row.status == "completed" && row.result.is_some(),
                     in_flight_until: row.in_flight_until,
                     in_flight_epoch: row.in_flight_epoch,
                     now: row.now,
                 };
-                match decide_send(&send, fence.epoch, SendMode::AtLeastOnce) {
+                match decide_send(&send, fence.epoch, call.mode) {
                     SendDecision::Done => {
                         return Ok(ToolCallStart::Completed(row.result.expect("checked above")))
                     }
                     SendDecision::Wait { until } => return Ok(ToolCallStart::InFlight { until }),
-                    SendDecision::Send | SendDecision::Unknown => {}
+                    SendDecision::Unknown => {
+                        sql("UPDATE tool_calls SET status = 'unknown' WHERE job_id = $1 AND turn = $2 AND call_index = $3")
+                            .bind::<Text, _>(&fence.job_id)
+                            .bind::<Integer, _>(call.position.turn)
+                            .bind::<Integer, _>(call.position.index)
+                            .execute(conn)
+                            .await?;
+                        return Ok(ToolCallStart::Unknown);
+                    }
+                    SendDecision::Send => {}
                 }
                 sql(
                     "UPDATE tool_calls SET attempts = attempts + 1, status = 'started', \
@@ -243,9 +273,14 @@ impl Journal<'_> {
         fence: &Fence,
         position: Position,
         error: &ErrorEnvelope,
-        permanent: bool,
+        failure: ToolFailure,
     ) -> Result<bool, StoreError> {
         let error = serde_json::to_value(error).expect("envelope serialises");
+        let status = match failure {
+            ToolFailure::Retry => None,
+            ToolFailure::Permanent => Some("failed"),
+            ToolFailure::Unknown => Some("unknown"),
+        };
         retrying!(self, "fail_tool_call", async || {
             let mut conn = self.db().conn().await?;
             let held: Vec<super::rows::IdRow> = sql(
@@ -253,7 +288,7 @@ impl Journal<'_> {
                      SELECT id FROM jobs WHERE id = $1 AND lease_epoch = $6 FOR NO KEY UPDATE), \
                  failed AS ( \
                      UPDATE tool_calls t SET last_error = $4, in_flight_until = NULL, in_flight_epoch = NULL, \
-                         status = CASE WHEN $5 THEN 'failed'::tool_call_status ELSE t.status END \
+                         status = COALESCE($5::tool_call_status, t.status) \
                      FROM fence WHERE t.job_id = fence.id AND t.turn = $2 AND t.call_index = $3 \
                        AND t.status <> 'completed') \
                  SELECT id FROM fence",
@@ -262,7 +297,7 @@ impl Journal<'_> {
             .bind::<Integer, _>(position.turn)
             .bind::<Integer, _>(position.index)
             .bind::<Jsonb, _>(&error)
-            .bind::<Bool, _>(permanent)
+            .bind::<Nullable<Text>, _>(status)
             .bind::<BigInt, _>(fence.epoch)
             .load(&mut conn)
             .await?;

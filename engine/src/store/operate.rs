@@ -39,6 +39,9 @@ pub enum Redriven {
     /// Its webhook's outcome is unknown (at-most-once): resending needs
     /// an explicit confirmation.
     UnknownDelivery,
+    /// A tool call that may not run twice was sent and its answer lost:
+    /// calling it again needs an explicit confirmation.
+    UnknownToolCall,
     /// No such job.
     Missing,
 }
@@ -176,6 +179,15 @@ impl Jobs<'_> {
             if outbox.iter().any(|o| o.status == "unknown") && !confirm_unknown {
                 return Ok(Redriven::UnknownDelivery);
             }
+            let unknown_calls: Vec<super::rows::IdRow> = sql(
+                "SELECT job_id AS id FROM tool_calls WHERE job_id = $1 AND status = 'unknown'",
+            )
+            .bind::<Text, _>(id)
+            .load(conn)
+            .await?;
+            if !unknown_calls.is_empty() && !confirm_unknown {
+                return Ok(Redriven::UnknownToolCall);
+            }
             // The last live state it reached (history is in order).
             let last: Vec<StateRow> = sql(
                 "SELECT state::text AS state, attempt AS attempts FROM job_history \
@@ -217,7 +229,7 @@ impl Jobs<'_> {
             sql(
                 "UPDATE tool_calls SET status = 'started', attempts = 0, in_flight_until = NULL, \
                      in_flight_epoch = NULL \
-                 WHERE job_id = $1 AND status = 'failed'",
+                 WHERE job_id = $1 AND status IN ('failed', 'unknown')",
             )
             .bind::<Text, _>(id)
             .execute(conn)

@@ -1,0 +1,104 @@
+"""An MCP server for onceflow's tests, built with the official Python SDK.
+
+It counts what it received: every `tools/call` request, with its tool and
+the idempotency key onceflow put in `params._meta`, is recorded before the
+tool runs, and `GET /calls` answers them all. Tools:
+
+* `lookup` (readOnlyHint): reads an order's status;
+* `refund` (no hints: a side effect, not idempotent): pays money back;
+* `cancel_order` (idempotentHint, destructiveHint): cancels an order;
+* `broken` (readOnlyHint): always answers `isError: true`.
+
+Each takes `hold_ms`: the tool sleeps that long before it answers (a test
+kills the engine meanwhile). Usage: counting_server.py PORT
+"""
+
+import asyncio
+import json
+import sys
+
+import uvicorn
+from mcp.server.mcpserver import MCPServer
+from mcp_types import ToolAnnotations
+
+KEY = "io.onceflow/idempotency-key"
+calls = []
+
+server = MCPServer("counting")
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+async def lookup(order_id: str, hold_ms: int = 0) -> str:
+    """The status of an order."""
+    await asyncio.sleep(hold_ms / 1000)
+    return f"order {order_id} is shipped"
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=False))
+async def refund(order_id: str, amount: int, hold_ms: int = 0) -> str:
+    """Refunds an order (money leaves the shop)."""
+    await asyncio.sleep(hold_ms / 1000)
+    return f"refunded {amount} on order {order_id}"
+
+
+@server.tool(annotations=ToolAnnotations(idempotentHint=True, destructiveHint=True))
+async def cancel_order(order_id: str, hold_ms: int = 0) -> str:
+    """Cancels an order (cancelling it twice is cancelling it once)."""
+    await asyncio.sleep(hold_ms / 1000)
+    return f"order {order_id} is cancelled"
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+async def broken(order_id: str) -> str:
+    """Always fails."""
+    raise ValueError(f"no such order: {order_id}")
+
+
+mcp_app = server.streamable_http_app()
+
+
+async def app(scope, receive, send):
+    """Counts `tools/call` requests, answers `GET /calls`, passes the rest."""
+    if scope["type"] == "http" and scope["path"] == "/calls":
+        body = json.dumps(calls).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+        return
+    if scope["type"] != "http" or scope["method"] != "POST":
+        await mcp_app(scope, receive, send)
+        return
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    raw = b"".join(chunks)
+    try:
+        messages = json.loads(raw)
+    except ValueError:
+        messages = []
+    for m in messages if isinstance(messages, list) else [messages]:
+        if isinstance(m, dict) and m.get("method") == "tools/call":
+            params = m.get("params") or {}
+            calls.append({
+                "tool": params.get("name"),
+                "key": (params.get("_meta") or {}).get(KEY),
+                "arguments": params.get("arguments"),
+            })
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    await mcp_app(scope, replay, send)
+
+
+if __name__ == "__main__":
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+                lifespan="on")

@@ -1,0 +1,456 @@
+//! Agent tools from MCP servers (the Model Context Protocol, streamable
+//! HTTP), through the protocol's own Rust SDK, `rmcp`.
+//!
+//! An operator names the servers ([`McpServers`], `ONCEFLOW_MCP_SERVERS`); an
+//! agent job asks for some of them (`"mcp": ["<server>", …]`). The job lists
+//! each server's tools once and pins them in its journal ([`PinnedTool`]),
+//! so every node and every resume offers the model the same list, under the
+//! names `mcp__{server}__{tool}`. Each `tools/call` goes through the tool
+//! ledger like any tool, and carries the job's key in
+//! `params._meta["io.onceflow/idempotency-key"]`.
+//!
+//! What a lost answer does depends on what the tool says of itself
+//! ([`PinnedTool::mode`]): a tool marked `readOnlyHint` or `idempotentHint`
+//! is called again under the same key; any other one is not, and the job
+//! ends `dead` with `tool_outcome_unknown` for a person to decide.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use onceflow_engine::context::TOOL_OUTCOME_UNKNOWN;
+use onceflow_engine::error::ErrorEnvelope;
+use onceflow_engine::{SendMode, StepError, ToolInvocation, UrlGuard};
+use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock, RequestMetaObject};
+use rmcp::service::{RoleClient, RunningService};
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::{ServiceError, ServiceExt};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// The `_meta` key under which every `tools/call` carries its idempotency key.
+pub const IDEMPOTENCY_META: &str = "io.onceflow/idempotency-key";
+
+/// The prefix of an MCP tool's name as the model sees it.
+pub const PREFIX: &str = "mcp__";
+
+/// The MCP servers an operator configured, by name.
+#[derive(Clone, Default)]
+pub struct McpServers {
+    servers: BTreeMap<String, McpServer>,
+}
+
+/// One configured MCP server: its streamable HTTP endpoint and the headers
+/// sent with every request (values are secrets: never shown).
+#[derive(Clone)]
+pub struct McpServer {
+    url: url::Url,
+    headers: HashMap<reqwest::header::HeaderName, reqwest::header::HeaderValue>,
+}
+
+impl std::fmt::Debug for McpServers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.servers.iter().map(|(name, s)| (name, s.url.as_str())))
+            .finish()
+    }
+}
+
+/// A server's configuration as written (`ONCEFLOW_MCP_SERVERS`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServerSetting {
+    url: String,
+    #[serde(default)]
+    headers: BTreeMap<String, HeaderSetting>,
+}
+
+/// A header's value: given as is, or read from the environment or a file
+/// (the way to give a secret).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum HeaderSetting {
+    Literal(String),
+    Env { env: String },
+    File { file: std::path::PathBuf },
+}
+
+impl McpServers {
+    /// No server.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Parses `ONCEFLOW_MCP_SERVERS`: JSON, or `@path` to a JSON file, of
+    /// `{"<server>": {"url": "http(s)://…", "headers"?: {"<name>": "<value>"
+    /// | {"env": "<VAR>"} | {"file": "<path>"}}}}`. Server names are
+    /// letters, digits, `-` and `_` (no `__`), at most 32 characters. Errors
+    /// name the server and field, never a header's value.
+    pub fn from_setting(setting: &str) -> Result<Self, String> {
+        let text = match setting.strip_prefix('@') {
+            Some(path) => {
+                std::fs::read_to_string(path).map_err(|e| format!("reading {path}: {e}"))?
+            }
+            None => setting.to_owned(),
+        };
+        let parsed: BTreeMap<String, ServerSetting> = serde_json::from_str(&text)
+            .map_err(|e| format!("not a JSON object of servers ({e})"))?;
+        let mut servers = BTreeMap::new();
+        for (name, setting) in parsed {
+            let valid_name = !name.is_empty()
+                && name.len() <= 32
+                && !name.contains("__")
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+            if !valid_name {
+                return Err(format!(
+                    "server name {name:?}: use 1 to 32 letters, digits, '-' or '_' (no \"__\")"
+                ));
+            }
+            let url = url::Url::parse(&setting.url)
+                .ok()
+                .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+                .ok_or_else(|| format!("{name}.url: must be an absolute http(s) URL"))?;
+            let mut headers = HashMap::new();
+            for (header, value) in setting.headers {
+                let value = match value {
+                    HeaderSetting::Literal(v) => v,
+                    HeaderSetting::Env { env } => std::env::var(&env).map_err(|_| {
+                        format!("{name}.headers.{header}: environment variable {env} is not set")
+                    })?,
+                    HeaderSetting::File { file } => std::fs::read_to_string(&file)
+                        .map_err(|e| {
+                            format!("{name}.headers.{header}: reading {}: {e}", file.display())
+                        })?
+                        .trim_end_matches(['\r', '\n'])
+                        .to_owned(),
+                };
+                let header_name = reqwest::header::HeaderName::from_bytes(header.as_bytes())
+                    .map_err(|_| format!("{name}.headers: {header:?} is not a header name"))?;
+                let mut header_value = reqwest::header::HeaderValue::from_str(&value)
+                    .map_err(|_| format!("{name}.headers.{header}: not a valid header value"))?;
+                header_value.set_sensitive(true);
+                headers.insert(header_name, header_value);
+            }
+            servers.insert(name, McpServer { url, headers });
+        }
+        Ok(McpServers { servers })
+    }
+
+    /// Checks every server's URL against the node's guard (as a webhook's):
+    /// a private address needs `ONCEFLOW_ALLOW_PRIVATE_URLS`.
+    pub fn check(&self, guard: &UrlGuard) -> Result<(), String> {
+        for (name, server) in &self.servers {
+            guard
+                .check(&server.url)
+                .map_err(|refused| format!("{name}.url: {refused}"))?;
+        }
+        Ok(())
+    }
+
+    /// The configured server names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.servers.keys().map(String::as_str).collect()
+    }
+
+    /// The server named `name`.
+    pub fn get(&self, name: &str) -> Option<&McpServer> {
+        self.servers.get(name)
+    }
+
+    /// Whether no server is configured.
+    pub fn is_empty(&self) -> bool {
+        self.servers.is_empty()
+    }
+}
+
+/// An MCP tool as a job pinned it: what the model is offered, and what the
+/// tool says of itself (its annotations decide a lost answer's fate and
+/// whether `"approval": "destructive"` asks a person first).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PinnedTool {
+    /// The configured server's name.
+    pub server: String,
+    /// The tool's name on that server.
+    pub tool: String,
+    /// What the tool does, for the model.
+    pub description: String,
+    /// The JSON schema of its arguments.
+    pub parameters: Value,
+    /// `readOnlyHint`: it changes nothing.
+    pub read_only: bool,
+    /// `idempotentHint`: calling it twice does what calling it once does.
+    pub idempotent: bool,
+    /// `destructiveHint` (true when the tool does not say).
+    pub destructive: bool,
+}
+
+impl PinnedTool {
+    /// `mcp__{server}__{tool}`: the name the model calls.
+    pub fn name(&self) -> String {
+        format!("{PREFIX}{}__{}", self.server, self.tool)
+    }
+
+    /// The OpenAI `tools` entry the model is offered.
+    pub fn definition(&self) -> Value {
+        json!({
+            "type": "function",
+            "function": {
+                "name": self.name(),
+                "description": self.description,
+                "parameters": self.parameters,
+            }
+        })
+    }
+
+    /// A lost answer is sent again only for a tool that is read-only or
+    /// idempotent by its own account.
+    pub fn mode(&self) -> SendMode {
+        if self.read_only || self.idempotent {
+            SendMode::AtLeastOnce
+        } else {
+            SendMode::AtMostOnce
+        }
+    }
+
+    /// Whether `"approval": "destructive"` asks a person before it runs:
+    /// every tool not marked `readOnlyHint: true` or `destructiveHint: false`.
+    pub fn needs_approval_when_destructive(&self) -> bool {
+        !self.read_only && self.destructive
+    }
+}
+
+/// Why a server could not be reached for a job that needs it: retried
+/// like any transient failure, then the job ends with this code.
+const UNAVAILABLE: &str = "mcp_unavailable";
+
+fn unavailable(server: &str, detail: impl std::fmt::Display) -> StepError {
+    StepError::Retry {
+        error: ErrorEnvelope {
+            code: UNAVAILABLE.to_owned(),
+            message: format!("MCP server {server:?} could not be reached: {detail}"),
+            retryable: true,
+        },
+        attempt: 1,
+        retry_after: None,
+    }
+}
+
+/// What one connection may hold of a server's answer: the node's bound,
+/// plus room for the JSON-RPC envelope around it.
+fn transport_limit(response_limit: usize) -> usize {
+    response_limit.saturating_mul(2).saturating_add(64 << 10)
+}
+
+async fn connect(
+    name: &str,
+    server: &McpServer,
+    client: reqwest::Client,
+    guard: &UrlGuard,
+    response_limit: usize,
+) -> Result<RunningService<RoleClient, ()>, StepError> {
+    // A name is resolved through the guard by the client; an address
+    // literal is checked here.
+    guard.check(&server.url).map_err(|refused| {
+        StepError::permanent(
+            "url_refused",
+            format!("MCP server {name:?}'s URL is refused"),
+            refused.to_string(),
+        )
+    })?;
+    let limit = transport_limit(response_limit);
+    let config = StreamableHttpClientTransportConfig::with_uri(server.url.as_str())
+        .custom_headers(server.headers.clone())
+        .max_json_response_size(limit)
+        .max_sse_event_size(limit);
+    let transport = StreamableHttpClientTransport::with_client(client, config);
+    ().serve(transport).await.map_err(|e| unavailable(name, e))
+}
+
+/// Lists `servers`' tools (`tools/list`, every page), in the order given,
+/// each within `timeout`. A server this node does not have, or one that
+/// cannot be reached, is a retryable `mcp_unavailable`.
+pub async fn list(
+    servers: &McpServers,
+    wanted: &[String],
+    client: &reqwest::Client,
+    guard: &UrlGuard,
+    timeout: Duration,
+    response_limit: usize,
+) -> Result<Vec<PinnedTool>, StepError> {
+    let mut pinned = Vec::new();
+    for name in wanted {
+        let Some(server) = servers.get(name) else {
+            return Err(unavailable(
+                name,
+                "this node has no such server (ONCEFLOW_MCP_SERVERS)",
+            ));
+        };
+        let listed = tokio::time::timeout(timeout, async {
+            let service = connect(name, server, client.clone(), guard, response_limit).await?;
+            let tools = service
+                .peer()
+                .list_all_tools()
+                .await
+                .map_err(|e| unavailable(name, e));
+            let _ = service.cancel().await;
+            tools
+        })
+        .await
+        .map_err(|_| unavailable(name, format!("tools/list took over {timeout:?}")))??;
+        for tool in listed {
+            let hints = tool.annotations.as_ref();
+            pinned.push(PinnedTool {
+                server: name.clone(),
+                tool: tool.name.to_string(),
+                description: tool.description.as_deref().unwrap_or_default().to_owned(),
+                parameters: Value::Object((*tool.input_schema).clone()),
+                read_only: hints.and_then(|h| h.read_only_hint).unwrap_or(false),
+                idempotent: hints.and_then(|h| h.idempotent_hint).unwrap_or(false),
+                destructive: hints.and_then(|h| h.destructive_hint).unwrap_or(true),
+            });
+        }
+    }
+    Ok(pinned)
+}
+
+/// `job:{id}:tool:{tool_call_id}`: the key every `tools/call` of this call
+/// carries in `params._meta`, the same on every attempt.
+pub fn idempotency_key(job_id: &str, tool_call_id: &str) -> String {
+    format!("job:{job_id}:tool:{tool_call_id}")
+}
+
+/// Calls `tool` on `server` once (`tools/call` with the key in `_meta`);
+/// returns what the model reads. A tool's own error (`isError: true`) or a
+/// server's refusal is a result the model reads. A server that cannot be
+/// reached before the call is sent is retried; a call sent whose answer is
+/// lost (a dropped connection, past the node's tool timeout) is retried
+/// for a read-only or idempotent tool and is `tool_outcome_unknown` for
+/// any other. An answer over the node's bound is `response_too_large`.
+pub async fn call(
+    server: &McpServer,
+    tool: &PinnedTool,
+    arguments: Value,
+    invocation: ToolInvocation,
+) -> Result<String, StepError> {
+    let name = &tool.server;
+    let arguments = match arguments {
+        Value::Object(map) => map,
+        other => {
+            return Ok(format!(
+                "The call of {} was not sent: its arguments must be a JSON object, not {other}.",
+                tool.name()
+            ))
+        }
+    };
+    let mut meta = RequestMetaObject::new();
+    meta.insert(
+        IDEMPOTENCY_META.to_owned(),
+        json!(idempotency_key(
+            &invocation.job_id,
+            &invocation.tool_call_id
+        )),
+    );
+    let mut params = CallToolRequestParams::new(tool.tool.clone()).with_arguments(arguments);
+    params.meta = Some(meta);
+    let service = tokio::time::timeout(
+        invocation.timeout,
+        connect(
+            name,
+            server,
+            invocation.client.clone(),
+            &invocation.guard,
+            invocation.response_limit,
+        ),
+    )
+    .await
+    .map_err(|_| unavailable(name, "the connection took too long"))??;
+    // From here the call may reach the server.
+    let answered = tokio::time::timeout(invocation.timeout, service.peer().call_tool(params)).await;
+    let _ = service.cancel().await;
+    match answered {
+        Ok(Ok(result)) => read_result(tool, result, invocation.response_limit),
+        Ok(Err(ServiceError::McpError(refused))) => {
+            let message = refused.message.to_string();
+            let lower = message.to_ascii_lowercase();
+            if lower.contains(&tool.tool.to_ascii_lowercase())
+                && (lower.contains("unknown") || lower.contains("not found"))
+            {
+                // The server no longer has the pinned tool (and ran nothing).
+                return Err(StepError::Retry {
+                    error: ErrorEnvelope {
+                        code: "tool_unavailable".to_owned(),
+                        message: format!("MCP server {name:?} no longer has tool {:?}", tool.tool),
+                        retryable: true,
+                    },
+                    attempt: 1,
+                    retry_after: None,
+                });
+            }
+            Ok(format!("The tool refused the call: {message}"))
+        }
+        Ok(Err(lost)) => Err(answer_lost(tool, lost.to_string())),
+        Err(_) => Err(answer_lost(
+            tool,
+            format!("no answer within {:?}", invocation.timeout),
+        )),
+    }
+}
+
+/// A call sent whose answer never came.
+fn answer_lost(tool: &PinnedTool, detail: String) -> StepError {
+    match tool.mode() {
+        SendMode::AtLeastOnce => StepError::Retry {
+            error: ErrorEnvelope {
+                code: "mcp_call_failed".to_owned(),
+                message: format!("the call of {} got no answer: {detail}", tool.name()),
+                retryable: true,
+            },
+            attempt: 1,
+            retry_after: None,
+        },
+        SendMode::AtMostOnce => StepError::permanent(
+            TOOL_OUTCOME_UNKNOWN,
+            format!("the call of {} got no answer", tool.name()),
+            detail,
+        ),
+    }
+}
+
+/// The text the model reads of a tool's result: its text blocks, other
+/// blocks as JSON, the structured result when there is nothing else.
+fn read_result(
+    tool: &PinnedTool,
+    result: CallToolResult,
+    limit: usize,
+) -> Result<String, StepError> {
+    let mut parts: Vec<String> = result
+        .content
+        .iter()
+        .map(|block| match block {
+            ContentBlock::Text(text) => text.text.clone(),
+            other => serde_json::to_string(other).unwrap_or_default(),
+        })
+        .collect();
+    if parts.is_empty() {
+        if let Some(structured) = &result.structured_content {
+            parts.push(structured.to_string());
+        }
+    }
+    let mut text = parts.join("\n");
+    if result.is_error == Some(true) {
+        text = format!("The tool reported an error: {text}");
+    }
+    if text.len() > limit {
+        return Err(StepError::permanent(
+            "response_too_large",
+            format!("the answer of {} is over {limit} bytes", tool.name()),
+            format!(
+                "{} bytes; a tool's answer is read up to {limit} bytes",
+                text.len()
+            ),
+        ));
+    }
+    Ok(text)
+}
