@@ -418,8 +418,14 @@ async fn the_document_shows_each_workflows_input_as_intake_takes_it() {
     use onceflow_workflows::agent::{AgentInput, Approval};
     use onceflow_workflows::completion::{CompletionInput, Message, ModelProvider, Role};
     let env = TestEnv::new().await;
-    // The agent has `http_post`, which the approval list below names.
-    let registry = onceflow_workflows::registry_with(Some("http://127.0.0.1:9/tool"));
+    // The agent has `http_post`, which the approval list below names, and
+    // an MCP server `shop` (no engine runs here: it is never reached).
+    let shop = onceflow_workflows::mcp::McpServers::from_setting(
+        r#"{"shop": {"url": "http://127.0.0.1:9/mcp"}}"#,
+    )
+    .unwrap();
+    let registry =
+        onceflow_workflows::registry_with_mcp(Some("http://127.0.0.1:9/tool"), &[], shop);
     let base = serve_api(&env, registry, None);
     let hook = env.consumer.url();
     let (status, doc) = get(&format!("{base}/v1/openapi.json")).await;
@@ -481,6 +487,7 @@ async fn the_document_shows_each_workflows_input_as_intake_takes_it() {
         stream: true,
         approval: Some(Approval::Tools(vec!["http_post".into()])),
         approval_timeout_s: Some(60),
+        mcp: vec!["shop".into()],
     };
     for (workflow, input) in [
         ("completion", serde_json::to_value(&completion).unwrap()),

@@ -21,6 +21,7 @@ mod intake;
 mod journal;
 mod library;
 mod limits;
+mod mcp;
 mod operations;
 mod parallel;
 mod schedule;

@@ -321,16 +321,16 @@ impl Workflow for Agent {
             Vec::new()
         } else {
             let (servers, wanted, timeout) = (&self.mcp, &input.mcp, ctx.tool_timeout());
+            let attempt = ctx.attempt().max(1) as u32;
             ctx.step(MCP_TOOLS_STEP, |step| async move {
-                crate::mcp::list(
-                    servers,
-                    wanted,
-                    &step.client,
-                    &step.guard,
+                let how = crate::mcp::Listing {
+                    client: &step.client,
+                    guard: &step.guard,
                     timeout,
-                    step.response_limit,
-                )
-                .await
+                    response_limit: step.response_limit,
+                    attempt,
+                };
+                crate::mcp::list(servers, wanted, how).await
             })
             .await?
         };

@@ -226,13 +226,19 @@ impl PinnedTool {
 const UNAVAILABLE: &str = "mcp_unavailable";
 
 fn unavailable(server: &str, detail: impl std::fmt::Display) -> StepError {
+    unavailable_at(server, detail, 1)
+}
+
+/// As [`unavailable`], counted as the job's `attempt`-th try (the retry
+/// budget ends it).
+fn unavailable_at(server: &str, detail: impl std::fmt::Display, attempt: u32) -> StepError {
     StepError::Retry {
         error: ErrorEnvelope {
             code: UNAVAILABLE.to_owned(),
             message: format!("MCP server {server:?} could not be reached: {detail}"),
             retryable: true,
         },
-        attempt: 1,
+        attempt,
         retry_after: None,
     }
 }
@@ -268,23 +274,54 @@ async fn connect(
     ().serve(transport).await.map_err(|e| unavailable(name, e))
 }
 
+/// How a job lists its servers' tools.
+#[derive(Debug, Clone)]
+pub struct Listing<'a> {
+    /// The guarded client.
+    pub client: &'a reqwest::Client,
+    /// The node's URL guard.
+    pub guard: &'a UrlGuard,
+    /// How long one server's listing may take.
+    pub timeout: Duration,
+    /// Largest answer read.
+    pub response_limit: usize,
+    /// The job's attempt: a failure counts against its retry budget.
+    pub attempt: u32,
+}
+
 /// Lists `servers`' tools (`tools/list`, every page), in the order given,
-/// each within `timeout`. A server this node does not have, or one that
-/// cannot be reached, is a retryable `mcp_unavailable`.
+/// each within the listing's timeout. A server this node does not have, or
+/// one that cannot be reached, is a retryable `mcp_unavailable`, until the
+/// job's retry budget is spent.
 pub async fn list(
     servers: &McpServers,
     wanted: &[String],
-    client: &reqwest::Client,
-    guard: &UrlGuard,
-    timeout: Duration,
-    response_limit: usize,
+    how: Listing<'_>,
 ) -> Result<Vec<PinnedTool>, StepError> {
+    let Listing {
+        client,
+        guard,
+        timeout,
+        response_limit,
+        attempt,
+    } = how;
+    let retry = |e: StepError| match e {
+        StepError::Retry {
+            error, retry_after, ..
+        } => StepError::Retry {
+            error,
+            attempt,
+            retry_after,
+        },
+        other => other,
+    };
     let mut pinned = Vec::new();
     for name in wanted {
         let Some(server) = servers.get(name) else {
-            return Err(unavailable(
+            return Err(unavailable_at(
                 name,
                 "this node has no such server (ONCEFLOW_MCP_SERVERS)",
+                attempt,
             ));
         };
         let listed = tokio::time::timeout(timeout, async {
@@ -298,7 +335,8 @@ pub async fn list(
             tools
         })
         .await
-        .map_err(|_| unavailable(name, format!("tools/list took over {timeout:?}")))??;
+        .map_err(|_| unavailable_at(name, format!("tools/list took over {timeout:?}"), attempt))?
+        .map_err(retry)?;
         for tool in listed {
             let hints = tool.annotations.as_ref();
             pinned.push(PinnedTool {

@@ -1,0 +1,602 @@
+//! Agent tools from MCP servers nobody here wrote: a server built with the
+//! official Python SDK that counts every `tools/call` it receives (with the
+//! key in its `_meta`), and the MCP project's reference server
+//! (`@modelcontextprotocol/server-everything`), both over streamable HTTP.
+//! `scripts/mcp-servers` installs them (the tests run it when needed).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use onceflow_engine::faults::{Action, FailPoint};
+use onceflow_engine::node::intake::NewJob;
+use onceflow_engine::testkit::{wait_until, TestEnv};
+use onceflow_engine::{JobState, Registry};
+use onceflow_workflows::mcp::McpServers;
+use onceflow_workflows::{Agent, Completion};
+use serde_json::{json, Value};
+
+use crate::support::{client, free_port, serve_api, ServeProcess};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs `scripts/mcp-servers` once per test binary (it does nothing when
+/// the servers are installed).
+fn installed() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let status = Command::new("bash")
+            .arg(root().join("scripts/mcp-servers"))
+            .status()
+            .expect("bash runs scripts/mcp-servers");
+        assert!(status.success(), "scripts/mcp-servers failed: {status}");
+    });
+}
+
+/// An MCP server process, killed when dropped.
+struct McpServer {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for McpServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl McpServer {
+    /// The counting server (Python SDK): `lookup` (read-only), `refund` (no
+    /// hints), `cancel_order` (idempotent), `broken` (answers isError).
+    async fn counting() -> McpServer {
+        installed();
+        let python: PathBuf = root().join("target/mcp/venv/bin/python");
+        let port = free_port();
+        let child = Command::new(python)
+            .arg(root().join("tests/mcp/counting_server.py"))
+            .arg(port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start the counting MCP server");
+        let server = McpServer { child, port };
+        let up = wait_until(Duration::from_secs(30), || async {
+            client()
+                .get(format!("http://127.0.0.1:{port}/calls"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        })
+        .await;
+        assert!(up, "the counting MCP server did not start");
+        server
+    }
+
+    /// The MCP project's reference server, over streamable HTTP.
+    async fn everything() -> McpServer {
+        installed();
+        let port = free_port();
+        let child = Command::new("node")
+            .arg(root().join(
+                "tests/mcp/node_modules/@modelcontextprotocol/server-everything/dist/index.js",
+            ))
+            .arg("streamableHttp")
+            .env("PORT", port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start server-everything (node)");
+        let server = McpServer { child, port };
+        let up = wait_until(Duration::from_secs(30), || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await;
+        assert!(up, "server-everything did not start");
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/mcp", self.port)
+    }
+
+    /// Every `tools/call` request the server received: `{tool, key, arguments}`.
+    async fn calls(&self) -> Vec<Value> {
+        client()
+            .get(format!("http://127.0.0.1:{}/calls", self.port))
+            .send()
+            .await
+            .expect("GET /calls")
+            .json()
+            .await
+            .expect("the calls as JSON")
+    }
+
+    /// The `tools/call` requests of `tool`, each by the key it carried.
+    async fn keys_of(&self, tool: &str) -> Vec<String> {
+        self.calls()
+            .await
+            .iter()
+            .filter(|c| c["tool"] == tool)
+            .map(|c| c["key"].as_str().unwrap_or("<no key>").to_owned())
+            .collect()
+    }
+}
+
+fn servers(named: &[(&str, &McpServer)]) -> McpServers {
+    let setting: serde_json::Map<String, Value> = named
+        .iter()
+        .map(|(name, s)| ((*name).to_owned(), json!({ "url": s.url() })))
+        .collect();
+    McpServers::from_setting(&Value::Object(setting).to_string()).expect("a valid setting")
+}
+
+fn registry(mcp: McpServers) -> Registry {
+    let mut r = Registry::new();
+    r.register(Completion::default());
+    r.register(Agent::new().with_mcp_servers(mcp));
+    r
+}
+
+/// A provider script: until the conversation holds a tool answer, ask for
+/// `calls` (id, tool, arguments); then answer "done".
+fn script(env: &TestEnv, calls: Vec<(&'static str, &'static str, Value)>) {
+    env.provider.respond_with(move |request, n| {
+        let messages = request["messages"].as_array().cloned().unwrap_or_default();
+        let answered = messages.iter().any(|m| m["role"] == "tool");
+        let message = if answered || calls.is_empty() {
+            json!({ "role": "assistant", "content": format!("done #{n}") })
+        } else {
+            let tool_calls: Vec<Value> = calls
+                .iter()
+                .map(|(id, name, args)| {
+                    json!({ "id": id, "type": "function",
+                            "function": { "name": name, "arguments": args.to_string() } })
+                })
+                .collect();
+            json!({ "role": "assistant", "content": null, "tool_calls": tool_calls })
+        };
+        json!({
+            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
+            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
+            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
+        })
+    });
+}
+
+fn job(env: &TestEnv, id: &str, input: Value) -> NewJob {
+    let mut base = json!({ "model": "m", "messages": [{ "role": "user", "content": "help" }] });
+    for (k, v) in input.as_object().unwrap() {
+        base[k] = v.clone();
+    }
+    NewJob {
+        tags: Default::default(),
+        id: id.to_owned(),
+        workflow: "agent".to_owned(),
+        workflow_version: 1,
+        input: base,
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    }
+}
+
+/// The tool names the model was offered, per request to the provider.
+fn offered(env: &TestEnv) -> Vec<Vec<String>> {
+    env.provider
+        .requests()
+        .iter()
+        .map(|r| {
+            r.body["tools"]
+                .as_array()
+                .map(|tools| {
+                    tools
+                        .iter()
+                        .map(|t| t["function"]["name"].as_str().unwrap().to_owned())
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// The tool messages the model was shown, in order, over all requests.
+fn tool_answers(env: &TestEnv) -> Vec<String> {
+    crate::agent::tool_messages(env)
+}
+
+#[actix_rt::test]
+async fn each_mcp_tool_call_is_sent_once_with_the_jobs_key_and_replayed_from_the_ledger() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    script(
+        &env,
+        vec![
+            ("call_l", "mcp__shop__lookup", json!({ "order_id": "A1" })),
+            (
+                "call_r",
+                "mcp__shop__refund",
+                json!({ "order_id": "A1", "amount": 5 }),
+            ),
+            ("call_b", "mcp__shop__broken", json!({ "order_id": "Z9" })),
+        ],
+    );
+    // Turn 1 fails once after the tools ran: its retry replays their
+    // journaled answers, and the server hears nothing more.
+    env.provider.push(onceflow_engine::testkit::Behaviour::Ok);
+    env.provider
+        .push(onceflow_engine::testkit::Behaviour::Status(500, None));
+    let _engine = env.start(registry(servers(&[("shop", &shop)])), env.config());
+    env.submit_job(job(&env, "mcp-1", json!({ "mcp": ["shop"] })))
+        .await;
+    let done = env.wait_for("mcp-1", JobState::Acked, WAIT).await;
+    assert_eq!(done.result.unwrap()["tool_calls"], 3);
+
+    // What the server received: one request per call, each with its key.
+    assert_eq!(shop.keys_of("lookup").await, ["job:mcp-1:tool:call_l"]);
+    assert_eq!(shop.keys_of("refund").await, ["job:mcp-1:tool:call_r"]);
+    assert_eq!(shop.keys_of("broken").await, ["job:mcp-1:tool:call_b"]);
+    assert_eq!(shop.calls().await.len(), 3, "{:?}", shop.calls().await);
+    assert_eq!(
+        shop.calls().await[1]["arguments"],
+        json!({ "order_id": "A1", "amount": 5 })
+    );
+
+    // Turn 0, then turn 1 twice (the 500 and its retry): the same pinned
+    // list each time, under the mcp__{server}__{tool} names.
+    let lists = offered(&env);
+    assert_eq!(lists.len(), 3, "{lists:?}");
+    assert!(lists.iter().all(|l| l == &lists[0]), "{lists:?}");
+    for name in [
+        "mcp__shop__lookup",
+        "mcp__shop__refund",
+        "mcp__shop__cancel_order",
+        "mcp__shop__broken",
+    ] {
+        assert!(lists[0].iter().any(|n| n == name), "{name} in {lists:?}");
+    }
+    // The model read each answer, a tool's own error included; both turn-1
+    // requests carried the same journaled answers.
+    let answers = tool_answers(&env);
+    assert_eq!(answers.len(), 6, "{answers:?}");
+    assert_eq!(answers[..3], answers[3..]);
+    assert_eq!(answers[0], "order A1 is shipped");
+    assert_eq!(answers[1], "refunded 5 on order A1");
+    assert!(
+        answers[2].starts_with("The tool reported an error"),
+        "{}",
+        answers[2]
+    );
+    let ledger = env
+        .sql("SELECT tool_name, status::text AS status FROM tool_calls WHERE job_id = 'mcp-1' ORDER BY call_index")
+        .await;
+    assert_eq!(
+        ledger,
+        json!([
+            { "tool_name": "mcp__shop__lookup", "status": "completed" },
+            { "tool_name": "mcp__shop__refund", "status": "completed" },
+            { "tool_name": "mcp__shop__broken", "status": "completed" },
+        ])
+    );
+    assert_eq!(env.consumer.processed_for("mcp-1"), 1, "one webhook");
+}
+
+#[actix_rt::test]
+async fn the_reference_servers_tools_are_listed_and_called() {
+    let env = TestEnv::new().await;
+    let everything = McpServer::everything().await;
+    script(
+        &env,
+        vec![(
+            "call_e",
+            "mcp__everything__echo",
+            json!({ "message": "hello from onceflow" }),
+        )],
+    );
+    let _engine = env.start(
+        registry(servers(&[("everything", &everything)])),
+        env.config(),
+    );
+    env.submit_job(job(&env, "mcp-e", json!({ "mcp": ["everything"] })))
+        .await;
+    let done = env.wait_for("mcp-e", JobState::Acked, WAIT).await;
+    assert_eq!(done.result.unwrap()["tool_calls"], 1);
+    let lists = offered(&env);
+    assert!(
+        lists[0].iter().any(|n| n == "mcp__everything__echo")
+            && lists[0].iter().any(|n| n == "mcp__everything__get-sum"),
+        "{lists:?}"
+    );
+    assert_eq!(tool_answers(&env), ["Echo: hello from onceflow"]);
+}
+
+#[actix_rt::test]
+async fn a_server_down_at_tools_list_is_retried_then_a_clear_error() {
+    let env = TestEnv::new().await;
+    script(&env, vec![]);
+    let down = format!("http://127.0.0.1:{}/mcp", free_port());
+    let mcp = McpServers::from_setting(&json!({ "gone": { "url": down } }).to_string()).unwrap();
+    let _engine = env.start(registry(mcp), env.config());
+    env.submit_job(job(&env, "mcp-down", json!({ "mcp": ["gone"] })))
+        .await;
+    let dead = env.wait_for("mcp-down", JobState::Dead, WAIT).await;
+    let error = dead.last_error.expect("a recorded error");
+    assert_eq!(error.code, "mcp_unavailable");
+    assert!(error.message.contains("\"gone\""), "{}", error.message);
+    assert_eq!(dead.attempts, 6, "retried to the budget of 6");
+    assert_eq!(env.provider.requests().len(), 0, "no model call was paid");
+}
+
+#[actix_rt::test]
+async fn the_pinned_tool_list_wins_on_a_node_whose_server_lists_others() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    let other = McpServer::everything().await;
+    script(&env, vec![]);
+    // The first node pins the counting server's list, then dies with its
+    // first model call answered and unread.
+    env.faults
+        .arm_nth("mcp-pin", FailPoint::ModelAfterSend, Action::Crash, 1);
+    let first = env.start(registry(servers(&[("shop", &shop)])), env.config());
+    env.submit_job(job(&env, "mcp-pin", json!({ "mcp": ["shop"] })))
+        .await;
+    assert!(
+        wait_until(WAIT, || async { env.faults.fired("mcp-pin") }).await,
+        "the crash after the first model call fired"
+    );
+    first.shutdown();
+    // The second node's "shop" is another server with other tools.
+    let _second = env.start(registry(servers(&[("shop", &other)])), env.config());
+    env.wait_for("mcp-pin", JobState::Acked, WAIT).await;
+    let lists = offered(&env);
+    assert_eq!(lists.len(), 2, "{lists:?}");
+    assert_eq!(
+        lists[0], lists[1],
+        "the resumed turn offers the pinned list"
+    );
+    assert!(
+        lists[1].iter().any(|n| n == "mcp__shop__refund"),
+        "{lists:?}"
+    );
+    assert!(
+        !lists[1].iter().any(|n| n == "mcp__shop__echo"),
+        "{lists:?}"
+    );
+}
+
+#[actix_rt::test]
+async fn approval_destructive_asks_before_a_tool_that_may_change_things() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    script(
+        &env,
+        vec![
+            ("call_l", "mcp__shop__lookup", json!({ "order_id": "B2" })),
+            (
+                "call_r",
+                "mcp__shop__refund",
+                json!({ "order_id": "B2", "amount": 9 }),
+            ),
+        ],
+    );
+    let mcp = servers(&[("shop", &shop)]);
+    let _engine = env.start(registry(mcp.clone()), env.config());
+    let base = serve_api(&env, registry(mcp), None);
+    env.submit_job(job(
+        &env,
+        "mcp-ap",
+        json!({ "mcp": ["shop"], "approval": "destructive" }),
+    ))
+    .await;
+    // The read-only lookup ran unasked; the refund waits for a person.
+    let waiting = wait_until(WAIT, || async {
+        env.job("mcp-ap")
+            .await
+            .waiting
+            .is_some_and(|w| w["kind"] == "approval")
+    })
+    .await;
+    let job_now = env.job("mcp-ap").await;
+    assert!(waiting, "{job_now:?}");
+    assert_eq!(job_now.waiting.unwrap()["name"], "approval:call_r");
+    assert_eq!(shop.keys_of("lookup").await, ["job:mcp-ap:tool:call_l"]);
+    assert!(shop.keys_of("refund").await.is_empty());
+
+    let r = client()
+        .post(format!("{base}/v1/jobs/mcp-ap/signals/approval:call_r"))
+        .json(&json!({ "id": "ok-1", "payload": { "approved": true } }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    env.wait_for("mcp-ap", JobState::Acked, WAIT).await;
+    assert_eq!(shop.keys_of("refund").await, ["job:mcp-ap:tool:call_r"]);
+    assert_eq!(shop.keys_of("lookup").await.len(), 1);
+}
+
+#[actix_rt::test]
+async fn an_unknown_mcp_server_or_tool_in_the_input_is_refused_naming_the_field() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    let base = serve_api(&env, registry(servers(&[("shop", &shop)])), None);
+    for (input, field) in [
+        (json!({ "mcp": ["nope"] }), "input.mcp[0]"),
+        (json!({ "mcp": ["shop", "shop"] }), "input.mcp[1]"),
+        (
+            json!({ "mcp": ["shop"], "approval": ["mcp__other__refund"] }),
+            "input.approval[0]",
+        ),
+    ] {
+        let mut body = json!({ "id": "refused", "workflow": "agent", "webhook_url": env.consumer.url(),
+            "input": { "model": "m", "messages": [{ "role": "user", "content": "x" }] } });
+        for (k, v) in input.as_object().unwrap() {
+            body["input"][k] = v.clone();
+        }
+        let r = client()
+            .post(format!("{base}/v1/jobs"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let answer: Value = r.json().await.unwrap();
+        assert_eq!(
+            (status, answer["error"]["field"].as_str()),
+            (422, Some(field)),
+            "{answer}"
+        );
+    }
+    // A tool of the job's own server may be named before it is listed.
+    let r = client()
+        .post(format!("{base}/v1/jobs"))
+        .json(
+            &json!({ "id": "named", "workflow": "agent", "webhook_url": env.consumer.url(),
+            "input": { "model": "m", "messages": [{ "role": "user", "content": "x" }],
+                       "mcp": ["shop"], "approval": ["mcp__shop__refund"] } }),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+}
+
+/// The real `onceflow serve`, killed with SIGKILL while two MCP calls are
+/// in flight at the server: the read-only `lookup` is called again under
+/// the same key and its job finishes; the `refund` (no hints) is never
+/// called twice — its job ends `dead` with `tool_outcome_unknown`, a
+/// redrive without `confirm_unknown` is refused, and one with it calls the
+/// refund again, once, under the same key.
+#[actix_rt::test]
+async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    env.provider.respond_with(|request, n| {
+        let messages = request["messages"].as_array().cloned().unwrap_or_default();
+        let answered = messages.iter().any(|m| m["role"] == "tool");
+        let user = messages[0]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let (name, args) = if user == "look" {
+            (
+                "mcp__shop__lookup",
+                json!({ "order_id": "C3", "hold_ms": 3000 }),
+            )
+        } else {
+            (
+                "mcp__shop__refund",
+                json!({ "order_id": "C3", "amount": 7, "hold_ms": 3000 }),
+            )
+        };
+        let message = if answered {
+            json!({ "role": "assistant", "content": format!("done #{n}") })
+        } else {
+            json!({ "role": "assistant", "content": null, "tool_calls": [
+                { "id": "call_k", "type": "function",
+                  "function": { "name": name, "arguments": args.to_string() } }] })
+        };
+        json!({
+            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
+            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
+            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
+        })
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = [
+        ("DATABASE_URL", env.db_url.clone()),
+        ("OPENAI_BASE_URL", env.provider.base_url()),
+        (
+            "ONCEFLOW_MCP_SERVERS",
+            json!({ "shop": { "url": shop.url() } }).to_string(),
+        ),
+        ("ONCEFLOW_POLL_MS", "100".to_owned()),
+        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+    ];
+    let mut serve = ServeProcess::start(&vars, &log).await;
+    let token = env.store.tokens().create("mcp", true).await.unwrap();
+    for (id, content) in [("kill-look", "look"), ("kill-pay", "pay")] {
+        let r = client()
+            .post(format!("{}/v1/jobs", serve.base))
+            .bearer_auth(&token)
+            .json(&json!({
+                "id": id, "workflow": "agent", "webhook_url": env.consumer.url(),
+                "input": { "model": "m", "messages": [{ "role": "user", "content": content }],
+                           "mcp": ["shop"] },
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201);
+    }
+    // Both calls reached the server, which holds its answers; the node dies.
+    assert!(
+        wait_until(WAIT, || async { shop.calls().await.len() == 2 }).await,
+        "both calls reached the server: {:?}",
+        shop.calls().await
+    );
+    serve.sigkill();
+    serve.restart_on_same_port(&vars, &log).await;
+
+    env.wait_for("kill-look", JobState::Acked, WAIT).await;
+    assert_eq!(
+        shop.keys_of("lookup").await,
+        ["job:kill-look:tool:call_k", "job:kill-look:tool:call_k"],
+        "the read-only tool was called again, under the same key"
+    );
+    let dead = env.wait_for("kill-pay", JobState::Dead, WAIT).await;
+    assert_eq!(dead.last_error.unwrap().code, "tool_outcome_unknown");
+    assert_eq!(
+        shop.keys_of("refund").await,
+        ["job:kill-pay:tool:call_k"],
+        "the refund was not called again"
+    );
+    let status = env
+        .sql("SELECT status::text AS status FROM tool_calls WHERE job_id = 'kill-pay'")
+        .await;
+    assert_eq!(status, json!([{ "status": "unknown" }]));
+
+    let redrive = |confirm: bool| {
+        let url = format!(
+            "{}/v1/jobs/kill-pay/redrive{}",
+            serve.base,
+            if confirm { "?confirm_unknown=true" } else { "" }
+        );
+        let token = token.clone();
+        async move {
+            let r = client()
+                .post(url)
+                .bearer_auth(token)
+                .json(&json!({ "reason": "the shop says no refund went out" }))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (status, body) = redrive(false).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (409, Some("tool_outcome_unknown")),
+        "{body}"
+    );
+    assert_eq!(shop.keys_of("refund").await.len(), 1);
+    let (status, body) = redrive(true).await;
+    assert_eq!(status, 202, "{body}");
+    env.wait_for("kill-pay", JobState::Acked, WAIT).await;
+    assert_eq!(
+        shop.keys_of("refund").await,
+        ["job:kill-pay:tool:call_k", "job:kill-pay:tool:call_k"],
+        "called again once, after the decision, under the same key"
+    );
+    assert_eq!(env.consumer.processed_for("kill-look"), 1);
+    assert_eq!(env.consumer.processed_for("kill-pay"), 1);
+}
