@@ -163,7 +163,7 @@ impl Approval {
         self.unknown_where(|name| tools.contains(&name))
     }
 
-    fn unknown_where<'a>(&'a self, known: impl Fn(&str) -> bool) -> Option<(usize, &'a str)> {
+    fn unknown_where(&self, known: impl Fn(&str) -> bool) -> Option<(usize, &str)> {
         match self {
             Approval::Every(_) => None,
             Approval::Tools(names) => names
