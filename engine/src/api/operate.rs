@@ -71,7 +71,8 @@ pub(super) struct BulkCancelled {
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub(super) struct BulkRedriven {
     redriven: u64,
-    /// Dead jobs whose webhook outcome is unknown, left alone without `confirm_unknown`.
+    /// Dead jobs whose webhook's (or a tool call's) outcome is unknown, left
+    /// alone without `confirm_unknown`.
     skipped_unknown: u64,
 }
 
@@ -80,8 +81,8 @@ pub(super) struct BulkRedriven {
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub(super) struct RedriveQuery {
-    /// Also resend webhooks whose outcome is unknown (at most once may
-    /// have reached the consumer).
+    /// Also resend webhooks, and call again tools that may not run twice,
+    /// whose outcome is unknown (they may have reached the other side).
     confirm_unknown: Option<bool>,
 }
 
@@ -174,14 +175,15 @@ pub(super) async fn cancel(
 
 /// `POST /v1/jobs/{id}/redrive` `{"reason"}`: `202` and the job resumed at
 /// its last live state, with the same keys; `409` when it is not dead, or
-/// when its webhook's outcome is unknown and `?confirm_unknown=true` is absent.
+/// when its webhook's outcome, or a tool call's that may not run twice, is
+/// unknown and `?confirm_unknown=true` is absent.
 #[utoipa::path(post, path = "/v1/jobs/{id}/redrive", tag = "operate", request_body = Option<Action>,
     params(("id" = String, Path), RedriveQuery),
     responses(
         (status = 202, body = JobView),
         (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 409, description = "Not dead, or its webhook's outcome is unknown", body = ErrorBody),
+        (status = 409, description = "Not dead, or its webhook's or a tool call's outcome is unknown (delivery_unknown, tool_outcome_unknown)", body = ErrorBody),
     ))]
 pub(super) async fn redrive(
     Writer(who): Writer,

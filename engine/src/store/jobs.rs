@@ -284,7 +284,9 @@ pub struct ToolCallView {
     /// The provider's id of the call (recorded, not trusted to be unique).
     #[diesel(sql_type = Text)]
     pub tool_call_id: String,
-    /// `started`, `completed` or `failed`.
+    /// `started`, `completed`, `failed`, or `unknown` (sent, its answer
+    /// lost, and the tool may not run twice: a redrive needs
+    /// `confirm_unknown`).
     #[diesel(sql_type = Text)]
     pub status: String,
     /// Executions of the tool so far.

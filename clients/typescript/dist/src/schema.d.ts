@@ -202,7 +202,8 @@ export interface paths {
         /**
          * `POST /v1/jobs/{id}/redrive` `{"reason"}`: `202` and the job resumed at
          *     its last live state, with the same keys; `409` when it is not dead, or
-         *     when its webhook's outcome is unknown and `?confirm_unknown=true` is absent.
+         *     when its webhook's outcome, or a tool call's that may not run twice, is
+         *     unknown and `?confirm_unknown=true` is absent.
          */
         post: operations["redrive"];
         delete?: never;
@@ -473,7 +474,8 @@ export interface components {
             redriven: number;
             /**
              * Format: int64
-             * @description Dead jobs whose webhook outcome is unknown, left alone without `confirm_unknown`.
+             * @description Dead jobs whose webhook's (or a tool call's) outcome is unknown, left
+             *     alone without `confirm_unknown`.
              */
             skipped_unknown: number;
         };
@@ -498,12 +500,14 @@ export interface components {
             id: string;
             /** @description A tool-using conversation: the model is asked turn by turn, each tool call runs once. */
             input: {
-                /** @description Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run: "all", or names of the agent's tools (a name it does not have is refused). */
-                approval?: "all" | string[];
+                /** @description Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run: "all"; "destructive" (every tool not marked readOnlyHint: true or destructiveHint: false by its MCP server, and every Rust tool); or names of the agent's tools, MCP ones as mcp__{server}__{tool} (a name it does not have is refused). */
+                approval?: "all" | "destructive" | string[];
                 /** @description Unanswered this long, the call is refused. Default: `86400`. */
                 approval_timeout_s?: number;
                 /** @description Default: `8`. */
                 max_turns?: number;
+                /** @description MCP servers of this node (ONCEFLOW_MCP_SERVERS) whose tools the model is offered, as mcp__{server}__{tool}. */
+                mcp?: string[];
                 messages: {
                     role: string;
                 }[];
@@ -992,12 +996,14 @@ export interface components {
             id: string;
             /** @description A tool-using conversation: the model is asked turn by turn, each tool call runs once. */
             input: {
-                /** @description Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run: "all", or names of the agent's tools (a name it does not have is refused). */
-                approval?: "all" | string[];
+                /** @description Tool calls that wait for a person's approval (the signal approval:{tool_call_id}) before they run: "all"; "destructive" (every tool not marked readOnlyHint: true or destructiveHint: false by its MCP server, and every Rust tool); or names of the agent's tools, MCP ones as mcp__{server}__{tool} (a name it does not have is refused). */
+                approval?: "all" | "destructive" | string[];
                 /** @description Unanswered this long, the call is refused. Default: `86400`. */
                 approval_timeout_s?: number;
                 /** @description Default: `8`. */
                 max_turns?: number;
+                /** @description MCP servers of this node (ONCEFLOW_MCP_SERVERS) whose tools the model is offered, as mcp__{server}__{tool}. */
+                mcp?: string[];
                 messages: {
                     role: string;
                 }[];
@@ -1132,7 +1138,11 @@ export interface components {
              * @description The call's position within its turn (0-based).
              */
             index: number;
-            /** @description `started`, `completed` or `failed`. */
+            /**
+             * @description `started`, `completed`, `failed`, or `unknown` (sent, its answer
+             *     lost, and the tool may not run twice: a redrive needs
+             *     `confirm_unknown`).
+             */
             status: string;
             /** @description The provider's id of the call (recorded, not trusted to be unique). */
             tool_call_id: string;
@@ -1733,8 +1743,8 @@ export interface operations {
         parameters: {
             query?: {
                 /**
-                 * @description Also resend webhooks whose outcome is unknown (at most once may
-                 *     have reached the consumer).
+                 * @description Also resend webhooks, and call again tools that may not run twice,
+                 *     whose outcome is unknown (they may have reached the other side).
                  */
                 confirm_unknown?: boolean;
             };
@@ -2115,8 +2125,8 @@ export interface operations {
         parameters: {
             query?: {
                 /**
-                 * @description Also resend webhooks whose outcome is unknown (at most once may
-                 *     have reached the consumer).
+                 * @description Also resend webhooks, and call again tools that may not run twice,
+                 *     whose outcome is unknown (they may have reached the other side).
                  */
                 confirm_unknown?: boolean;
             };
@@ -2177,7 +2187,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorBody"];
                 };
             };
-            /** @description Not dead, or its webhook's outcome is unknown */
+            /** @description Not dead, or its webhook's or a tool call's outcome is unknown (delivery_unknown, tool_outcome_unknown) */
             409: {
                 headers: {
                     [name: string]: unknown;
