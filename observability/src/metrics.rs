@@ -37,6 +37,8 @@ pub struct Metrics {
     pub deliveries: Counter<u64>,
     /// [`METRIC_TOOL_EXECUTIONS`]: tool executions by outcome.
     pub tool_executions: Counter<u64>,
+    /// [`METRIC_MCP_CALLS`]: MCP tool calls by server and outcome.
+    pub mcp_calls: Counter<u64>,
     /// [`METRIC_LEASE_TAKEOVERS`]: jobs resumed after another attempt's lease expired.
     pub lease_takeovers: Counter<u64>,
     /// [`METRIC_ACTORS_IN_FLIGHT`]: job actors running on this node.
@@ -90,6 +92,10 @@ impl Metrics {
             tool_executions: meter
                 .u64_counter(METRIC_TOOL_EXECUTIONS)
                 .with_description("Tool executions by outcome")
+                .build(),
+            mcp_calls: meter
+                .u64_counter(METRIC_MCP_CALLS)
+                .with_description("MCP tool calls by server and outcome")
                 .build(),
             lease_takeovers: meter
                 .u64_counter(METRIC_LEASE_TAKEOVERS)
@@ -286,6 +292,17 @@ impl Metrics {
     pub fn tool(&self, outcome: &'static str) {
         self.tool_executions
             .add(1, &[KeyValue::new(OUTCOME, outcome)]);
+    }
+
+    /// Counts one MCP tool call by server (a configured name) and outcome.
+    pub fn mcp_call(&self, server: &str, outcome: &'static str) {
+        self.mcp_calls.add(
+            1,
+            &[
+                KeyValue::new(MCP_SERVER, server.to_owned()),
+                KeyValue::new(OUTCOME, outcome),
+            ],
+        );
     }
 
     /// Counts one committed checkpoint reaching `state`.

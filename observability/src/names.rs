@@ -120,6 +120,14 @@ pub const METRIC_MODEL_TOKENS: &str = "onceflow.model.tokens";
 pub const METRIC_DELIVERIES: &str = "onceflow.deliveries";
 /// Counter: tool executions by `onceflow.outcome` (performed, replayed, retried, failed).
 pub const METRIC_TOOL_EXECUTIONS: &str = "onceflow.tool.executions";
+/// Counter: MCP tool calls by `onceflow.mcp.server` (a configured name) and
+/// `onceflow.outcome` (performed, replayed, retried, failed, unknown).
+pub const METRIC_MCP_CALLS: &str = "onceflow.mcp.calls";
+/// The configured MCP server a tool call went to (an operator's name:
+/// bounded).
+pub const MCP_SERVER: &str = "onceflow.mcp.server";
+/// Outcome: a call that may not run twice was sent and its answer lost.
+pub const OUTCOME_UNKNOWN: &str = "unknown";
 /// Counter: jobs this node resumed after another attempt's lease expired.
 pub const METRIC_LEASE_TAKEOVERS: &str = "onceflow.lease.takeovers";
 /// Up-down counter: job actors running on this node.

@@ -665,6 +665,7 @@ async fn a_zombie_cannot_clear_newer_marks_or_overwrite_an_answer() {
         arguments: &args,
         arguments_hash: &hash,
         mode: onceflow_engine::rules::verdict::SendMode::AtLeastOnce,
+        server: None,
     };
     assert_eq!(
         env.store

@@ -63,6 +63,8 @@ impl McpServer {
             .arg(port.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
+            // The SDK logs every session; a failing test shows the calls.
+            .stderr(Stdio::null())
             .spawn()
             .expect("start the counting MCP server");
         let server = McpServer { child, port };
@@ -233,11 +235,20 @@ async fn each_mcp_tool_call_is_sent_once_with_the_jobs_key_and_replayed_from_the
     env.provider.push(onceflow_engine::testkit::Behaviour::Ok);
     env.provider
         .push(onceflow_engine::testkit::Behaviour::Status(500, None));
-    let _engine = env.start(registry(servers(&[("shop", &shop)])), env.config());
+    let config = env.config();
+    let telemetry = config.telemetry.clone();
+    let _engine = env.start(registry(servers(&[("shop", &shop)])), config);
     env.submit_job(job(&env, "mcp-1", json!({ "mcp": ["shop"] })))
         .await;
     let done = env.wait_for("mcp-1", JobState::Acked, WAIT).await;
     assert_eq!(done.result.unwrap()["tool_calls"], 3);
+    let metrics = telemetry.prometheus();
+    for (outcome, want) in [("performed", 3), ("replayed", 3)] {
+        let line = format!(
+            "onceflow_mcp_calls_total{{onceflow_mcp_server=\"shop\",onceflow_outcome=\"{outcome}\"}} {want}"
+        );
+        assert!(metrics.lines().any(|l| l == line), "{line} in:\n{metrics}");
+    }
 
     // What the server received: one request per call, each with its key.
     assert_eq!(shop.keys_of("lookup").await, ["job:mcp-1:tool:call_l"]);
@@ -515,8 +526,11 @@ async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
         ("OPENAI_BASE_URL", env.provider.base_url()),
         (
             "ONCEFLOW_MCP_SERVERS",
-            json!({ "shop": { "url": shop.url() } }).to_string(),
+            json!({ "shop": { "url": shop.url(),
+                "headers": { "Authorization": { "env": "SHOP_MCP_TOKEN" } } } })
+            .to_string(),
         ),
+        ("SHOP_MCP_TOKEN", "Bearer s3cret-shop".to_owned()),
         ("ONCEFLOW_POLL_MS", "100".to_owned()),
         ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
     ];
@@ -599,4 +613,170 @@ async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
     );
     assert_eq!(env.consumer.processed_for("kill-look"), 1);
     assert_eq!(env.consumer.processed_for("kill-pay"), 1);
+    // Every call carried the header the operator gave through the environment.
+    let calls = shop.calls().await;
+    assert_eq!(calls.len(), 4, "{calls:?}");
+    assert!(
+        calls
+            .iter()
+            .all(|c| c["authorization"] == "Bearer s3cret-shop"),
+        "{calls:?}"
+    );
+    // The restarted node counted what it did, by server and outcome.
+    let metrics = client()
+        .get(format!("{}/metrics", serve.base))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let series = |outcome: &str| {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("onceflow_mcp_calls_total{")
+                    && l.contains("onceflow_mcp_server=\"shop\"")
+                    && l.contains(&format!("onceflow_outcome=\"{outcome}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .map(str::to_owned)
+    };
+    assert_eq!(series("unknown").as_deref(), Some("1"), "{metrics}");
+    // The lookup sent again and the refund after the redrive.
+    assert_eq!(series("performed").as_deref(), Some("2"), "{metrics}");
+}
+
+/// The operator's configuration is checked before anything starts: an MCP
+/// server on loopback needs `ONCEFLOW_ALLOW_PRIVATE_URLS`, and the JSON (which
+/// may hold a secret header) is refused on the command line.
+#[test]
+fn a_private_mcp_server_or_its_json_on_the_command_line_is_refused_at_start() {
+    let run = |args: &[&str], vars: &[(&str, &str)]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceflow"));
+        cmd.args(args)
+            .env_remove("ONCEFLOW_ALLOW_PRIVATE_URLS")
+            .env_remove("ONCEFLOW_MCP_SERVERS")
+            .env("DATABASE_URL", "postgres://nobody@127.0.0.1:9/none");
+        for (k, v) in vars {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().expect("run onceflow");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let setting = r#"{"shop": {"url": "http://127.0.0.1:9/mcp"}}"#;
+    let (code, said) = run(&["serve"], &[("ONCEFLOW_MCP_SERVERS", setting)]);
+    assert_ne!(code, Some(0));
+    assert!(
+        said.contains("ONCEFLOW_MCP_SERVERS") && said.contains("shop.url"),
+        "{said}"
+    );
+    let (code, said) = run(&["serve", "--mcp-servers", setting], &[]);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(
+        said.contains("--mcp-servers is refused") && !said.contains("127.0.0.1:9"),
+        "{said}"
+    );
+    let (code, said) = run(
+        &["serve"],
+        &[(
+            "ONCEFLOW_MCP_SERVERS",
+            r#"{"a__b": {"url": "http://x/mcp"}}"#,
+        )],
+    );
+    assert_ne!(code, Some(0));
+    assert!(said.contains("server name \"a__b\""), "{said}");
+}
+
+/// An approval of an MCP tool through a kill -9 of the real binary: the
+/// job waits for the person holding nothing, the node dies and comes back,
+/// the approval arrives, and the refund is called once, under its key.
+#[actix_rt::test]
+async fn an_mcp_tools_approval_survives_kill_9() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    script(
+        &env,
+        vec![(
+            "call_a",
+            "mcp__shop__refund",
+            json!({ "order_id": "D4", "amount": 12 }),
+        )],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let vars = [
+        ("DATABASE_URL", env.db_url.clone()),
+        ("OPENAI_BASE_URL", env.provider.base_url()),
+        (
+            "ONCEFLOW_MCP_SERVERS",
+            json!({ "shop": { "url": shop.url() } }).to_string(),
+        ),
+        ("ONCEFLOW_POLL_MS", "100".to_owned()),
+        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+    ];
+    let mut serve = ServeProcess::start(&vars, &log).await;
+    let token = env.store.tokens().create("mcp", true).await.unwrap();
+    let r = client()
+        .post(format!("{}/v1/jobs", serve.base))
+        .bearer_auth(&token)
+        .json(&json!({
+            "id": "mcp-kill-ap", "workflow": "agent", "webhook_url": env.consumer.url(),
+            "input": { "model": "m", "messages": [{ "role": "user", "content": "refund D4" }],
+                       "mcp": ["shop"], "approval": ["mcp__shop__refund"] },
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let waiting = wait_until(WAIT, || async {
+        env.job("mcp-kill-ap")
+            .await
+            .waiting
+            .is_some_and(|w| w["kind"] == "approval")
+    })
+    .await;
+    let job_now = env.job("mcp-kill-ap").await;
+    assert!(waiting, "{job_now:?}");
+    let waiting = job_now.waiting.unwrap();
+    assert_eq!(waiting["name"], "approval:call_a");
+    assert_eq!(waiting["tool"]["name"], "mcp__shop__refund");
+    assert_eq!(
+        waiting["tool"]["arguments"],
+        json!({ "order_id": "D4", "amount": 12 })
+    );
+
+    serve.sigkill();
+    serve.restart_on_same_port(&vars, &log).await;
+    assert!(
+        shop.calls().await.is_empty(),
+        "nothing ran before the approval"
+    );
+    let r = client()
+        .post(format!(
+            "{}/v1/jobs/mcp-kill-ap/signals/approval:call_a",
+            serve.base
+        ))
+        .bearer_auth(&token)
+        .json(&json!({ "id": "yes-1", "payload": { "approved": true } }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 202);
+    let done = env.wait_for("mcp-kill-ap", JobState::Acked, WAIT).await;
+    assert_eq!(done.result.unwrap()["tool_calls"], 1);
+    assert_eq!(
+        shop.keys_of("refund").await,
+        ["job:mcp-kill-ap:tool:call_a"],
+        "the approved refund was called once"
+    );
+    assert_eq!(
+        env.provider.work_done("job:mcp-kill-ap:turn:0"),
+        1,
+        "the first turn was paid once through the kill"
+    );
 }

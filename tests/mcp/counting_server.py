@@ -1,8 +1,9 @@
 """An MCP server for onceflow's tests, built with the official Python SDK.
 
-It counts what it received: every `tools/call` request, with its tool and
-the idempotency key onceflow put in `params._meta`, is recorded before the
-tool runs, and `GET /calls` answers them all. Tools:
+It counts what it received: every `tools/call` request, with its tool, the
+idempotency key onceflow put in `params._meta` and its Authorization
+header, is recorded before the tool runs, and `GET /calls` answers them
+all. Tools:
 
 * `lookup` (readOnlyHint): reads an order's status;
 * `refund` (no hints: a side effect, not idempotent): pays money back;
@@ -79,6 +80,8 @@ async def app(scope, receive, send):
         messages = json.loads(raw)
     except ValueError:
         messages = []
+    headers = dict(scope.get("headers") or [])
+    auth = headers.get(b"authorization", b"").decode() or None
     for m in messages if isinstance(messages, list) else [messages]:
         if isinstance(m, dict) and m.get("method") == "tools/call":
             params = m.get("params") or {}
@@ -86,6 +89,7 @@ async def app(scope, receive, send):
                 "tool": params.get("name"),
                 "key": (params.get("_meta") or {}).get(KEY),
                 "arguments": params.get("arguments"),
+                "authorization": auth,
             })
     sent = False
 

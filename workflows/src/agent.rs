@@ -491,6 +491,7 @@ impl Agent {
             tool_name: &name,
             arguments,
             mode: pinned.mode(),
+            server: Some(&pinned.server),
         };
         ctx.tool_call(call, |invocation| {
             let arguments = arguments.clone();

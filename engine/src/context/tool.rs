@@ -97,6 +97,9 @@ pub struct ToolCall<'a> {
     /// Sent again after a lost answer ([`SendMode::AtLeastOnce`]), or never
     /// without a person's decision ([`SendMode::AtMostOnce`]).
     pub mode: SendMode,
+    /// The MCP server it goes to, if any: its span says so, and
+    /// `onceflow.mcp.calls` counts it by server.
+    pub server: Option<&'a str>,
 }
 
 /// The error code of a call that was sent and whose answer was lost, when
@@ -171,6 +174,7 @@ impl Context {
             tool_name,
             arguments,
             mode: SendMode::AtLeastOnce,
+            server: None,
         };
         self.tool_call(call, execute).await
     }
@@ -199,6 +203,7 @@ impl Context {
             tool_name,
             arguments,
             mode,
+            server,
         } = call;
         let position = Position { turn, index };
         let hash = canonical_hash(arguments);
@@ -209,6 +214,7 @@ impl Context {
             arguments,
             arguments_hash: &hash,
             mode,
+            server,
         };
         if crate::rules::payload::contains_nul(arguments) {
             return Err(StepError::permanent(
@@ -223,17 +229,17 @@ impl Context {
         let key = keys::tool(&self.fence.key(), turn, index);
         self.follow_journal(&format!("tool:{turn}:{index}"), &key, false)
             .await?;
-        let span = self.scope.step(
-            SPAN_TOOL,
-            SpanKind::Client,
-            vec![
-                KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
-                // The GenAI semantic conventions' name for a tool's execution.
-                KeyValue::new(GEN_AI_OPERATION, "execute_tool"),
-                KeyValue::new(GEN_AI_TOOL_NAME, tool_name.to_owned()),
-                KeyValue::new(GEN_AI_TOOL_CALL_ID, tool_call_id.to_owned()),
-            ],
-        );
+        let mut attributes = vec![
+            KeyValue::new(IDEMPOTENCY_KEY, key.clone()),
+            // The GenAI semantic conventions' name for a tool's execution.
+            KeyValue::new(GEN_AI_OPERATION, "execute_tool"),
+            KeyValue::new(GEN_AI_TOOL_NAME, tool_name.to_owned()),
+            KeyValue::new(GEN_AI_TOOL_CALL_ID, tool_call_id.to_owned()),
+        ];
+        if let Some(server) = server {
+            attributes.push(KeyValue::new(MCP_SERVER, server.to_owned()));
+        }
+        let span = self.scope.step(SPAN_TOOL, SpanKind::Client, attributes);
         let (attempt, span) = match self.admit_tool(&spec, &key, in_flight_ms, span).await? {
             Ok(admitted) => admitted,
             Err(replayed) => return Ok(replayed),
@@ -274,12 +280,14 @@ impl Context {
             Err(error) => {
                 let unknown = error.envelope().code == TOOL_OUTCOME_UNKNOWN;
                 let permanent = unknown || !on_tool_error(&error).retries();
-                let outcome = if permanent {
+                let outcome = if unknown {
+                    OUTCOME_UNKNOWN
+                } else if permanent {
                     OUTCOME_FAILED
                 } else {
                     OUTCOME_RETRIED
                 };
-                metrics.tool(outcome);
+                count_tool(&metrics, spec.server, outcome);
                 span.set(KeyValue::new(ERROR_CODE, error.envelope().code));
                 span.end(outcome);
                 let failure = match (unknown, permanent) {
@@ -320,7 +328,7 @@ impl Context {
                 message: format!("the result of tool call {tool_call_id} contains a NUL character"),
                 retryable: false,
             };
-            metrics.tool(OUTCOME_FAILED);
+            count_tool(&metrics, spec.server, OUTCOME_FAILED);
             span.set(KeyValue::new(ERROR_CODE, "invalid_tool_result"));
             span.end(OUTCOME_FAILED);
             self.record_tool_failure(
@@ -349,7 +357,7 @@ impl Context {
             span.end(OUTCOME_SUPPRESSED);
             return Err(StepError::LeaseLost);
         }
-        metrics.tool(OUTCOME_PERFORMED);
+        count_tool(&metrics, spec.server, OUTCOME_PERFORMED);
         span.end(OUTCOME_PERFORMED);
         self.tool_event(key, FINISHED, tool_name, tool_call_id)
             .await?;
@@ -379,7 +387,7 @@ impl Context {
                 .await?
             {
                 ToolCallStart::Completed(result) => {
-                    self.scope.metrics().tool(OUTCOME_REPLAYED);
+                    count_tool(self.scope.metrics(), spec.server, OUTCOME_REPLAYED);
                     span.end(OUTCOME_REPLAYED);
                     self.tool_event(key, REPLAYED, spec.tool_name, spec.tool_call_id)
                         .await?;
@@ -392,7 +400,7 @@ impl Context {
                     return Err(StepError::LeaseLost);
                 }
                 ToolCallStart::Unknown => {
-                    self.scope.metrics().tool(OUTCOME_FAILED);
+                    count_tool(self.scope.metrics(), spec.server, OUTCOME_UNKNOWN);
                     span.set(KeyValue::new(ERROR_CODE, TOOL_OUTCOME_UNKNOWN));
                     span.end(OUTCOME_FAILED);
                     return Err(unknown_outcome(spec.tool_name, tool_call_id));
@@ -401,7 +409,7 @@ impl Context {
                     stored_id,
                     stored_hash,
                 } => {
-                    self.scope.metrics().tool(OUTCOME_FAILED);
+                    count_tool(self.scope.metrics(), spec.server, OUTCOME_FAILED);
                     span.set(KeyValue::new(ERROR_CODE, "tool_call_conflict"));
                     return Err(StepError::permanent(
                         "tool_call_conflict",
@@ -452,4 +460,21 @@ fn unknown_outcome(tool_name: &str, tool_call_id: &str) -> StepError {
         "nothing is sent again without a decision: redrive the job with confirm_unknown=true \
          to call it again under the same key",
     )
+}
+
+/// Counts a tool execution, and an MCP call by its server.
+fn count_tool(
+    metrics: &onceflow_observability::metrics::Metrics,
+    server: Option<&str>,
+    outcome: &'static str,
+) {
+    // A call left unknown is a failure to the tool counter's four outcomes.
+    metrics.tool(if outcome == OUTCOME_UNKNOWN {
+        OUTCOME_FAILED
+    } else {
+        outcome
+    });
+    if let Some(server) = server {
+        metrics.mcp_call(server, outcome);
+    }
 }

@@ -39,6 +39,9 @@ pub struct ToolCallSpec<'a> {
     /// Whether a send whose answer was lost may be sent again (under the
     /// same key) or stops the job for a decision.
     pub mode: SendMode,
+    /// The MCP server the call goes to (for its span and metrics; not
+    /// stored).
+    pub server: Option<&'a str>,
 }
 
 /// How a tool call's failure is recorded.
