@@ -29,9 +29,11 @@ connection never opened): ``cancel_all`` and ``redrive_all`` (keyed by no
 id), and ``redrive`` (a redrive done twice could redrive a job that died
 again meanwhile). A transport failure that outlasts the
 retries raises ``ConnectionFailed`` (``Timeout`` for a timeout), with the
-``httpx`` error as its cause. Webhooks are verified with the Standard
-Webhooks reference library and de-duplicated by their webhook-id
-(WebhookReceiver).
+``httpx`` error as its cause. An event stream reconnects from its
+last event on a dropped connection and on 429/5xx (after Retry-After), at
+most ``reconnects`` times in a row. Webhooks are verified with the Standard
+Webhooks reference library and handled once per webhook-id, the id marked
+only after the handler returned (WebhookReceiver.handle).
 """
 
 from __future__ import annotations
@@ -90,7 +92,9 @@ __all__ = [
     "Timeout",
     "Unauthorized",
     "Unavailable",
+    "WebhookInProgress",
     "WebhookReceiver",
+    "WebhookVerificationError",
 ]
 
 
@@ -556,7 +560,15 @@ class Client:
                 ) as source:
                     if source.response.status_code == 204:
                         return
-                    if source.response.status_code != 200:
+                    status = source.response.status_code
+                    if status in RETRIED_STATUSES and failures < reconnects:
+                        # Busy or failing (a restart, a proxy): asked again
+                        # after its Retry-After, from the same event.
+                        source.response.read()
+                        failures += 1
+                        time.sleep(_retry_after(source.response, failures - 1))
+                        continue
+                    if status != 200:
                         source.response.read()
                         _answer(source.response)
                     for sse in source.iter_sse():
@@ -574,10 +586,10 @@ class Client:
                 failures += 1
                 if failures > reconnects:
                     raise httpx.RemoteProtocolError("the event stream kept ending early")
-            except httpx.TransportError:
+            except httpx.TransportError as e:
                 failures += 1
                 if failures > reconnects:
-                    raise
+                    raise _failed(e, _Req("GET", f"/v1/jobs/{_segment(id)}/events")) from e
             time.sleep(_backoff(failures - 1))
 
 
@@ -765,7 +777,15 @@ class AsyncClient:
                 ) as source:
                     if source.response.status_code == 204:
                         return
-                    if source.response.status_code != 200:
+                    status = source.response.status_code
+                    if status in RETRIED_STATUSES and failures < reconnects:
+                        # Busy or failing (a restart, a proxy): asked again
+                        # after its Retry-After, from the same event.
+                        await source.response.aread()
+                        failures += 1
+                        await asyncio.sleep(_retry_after(source.response, failures - 1))
+                        continue
+                    if status != 200:
                         await source.response.aread()
                         _answer(source.response)
                     async for sse in source.aiter_sse():
@@ -781,23 +801,35 @@ class AsyncClient:
                 failures += 1
                 if failures > reconnects:
                     raise httpx.RemoteProtocolError("the event stream kept ending early")
-            except httpx.TransportError:
+            except httpx.TransportError as e:
                 failures += 1
                 if failures > reconnects:
-                    raise
+                    raise _failed(e, _Req("GET", f"/v1/jobs/{_segment(id)}/events")) from e
             await asyncio.sleep(_backoff(failures - 1))
+
+
+class WebhookInProgress(Exception):
+    """The same webhook-id is being handled right now (a resend arrived while
+    the first delivery's handler runs): answer 409 and let it come again."""
 
 
 class WebhookReceiver:
     """Verifies onceflow's webhooks (Standard Webhooks) and drops repeats.
 
-    `receive(body, headers)` returns the event, or None for a webhook-id
-    seen before (a resend after a lost answer is the same event). ``body``
-    is the raw bytes as received; ``headers`` any mapping of names to
-    values, whatever their case: FastAPI's and Starlette's
-    ``request.headers``, Flask's, ``http.server``'s ``self.headers``, a
-    ``dict``. Keep the seen ids durable in production: here they are kept
-    in memory.
+    ``handle(body, headers, handler)`` verifies the webhook, runs
+    ``handler(event)`` once per webhook-id, and marks the id done only when
+    the handler returned: a handler that raised leaves it unmarked, so the
+    resend that follows your error answer is handled again. It returns the
+    handler's result, or None for an id already handled (answer 2xx: the
+    resend after a lost answer is the same event); the same id arriving
+    while its handler still runs raises ``WebhookInProgress``.
+    ``receive(body, headers)`` verifies and marks at once (for handling that
+    cannot fail). ``body`` is the raw bytes as received; ``headers`` any
+    mapping of names to values, whatever their case: FastAPI's and
+    Starlette's ``request.headers``, Flask's, ``http.server``'s
+    ``self.headers``, a ``dict``. Keep the handled ids durable in
+    production (with your handler's own write): here they are kept in
+    memory.
     """
 
     def __init__(self, *secrets: str):
@@ -805,23 +837,55 @@ class WebhookReceiver:
             raise ValueError("give at least one whsec_ secret")
         self._verifiers = [Webhook(s) for s in secrets]
         self._seen: set[str] = set()
+        self._running: set[str] = set()
 
-    def receive(self, body: bytes, headers: Mapping[str, str]) -> Optional[dict]:
+    def verify(self, body: bytes, headers: Mapping[str, str]) -> tuple[str, dict]:
+        """The webhook-id and the event, or ``WebhookVerificationError``."""
         lowered = {k.lower(): v for k, v in headers.items()}
-        event = None
         for verifier in self._verifiers:
             try:
-                event = verifier.verify(body, lowered)
-                break
+                return lowered["webhook-id"], verifier.verify(body, lowered)
             except WebhookVerificationError:
                 continue
-        if event is None:
-            raise WebhookVerificationError("no secret verifies this webhook")
-        webhook_id = lowered["webhook-id"]
+        raise WebhookVerificationError("no secret verifies this webhook")
+
+    def receive(self, body: bytes, headers: Mapping[str, str]) -> Optional[dict]:
+        """The event, or None for a webhook-id seen before; marks it at once."""
+        webhook_id, event = self.verify(body, headers)
         if webhook_id in self._seen:
             return None
         self._seen.add(webhook_id)
         return event
+
+    def handle(self, body: bytes, headers: Mapping[str, str], handler: Callable[[dict], Any]) -> Any:
+        """Runs ``handler(event)`` once per webhook-id; marks it after success."""
+        webhook_id, event = self.verify(body, headers)
+        if webhook_id in self._seen:
+            return None
+        if webhook_id in self._running:
+            raise WebhookInProgress(webhook_id)
+        self._running.add(webhook_id)
+        try:
+            result = handler(event)
+            self._seen.add(webhook_id)
+            return result
+        finally:
+            self._running.discard(webhook_id)
+
+    async def ahandle(self, body: bytes, headers: Mapping[str, str], handler: Callable[[dict], Any]) -> Any:
+        """``handle`` with an ``async`` handler."""
+        webhook_id, event = self.verify(body, headers)
+        if webhook_id in self._seen:
+            return None
+        if webhook_id in self._running:
+            raise WebhookInProgress(webhook_id)
+        self._running.add(webhook_id)
+        try:
+            result = await handler(event)
+            self._seen.add(webhook_id)
+            return result
+        finally:
+            self._running.discard(webhook_id)
 
 
 def _sleep(seconds: float) -> None:

@@ -530,6 +530,9 @@ def test_a_fastapi_consumer_verifies_a_real_delivery_and_drops_its_repeat(node):
     """A consumer as a team writes one in FastAPI: the raw body and
     Starlette's headers to WebhookReceiver, a repeat dropped by webhook-id."""
     import uvicorn
+    from standardwebhooks.webhooks import WebhookVerificationError
+
+    from onceflow_client import WebhookInProgress
     from fastapi import FastAPI, Request, Response
     from standardwebhooks.webhooks import Webhook as Signer
 
@@ -541,14 +544,19 @@ def test_a_fastapi_consumer_verifies_a_real_delivery_and_drops_its_repeat(node):
     @app.post("/hooks")
     async def hook(request: Request):
         requests.append(request.headers.get("webhook-id"))
+
+        async def store(event):
+            processed.append(event["data"]["job_id"])
+            return "stored"
+
         try:
-            event = receiver.receive(await request.body(), request.headers)
-        except Exception:
+            done = await receiver.ahandle(await request.body(), request.headers, store)
+        except WebhookVerificationError:
             return Response(status_code=401)
-        if event is None:
-            return Response(status_code=200)
-        processed.append(event["data"]["job_id"])
-        return Response(status_code=204)
+        except WebhookInProgress:
+            return Response(status_code=409)
+        # None: a resend of a webhook-id already handled.
+        return Response(status_code=204 if done == "stored" else 200)
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -628,3 +636,101 @@ def test_a_keep_alive_between_events_is_no_event():
         assert asyncio.run(run()) == ["received", "acked"]
     finally:
         server.shutdown()
+
+
+def test_an_event_stream_answered_503_is_asked_again_from_the_same_event(monkeypatch):
+    """A stream refused while the node restarts (503 with Retry-After, then
+    a 502 from a proxy) is opened again with the same Last-Event-ID; every
+    event comes once."""
+    import asyncio
+
+    import onceflow_client
+    from onceflow_client import AsyncClient
+
+    monkeypatch.setattr(onceflow_client.time, "sleep", lambda s: None)
+
+    async def no_sleep(s):
+        return None
+
+    monkeypatch.setattr(onceflow_client.asyncio, "sleep", no_sleep)
+
+    class Restarting(BaseHTTPRequestHandler):
+        asked = []
+
+        def do_GET(self):  # noqa: N802
+            Restarting.asked.append(self.headers.get("last-event-id"))
+            n = len(Restarting.asked)
+            if n % 3 == 1:
+                body = b'id: 4\nevent: state\ndata: {"text": "generated"}\n\n'
+                status = 200
+            elif n % 3 == 2:
+                body, status = b'{"error": {"code": "unavailable", "message": "draining"}}', 503
+            else:
+                body, status = b"bad gateway", 502
+            if status == 200 and self.headers.get("last-event-id") == "4":
+                body = b'id: 5\nevent: state\ndata: {"text": "acked"}\n\n'
+            self.send_response(status)
+            self.send_header("content-type", "text/event-stream" if status == 200 else "application/json")
+            self.send_header("retry-after", "1")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server, url = serve(Restarting)
+    try:
+        # 1: "generated" then the stream ends; 2: 503; 3: 502; 4: "acked".
+        assert [e.data["text"] for e in Client(url).events("j", last_event_id=3)] == ["generated", "acked"]
+        assert Restarting.asked == ["3", "4", "4", "4"], Restarting.asked
+        Restarting.asked = []
+
+        async def run():
+            async with AsyncClient(url) as aclient:
+                return [e.data["text"] async for e in aclient.events("j", last_event_id=3)]
+
+        assert asyncio.run(run()) == ["generated", "acked"]
+        assert Restarting.asked == ["3", "4", "4", "4"], Restarting.asked
+        # Past its reconnects, the refusal is the API's error.
+        Restarting.asked = []
+        with pytest.raises(onceflow_client.Unavailable):
+            list(Client(url).events("j", last_event_id=3, reconnects=1))
+    finally:
+        server.shutdown()
+
+
+def test_a_handler_that_fails_leaves_its_webhook_to_be_handled_again():
+    """`handle` marks a webhook-id done only after the handler returned: the
+    resend after a failed handling runs it again; after a success, a resend
+    is answered without running it; a resend during the handling is refused."""
+    from datetime import datetime, timezone
+
+    from standardwebhooks.webhooks import Webhook
+
+    from onceflow_client import WebhookInProgress
+
+    body = json.dumps({"type": "job.completed", "timestamp": "2026-12-07T00:00:00.000000Z",
+                       "data": {"job_id": "h"}}).encode()
+    now = datetime.now(tz=timezone.utc)
+    headers = {"webhook-id": "msg_h", "webhook-timestamp": str(int(now.timestamp())),
+               "webhook-signature": Webhook(SECRET).sign("msg_h", now, body.decode())}
+    receiver = WebhookReceiver(SECRET)
+    runs = []
+
+    def failing(event):
+        runs.append(event["data"]["job_id"])
+        raise RuntimeError("the database is down")
+
+    with pytest.raises(RuntimeError):
+        receiver.handle(body, headers, failing)
+
+    def nested(event):
+        runs.append("nested")
+        with pytest.raises(WebhookInProgress):
+            receiver.handle(body, headers, lambda e: runs.append("never"))
+        return "stored"
+
+    assert receiver.handle(body, headers, nested) == "stored"
+    assert receiver.handle(body, headers, lambda e: runs.append("never")) is None
+    assert runs == ["h", "nested"], runs

@@ -212,6 +212,43 @@ test("a 503 is retried for a read and a write alike, within the bound", async ()
   }
 });
 
+test("an event stream answered 503, then 502, is asked again from the same event", async () => {
+  const asked: (string | undefined)[] = [];
+  const server = createServer((req, res) => {
+    const last = req.headers["last-event-id"] as string | undefined;
+    asked.push(last);
+    const n = asked.length;
+    if (n === 2 || n === 3) {
+      res.writeHead(n === 2 ? 503 : 502, { "content-type": "application/json", "retry-after": "0" });
+      res.end(JSON.stringify({ error: { code: "unavailable", message: "draining" } }));
+      return;
+    }
+    res.writeHead(200, { "content-type": "text/event-stream" });
+    res.end(last === "4" ? 'id: 5\nevent: state\ndata: {"text":"acked"}\n\n' : 'id: 4\nevent: state\ndata: {"text":"generated"}\n\n');
+  });
+  servers.push(server);
+  const url: string = await new Promise((ok) =>
+    server.listen(0, "127.0.0.1", () => {
+      const address = server.address();
+      ok(`http://127.0.0.1:${typeof address === "object" && address ? address.port : 0}`);
+    }),
+  );
+  const seen: string[] = [];
+  for await (const event of new Onceflow({ baseUrl: url }).events("j", { lastEventId: 3 })) {
+    seen.push(String(event.data.text));
+  }
+  assert.deepEqual(seen, ["generated", "acked"]);
+  assert.deepEqual(asked, ["3", "4", "4", "4"], "resumed after event 4 through a 503 and a 502");
+  asked.length = 0;
+  asked.push("x"); // the next request is the 2nd: 503, then 502 past one retry
+  await assert.rejects(
+    (async () => {
+      for await (const _ of new Onceflow({ baseUrl: url, maxRetries: 1 }).events("j")) void _;
+    })(),
+    (e: unknown) => e instanceof OnceflowError && e.status === 502,
+  );
+});
+
 test("a request past its timeout is sent again, then rejects with the client's own timeout", async () => {
   let seen = 0;
   const silent = createServer(() => {

@@ -179,7 +179,8 @@ export declare class Onceflow {
     /**
      * The job's events as they are journaled, after `lastEventId`. A dropped
      * connection is resumed with `Last-Event-ID` (by `eventsource`, with its
-     * backoff), so nothing is lost or repeated; the iteration ends after the
+     * backoff), and a 429 or 5xx answer asked again after its Retry-After
+     * (`maxRetries` times), so nothing is lost or repeated; the iteration ends after the
      * job's final state, or at once when resumed past the end of a finished
      * job (204).
      */

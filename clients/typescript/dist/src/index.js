@@ -225,11 +225,13 @@ export class Onceflow {
     /**
      * The job's events as they are journaled, after `lastEventId`. A dropped
      * connection is resumed with `Last-Event-ID` (by `eventsource`, with its
-     * backoff), so nothing is lost or repeated; the iteration ends after the
+     * backoff), and a 429 or 5xx answer asked again after its Retry-After
+     * (`maxRetries` times), so nothing is lost or repeated; the iteration ends after the
      * job's final state, or at once when resumed past the end of a finished
      * job (204).
      */
     async *events(id, options = {}) {
+        const tries = Number.isFinite(this.maxRetries) ? Math.max(0, this.maxRetries) : 3;
         const headers = { ...this.headers };
         if (options.lastEventId !== undefined)
             headers["Last-Event-ID"] = String(options.lastEventId);
@@ -243,13 +245,22 @@ export class Onceflow {
         const source = new EventSource(`${this.baseUrl}/v1/jobs/${encodeURIComponent(id)}/events`, {
             // Ours under eventsource's own: on a reconnect its Last-Event-ID
             // (the last event received) wins over the one we started from.
-            fetch: (input, init) => {
+            // A busy or failing answer (429, 5xx: a restart, a proxy) is asked
+            // again after its Retry-After, from the same event, within the
+            // client's retries; eventsource itself reconnects a dropped one.
+            fetch: async (input, init) => {
                 const merged = new Headers(init?.headers);
                 for (const [name, value] of Object.entries(headers)) {
                     if (!merged.has(name))
                         merged.set(name, value);
                 }
-                return fetch(input, { ...init, headers: merged });
+                for (let attempt = 0;; attempt++) {
+                    const response = await fetch(input, { ...init, headers: merged });
+                    if (!RETRIED_STATUSES.includes(response.status) || attempt >= tries)
+                        return response;
+                    await response.body?.cancel();
+                    await sleep(retryAfter(response, attempt));
+                }
             },
         });
         for (const kind of ["state", "chunk", "tool", "reset"]) {
