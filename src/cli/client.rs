@@ -730,7 +730,7 @@ pub fn redrive(args: RedriveArgs) -> anyhow::Result<()> {
                     .await
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
                 println!(
-                    "redriven: {redriven}, skipped (delivery unknown, needs --confirm-unknown): {skipped}"
+                    "redriven: {redriven}, skipped (a delivery or tool call unknown, needs --confirm-unknown): {skipped}"
                 );
             }
         }

@@ -350,7 +350,14 @@ async fn the_pinned_tool_list_wins_on_a_node_whose_server_lists_others() {
     let env = TestEnv::new().await;
     let shop = McpServer::counting().await;
     let other = McpServer::everything().await;
-    script(&env, vec![]);
+    script(
+        &env,
+        vec![(
+            "call_p",
+            "mcp__shop__refund",
+            json!({ "order_id": "P1", "amount": 1 }),
+        )],
+    );
     // The first node pins the counting server's list, then dies with its
     // first model call answered and unread.
     env.faults
@@ -365,7 +372,10 @@ async fn the_pinned_tool_list_wins_on_a_node_whose_server_lists_others() {
     first.shutdown();
     // The second node's "shop" is another server with other tools.
     let _second = env.start(registry(servers(&[("shop", &other)])), env.config());
-    env.wait_for("mcp-pin", JobState::Acked, WAIT).await;
+    // The pinned refund, asked of a server that lists no such tool: it ran
+    // nowhere, and the job is retried for a node that has it, to its budget.
+    let dead = env.wait_for("mcp-pin", JobState::Dead, WAIT).await;
+    assert_eq!(dead.last_error.unwrap().code, "tool_unavailable");
     let lists = offered(&env);
     assert_eq!(lists.len(), 2, "{lists:?}");
     assert_eq!(
@@ -380,6 +390,11 @@ async fn the_pinned_tool_list_wins_on_a_node_whose_server_lists_others() {
         !lists[1].iter().any(|n| n == "mcp__shop__echo"),
         "{lists:?}"
     );
+    assert!(
+        shop.calls().await.is_empty(),
+        "the first node called nothing"
+    );
+    assert!(tool_answers(&env).is_empty(), "the model read no answer");
 }
 
 #[actix_rt::test]
@@ -752,10 +767,13 @@ async fn an_mcp_tools_approval_survives_kill_9() {
 
     serve.sigkill();
     serve.restart_on_same_port(&vars, &log).await;
+    // The restarted node has polled a dozen times: still nothing runs.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(
         shop.calls().await.is_empty(),
         "nothing ran before the approval"
     );
+    assert!(env.job("mcp-kill-ap").await.waiting.is_some());
     let r = client()
         .post(format!(
             "{}/v1/jobs/mcp-kill-ap/signals/approval:call_a",
@@ -778,5 +796,125 @@ async fn an_mcp_tools_approval_survives_kill_9() {
         env.provider.work_done("job:mcp-kill-ap:turn:0"),
         1,
         "the first turn was paid once through the kill"
+    );
+}
+
+/// A live node (no crash) whose call gets no answer within its tool
+/// timeout: the read-only lookup is sent again under the same key and its
+/// job finishes; the refund is not — its job is `dead` with
+/// `tool_outcome_unknown`, a redrive without confirmation is refused, and
+/// one with it calls the refund once more, under the same key. An answer
+/// past the node's bound is a result saying so, never sent again.
+#[actix_rt::test]
+async fn a_call_timed_out_on_a_live_node_is_sent_again_only_when_safe() {
+    use onceflow_engine::store::operate::Redriven;
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    env.provider.respond_with(|request, n| {
+        let messages = request["messages"].as_array().cloned().unwrap_or_default();
+        let answered = messages.iter().any(|m| m["role"] == "tool");
+        let (name, args) = match messages[0]["content"].as_str().unwrap_or_default() {
+            "look" => (
+                "mcp__shop__lookup",
+                json!({ "order_id": "T1", "hold_first_ms": 3000 }),
+            ),
+            "pay" => (
+                "mcp__shop__refund",
+                json!({ "order_id": "T2", "amount": 3, "hold_first_ms": 3000 }),
+            ),
+            _ => ("mcp__shop__big", json!({ "size": 500 })),
+        };
+        let message = if answered {
+            json!({ "role": "assistant", "content": format!("done #{n}") })
+        } else {
+            json!({ "role": "assistant", "content": null, "tool_calls": [
+                { "id": "call_t", "type": "function",
+                  "function": { "name": name, "arguments": args.to_string() } }] })
+        };
+        json!({
+            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
+            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
+            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
+        })
+    });
+    let mut config = env.config(); // a 2 s tool timeout
+    config.tool_response_limit = 200;
+    let _engine = env.start(registry(servers(&[("shop", &shop)])), config);
+    for (id, content) in [("t-look", "look"), ("t-pay", "pay"), ("t-big", "big")] {
+        let mut new = job(&env, id, json!({ "mcp": ["shop"] }));
+        new.input["messages"][0]["content"] = json!(content);
+        env.submit_job(new).await;
+    }
+    env.wait_for("t-look", JobState::Acked, WAIT).await;
+    assert_eq!(
+        shop.keys_of("lookup").await,
+        ["job:t-look:tool:call_t", "job:t-look:tool:call_t"]
+    );
+    let dead = env.wait_for("t-pay", JobState::Dead, WAIT).await;
+    assert_eq!(dead.last_error.unwrap().code, "tool_outcome_unknown");
+    assert_eq!(shop.keys_of("refund").await, ["job:t-pay:tool:call_t"]);
+    let status = env
+        .sql("SELECT status::text AS status FROM tool_calls WHERE job_id = 't-pay'")
+        .await;
+    assert_eq!(status, json!([{ "status": "unknown" }]));
+    let redrive = |confirm| {
+        env.store
+            .jobs()
+            .redrive("t-pay", "test", "checked", confirm)
+    };
+    assert_eq!(redrive(false).await.unwrap(), Redriven::UnknownToolCall);
+    assert!(matches!(redrive(true).await.unwrap(), Redriven::Resumed(_)));
+    env.wait_for("t-pay", JobState::Acked, WAIT).await;
+    assert_eq!(
+        shop.keys_of("refund").await,
+        ["job:t-pay:tool:call_t", "job:t-pay:tool:call_t"]
+    );
+
+    env.wait_for("t-big", JobState::Acked, WAIT).await;
+    assert_eq!(shop.keys_of("big").await.len(), 1);
+    let kept = env
+        .sql("SELECT status::text AS status, result FROM tool_calls WHERE job_id = 't-big'")
+        .await;
+    assert_eq!(kept[0]["status"], "completed");
+    assert!(
+        kept[0]["result"]
+            .as_str()
+            .unwrap()
+            .contains("over this node's bound of 200 bytes"),
+        "{kept}"
+    );
+}
+
+/// A provider that gives every call the same id: each MCP call still has a
+/// key of its own (`…#2` for the second), so a server that drops repeats
+/// by key runs both.
+#[actix_rt::test]
+async fn a_reused_tool_call_id_gives_each_mcp_call_its_own_key() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    env.provider.respond_with(|request, n| {
+        let messages = request["messages"].as_array().cloned().unwrap_or_default();
+        let answers = messages.iter().filter(|m| m["role"] == "tool").count();
+        let message = if answers >= 2 {
+            json!({ "role": "assistant", "content": format!("done #{n}") })
+        } else {
+            let args = json!({ "order_id": format!("R{answers}"), "amount": 2 });
+            json!({ "role": "assistant", "content": null, "tool_calls": [
+                { "id": "call_same", "type": "function",
+                  "function": { "name": "mcp__shop__refund", "arguments": args.to_string() } }] })
+        };
+        json!({
+            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
+            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
+            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
+        })
+    });
+    let _engine = env.start(registry(servers(&[("shop", &shop)])), env.config());
+    env.submit_job(job(&env, "reuse", json!({ "mcp": ["shop"] })))
+        .await;
+    env.wait_for("reuse", JobState::Acked, WAIT).await;
+    assert_eq!(
+        shop.keys_of("refund").await,
+        ["job:reuse:tool:call_same", "job:reuse:tool:call_same#2"]
     );
 }

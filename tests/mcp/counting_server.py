@@ -10,8 +10,11 @@ all. Tools:
 * `cancel_order` (idempotentHint, destructiveHint): cancels an order;
 * `broken` (readOnlyHint): always answers `isError: true`.
 
-Each takes `hold_ms`: the tool sleeps that long before it answers (a test
-kills the engine meanwhile). Usage: counting_server.py PORT
+* `big` (readOnlyHint): answers `size` bytes.
+
+`lookup` and `refund` take `hold_ms`: the tool sleeps that long before it
+answers (a test kills the engine meanwhile), and `hold_first_ms`: only the
+first call for an order does. Usage: counting_server.py PORT
 """
 
 import asyncio
@@ -28,18 +31,29 @@ calls = []
 server = MCPServer("counting")
 
 
+def first(tool: str, order_id: str) -> bool:
+    """Whether this is the first call of `tool` for `order_id`."""
+    return sum(1 for c in calls if c["tool"] == tool and (c["arguments"] or {}).get("order_id") == order_id) <= 1
+
+
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
-async def lookup(order_id: str, hold_ms: int = 0) -> str:
+async def lookup(order_id: str, hold_ms: int = 0, hold_first_ms: int = 0) -> str:
     """The status of an order."""
-    await asyncio.sleep(hold_ms / 1000)
+    await asyncio.sleep((hold_ms + (hold_first_ms if first("lookup", order_id) else 0)) / 1000)
     return f"order {order_id} is shipped"
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=False))
-async def refund(order_id: str, amount: int, hold_ms: int = 0) -> str:
+async def refund(order_id: str, amount: int, hold_ms: int = 0, hold_first_ms: int = 0) -> str:
     """Refunds an order (money leaves the shop)."""
-    await asyncio.sleep(hold_ms / 1000)
+    await asyncio.sleep((hold_ms + (hold_first_ms if first("refund", order_id) else 0)) / 1000)
     return f"refunded {amount} on order {order_id}"
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+async def big(size: int) -> str:
+    """An answer of `size` bytes."""
+    return "x" * size
 
 
 @server.tool(annotations=ToolAnnotations(idempotentHint=True, destructiveHint=True))

@@ -353,6 +353,9 @@ impl Workflow for Agent {
         }
         let mut messages = input.messages.clone();
         let mut executed = 0;
+        // Calls so far under each provider id: an MCP call's key is
+        // `…:tool:{id}#{n}` for the n-th under a reused id.
+        let mut calls_by_id: BTreeMap<String, usize> = BTreeMap::new();
         for turn in 0..max_turns {
             let mut request = json!({ "model": input.model, "messages": messages });
             if !definitions.is_empty() {
@@ -388,6 +391,11 @@ impl Workflow for Agent {
                         e.to_string(),
                     )
                 })?;
+                let nth = {
+                    let n = calls_by_id.entry(id.to_owned()).or_insert(0);
+                    *n += 1;
+                    *n
+                };
                 let mcp_tool = mcp_tools.iter().find(|t| t.name() == name);
                 if let Some(refused) = approve(ctx, &input, id, name, mcp_tool, &arguments).await? {
                     messages
@@ -395,8 +403,9 @@ impl Workflow for Agent {
                     continue;
                 }
                 if let Some(pinned) = mcp_tool {
+                    let key = crate::mcp::idempotency_key(ctx.job_id(), id, nth);
                     let result = self
-                        .call_mcp(ctx, pinned, (turn, index), id, &arguments)
+                        .call_mcp(ctx, pinned, (turn, index), id, key, &arguments)
                         .await?;
                     executed += 1;
                     messages.push(json!({ "role": "tool", "tool_call_id": id, "content": result }));
@@ -465,6 +474,7 @@ impl Agent {
         pinned: &PinnedTool,
         (turn, index): (u32, usize),
         id: &str,
+        key: String,
         arguments: &Value,
     ) -> Result<String, StepError> {
         let Some(server) = self.mcp.get(&pinned.server).cloned() else {
@@ -495,7 +505,7 @@ impl Agent {
         };
         ctx.tool_call(call, |invocation| {
             let arguments = arguments.clone();
-            async move { crate::mcp::call(&server, pinned, arguments, invocation).await }
+            async move { crate::mcp::call(&server, pinned, arguments, key, invocation).await }
         })
         .await
     }

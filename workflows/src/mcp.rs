@@ -51,8 +51,23 @@ pub struct McpServer {
 impl std::fmt::Debug for McpServers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_map()
-            .entries(self.servers.iter().map(|(name, s)| (name, s.url.as_str())))
+            .entries(self.servers.iter().map(|(name, s)| (name, s.shown())))
             .finish()
+    }
+}
+
+impl McpServer {
+    /// The URL as it may be shown: scheme, host, port and path (no user,
+    /// password or query, which may carry a key).
+    fn shown(&self) -> String {
+        let u = &self.url;
+        let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
+        format!(
+            "{}://{}{port}{}",
+            u.scheme(),
+            u.host_str().unwrap_or(""),
+            u.path()
+        )
     }
 }
 
@@ -93,8 +108,17 @@ impl McpServers {
             }
             None => setting.to_owned(),
         };
-        let parsed: BTreeMap<String, ServerSetting> = serde_json::from_str(&text)
-            .map_err(|e| format!("not a JSON object of servers ({e})"))?;
+        // Not serde's message: it quotes the value it met, which may be a
+        // header's secret.
+        let parsed: BTreeMap<String, ServerSetting> = serde_json::from_str(&text).map_err(|e| {
+            format!(
+                "not a JSON object of servers, each {{\"url\", \"headers\"?}} \
+                     (line {}, column {}: {:?} error)",
+                e.line(),
+                e.column(),
+                e.classify()
+            )
+        })?;
         let mut servers = BTreeMap::new();
         for (name, setting) in parsed {
             let valid_name = !name.is_empty()
@@ -225,17 +249,22 @@ impl PinnedTool {
 /// like any transient failure, then the job ends with this code.
 const UNAVAILABLE: &str = "mcp_unavailable";
 
-fn unavailable(server: &str, detail: impl std::fmt::Display) -> StepError {
-    unavailable_at(server, detail, 1)
-}
+/// Most tools one server may list for a job.
+pub const MAX_TOOLS_PER_SERVER: usize = 128;
 
-/// As [`unavailable`], counted as the job's `attempt`-th try (the retry
-/// budget ends it).
-fn unavailable_at(server: &str, detail: impl std::fmt::Display, attempt: u32) -> StepError {
+/// Most bytes of tool definitions a job pins (they go to the model on
+/// every turn).
+pub const MAX_DEFINITION_BYTES: usize = 1 << 20;
+
+/// A retryable `mcp_unavailable`, counted as the job's `attempt`-th try.
+/// The message is fixed: the transport's own text names the URL (and may
+/// quote the server's answer), which are the operator's, not the job
+/// owner's; it goes to the node's log instead.
+fn unavailable(server: &str, what: &str, attempt: u32) -> StepError {
     StepError::Retry {
         error: ErrorEnvelope {
             code: UNAVAILABLE.to_owned(),
-            message: format!("MCP server {server:?} could not be reached: {detail}"),
+            message: format!("MCP server {server:?} could not be reached ({what})"),
             retryable: true,
         },
         attempt,
@@ -259,19 +288,32 @@ async fn connect(
     // A name is resolved through the guard by the client; an address
     // literal is checked here.
     guard.check(&server.url).map_err(|refused| {
+        tracing::warn!(server = name, url = %server.shown(), %refused, "an MCP server's URL is refused");
         StepError::permanent(
             "url_refused",
-            format!("MCP server {name:?}'s URL is refused"),
-            refused.to_string(),
+            format!("MCP server {name:?}'s URL is refused by this node's guard"),
+            "the operator's configuration names a private address (see the node's log)",
         )
     })?;
     let limit = transport_limit(response_limit);
     let config = StreamableHttpClientTransportConfig::with_uri(server.url.as_str())
         .custom_headers(server.headers.clone())
         .max_json_response_size(limit)
-        .max_sse_event_size(limit);
+        .max_sse_event_size(limit)
+        // The ledger alone decides whether a call is sent again.
+        .reinit_on_expired_session(false);
     let transport = StreamableHttpClientTransport::with_client(client, config);
-    ().serve(transport).await.map_err(|e| unavailable(name, e))
+    ().serve(transport).await.map_err(|e| {
+        tracing::warn!(server = name, url = %server.shown(), error = %e, "could not open an MCP session");
+        unavailable(name, "no session", 1)
+    })
+}
+
+/// Closes a session without waiting for it: the answer is in hand.
+fn close(service: RunningService<RoleClient, ()>) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(Duration::from_secs(5), service.cancel()).await;
+    });
 }
 
 /// How a job lists its servers' tools.
@@ -289,10 +331,23 @@ pub struct Listing<'a> {
     pub attempt: u32,
 }
 
+/// Whether `name` may be offered to a model: OpenAI's and Anthropic's
+/// function names are `^[a-zA-Z0-9_-]{1,64}$`.
+fn offerable(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
 /// Lists `servers`' tools (`tools/list`, every page), in the order given,
 /// each within the listing's timeout. A server this node does not have, or
 /// one that cannot be reached, is a retryable `mcp_unavailable`, until the
-/// job's retry budget is spent.
+/// job's retry budget is spent. A tool whose name a model cannot be
+/// offered (`mcp__{server}__{tool}` past 64 characters, or other than
+/// letters, digits, `_` and `-`) is left out, and logged; more than
+/// [`MAX_TOOLS_PER_SERVER`] tools, or definitions past
+/// [`MAX_DEFINITION_BYTES`], end the job (`mcp_tools_too_large`).
 pub async fn list(
     servers: &McpServers,
     wanted: &[String],
@@ -305,41 +360,39 @@ pub async fn list(
         response_limit,
         attempt,
     } = how;
-    let retry = |e: StepError| match e {
-        StepError::Retry {
-            error, retry_after, ..
-        } => StepError::Retry {
-            error,
-            attempt,
-            retry_after,
-        },
-        other => other,
-    };
     let mut pinned = Vec::new();
     for name in wanted {
         let Some(server) = servers.get(name) else {
-            return Err(unavailable_at(
-                name,
-                "this node has no such server (ONCEFLOW_MCP_SERVERS)",
-                attempt,
-            ));
+            return Err(unavailable(name, "this node has no such server", attempt));
         };
         let listed = tokio::time::timeout(timeout, async {
-            let service = connect(name, server, client.clone(), guard, response_limit).await?;
-            let tools = service
-                .peer()
-                .list_all_tools()
-                .await
-                .map_err(|e| unavailable(name, e));
-            let _ = service.cancel().await;
+            let limit = response_limit.max(MAX_DEFINITION_BYTES);
+            let service = connect(name, server, client.clone(), guard, limit).await?;
+            let tools = service.peer().list_all_tools().await.map_err(|e| {
+                tracing::warn!(server = name.as_str(), error = %e, "tools/list failed");
+                unavailable(name, "tools/list failed", attempt)
+            });
+            close(service);
             tools
         })
         .await
-        .map_err(|_| unavailable_at(name, format!("tools/list took over {timeout:?}"), attempt))?
-        .map_err(retry)?;
+        .map_err(|_| unavailable(name, "tools/list took too long", attempt))?
+        .map_err(|e| match e {
+            StepError::Retry {
+                error, retry_after, ..
+            } => StepError::Retry {
+                error,
+                attempt,
+                retry_after,
+            },
+            other => other,
+        })?;
+        if listed.len() > MAX_TOOLS_PER_SERVER {
+            return Err(too_large(name, format!("{} tools", listed.len())));
+        }
         for tool in listed {
             let hints = tool.annotations.as_ref();
-            pinned.push(PinnedTool {
+            let one = PinnedTool {
                 server: name.clone(),
                 tool: tool.name.to_string(),
                 description: tool.description.as_deref().unwrap_or_default().to_owned(),
@@ -347,29 +400,60 @@ pub async fn list(
                 read_only: hints.and_then(|h| h.read_only_hint).unwrap_or(false),
                 idempotent: hints.and_then(|h| h.idempotent_hint).unwrap_or(false),
                 destructive: hints.and_then(|h| h.destructive_hint).unwrap_or(true),
-            });
+            };
+            if !offerable(&one.name()) {
+                tracing::warn!(server = name.as_str(), tool = %one.tool, "an MCP tool whose name a model cannot be offered is left out");
+                continue;
+            }
+            pinned.push(one);
         }
+    }
+    let bytes = serde_json::to_vec(&pinned).map_or(0, |b| b.len());
+    if bytes > MAX_DEFINITION_BYTES {
+        return Err(too_large(
+            &wanted.join(","),
+            format!("{bytes} bytes of definitions"),
+        ));
     }
     Ok(pinned)
 }
 
-/// `job:{id}:tool:{tool_call_id}`: the key every `tools/call` of this call
-/// carries in `params._meta`, the same on every attempt.
-pub fn idempotency_key(job_id: &str, tool_call_id: &str) -> String {
-    format!("job:{job_id}:tool:{tool_call_id}")
+fn too_large(server: &str, what: String) -> StepError {
+    StepError::permanent(
+        "mcp_tools_too_large",
+        format!("MCP server {server:?} lists more tools than a job takes"),
+        format!("{what}; at most {MAX_TOOLS_PER_SERVER} tools per server and {MAX_DEFINITION_BYTES} bytes of definitions"),
+    )
 }
 
-/// Calls `tool` on `server` once (`tools/call` with the key in `_meta`);
-/// returns what the model reads. A tool's own error (`isError: true`) or a
-/// server's refusal is a result the model reads. A server that cannot be
-/// reached before the call is sent is retried; a call sent whose answer is
-/// lost (a dropped connection, past the node's tool timeout) is retried
-/// for a read-only or idempotent tool and is `tool_outcome_unknown` for
-/// any other. An answer over the node's bound is `response_too_large`.
+/// `job:{id}:tool:{tool_call_id}`, or `…#{n}` for the `n`-th call in the
+/// conversation under an id the provider used before (as a wait's key):
+/// the key every `tools/call` of this call carries in `params._meta`, the
+/// same on every attempt.
+pub fn idempotency_key(job_id: &str, tool_call_id: &str, nth: usize) -> String {
+    match nth {
+        0 | 1 => format!("job:{job_id}:tool:{tool_call_id}"),
+        n => format!("job:{job_id}:tool:{tool_call_id}#{n}"),
+    }
+}
+
+/// Calls `tool` on `server` once (`tools/call` with `key` in `_meta`);
+/// returns what the model reads. A tool's own error (`isError: true`), or
+/// a refusal of the request itself (JSON-RPC invalid request or params,
+/// no such method), is a result the model reads — unless a fresh
+/// `tools/list` shows the server no longer has the tool: then it is
+/// `tool_unavailable`, retried (nothing ran). A server that cannot be
+/// reached before the call is sent is retried. A call sent whose answer is
+/// lost (a dropped connection, an internal error, past the node's tool
+/// timeout, counted from before the session opens) is retried under the
+/// same key for a read-only or idempotent tool and is
+/// `tool_outcome_unknown` for any other. An answer over the node's bound
+/// is a result saying so.
 pub async fn call(
     server: &McpServer,
     tool: &PinnedTool,
     arguments: Value,
+    key: String,
     invocation: ToolInvocation,
 ) -> Result<String, StepError> {
     let name = &tool.server;
@@ -377,23 +461,19 @@ pub async fn call(
         Value::Object(map) => map,
         other => {
             return Ok(format!(
-                "The call of {} was not sent: its arguments must be a JSON object, not {other}.",
-                tool.name()
+                "The call of {} was not sent: its arguments must be a JSON object, not {}.",
+                tool.name(),
+                json_kind(&other)
             ))
         }
     };
+    let deadline = tokio::time::Instant::now() + invocation.timeout;
     let mut meta = RequestMetaObject::new();
-    meta.insert(
-        IDEMPOTENCY_META.to_owned(),
-        json!(idempotency_key(
-            &invocation.job_id,
-            &invocation.tool_call_id
-        )),
-    );
+    meta.insert(IDEMPOTENCY_META.to_owned(), json!(key));
     let mut params = CallToolRequestParams::new(tool.tool.clone()).with_arguments(arguments);
     params.meta = Some(meta);
-    let service = tokio::time::timeout(
-        invocation.timeout,
+    let service = tokio::time::timeout_at(
+        deadline,
         connect(
             name,
             server,
@@ -403,46 +483,80 @@ pub async fn call(
         ),
     )
     .await
-    .map_err(|_| unavailable(name, "the connection took too long"))??;
+    .map_err(|_| unavailable(name, "no session in time", 1))??;
     // From here the call may reach the server.
-    let answered = tokio::time::timeout(invocation.timeout, service.peer().call_tool(params)).await;
-    let _ = service.cancel().await;
-    match answered {
-        Ok(Ok(result)) => read_result(tool, result, invocation.response_limit),
-        Ok(Err(ServiceError::McpError(refused))) => {
-            let message = refused.message.to_string();
-            let lower = message.to_ascii_lowercase();
-            if lower.contains(&tool.tool.to_ascii_lowercase())
-                && (lower.contains("unknown") || lower.contains("not found"))
-            {
-                // The server no longer has the pinned tool (and ran nothing).
-                return Err(StepError::Retry {
-                    error: ErrorEnvelope {
-                        code: "tool_unavailable".to_owned(),
-                        message: format!("MCP server {name:?} no longer has tool {:?}", tool.tool),
-                        retryable: true,
-                    },
-                    attempt: 1,
-                    retry_after: None,
-                });
-            }
-            Ok(format!("The tool refused the call: {message}"))
+    let answered = tokio::time::timeout_at(deadline, service.peer().call_tool(params)).await;
+    let read = match answered {
+        Ok(Ok(result)) if result.is_error != Some(true) => {
+            Ok(read_result(tool, &result, invocation.response_limit))
         }
-        Ok(Err(lost)) => Err(answer_lost(tool, lost.to_string())),
+        Ok(Ok(result)) => {
+            let text = read_result(tool, &result, invocation.response_limit);
+            gone_or(&service, tool, deadline, text).await
+        }
+        Ok(Err(ServiceError::McpError(refused)))
+            if [-32600, -32601, -32602, -32700].contains(&refused.code.0) =>
+        {
+            let text = format!("The server refused the call: {}", refused.message);
+            gone_or(&service, tool, deadline, text).await
+        }
+        Ok(Err(lost)) => {
+            tracing::warn!(server = name.as_str(), tool = %tool.tool, error = %lost, "an MCP call's answer was lost");
+            Err(answer_lost(tool, "the session failed before the answer"))
+        }
         Err(_) => Err(answer_lost(
             tool,
-            format!("no answer within {:?}", invocation.timeout),
+            "no answer within the node's tool timeout",
         )),
+    };
+    close(service);
+    read
+}
+
+/// An error answer is what the model reads, unless the server no longer
+/// lists the tool: then no node can run it here (`tool_unavailable`).
+async fn gone_or(
+    service: &RunningService<RoleClient, ()>,
+    tool: &PinnedTool,
+    deadline: tokio::time::Instant,
+    text: String,
+) -> Result<String, StepError> {
+    let listed = tokio::time::timeout_at(deadline, service.peer().list_all_tools()).await;
+    match listed {
+        Ok(Ok(tools)) if !tools.iter().any(|t| t.name == tool.tool) => Err(StepError::Retry {
+            error: ErrorEnvelope {
+                code: "tool_unavailable".to_owned(),
+                message: format!(
+                    "MCP server {:?} no longer has tool {:?}",
+                    tool.server, tool.tool
+                ),
+                retryable: true,
+            },
+            attempt: 1,
+            retry_after: None,
+        }),
+        _ => Ok(text),
+    }
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 
 /// A call sent whose answer never came.
-fn answer_lost(tool: &PinnedTool, detail: String) -> StepError {
+fn answer_lost(tool: &PinnedTool, what: &str) -> StepError {
     match tool.mode() {
         SendMode::AtLeastOnce => StepError::Retry {
             error: ErrorEnvelope {
                 code: "mcp_call_failed".to_owned(),
-                message: format!("the call of {} got no answer: {detail}", tool.name()),
+                message: format!("the call of {} got no answer ({what})", tool.name()),
                 retryable: true,
             },
             attempt: 1,
@@ -450,19 +564,19 @@ fn answer_lost(tool: &PinnedTool, detail: String) -> StepError {
         },
         SendMode::AtMostOnce => StepError::permanent(
             TOOL_OUTCOME_UNKNOWN,
-            format!("the call of {} got no answer", tool.name()),
-            detail,
+            format!("the call of {} got no answer ({what})", tool.name()),
+            "it may have run",
         ),
     }
 }
 
 /// The text the model reads of a tool's result: its text blocks, other
-/// blocks as JSON, the structured result when there is nothing else.
-fn read_result(
-    tool: &PinnedTool,
-    result: CallToolResult,
-    limit: usize,
-) -> Result<String, StepError> {
+/// blocks as JSON, the structured result when there is nothing else; a
+/// tool's error says so. An answer past `limit` bytes is not kept: the
+/// model reads that it was too large (the call ran: it is done, never
+/// sent again). A NUL character, which the ledger cannot store, is
+/// replaced.
+fn read_result(tool: &PinnedTool, result: &CallToolResult, limit: usize) -> String {
     let mut parts: Vec<String> = result
         .content
         .iter()
@@ -476,19 +590,16 @@ fn read_result(
             parts.push(structured.to_string());
         }
     }
-    let mut text = parts.join("\n");
+    let mut text = parts.join("\n").replace('\0', "\u{FFFD}");
     if result.is_error == Some(true) {
         text = format!("The tool reported an error: {text}");
     }
     if text.len() > limit {
-        return Err(StepError::permanent(
-            "response_too_large",
-            format!("the answer of {} is over {limit} bytes", tool.name()),
-            format!(
-                "{} bytes; a tool's answer is read up to {limit} bytes",
-                text.len()
-            ),
-        ));
+        return format!(
+            "The call of {} ran, and its answer of {} bytes is over this node's bound of {limit} bytes: it was not kept.",
+            tool.name(),
+            text.len()
+        );
     }
-    Ok(text)
+    text
 }
