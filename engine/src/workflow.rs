@@ -93,6 +93,13 @@ pub trait Workflow: Send + Sync + 'static {
         None
     }
 
+    /// The output's JSON Schema, shown in `GET /v1/openapi.json` (with a
+    /// token) as the component `Result_{NAME}`: what a finished job's
+    /// `result` holds (default: none, any JSON).
+    fn output_schema() -> Option<Value> {
+        None
+    }
+
     /// The body. Every side effect goes through `ctx`.
     fn run(
         &self,
@@ -125,6 +132,8 @@ pub trait DynWorkflow: Send + Sync {
     fn validate_input(&self, input: &Value) -> Result<(), InvalidInput>;
     /// [`Workflow::input_schema`].
     fn input_schema(&self) -> Option<Value>;
+    /// [`Workflow::output_schema`].
+    fn output_schema(&self) -> Option<Value>;
     /// Decodes `input`, runs the body and serialises its output. The input
     /// is borrowed: a job in flight keeps one copy of it (its decoded form
     /// lives in the body's future).
@@ -172,6 +181,10 @@ impl<W: Workflow> DynWorkflow for W {
 
     fn input_schema(&self) -> Option<Value> {
         W::input_schema()
+    }
+
+    fn output_schema(&self) -> Option<Value> {
+        W::output_schema()
     }
 
     fn run<'a>(

@@ -25,6 +25,7 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
     m.tokens(Some(1), Some(1), false);
     m.delivery("delivered");
     m.tool("performed");
+    m.mcp_call("shop", "performed");
     m.lease_takeovers.add(1, &[]);
     m.actors_in_flight.add(1, &[]);
     m.jobs.record(1, &[KeyValue::new("onceflow.state", "dead")]);
@@ -64,8 +65,8 @@ fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
 #[test]
 fn every_dashboard_query_names_a_metric_onceflow_exports() {
     let (families, labels) = exported();
-    // 18 of onceflow's own, and `target_info` (the node's identity).
-    assert_eq!(families.len(), 19, "{families:?}");
+    // 19 of onceflow's own, and `target_info` (the node's identity).
+    assert_eq!(families.len(), 20, "{families:?}");
     assert!(families.contains("target_info"), "{families:?}");
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -148,9 +149,11 @@ fn a_fresh_node_exports_every_dashboard_series_at_zero() {
             // The step-duration histogram has no meaningful zero; the
             // provider-limit series are per provider and model, which a node
             // learns from its first limited call; the budgets' are per token
-            // with a budget, read from the database; label names
+            // with a budget, read from the database; the MCP calls' are per
+            // configured server, from its first call; label names
             // (`onceflow_state="…"`) are not series.
-            const LABELS: [&str; 6] = [
+            const LABELS: [&str; 7] = [
+                "onceflow_mcp_server",
                 "onceflow_step",
                 "onceflow_state",
                 "onceflow_outcome",
@@ -163,6 +166,7 @@ fn a_fresh_node_exports_every_dashboard_series_at_zero() {
                 || name.starts_with("onceflow_budget_")
                 || name.starts_with("onceflow_stream_")
                 || name.starts_with("onceflow_provider_throttled")
+                || name.starts_with("onceflow_mcp_calls")
                 || LABELS.contains(&name)
             {
                 continue;

@@ -15,29 +15,48 @@ use serde_json::{json, Value};
 const WAIT: Duration = Duration::from_secs(20);
 
 /// A provider script: while the conversation has no tool answer yet, ask for
-/// `calls` (id, arguments); once it has, answer "done".
+/// `calls` (id, arguments) of `http_post`; once it has, answer "done".
 pub(crate) fn script_tool_calls(env: &TestEnv, calls: Vec<(&'static str, Value)>) {
+    let named = calls
+        .into_iter()
+        .map(|(id, args)| (id, "http_post", args))
+        .collect();
+    script_named_calls(env, named);
+}
+
+/// As [`script_tool_calls`], each call naming its tool: (id, tool, arguments).
+pub(crate) fn script_named_calls(env: &TestEnv, calls: Vec<(&'static str, &'static str, Value)>) {
     env.provider.respond_with(move |request, n| {
         let messages = request["messages"].as_array().cloned().unwrap_or_default();
         let answered = messages.iter().any(|m| m["role"] == "tool");
-        let message = if answered {
+        let message = if answered || calls.is_empty() {
             json!({ "role": "assistant", "content": format!("done #{n}") })
         } else {
-            let tool_calls: Vec<Value> = calls
-                .iter()
-                .map(|(id, args)| {
-                    json!({ "id": id, "type": "function",
-                            "function": { "name": "http_post", "arguments": args.to_string() } })
-                })
-                .collect();
-            json!({ "role": "assistant", "content": null, "tool_calls": tool_calls })
+            tool_calls_message(&calls)
         };
-        json!({
-            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
-            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
-            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
-        })
+        chat_answer(request, n, message)
     });
+}
+
+/// An assistant message asking for `calls` (id, tool, arguments).
+pub(crate) fn tool_calls_message(calls: &[(&str, &str, Value)]) -> Value {
+    let tool_calls: Vec<Value> = calls
+        .iter()
+        .map(|(id, name, args)| {
+            json!({ "id": id, "type": "function",
+                    "function": { "name": name, "arguments": args.to_string() } })
+        })
+        .collect();
+    json!({ "role": "assistant", "content": null, "tool_calls": tool_calls })
+}
+
+/// A chat completion answering `request` (the provider's `n`-th) with `message`.
+pub(crate) fn chat_answer(request: &Value, n: u64, message: Value) -> Value {
+    json!({
+        "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
+        "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
+        "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
+    })
 }
 
 fn agent_registry(tool_url: &str) -> Registry {

@@ -524,6 +524,58 @@ async fn the_document_shows_each_workflows_input_as_intake_takes_it() {
     }
 }
 
+/// The document (with a token) types what each workflow's jobs return:
+/// `Result_completion` and `Result_agent` name exactly the fields a
+/// finished job's `result` has, their required ones among them, and
+/// `JobView.result` points at them.
+#[actix_rt::test]
+async fn the_document_types_each_workflows_result_as_jobs_return_it() {
+    use onceflow_engine::JobState;
+    let env = TestEnv::new().await;
+    let registry = || onceflow_workflows::registry_with(Some("http://127.0.0.1:9/tool"));
+    let _engine = env.start(registry(), env.config());
+    let base = serve_api(&env, registry(), None);
+    let (status, doc) = get(&format!("{base}/v1/openapi.json")).await;
+    assert_eq!(status, 200);
+    let schemas = &doc["components"]["schemas"];
+    let described = schemas["JobView"]["properties"]["result"]["description"]
+        .as_str()
+        .unwrap_or_default();
+    for (workflow, input) in [
+        (
+            "completion",
+            json!({ "model": "m", "messages": [{ "role": "user", "content": "hi" }] }),
+        ),
+        (
+            "agent",
+            json!({ "model": "m", "messages": [{ "role": "user", "content": "hi" }] }),
+        ),
+    ] {
+        let component = format!("Result_{workflow}");
+        assert!(described.contains(&component), "{described}");
+        let id = format!("typed-{workflow}");
+        let body = json!({ "id": id, "workflow": workflow, "input": input, "webhook_url": env.consumer.url() });
+        let (status, created) = post_job(&base, &body).await;
+        assert_eq!(status, 201, "{created}");
+        let result = env
+            .wait_for(&id, JobState::Acked, std::time::Duration::from_secs(20))
+            .await
+            .result
+            .expect("a result");
+        let schema = &schemas[&component];
+        let mut documented: Vec<&String> =
+            schema["properties"].as_object().unwrap().keys().collect();
+        let mut returned: Vec<&String> = result.as_object().unwrap().keys().collect();
+        documented.sort();
+        returned.sort();
+        assert_eq!(documented, returned, "{workflow}: {result}");
+        for required in schema["required"].as_array().unwrap() {
+            let field = required.as_str().unwrap();
+            assert!(!result[field].is_null(), "{workflow}.{field} in {result}");
+        }
+    }
+}
+
 /// A job needs no webhook: submitted without `webhook_url` it runs to
 /// `acked` with its result stored, its model call paid once, and nothing
 /// is POSTed anywhere (the consumer, never named, counts no request; no

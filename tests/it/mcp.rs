@@ -151,26 +151,26 @@ fn registry(mcp: McpServers) -> Registry {
 /// A provider script: until the conversation holds a tool answer, ask for
 /// `calls` (id, tool, arguments); then answer "done".
 fn script(env: &TestEnv, calls: Vec<(&'static str, &'static str, Value)>) {
+    crate::agent::script_named_calls(env, calls);
+}
+
+/// The model's answer once a tool answered, else the calls `ask` makes of
+/// the conversation's first message.
+fn script_by_prompt(
+    env: &TestEnv,
+    ask: impl Fn(&str) -> Vec<(&'static str, &'static str, Value)> + Send + Sync + 'static,
+) {
     env.provider.respond_with(move |request, n| {
         let messages = request["messages"].as_array().cloned().unwrap_or_default();
-        let answered = messages.iter().any(|m| m["role"] == "tool");
-        let message = if answered || calls.is_empty() {
+        let answers = messages.iter().filter(|m| m["role"] == "tool").count();
+        let prompt = messages[0]["content"].as_str().unwrap_or_default();
+        let calls = if answers == 0 { ask(prompt) } else { vec![] };
+        let message = if calls.is_empty() {
             json!({ "role": "assistant", "content": format!("done #{n}") })
         } else {
-            let tool_calls: Vec<Value> = calls
-                .iter()
-                .map(|(id, name, args)| {
-                    json!({ "id": id, "type": "function",
-                            "function": { "name": name, "arguments": args.to_string() } })
-                })
-                .collect();
-            json!({ "role": "assistant", "content": null, "tool_calls": tool_calls })
+            crate::agent::tool_calls_message(&calls)
         };
-        json!({
-            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
-            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
-            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
-        })
+        crate::agent::chat_answer(request, n, message)
     });
 }
 
@@ -503,36 +503,17 @@ async fn an_unknown_mcp_server_or_tool_in_the_input_is_refused_naming_the_field(
 async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
     let env = TestEnv::new().await;
     let shop = McpServer::counting().await;
-    env.provider.respond_with(|request, n| {
-        let messages = request["messages"].as_array().cloned().unwrap_or_default();
-        let answered = messages.iter().any(|m| m["role"] == "tool");
-        let user = messages[0]["content"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        let (name, args) = if user == "look" {
-            (
-                "mcp__shop__lookup",
-                json!({ "order_id": "C3", "hold_ms": 3000 }),
-            )
-        } else {
-            (
-                "mcp__shop__refund",
-                json!({ "order_id": "C3", "amount": 7, "hold_ms": 3000 }),
-            )
-        };
-        let message = if answered {
-            json!({ "role": "assistant", "content": format!("done #{n}") })
-        } else {
-            json!({ "role": "assistant", "content": null, "tool_calls": [
-                { "id": "call_k", "type": "function",
-                  "function": { "name": name, "arguments": args.to_string() } }] })
-        };
-        json!({
-            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
-            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
-            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
-        })
+    script_by_prompt(&env, |prompt| match prompt {
+        "look" => vec![(
+            "call_k",
+            "mcp__shop__lookup",
+            json!({ "order_id": "C3", "hold_ms": 3000 }),
+        )],
+        _ => vec![(
+            "call_k",
+            "mcp__shop__refund",
+            json!({ "order_id": "C3", "amount": 7, "hold_ms": 3000 }),
+        )],
     });
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("serve.log");
@@ -810,10 +791,8 @@ async fn a_call_timed_out_on_a_live_node_is_sent_again_only_when_safe() {
     use onceflow_engine::store::operate::Redriven;
     let env = TestEnv::new().await;
     let shop = McpServer::counting().await;
-    env.provider.respond_with(|request, n| {
-        let messages = request["messages"].as_array().cloned().unwrap_or_default();
-        let answered = messages.iter().any(|m| m["role"] == "tool");
-        let (name, args) = match messages[0]["content"].as_str().unwrap_or_default() {
+    script_by_prompt(&env, |prompt| {
+        let (name, args) = match prompt {
             "look" => (
                 "mcp__shop__lookup",
                 json!({ "order_id": "T1", "hold_first_ms": 3000 }),
@@ -824,18 +803,7 @@ async fn a_call_timed_out_on_a_live_node_is_sent_again_only_when_safe() {
             ),
             _ => ("mcp__shop__big", json!({ "size": 500 })),
         };
-        let message = if answered {
-            json!({ "role": "assistant", "content": format!("done #{n}") })
-        } else {
-            json!({ "role": "assistant", "content": null, "tool_calls": [
-                { "id": "call_t", "type": "function",
-                  "function": { "name": name, "arguments": args.to_string() } }] })
-        };
-        json!({
-            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
-            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
-            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
-        })
+        vec![("call_t", name, args)]
     });
     let mut config = env.config(); // a 2 s tool timeout
     config.tool_response_limit = 200;
@@ -899,15 +867,9 @@ async fn a_reused_tool_call_id_gives_each_mcp_call_its_own_key() {
             json!({ "role": "assistant", "content": format!("done #{n}") })
         } else {
             let args = json!({ "order_id": format!("R{answers}"), "amount": 2 });
-            json!({ "role": "assistant", "content": null, "tool_calls": [
-                { "id": "call_same", "type": "function",
-                  "function": { "name": "mcp__shop__refund", "arguments": args.to_string() } }] })
+            crate::agent::tool_calls_message(&[("call_same", "mcp__shop__refund", args)])
         };
-        json!({
-            "id": format!("chatcmpl-{n}"), "object": "chat.completion", "model": request["model"],
-            "choices": [{ "index": 0, "message": message, "finish_reason": "stop" }],
-            "usage": { "prompt_tokens": 5, "completion_tokens": 2 }
-        })
+        crate::agent::chat_answer(request, n, message)
     });
     let _engine = env.start(registry(servers(&[("shop", &shop)])), env.config());
     env.submit_job(job(&env, "reuse", json!({ "mcp": ["shop"] })))

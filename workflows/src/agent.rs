@@ -200,6 +200,19 @@ impl Workflow for Agent {
     type Input = AgentInput;
     type Output = AgentOutput;
 
+    fn output_schema() -> Option<Value> {
+        Some(json!({
+            "type": "object",
+            "description": "The result of an `agent` job: its final answer.",
+            "required": ["content", "turns", "tool_calls"],
+            "properties": {
+                "content": { "type": "string", "description": "The final assistant message's text." },
+                "turns": { "type": "integer", "minimum": 1, "description": "Model calls made (turns)." },
+                "tool_calls": { "type": "integer", "minimum": 0, "description": "Tool calls executed (or replayed) on the way." },
+            },
+        }))
+    }
+
     fn input_schema() -> Option<Value> {
         Some(json!({
             "type": "object",

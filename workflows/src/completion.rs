@@ -116,6 +116,20 @@ impl Workflow for Completion {
         self.delivery
     }
 
+    fn output_schema() -> Option<Value> {
+        Some(json!({
+            "type": "object",
+            "description": "The result of a `completion` job: the model's answer.",
+            "required": ["content", "model"],
+            "properties": {
+                "content": { "type": "string", "description": "The assistant message's text." },
+                "model": { "type": "string", "description": "The model that answered (as the provider reports it, else the one asked)." },
+                "finish_reason": { "type": ["string", "null"], "description": "Why the model stopped (`stop`, `length`, …), when reported." },
+                "usage": { "type": ["object", "null"], "description": "The provider's `usage` object (token counts), as reported." },
+            },
+        }))
+    }
+
     fn input_schema() -> Option<Value> {
         Some(json!({
             "type": "object",

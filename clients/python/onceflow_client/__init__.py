@@ -52,6 +52,8 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from .models import (
     STATES,
+    AgentResult,
+    CompletionResult,
     TERMINAL,
     JobState,
     BatchAnswer,
@@ -67,6 +69,8 @@ from .models import (
 )
 
 __all__ = [
+    "AgentResult",
+    "CompletionResult",
     "AsyncClient",
     "BadRequest",
     "BatchAnswer",
@@ -859,12 +863,9 @@ class WebhookReceiver:
 
     def handle(self, body: bytes, headers: Mapping[str, str], handler: Callable[[dict], Any]) -> Any:
         """Runs ``handler(event)`` once per webhook-id; marks it after success."""
-        webhook_id, event = self.verify(body, headers)
-        if webhook_id in self._seen:
+        webhook_id, event = self._claim(body, headers)
+        if webhook_id is None:
             return None
-        if webhook_id in self._running:
-            raise WebhookInProgress(webhook_id)
-        self._running.add(webhook_id)
         try:
             result = handler(event)
             self._seen.add(webhook_id)
@@ -874,18 +875,25 @@ class WebhookReceiver:
 
     async def ahandle(self, body: bytes, headers: Mapping[str, str], handler: Callable[[dict], Any]) -> Any:
         """``handle`` with an ``async`` handler."""
-        webhook_id, event = self.verify(body, headers)
-        if webhook_id in self._seen:
+        webhook_id, event = self._claim(body, headers)
+        if webhook_id is None:
             return None
-        if webhook_id in self._running:
-            raise WebhookInProgress(webhook_id)
-        self._running.add(webhook_id)
         try:
             result = await handler(event)
             self._seen.add(webhook_id)
             return result
         finally:
             self._running.discard(webhook_id)
+
+    def _claim(self, body: bytes, headers: Mapping[str, str]) -> tuple[Optional[str], dict]:
+        """Verifies; ``(None, event)`` for an id already handled; marks it running."""
+        webhook_id, event = self.verify(body, headers)
+        if webhook_id in self._seen:
+            return None, event
+        if webhook_id in self._running:
+            raise WebhookInProgress(webhook_id)
+        self._running.add(webhook_id)
+        return webhook_id, event
 
 
 def _sleep(seconds: float) -> None:

@@ -8,12 +8,14 @@ its documented fields: ``job.state``, ``job.signals[0].taken_by``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, List, Literal, Optional, Tuple, TypeVar, get_args, overload
+from typing import Any, Callable, Dict, Generic, List, Literal, Optional, Tuple, TypedDict, TypeVar, get_args, overload
 
 T = TypeVar("T")
 
 __all__ = [
+    "AgentResult",
     "BatchAnswer",
+    "CompletionResult",
     "Child",
     "Event",
     "HistoryEntry",
@@ -124,8 +126,35 @@ class JobSummary(_Record):
         return self.state in TERMINAL
 
 
+class CompletionResult(TypedDict, total=False):
+    """The ``result`` of a finished ``completion`` job (the document's
+    ``Result_completion``): ``job.result_as(CompletionResult)``."""
+
+    content: str
+    model: str
+    finish_reason: Optional[str]
+    usage: Optional[Dict[str, Any]]
+
+
+class AgentResult(TypedDict, total=False):
+    """The ``result`` of a finished ``agent`` job (``Result_agent``)."""
+
+    content: str
+    turns: int
+    tool_calls: int
+
+
+R = TypeVar("R")
+
+
 class Job(JobSummary):
     """A job as ``GET /v1/jobs/{id}`` shows it."""
+
+    def result_as(self, kind: "type[R]") -> Optional[R]:
+        """The ``result``, typed as ``kind`` (``CompletionResult``,
+        ``AgentResult``, or a ``TypedDict`` of your own workflow's
+        ``Result_{workflow}``); ``None`` while the job has none."""
+        return self.get("result")
 
     input: _Field[Dict[str, Any]] = _Field("input")
     webhook_url: _Field[Optional[str]] = _Field("webhook_url")

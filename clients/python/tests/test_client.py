@@ -602,6 +602,23 @@ def test_the_states_are_the_documents(node):
     assert list(STATES) == doc["components"]["schemas"]["JobState"]["enum"]
 
 
+def test_the_typed_results_are_the_documents(node):
+    """``CompletionResult`` and ``AgentResult`` name exactly the fields of
+    the document's ``Result_completion`` and ``Result_agent``, and a
+    finished completion's result reads through ``result_as``."""
+    from onceflow_client import AgentResult, CompletionResult
+
+    client, hook = node
+    doc = client._http.get("/v1/openapi.json").json()
+    for kind, component in [(CompletionResult, "Result_completion"), (AgentResult, "Result_agent")]:
+        documented = doc["components"]["schemas"][component]["properties"]
+        assert set(kind.__annotations__) == set(documented), (kind, documented)
+    client.submit("py-result-typed", "completion", completion("typed"), hook)
+    job = client.wait("py-result-typed", timeout=30)
+    result = job.result_as(CompletionResult)
+    assert result is not None and result["content"] and result["model"], job.result
+
+
 def test_a_keep_alive_between_events_is_no_event():
     """The node sends a keep-alive comment every 15 s; httpx-sse reports one
     as an event with an empty body once an event had an id. It is skipped."""

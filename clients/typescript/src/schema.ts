@@ -756,7 +756,7 @@ export interface components {
              * @description Among due jobs, higher runs first.
              */
             priority: number;
-            /** @description The workflow's output, once persisted. */
+            /** @description The workflow's output, once persisted. Its schema, by the job's `workflow`: `agent`: `Result_agent`, `completion`: `Result_completion`. */
             result?: {
                 [key: string]: unknown;
             } | null;
@@ -824,6 +824,28 @@ export interface components {
         Rerun: {
             /** @description The new job's id (1–200 characters of `A-Z a-z 0-9 _ . : -`). */
             id: string;
+        };
+        /** @description The result of an `agent` job: its final answer. */
+        Result_agent: {
+            /** @description The final assistant message's text. */
+            content: string;
+            /** @description Tool calls executed (or replayed) on the way. */
+            tool_calls: number;
+            /** @description Model calls made (turns). */
+            turns: number;
+        };
+        /** @description The result of a `completion` job: the model's answer. */
+        Result_completion: {
+            /** @description The assistant message's text. */
+            content: string;
+            /** @description Why the model stopped (`stop`, `length`, …), when reported. */
+            finish_reason?: string | null;
+            /** @description The model that answered (as the provider reports it, else the one asked). */
+            model: string;
+            /** @description The provider's `usage` object (token counts), as reported. */
+            usage?: {
+                [key: string]: unknown;
+            } | null;
         };
         /** @description A schedule with its latest jobs, newest first. */
         ScheduleDetail: components["schemas"]["ScheduleView"] & {
@@ -2041,13 +2063,13 @@ export interface operations {
         };
         requestBody?: never;
         responses: {
-            /** @description Server-sent events: `state`, `chunk`, `reset`, `tool`; ends after the final state */
+            /** @description Server-sent events (`text/event-stream`), each an `SseEvent` (`id:`, `event:` `state`, `chunk`, `reset` or `tool`, `data:` a JSON object); ends after the final state. Described as text: read it with an SSE client, which resumes with `Last-Event-ID` */
             200: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "text/event-stream": components["schemas"]["SseEvent"];
+                    "text/event-stream": string;
                 };
             };
             /** @description Resumed past the end of a finished job: nothing more will come */

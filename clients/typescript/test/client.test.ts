@@ -22,6 +22,7 @@ import {
   OnceflowConnectionError,
   OnceflowError,
   OnceflowTimeoutError,
+  resultOf,
   verifyWebhook,
 } from "../src/index.js";
 
@@ -149,6 +150,10 @@ test("a job is submitted once, followed to its end, and its webhook verified", a
   assert.equal(states.at(-1), "acked", `states ${states}`);
   const job = await client.wait("ts-1", { timeoutMs: 30_000 });
   assert.equal(job.state, "acked");
+  // The result, typed by its workflow (Result_completion in the document).
+  const result = resultOf(job, "completion");
+  assert.ok(result !== undefined && typeof result.content === "string" && result.model.length > 0, JSON.stringify(job.result));
+  assert.equal(resultOf(job, "agent"), undefined, "another workflow's job has no agent result");
   assert.equal(modelRequests.filter((k) => k === "job:ts-1:generate").length, 1, "one model request");
   for (let i = 0; i < 100 && !webhooks.some((w) => w.event.data.job_id === "ts-1"); i++) {
     await new Promise((ok) => setTimeout(ok, 100));

@@ -412,7 +412,9 @@ pub(super) async fn openapi_json(state: web::Data<ApiState>, req: HttpRequest) -
 /// registered workflow (`oneOf`), its name the `workflow` and its
 /// [`Workflow::input_schema`](crate::Workflow::input_schema), when it has
 /// one, the `input`; so a client sees, say, `completion`'s and `agent`'s
-/// inputs, and the names this node runs.
+/// inputs, and the names this node runs. A workflow's
+/// [`output_schema`](crate::Workflow::output_schema) is the component
+/// `Result_{workflow}`, named in `JobView.result`'s description.
 pub fn document_for(registry: &crate::Registry) -> serde_json::Value {
     let mut doc = document();
     for base in ["SubmitJob", "CreateSchedule"] {
@@ -441,6 +443,31 @@ pub fn document_for(registry: &crate::Registry) -> serde_json::Value {
                 "discriminator": { "propertyName": "workflow", "mapping": mapping },
             });
         }
+    }
+    // What each workflow's jobs return, where it says: `Result_completion`.
+    let mut results = Vec::new();
+    for name in registry.names() {
+        if let Some(output) = registry.get(name).and_then(|w| w.output_schema()) {
+            let component = format!("Result_{}", component_name(name));
+            let mut schema = output;
+            if schema.get("description").is_none() {
+                schema["description"] = format!("The `result` of a finished `{name}` job.").into();
+            }
+            doc["components"]["schemas"][&component] = schema;
+            results.push(format!("`{name}`: `{component}`"));
+        }
+    }
+    if !results.is_empty() {
+        let described = doc["components"]["schemas"]["JobView"]["properties"]["result"]
+            ["description"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned();
+        doc["components"]["schemas"]["JobView"]["properties"]["result"]["description"] = format!(
+            "{described} Its schema, by the job's `workflow`: {}.",
+            results.join(", ")
+        )
+        .into();
     }
     finish(&mut doc);
     doc

@@ -15,6 +15,22 @@ export type AnyJob = Omit<components["schemas"]["SubmitJob_completion"], "workfl
 };
 /** A page of `GET /v1/jobs`. */
 export type JobPage = components["schemas"]["JobPage"];
+/**
+ * What a finished job of each built-in workflow returns: the document's
+ * `Result_{workflow}` components.
+ */
+export type Results = {
+    completion: components["schemas"]["Result_completion"];
+    agent: components["schemas"]["Result_agent"];
+};
+/**
+ * A job's `result`, typed by its workflow: `Results[W]` for a built-in,
+ * or the type you give for your own (from your node's document,
+ * `components["schemas"]["Result_greet"]`). `undefined` while the job has
+ * no result, or when it is another workflow's job.
+ */
+export declare function resultOf<W extends keyof Results>(job: Job, workflow: W): Results[W] | undefined;
+export declare function resultOf<R>(job: Job, workflow: string): R | undefined;
 /** What `GET /v1/jobs` filters on. */
 export type ListQuery = NonNullable<paths["/v1/jobs"]["get"]["parameters"]["query"]>;
 /** A signal: its sender's id and its payload. */

@@ -27,6 +27,9 @@
 import createClient from "openapi-fetch";
 import { EventSource } from "eventsource";
 import { Webhook } from "standardwebhooks";
+export function resultOf(job, workflow) {
+    return job.workflow === workflow && job.result != null ? job.result : undefined;
+}
 const TERMINAL = new Set(["acked", "dead", "cancelled"]);
 /** An answer other than 2xx: `{"error": {"code", "message", "field"?}}`. */
 export class OnceflowError extends Error {
