@@ -426,8 +426,8 @@ class Consumer {
     this.requests += 1;
     const event = verifyWebhook(SECRET, body, headers);
     if (!id || this.seen.has(id)) return 200;
+    this.processed.push(String(event.data.job_id)); // the handling, then the mark
     this.seen.add(id);
-    this.processed.push(String(event.data.job_id));
     return 204;
   }
 }
