@@ -186,12 +186,18 @@ test("a waiting job is listed, signalled and cancelled; a bad request is a typed
     (e: unknown) => e instanceof OnceflowError && e.status === 422 && e.field !== undefined,
   );
   assert.equal(modelRequests.filter((k) => k.startsWith("job:ts-later")).length, 0, "no model request");
-  // A workflow of the user's own is a plain name and any input: sent, and
-  // judged by the node (this one does not run "greet").
+  // A workflow of the user's own is a plain name and any input, judged by
+  // the node: this one (examples/greet's binary) runs "greet", and no "nope".
   await assert.rejects(
-    client.submit({ id: "ts-own", workflow: "greet", input: { name: "Ada" } }),
+    client.submit({ id: "ts-nope", workflow: "nope", input: {} }),
     (e: unknown) => e instanceof OnceflowError && e.status === 422 && e.field === "workflow",
   );
+  const own = await client.submit({ id: "ts-own", workflow: "greet", input: { name: "Ada" } });
+  assert.equal(own.created, true);
+  const greeted = await client.wait("ts-own", { timeoutMs: 30_000 });
+  assert.equal(greeted.state, "acked");
+  assert.equal(resultOf<{ greeting: string }>(greeted, "greet")?.greeting, "hello", JSON.stringify(greeted.result));
+  assert.equal(modelRequests.filter((k) => k === "job:ts-own:greet").length, 1, "its one model call");
 });
 
 test("a 503 is retried for a read and a write alike, within the bound", async () => {

@@ -23,6 +23,22 @@ impl Workflow for Greet {
     type Input = Who;
     type Output = Greeting;
 
+    // Shown in this node's `GET /v1/openapi.json` (with a token), so a
+    // client generated from it types a greet job's input and result.
+    fn input_schema() -> Option<Value> {
+        Some(json!({
+            "type": "object", "required": ["name"], "additionalProperties": false,
+            "properties": { "name": { "type": "string", "description": "Who to greet." } },
+        }))
+    }
+
+    fn output_schema() -> Option<Value> {
+        Some(json!({
+            "type": "object", "required": ["greeting"],
+            "properties": { "greeting": { "type": "string", "description": "The model's one line." } },
+        }))
+    }
+
     async fn run(&self, ctx: &mut Context, who: Who) -> Result<Greeting, StepError> {
         let request = json!({
             "model": "gpt-4o-mini",
