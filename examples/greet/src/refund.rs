@@ -33,17 +33,25 @@ impl Workflow for Refund {
     type Input = RefundRequest;
     type Output = RefundOutcome;
 
-    async fn run(&self, ctx: &mut Context, refund: RefundRequest) -> Result<RefundOutcome, StepError> {
+    async fn run(
+        &self,
+        ctx: &mut Context,
+        refund: RefundRequest,
+    ) -> Result<RefundOutcome, StepError> {
         // `onceflow signal JOB approve --id … --payload '{"approved": true}'`.
         // Unanswered within a day: no refund.
-        let decision: Option<Decision> = ctx.wait_for_signal("approve", Duration::from_secs(86_400)).await?;
+        let decision: Option<Decision> = ctx
+            .wait_for_signal("approve", Duration::from_secs(86_400))
+            .await?;
         if !decision.is_some_and(|d| d.approved) {
             return Ok(RefundOutcome { refunded: false });
         }
         // Once: journaled under `job:{id}:step:refund`; its key goes with the request.
         let body = json!({ "order": refund.order, "amount_cents": refund.amount_cents });
-        ctx.step("refund", |step| async move { step.post_json(&refund.refund_url, &body).await })
-            .await?;
+        ctx.step("refund", |step| async move {
+            step.post_json(&refund.refund_url, &body).await
+        })
+        .await?;
         Ok(RefundOutcome { refunded: true })
     }
 }

@@ -33,7 +33,8 @@ async fn greet_survives_a_crash_or_a_takeover_at_every_boundary() {
 async fn a_refund_acts_once_after_its_approval_at_every_boundary() {
     let env = TestEnv::new().await;
     let payments = FakeConsumer::start();
-    let input = serde_json::json!({ "order": "A-7", "amount_cents": 1200, "refund_url": payments.url() });
+    let input =
+        serde_json::json!({ "order": "A-7", "amount_cents": 1200, "refund_url": payments.url() });
     let registry = || {
         let mut r = Registry::new();
         r.register(greet::Refund);
@@ -47,8 +48,15 @@ async fn a_refund_acts_once_after_its_approval_at_every_boundary() {
         .await;
     println!("{report}");
     report.assert_ok();
-    let wait = report.boundaries.iter().filter(|(b, _)| b.to_string().ends_with(":wait"));
-    assert_eq!(wait.count(), 2, "before and after the wait is journaled: {report}");
+    let wait = report
+        .boundaries
+        .iter()
+        .filter(|(b, _)| b.to_string().ends_with(":wait"));
+    assert_eq!(
+        wait.count(),
+        2,
+        "before and after the wait is journaled: {report}"
+    );
 }
 
 /// The map-reduce digest: one model call per chunk, all at once, then one
