@@ -9,13 +9,7 @@ async fn main() -> anyhow::Result<()> {
     let base = std::env::var("ONCEFLOW_URL").unwrap_or_else(|_| "http://127.0.0.1:8080".into());
     let token = std::env::var("ONCEFLOW_TOKEN")?;
     let client = onceflow::Client::new(base).with_token(token);
-    let submitted = client
-        .submit::<Greet>(
-            "hi-1",
-            &Who { name: "Ada".into() },
-            "https://hooks.example.com/x",
-        )
-        .await?;
+    let submitted = client.submit::<Greet>("hi-1", &Who { name: "Ada".into() }, "https://hooks.example.com/x").await?;
     let job = client.job::<Greeting>("hi-1").await?; // job.state, job.result, job.history
     println!("created: {}; now {:?}", submitted.created, job.state);
     Ok(())
