@@ -571,7 +571,31 @@ async fn the_document_types_each_workflows_result_as_jobs_return_it() {
         assert_eq!(documented, returned, "{workflow}: {result}");
         for required in schema["required"].as_array().unwrap() {
             let field = required.as_str().unwrap();
-            assert!(!result[field].is_null(), "{workflow}.{field} in {result}");
+            assert!(
+                result.get(field).is_some(),
+                "{workflow}.{field} in {result}"
+            );
+        }
+        // Each value is of a type its field allows.
+        for (field, value) in result.as_object().unwrap() {
+            let allowed: Vec<&str> = match &schema["properties"][field]["type"] {
+                Value::String(t) => vec![t.as_str()],
+                Value::Array(ts) => ts.iter().filter_map(Value::as_str).collect(),
+                other => panic!("{workflow}.{field}: no type in {other}"),
+            };
+            let kind = match value {
+                Value::Null => "null",
+                Value::Bool(_) => "boolean",
+                Value::Number(n) if n.is_i64() || n.is_u64() => "integer",
+                Value::Number(_) => "number",
+                Value::String(_) => "string",
+                Value::Array(_) => "array",
+                Value::Object(_) => "object",
+            };
+            assert!(
+                allowed.contains(&kind) || (kind == "integer" && allowed.contains(&"number")),
+                "{workflow}.{field} is {kind}, the document allows {allowed:?}"
+            );
         }
     }
 }

@@ -119,8 +119,8 @@ impl Workflow for Completion {
     fn output_schema() -> Option<Value> {
         Some(json!({
             "type": "object",
-            "description": "The result of a `completion` job: the model's answer.",
-            "required": ["content", "model"],
+            "description": "The result of a `completion` job: the model's answer (every field present; `finish_reason` and `usage` null when the provider did not say).",
+            "required": ["content", "model", "finish_reason", "usage"],
             "properties": {
                 "content": { "type": "string", "description": "The assistant message's text." },
                 "model": { "type": "string", "description": "The model that answered (as the provider reports it, else the one asked)." },

@@ -39,8 +39,10 @@ only after the handler returned (WebhookReceiver.handle).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Mapping, Optional, Union
@@ -579,6 +581,8 @@ class Client:
                         if not sse.data:
                             # A keep-alive comment: httpx-sse reports one as an
                             # event (with the last id) once any event had an id.
+                            # The stream is healthy: a later drop starts afresh.
+                            failures = 0
                             continue
                         event = _event(sse)
                         last, failures = event.id, 0
@@ -589,7 +593,7 @@ class Client:
                 # timeout): resumed after `last`; a finished job says 204.
                 failures += 1
                 if failures > reconnects:
-                    raise httpx.RemoteProtocolError("the event stream kept ending early")
+                    raise ConnectionFailed(f"GET /v1/jobs/{_segment(id)}/events: the stream kept ending early")
             except httpx.TransportError as e:
                 failures += 1
                 if failures > reconnects:
@@ -796,6 +800,8 @@ class AsyncClient:
                         if not sse.data:
                             # A keep-alive comment: httpx-sse reports one as an
                             # event (with the last id) once any event had an id.
+                            # The stream is healthy: a later drop starts afresh.
+                            failures = 0
                             continue
                         event = _event(sse)
                         last, failures = event.id, 0
@@ -804,7 +810,7 @@ class AsyncClient:
                             return
                 failures += 1
                 if failures > reconnects:
-                    raise httpx.RemoteProtocolError("the event stream kept ending early")
+                    raise ConnectionFailed(f"GET /v1/jobs/{_segment(id)}/events: the stream kept ending early")
             except httpx.TransportError as e:
                 failures += 1
                 if failures > reconnects:
@@ -842,23 +848,29 @@ class WebhookReceiver:
         self._verifiers = [Webhook(s) for s in secrets]
         self._seen: set[str] = set()
         self._running: set[str] = set()
+        # Handlers run on threads (Flask, http.server): a check and its mark
+        # are one step.
+        self._lock = threading.Lock()
 
     def verify(self, body: bytes, headers: Mapping[str, str]) -> tuple[str, dict]:
         """The webhook-id and the event, or ``WebhookVerificationError``."""
         lowered = {k.lower(): v for k, v in headers.items()}
         for verifier in self._verifiers:
             try:
-                return lowered["webhook-id"], verifier.verify(body, lowered)
+                event = verifier.verify(body, lowered)
             except WebhookVerificationError:
                 continue
+            # Verified: the signed id is there (the library checks it).
+            return lowered["webhook-id"], event
         raise WebhookVerificationError("no secret verifies this webhook")
 
     def receive(self, body: bytes, headers: Mapping[str, str]) -> Optional[dict]:
         """The event, or None for a webhook-id seen before; marks it at once."""
         webhook_id, event = self.verify(body, headers)
-        if webhook_id in self._seen:
-            return None
-        self._seen.add(webhook_id)
+        with self._lock:
+            if webhook_id in self._seen:
+                return None
+            self._seen.add(webhook_id)
         return event
 
     def handle(self, body: bytes, headers: Mapping[str, str], handler: Callable[[dict], Any]) -> Any:
@@ -866,34 +878,46 @@ class WebhookReceiver:
         webhook_id, event = self._claim(body, headers)
         if webhook_id is None:
             return None
+        done = False
         try:
             result = handler(event)
-            self._seen.add(webhook_id)
+            if inspect.isawaitable(result):
+                getattr(result, "close", lambda: None)()
+                raise TypeError("handle() takes a plain function; use ahandle() for an async handler")
+            done = True
             return result
         finally:
-            self._running.discard(webhook_id)
+            self._settle(webhook_id, done)
 
     async def ahandle(self, body: bytes, headers: Mapping[str, str], handler: Callable[[dict], Any]) -> Any:
         """``handle`` with an ``async`` handler."""
         webhook_id, event = self._claim(body, headers)
         if webhook_id is None:
             return None
+        done = False
         try:
             result = await handler(event)
-            self._seen.add(webhook_id)
+            done = True
             return result
         finally:
-            self._running.discard(webhook_id)
+            self._settle(webhook_id, done)
 
     def _claim(self, body: bytes, headers: Mapping[str, str]) -> tuple[Optional[str], dict]:
         """Verifies; ``(None, event)`` for an id already handled; marks it running."""
         webhook_id, event = self.verify(body, headers)
-        if webhook_id in self._seen:
-            return None, event
-        if webhook_id in self._running:
-            raise WebhookInProgress(webhook_id)
-        self._running.add(webhook_id)
+        with self._lock:
+            if webhook_id in self._seen:
+                return None, event
+            if webhook_id in self._running:
+                raise WebhookInProgress(webhook_id)
+            self._running.add(webhook_id)
         return webhook_id, event
+
+    def _settle(self, webhook_id: str, done: bool) -> None:
+        with self._lock:
+            if done:
+                self._seen.add(webhook_id)
+            self._running.discard(webhook_id)
 
 
 def _sleep(seconds: float) -> None:

@@ -126,7 +126,7 @@ class JobSummary(_Record):
         return self.state in TERMINAL
 
 
-class CompletionResult(TypedDict, total=False):
+class CompletionResult(TypedDict):
     """The ``result`` of a finished ``completion`` job (the document's
     ``Result_completion``): ``job.result_as(CompletionResult)``."""
 
@@ -136,7 +136,7 @@ class CompletionResult(TypedDict, total=False):
     usage: Optional[Dict[str, Any]]
 
 
-class AgentResult(TypedDict, total=False):
+class AgentResult(TypedDict):
     """The ``result`` of a finished ``agent`` job (``Result_agent``)."""
 
     content: str
@@ -150,10 +150,13 @@ R = TypeVar("R")
 class Job(JobSummary):
     """A job as ``GET /v1/jobs/{id}`` shows it."""
 
-    def result_as(self, kind: "type[R]") -> Optional[R]:
+    def result_as(self, kind: "type[R]", workflow: Optional[str] = None) -> Optional[R]:
         """The ``result``, typed as ``kind`` (``CompletionResult``,
         ``AgentResult``, or a ``TypedDict`` of your own workflow's
-        ``Result_{workflow}``); ``None`` while the job has none."""
+        ``Result_{workflow}``); ``None`` while the job has none, or when
+        ``workflow`` is given and the job is another workflow's."""
+        if workflow is not None and self.get("workflow") != workflow:
+            return None
         return self.get("result")
 
     input: _Field[Dict[str, Any]] = _Field("input")

@@ -611,12 +611,15 @@ def test_the_typed_results_are_the_documents(node):
     client, hook = node
     doc = client._http.get("/v1/openapi.json").json()
     for kind, component in [(CompletionResult, "Result_completion"), (AgentResult, "Result_agent")]:
-        documented = doc["components"]["schemas"][component]["properties"]
-        assert set(kind.__annotations__) == set(documented), (kind, documented)
+        schema = doc["components"]["schemas"][component]
+        assert set(kind.__annotations__) == set(schema["properties"]), (kind, schema)
+        assert kind.__required_keys__ == set(schema["required"]), (kind, schema)
     client.submit("py-result-typed", "completion", completion("typed"), hook)
     job = client.wait("py-result-typed", timeout=30)
-    result = job.result_as(CompletionResult)
+    result = job.result_as(CompletionResult, "completion")
     assert result is not None and result["content"] and result["model"], job.result
+    assert set(result) == set(CompletionResult.__annotations__), result
+    assert job.result_as(AgentResult, "agent") is None, "another workflow's result"
 
 
 def test_a_keep_alive_between_events_is_no_event():
@@ -664,10 +667,11 @@ def test_an_event_stream_answered_503_is_asked_again_from_the_same_event(monkeyp
     import onceflow_client
     from onceflow_client import AsyncClient
 
-    monkeypatch.setattr(onceflow_client.time, "sleep", lambda s: None)
+    slept = []
+    monkeypatch.setattr(onceflow_client.time, "sleep", slept.append)
 
     async def no_sleep(s):
-        return None
+        slept.append(s)
 
     monkeypatch.setattr(onceflow_client.asyncio, "sleep", no_sleep)
 
@@ -701,7 +705,9 @@ def test_an_event_stream_answered_503_is_asked_again_from_the_same_event(monkeyp
         # 1: "generated" then the stream ends; 2: 503; 3: 502; 4: "acked".
         assert [e.data["text"] for e in Client(url).events("j", last_event_id=3)] == ["generated", "acked"]
         assert Restarting.asked == ["3", "4", "4", "4"], Restarting.asked
-        Restarting.asked = []
+        # A backoff after the early end, then the refusals' Retry-After: 1.
+        assert slept[1:] == [1.0, 1.0], slept
+        Restarting.asked, slept[:] = [], []
 
         async def run():
             async with AsyncClient(url) as aclient:
@@ -709,12 +715,17 @@ def test_an_event_stream_answered_503_is_asked_again_from_the_same_event(monkeyp
 
         assert asyncio.run(run()) == ["generated", "acked"]
         assert Restarting.asked == ["3", "4", "4", "4"], Restarting.asked
+        assert slept[1:] == [1.0, 1.0], slept
         # Past its reconnects, the refusal is the API's error.
         Restarting.asked = []
         with pytest.raises(onceflow_client.Unavailable):
             list(Client(url).events("j", last_event_id=3, reconnects=1))
     finally:
         server.shutdown()
+    # No node at all: past its reconnects, the client's own error, its cause kept.
+    with pytest.raises(onceflow_client.ConnectionFailed) as refused:
+        list(Client("http://127.0.0.1:9").events("j", reconnects=2))
+    assert isinstance(refused.value.__cause__, httpx.TransportError), refused.value.__cause__
 
 
 def test_a_handler_that_fails_leaves_its_webhook_to_be_handled_again():
@@ -748,6 +759,16 @@ def test_a_handler_that_fails_leaves_its_webhook_to_be_handled_again():
             receiver.handle(body, headers, lambda e: runs.append("never"))
         return "stored"
 
+    async def coroutine(event):
+        runs.append("awaited")
+
+    with pytest.raises(TypeError):
+        receiver.handle(body, headers, coroutine)  # ahandle is for these
     assert receiver.handle(body, headers, nested) == "stored"
     assert receiver.handle(body, headers, lambda e: runs.append("never")) is None
     assert runs == ["h", "nested"], runs
+    # No webhook-id: unverified (a 401), not a KeyError (a 500).
+    from standardwebhooks.webhooks import WebhookVerificationError
+
+    with pytest.raises(WebhookVerificationError):
+        receiver.handle(body, {k: v for k, v in headers.items() if k != "webhook-id"}, failing)

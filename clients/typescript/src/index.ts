@@ -371,8 +371,9 @@ export class Onceflow<
   /**
    * The job's events as they are journaled, after `lastEventId`. A dropped
    * connection is resumed with `Last-Event-ID` (by `eventsource`, with its
-   * backoff), and a 429 or 5xx answer asked again after its Retry-After
-   * (`maxRetries` times), so nothing is lost or repeated; the iteration ends after the
+   * backoff, without end), and a 429 or 5xx answer asked again after its
+   * Retry-After (`maxRetries` times per connection; then the iteration
+   * throws its `OnceflowError`), so nothing is lost or repeated; the iteration ends after the
    * job's final state, or at once when resumed past the end of a finished
    * job (204).
    */
@@ -402,7 +403,7 @@ export class Onceflow<
           const response = await fetch(input, { ...init, headers: merged });
           if (!RETRIED_STATUSES.includes(response.status) || attempt >= tries) return response;
           await response.body?.cancel();
-          await sleep(retryAfter(response, attempt));
+          await sleep(retryAfter(response, attempt), init?.signal);
         }
       },
     });
@@ -599,6 +600,18 @@ function retryAfter(response: Response, attempt: number): number {
   return Number.isFinite(seconds) ? Math.min(Math.max(seconds, 0), 30) * 1000 : backoff(attempt);
 }
 
-function sleep(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
+/** Resolves after `ms`, or rejects at once when `signal` aborts (a closed stream). */
+function sleep(ms: number, signal?: AbortSignal | null): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(signal.reason);
+    const onAbort = () => {
+      clearTimeout(timer);
+      reject(signal?.reason);
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, ms);
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
 }

@@ -834,16 +834,16 @@ export interface components {
             /** @description Model calls made (turns). */
             turns: number;
         };
-        /** @description The result of a `completion` job: the model's answer. */
+        /** @description The result of a `completion` job: the model's answer (every field present; `finish_reason` and `usage` null when the provider did not say). */
         Result_completion: {
             /** @description The assistant message's text. */
             content: string;
             /** @description Why the model stopped (`stop`, `length`, …), when reported. */
-            finish_reason?: string | null;
+            finish_reason: string | null;
             /** @description The model that answered (as the provider reports it, else the one asked). */
             model: string;
             /** @description The provider's `usage` object (token counts), as reported. */
-            usage?: {
+            usage: {
                 [key: string]: unknown;
             } | null;
         };

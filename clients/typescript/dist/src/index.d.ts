@@ -208,8 +208,9 @@ export declare class Onceflow<Submit extends {
     /**
      * The job's events as they are journaled, after `lastEventId`. A dropped
      * connection is resumed with `Last-Event-ID` (by `eventsource`, with its
-     * backoff), and a 429 or 5xx answer asked again after its Retry-After
-     * (`maxRetries` times), so nothing is lost or repeated; the iteration ends after the
+     * backoff, without end), and a 429 or 5xx answer asked again after its
+     * Retry-After (`maxRetries` times per connection; then the iteration
+     * throws its `OnceflowError`), so nothing is lost or repeated; the iteration ends after the
      * job's final state, or at once when resumed past the end of a finished
      * job (204).
      */

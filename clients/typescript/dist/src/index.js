@@ -235,8 +235,9 @@ export class Onceflow {
     /**
      * The job's events as they are journaled, after `lastEventId`. A dropped
      * connection is resumed with `Last-Event-ID` (by `eventsource`, with its
-     * backoff), and a 429 or 5xx answer asked again after its Retry-After
-     * (`maxRetries` times), so nothing is lost or repeated; the iteration ends after the
+     * backoff, without end), and a 429 or 5xx answer asked again after its
+     * Retry-After (`maxRetries` times per connection; then the iteration
+     * throws its `OnceflowError`), so nothing is lost or repeated; the iteration ends after the
      * job's final state, or at once when resumed past the end of a finished
      * job (204).
      */
@@ -269,7 +270,7 @@ export class Onceflow {
                     if (!RETRIED_STATUSES.includes(response.status) || attempt >= tries)
                         return response;
                     await response.body?.cancel();
-                    await sleep(retryAfter(response, attempt));
+                    await sleep(retryAfter(response, attempt), init?.signal);
                 }
             },
         });
@@ -443,6 +444,19 @@ function retryAfter(response, attempt) {
     const seconds = /^\d+$/.test(value) ? Number(value) : (Date.parse(value) - Date.now()) / 1000;
     return Number.isFinite(seconds) ? Math.min(Math.max(seconds, 0), 30) * 1000 : backoff(attempt);
 }
-function sleep(ms) {
-    return new Promise((resolve) => setTimeout(resolve, ms));
+/** Resolves after `ms`, or rejects at once when `signal` aborts (a closed stream). */
+function sleep(ms, signal) {
+    return new Promise((resolve, reject) => {
+        if (signal?.aborted)
+            return reject(signal.reason);
+        const onAbort = () => {
+            clearTimeout(timer);
+            reject(signal?.reason);
+        };
+        const timer = setTimeout(() => {
+            signal?.removeEventListener("abort", onAbort);
+            resolve();
+        }, ms);
+        signal?.addEventListener("abort", onAbort, { once: true });
+    });
 }
