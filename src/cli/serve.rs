@@ -23,11 +23,11 @@ pub fn run(args: ServeArgs, mut registry: onceflow_engine::Registry) -> anyhow::
         None => tracing::info!("OTLP export is off (set OTEL_EXPORTER_OTLP_ENDPOINT to export); /metrics serves Prometheus text"),
     }
     config.telemetry = telemetry.clone();
-    let database = args.db.resolve()?;
-    // The port first: a node that cannot listen exits before it takes a
-    // name, starts actors or opens the database.
+    // The port first: a node that cannot listen exits before it starts the
+    // embedded PostgreSQL, takes a name or starts actors.
     let listener = std::net::TcpListener::bind(args.listen)
         .with_context(|| format!("binding {}", args.listen))?;
+    let database = args.db.resolve()?;
     let result = actix_web::rt::System::new().block_on(async {
         let db = database.open(args.db.db_pool).await?;
         let store = Store::new(db);
