@@ -133,6 +133,66 @@ impl McpServer {
     }
 }
 
+/// The real `onceflow serve` with the counting server as `shop` (its
+/// Authorization header read from the environment), an admin token, and
+/// the variables to restart it with.
+struct Node {
+    serve: ServeProcess,
+    vars: Vec<(&'static str, String)>,
+    log: PathBuf,
+    token: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Node {
+    async fn start(env: &TestEnv, shop: &McpServer) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("serve.log");
+        let setting = json!({ "shop": { "url": shop.url(),
+            "headers": { "Authorization": { "env": "SHOP_MCP_TOKEN" } } } });
+        let vars = vec![
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OPENAI_BASE_URL", env.provider.base_url()),
+            ("ONCEFLOW_MCP_SERVERS", setting.to_string()),
+            ("SHOP_MCP_TOKEN", "Bearer s3cret-shop".to_owned()),
+            ("ONCEFLOW_POLL_MS", "100".to_owned()),
+            ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
+        ];
+        let serve = ServeProcess::start(&vars, &log).await;
+        let token = env.store.tokens().create("mcp", true).await.unwrap();
+        Node {
+            serve,
+            vars,
+            log,
+            token,
+            _dir: dir,
+        }
+    }
+
+    /// Killed with SIGKILL, then started again on the same port.
+    async fn kill_9_and_restart(&mut self) {
+        self.serve.sigkill();
+        self.serve.restart_on_same_port(&self.vars, &self.log).await;
+    }
+
+    /// Submits an agent job on `shop` whose first message is `prompt`.
+    async fn submit(&self, env: &TestEnv, id: &str, prompt: &str, extra: Value) {
+        let mut input = json!({ "model": "m", "messages": [{ "role": "user", "content": prompt }],
+                                "mcp": ["shop"] });
+        for (k, v) in extra.as_object().unwrap() {
+            input[k] = v.clone();
+        }
+        let r = client()
+            .post(format!("{}/v1/jobs", self.serve.base))
+            .bearer_auth(&self.token)
+            .json(&json!({ "id": id, "workflow": "agent", "webhook_url": env.consumer.url(), "input": input }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201);
+    }
+}
+
 fn servers(named: &[(&str, &McpServer)]) -> McpServers {
     let setting: serde_json::Map<String, Value> = named
         .iter()
@@ -515,45 +575,16 @@ async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
             json!({ "order_id": "C3", "amount": 7, "hold_ms": 3000 }),
         )],
     });
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("serve.log");
-    let vars = [
-        ("DATABASE_URL", env.db_url.clone()),
-        ("OPENAI_BASE_URL", env.provider.base_url()),
-        (
-            "ONCEFLOW_MCP_SERVERS",
-            json!({ "shop": { "url": shop.url(),
-                "headers": { "Authorization": { "env": "SHOP_MCP_TOKEN" } } } })
-            .to_string(),
-        ),
-        ("SHOP_MCP_TOKEN", "Bearer s3cret-shop".to_owned()),
-        ("ONCEFLOW_POLL_MS", "100".to_owned()),
-        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
-    ];
-    let mut serve = ServeProcess::start(&vars, &log).await;
-    let token = env.store.tokens().create("mcp", true).await.unwrap();
-    for (id, content) in [("kill-look", "look"), ("kill-pay", "pay")] {
-        let r = client()
-            .post(format!("{}/v1/jobs", serve.base))
-            .bearer_auth(&token)
-            .json(&json!({
-                "id": id, "workflow": "agent", "webhook_url": env.consumer.url(),
-                "input": { "model": "m", "messages": [{ "role": "user", "content": content }],
-                           "mcp": ["shop"] },
-            }))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status().as_u16(), 201);
-    }
+    let mut node = Node::start(&env, &shop).await;
+    node.submit(&env, "kill-look", "look", json!({})).await;
+    node.submit(&env, "kill-pay", "pay", json!({})).await;
     // Both calls reached the server, which holds its answers; the node dies.
     assert!(
         wait_until(WAIT, || async { shop.calls().await.len() == 2 }).await,
         "both calls reached the server: {:?}",
         shop.calls().await
     );
-    serve.sigkill();
-    serve.restart_on_same_port(&vars, &log).await;
+    node.kill_9_and_restart().await;
 
     env.wait_for("kill-look", JobState::Acked, WAIT).await;
     assert_eq!(
@@ -576,10 +607,10 @@ async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
     let redrive = |confirm: bool| {
         let url = format!(
             "{}/v1/jobs/kill-pay/redrive{}",
-            serve.base,
+            node.serve.base,
             if confirm { "?confirm_unknown=true" } else { "" }
         );
-        let token = token.clone();
+        let token = node.token.clone();
         async move {
             let r = client()
                 .post(url)
@@ -620,8 +651,8 @@ async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
     );
     // The restarted node counted what it did, by server and outcome.
     let metrics = client()
-        .get(format!("{}/metrics", serve.base))
-        .bearer_auth(&token)
+        .get(format!("{}/metrics", node.serve.base))
+        .bearer_auth(&node.token)
         .send()
         .await
         .unwrap()
@@ -703,32 +734,10 @@ async fn an_mcp_tools_approval_survives_kill_9() {
             json!({ "order_id": "D4", "amount": 12 }),
         )],
     );
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("serve.log");
-    let vars = [
-        ("DATABASE_URL", env.db_url.clone()),
-        ("OPENAI_BASE_URL", env.provider.base_url()),
-        (
-            "ONCEFLOW_MCP_SERVERS",
-            json!({ "shop": { "url": shop.url() } }).to_string(),
-        ),
-        ("ONCEFLOW_POLL_MS", "100".to_owned()),
-        ("ONCEFLOW_LEASE_MS", "1000".to_owned()),
-    ];
-    let mut serve = ServeProcess::start(&vars, &log).await;
-    let token = env.store.tokens().create("mcp", true).await.unwrap();
-    let r = client()
-        .post(format!("{}/v1/jobs", serve.base))
-        .bearer_auth(&token)
-        .json(&json!({
-            "id": "mcp-kill-ap", "workflow": "agent", "webhook_url": env.consumer.url(),
-            "input": { "model": "m", "messages": [{ "role": "user", "content": "refund D4" }],
-                       "mcp": ["shop"], "approval": ["mcp__shop__refund"] },
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
+    let node = &mut Node::start(&env, &shop).await;
+    let approval = json!({ "approval": ["mcp__shop__refund"] });
+    node.submit(&env, "mcp-kill-ap", "refund D4", approval)
+        .await;
     let waiting = wait_until(WAIT, || async {
         env.job("mcp-kill-ap")
             .await
@@ -746,8 +755,7 @@ async fn an_mcp_tools_approval_survives_kill_9() {
         json!({ "order_id": "D4", "amount": 12 })
     );
 
-    serve.sigkill();
-    serve.restart_on_same_port(&vars, &log).await;
+    node.kill_9_and_restart().await;
     // The restarted node has polled a dozen times: still nothing runs.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(
@@ -758,9 +766,9 @@ async fn an_mcp_tools_approval_survives_kill_9() {
     let r = client()
         .post(format!(
             "{}/v1/jobs/mcp-kill-ap/signals/approval:call_a",
-            serve.base
+            node.serve.base
         ))
-        .bearer_auth(&token)
+        .bearer_auth(&node.token)
         .json(&json!({ "id": "yes-1", "payload": { "approved": true } }))
         .send()
         .await
