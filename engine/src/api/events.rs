@@ -20,7 +20,7 @@ use super::*;
         ("Last-Event-ID" = Option<String>, Header, nullable = false, pattern = "^[0-9]{1,18}$", description = "Resume after this event (its id)"),
     ),
     responses(
-        (status = 200, description = "Server-sent events (`text/event-stream`), each an `SseEvent` (`id:`, `event:` `state`, `chunk`, `reset` or `tool`, `data:` a JSON object); ends after the final state. Described as text: read it with an SSE client, which resumes with `Last-Event-ID`", content_type = "text/event-stream", body = String),
+        (status = 200, description = "Server-sent events (`text/event-stream`), each an `SseEvent` (`id:`, `event:` `state`, `chunk`, `reset` or `tool`, `data:` a JSON object); ends after the final state. Read it with an SSE client, which resumes with `Last-Event-ID`; a client that reads the whole body gets its text", content_type = "text/event-stream", body = SseEvent),
         (status = 204, description = "Resumed past the end of a finished job: nothing more will come"),
         (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody),

@@ -222,7 +222,22 @@ pub fn document() -> serde_json::Value {
     let mut doc = serde_json::to_value(doc).expect("the document serialises");
     finish(&mut doc);
     link(&mut doc);
+    stream_as_events_or_text(&mut doc);
     doc
+}
+
+/// The event stream's `200`: each event an `SseEvent` (what an SSE-aware
+/// tool such as Schemathesis checks every event against), or the stream's
+/// text (what a generated client, which reads the whole body, gets).
+fn stream_as_events_or_text(doc: &mut serde_json::Value) {
+    let schema = &mut doc["paths"]["/v1/jobs/{id}/events"]["get"]["responses"]["200"]["content"]
+        ["text/event-stream"]["schema"];
+    *schema = serde_json::json!({
+        "anyOf": [
+            { "$ref": "#/components/schemas/SseEvent" },
+            { "type": "string", "description": "The stream's whole text, to a client that reads the body at once." },
+        ],
+    });
 }
 
 /// OpenAPI `links`: what a created job or schedule leads to, with its id

@@ -2062,13 +2062,13 @@ export interface operations {
         };
         requestBody?: never;
         responses: {
-            /** @description Server-sent events (`text/event-stream`), each an `SseEvent` (`id:`, `event:` `state`, `chunk`, `reset` or `tool`, `data:` a JSON object); ends after the final state. Described as text: read it with an SSE client, which resumes with `Last-Event-ID` */
+            /** @description Server-sent events (`text/event-stream`), each an `SseEvent` (`id:`, `event:` `state`, `chunk`, `reset` or `tool`, `data:` a JSON object); ends after the final state. Read it with an SSE client, which resumes with `Last-Event-ID`; a client that reads the whole body gets its text */
             200: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "text/event-stream": string;
+                    "text/event-stream": components["schemas"]["SseEvent"] | string;
                 };
             };
             /** @description Resumed past the end of a finished job: nothing more will come */
