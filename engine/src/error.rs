@@ -223,8 +223,9 @@ pub enum StepError {
     #[error("{0}")]
     Injected(#[from] crate::faults::Injected),
     /// Transient: run the job again after a backoff. `attempt` counts the sends
-    /// spent so far on this step (the retry budget), `retry_after` is the
-    /// server's own request.
+    /// spent so far on this step (the retry budget; inside `ctx.step` the
+    /// engine counts it in the journal, whatever the work reported),
+    /// `retry_after` is the server's own request.
     #[error("{}", error.message)]
     Retry {
         /// The failure, as stored with the job.

@@ -253,3 +253,86 @@ async fn a_purged_id_runs_again_as_a_new_incarnation_with_its_own_keys() {
     assert_eq!(env.provider.requests_for("job:again-1:generate"), 1);
     assert_eq!(env.provider.requests_for("job:again-1#2:generate"), 1);
 }
+
+/// A workflow that naps (a durable timer: one more job attempt), then posts
+/// to the consumer in a general step, under the step's key.
+#[derive(Clone)]
+struct Posting {
+    url: String,
+}
+
+impl Workflow for Posting {
+    const NAME: &'static str = "test.posting";
+    type Input = Value;
+    type Output = String;
+
+    async fn run(&self, ctx: &mut Context, _input: Value) -> Result<String, StepError> {
+        ctx.sleep("nap", Duration::from_millis(10)).await?;
+        let url = self.url.clone();
+        let job = ctx.job_id().to_owned();
+        ctx.step("post", |step| async move {
+            step.post_json(&url, &json!({ "job_id": job })).await
+        })
+        .await
+    }
+}
+
+/// A general step's retry budget is its own: a step that keeps failing
+/// (the consumer answers 503) is sent exactly the budget's 6 times, under
+/// the step's key, whatever the job's attempts (its nap took one more), and
+/// the job is dead saying so. A redrive gives the step a fresh budget under
+/// the same key: refused once more, it is retried, and the job is acked.
+#[actix_rt::test]
+async fn a_step_that_keeps_failing_is_dead_after_its_own_budget() {
+    use onceflow_engine::testkit::Behaviour;
+    let env = TestEnv::new().await;
+    for _ in 0..6 {
+        env.consumer.push_for("flaky", Behaviour::Status(503, None));
+    }
+    let mut registry = Registry::new();
+    registry.register(Posting {
+        url: env.consumer.url(),
+    });
+    let _engine = env.start(registry, env.config());
+    env.submit_job(NewJob {
+        tags: Default::default(),
+        id: "flaky".into(),
+        workflow: "test.posting".into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let job = env.wait_for("flaky", JobState::Dead, WAIT).await;
+    let key = "job:flaky:step:post";
+    assert_eq!(
+        env.consumer.requests_with_key(key),
+        6,
+        "the budget's 6 sends"
+    );
+    assert_eq!(
+        job.dead_reason.as_deref(),
+        Some("retry budget exhausted after 6 sends")
+    );
+    assert!(
+        job.attempts > 6,
+        "the nap took an attempt of its own: {}",
+        job.attempts
+    );
+    assert_eq!(
+        env.sql("SELECT failures FROM step_failures WHERE job_id = 'flaky'")
+            .await[0]["failures"],
+        json!(6)
+    );
+    // Once more refused after the redrive: a spent budget would end it dead.
+    env.consumer.push_for("flaky", Behaviour::Status(503, None));
+    env.store
+        .jobs()
+        .redrive("flaky", "test", "the consumer is back", false)
+        .await
+        .unwrap();
+    env.wait_for("flaky", JobState::Acked, WAIT).await;
+    assert_eq!(env.consumer.requests_with_key(key), 8, "two more sends");
+    assert_eq!(env.consumer.processed_with_key(key), 1, "done once");
+}

@@ -162,7 +162,7 @@ impl Context {
             Some(None) => {}
         }
         self.not_draining()?;
-        let output = work(StepInvocation {
+        let worked = work(StepInvocation {
             job_id: self.fence.job_id.clone(),
             idempotency_key: key.clone(),
             client: self.client.clone(),
@@ -170,7 +170,32 @@ impl Context {
             guard: self.guard.clone(),
             response_limit: self.tool_response_limit,
         })
-        .await?;
+        .await;
+        let output = match worked {
+            Ok(output) => output,
+            // The step's own failures are its retry budget, counted in the
+            // journal (whatever `attempt` the work reported): a step that
+            // keeps failing ends the job dead once the budget is spent.
+            Err(StepError::Retry {
+                error, retry_after, ..
+            }) => {
+                span.end(OUTCOME_FAILED);
+                return Err(
+                    match self.store.journal().fail_step(&self.fence, &key).await? {
+                        Some(failures) => StepError::Retry {
+                            error,
+                            attempt: failures,
+                            retry_after,
+                        },
+                        None => StepError::LeaseLost,
+                    },
+                );
+            }
+            Err(other) => {
+                span.end(OUTCOME_FAILED);
+                return Err(other);
+            }
+        };
         self.faults
             .hit(self.job_id(), crate::faults::FailPoint::StepAfterEffect)
             .await?;

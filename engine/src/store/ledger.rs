@@ -360,6 +360,39 @@ impl Journal<'_> {
         .await
     }
 
+    /// Counts a retryable failure of step `key` under the attempt's fence:
+    /// how many times the step has now failed (its spent retry budget), or
+    /// `None` when the attempt no longer holds the job. Counted per step,
+    /// not per job attempt: waits and other steps spend none of it.
+    pub async fn fail_step(self, fence: &Fence, key: &str) -> Result<Option<u32>, StoreError> {
+        #[derive(QueryableByName)]
+        struct Failures {
+            #[diesel(sql_type = diesel::sql_types::Integer)]
+            failures: i32,
+        }
+        retrying!(self, "fail_step", async || {
+            let mut conn = self.db().conn().await?;
+            conn.transaction::<_, StoreError, _>(async move |conn| {
+                if !Store::hold_fence(conn, fence).await? {
+                    return Ok(None);
+                }
+                let row: Failures = sql(
+                    "INSERT INTO step_failures (job_id, step_key, failures) VALUES ($1, $2, 1) \
+                     ON CONFLICT (job_id, step_key) DO UPDATE \
+                         SET failures = step_failures.failures + 1, last_failed_at = now() \
+                     RETURNING failures",
+                )
+                .bind::<Text, _>(&fence.job_id)
+                .bind::<Text, _>(key)
+                .get_result(conn)
+                .await?;
+                Ok(Some(u32::try_from(row.failures).unwrap_or(u32::MAX)))
+            })
+            .await
+        })
+        .await
+    }
+
     /// Journals step `key`'s output; returns what is stored (the first writer
     /// wins a race), or `None` when the lease is lost.
     pub async fn record_step(

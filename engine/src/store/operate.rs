@@ -234,6 +234,10 @@ impl Jobs<'_> {
             .bind::<Text, _>(id)
             .execute(conn)
             .await?;
+            sql("DELETE FROM step_failures WHERE job_id = $1")
+                .bind::<Text, _>(id)
+                .execute(conn)
+                .await?;
             sql(
                 "INSERT INTO job_history (job_id, state, attempt, worker, note) \
                  VALUES ($1, $2::job_state, $3, $4, $5)",
