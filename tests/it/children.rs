@@ -272,7 +272,10 @@ async fn a_dead_child_is_an_error_the_parent_handles() {
 async fn cancelling_a_parent_cancels_its_live_children() {
     let env = TestEnv::new().await;
     env.provider.set_latency(Duration::from_secs(20));
-    let _engine = env.start(registry(), env.config());
+    // A timeout the calls never reach: a re-sent call would change the count.
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(60);
+    let _engine = env.start(registry(), config);
     env.submit_job(parent(&env, "fan-cancel", &["a", "b", "c"], None))
         .await;
     let started = wait_until(WAIT, || async {
@@ -1006,7 +1009,9 @@ async fn children_are_kept_while_their_parent_is_live_or_dead() {
 async fn a_cancel_takes_grandchildren_too() {
     let env = TestEnv::new().await;
     env.provider.set_latency(Duration::from_secs(20));
-    let _engine = env.start(told_registry(), env.config());
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(60);
+    let _engine = env.start(told_registry(), config);
     submit_told(
         &env,
         "grand",
@@ -1040,7 +1045,9 @@ async fn a_bulk_cancel_takes_each_parents_children_uncounted() {
     let env = TestEnv::new().await;
     env.provider.set_latency(Duration::from_secs(20));
     let base = crate::support::serve_api(&env, registry(), None);
-    let _engine = env.start(registry(), env.config());
+    let mut config = env.config();
+    config.provider.timeout = Duration::from_secs(60);
+    let _engine = env.start(registry(), config);
     env.submit_job(parent(&env, "bulk-parent", &["a", "b"], None))
         .await;
     assert!(

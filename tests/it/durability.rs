@@ -632,6 +632,9 @@ async fn a_graceful_shutdown_hands_running_jobs_over_at_once() {
     env.provider.set_latency(Duration::from_millis(1500));
     let mut config = env.config();
     config.lease = Duration::from_secs(60); // a crash would leave the job stuck for a minute
+                                            // The second node's call waits at the provider for the first one's
+                                            // work: a timeout it cannot reach on a loaded machine.
+    config.provider.timeout = Duration::from_secs(10);
     let first = env.start(registry(DeliveryPolicy::AtLeastOnce), config.clone());
     env.submit("handover-1", "hello").await;
     assert!(

@@ -1348,6 +1348,9 @@ async fn a_freed_key_slot_wakes_the_nodes_without_the_poll() {
     let mut config = env.config();
     config.poll_interval = Duration::from_secs(60);
     config.provider.timeout = Duration::from_secs(20);
+    // A heartbeat missed on a loaded machine must not hand a running job
+    // over (its call sent again beside the first).
+    config.lease = Duration::from_secs(10);
     let _one = env.start(registry(), config.clone());
     config.node_id = format!("{}-two", config.node_id);
     let _two = env.start(registry(), config);
@@ -1404,7 +1407,7 @@ async fn a_freed_throttle_slot_wakes_a_node_without_the_poll() {
 /// A job waiting for a provider slot holds no node capacity: tenant A
 /// queues 60 jobs on a model limited to one call at a time (1 s each), on
 /// two nodes of 8 in flight; tenant B's 5 jobs on another model start at
-/// once beside them, all acked while A has at most 2 acked (before, A's
+/// once beside them, all acked while A has at most 3 acked (before, A's
 /// waiting calls filled every node's room, and B's jobs got in only as A's
 /// finished: 5 or more of A's first). A's calls never overlap, each is
 /// sent once, and a held job shows `waiting: {"kind": "provider", "key"}`.
@@ -1463,7 +1466,9 @@ async fn jobs_waiting_for_a_provider_slot_hold_back_no_other_tenant() {
         .await[0]["n"]
         .as_i64()
         .unwrap();
-    assert!(a_acked <= 2, "B waited for {a_acked} of A's jobs");
+    // B's calls take 1 s too: 3 leaves a loaded machine a second of slack,
+    // and a node whose room A's waiting jobs fill lets 5 or more go first.
+    assert!(a_acked <= 3, "B waited for {a_acked} of A's jobs");
     let parked = env
         .sql(
             "SELECT count(*) AS n FROM jobs WHERE waiting->>'kind' = 'provider' \
@@ -1511,7 +1516,6 @@ async fn a_concurrency_key_holds_when_another_node_takes_over() {
         wait_until(WAIT, || holds(&env, "dying", "key_slot")).await,
         "the node holds a slot of the key before the kill"
     );
-    let _steady = ServeProcess::start(&vars("steady"), &log).await;
     dying.sigkill();
     let orphaned: Vec<String> = env
         .sql("SELECT id FROM jobs WHERE lease_owner = 'dying' AND key_slot IS NOT NULL")
@@ -1521,6 +1525,8 @@ async fn a_concurrency_key_holds_when_another_node_takes_over() {
         .iter()
         .map(|r| r["id"].as_str().unwrap().to_owned())
         .collect();
+    assert!(!orphaned.is_empty(), "the dead node held a job of the key");
+    let _steady = ServeProcess::start(&vars("steady"), &log).await;
     assert!(
         all_acked(&env, 10).await,
         "every job is acked; log:\n{}",
@@ -1614,7 +1620,8 @@ async fn a_key_throttle_holds_when_another_node_takes_over() {
         wait_until(WAIT, || holds(&env, "dying", "throttle_slot")).await,
         "the node runs a throttled job before the kill"
     );
-    let _steady = ServeProcess::start(&vars("steady"), &log).await;
+    // Killed at once (a slow start of the other node would let it finish
+    // its jobs first), then the other node comes up to take over.
     dying.sigkill();
     let orphaned: Vec<String> = env
         .sql("SELECT id FROM jobs WHERE lease_owner = 'dying' AND throttle_slot IS NOT NULL")
@@ -1624,6 +1631,7 @@ async fn a_key_throttle_holds_when_another_node_takes_over() {
         .iter()
         .map(|r| r["id"].as_str().unwrap().to_owned())
         .collect();
+    let _steady = ServeProcess::start(&vars("steady"), &log).await;
     assert!(!orphaned.is_empty(), "the dead node held a started job");
     assert!(
         all_acked(&env, 4).await,

@@ -336,3 +336,70 @@ async fn a_step_that_keeps_failing_is_dead_after_its_own_budget() {
     assert_eq!(env.consumer.requests_with_key(key), 8, "two more sends");
     assert_eq!(env.consumer.processed_with_key(key), 1, "done once");
 }
+
+/// A workflow that naps 7 times (each nap a lease of its own), then fails
+/// retryably in its body with `ctx.retry`, counting how often it got there.
+#[derive(Clone)]
+struct Missing {
+    failed: Arc<AtomicU32>,
+}
+
+impl Workflow for Missing {
+    const NAME: &'static str = "test.missing";
+    type Input = Value;
+    type Output = Value;
+
+    async fn run(&self, ctx: &mut Context, _input: Value) -> Result<Value, StepError> {
+        for i in 0..7 {
+            ctx.sleep(&format!("nap-{i}"), Duration::from_millis(5))
+                .await?;
+        }
+        self.failed.fetch_add(1, Ordering::SeqCst);
+        let error = ErrorEnvelope {
+            code: "tool_unavailable".into(),
+            message: "not on this node".into(),
+            retryable: true,
+        };
+        Err(ctx.retry("missing", error).await)
+    }
+}
+
+/// `ctx.retry` budgets a body's own retryable failure by its name: a job
+/// whose 7 naps took 8 leases (past the test budget of 6 by
+/// `ctx.attempt()`) still fails exactly 6 times before it is dead.
+#[actix_rt::test]
+async fn a_body_retry_has_a_budget_of_its_own_whatever_the_jobs_attempts() {
+    let env = TestEnv::new().await;
+    let failed = Arc::new(AtomicU32::new(0));
+    let mut registry = Registry::new();
+    registry.register(Missing {
+        failed: failed.clone(),
+    });
+    let _engine = env.start(registry, env.config());
+    env.submit_job(NewJob {
+        tags: Default::default(),
+        id: "missing".into(),
+        workflow: "test.missing".into(),
+        workflow_version: 1,
+        input: json!({}),
+        webhook_url: env.consumer.url(),
+        schedule: Default::default(),
+    })
+    .await;
+    let job = env.wait_for("missing", JobState::Dead, WAIT).await;
+    assert_eq!(failed.load(Ordering::SeqCst), 6, "the name's 6 failures");
+    assert_eq!(
+        job.dead_reason.as_deref(),
+        Some("retry budget exhausted after 6 sends")
+    );
+    assert!(
+        job.attempts >= 8 + 5,
+        "8 leases to get there, then 5 retries: {}",
+        job.attempts
+    );
+    assert_eq!(
+        env.sql("SELECT step_key, failures FROM step_failures WHERE job_id = 'missing'")
+            .await,
+        json!([{ "step_key": "job:missing:retry:missing", "failures": 6 }])
+    );
+}

@@ -87,7 +87,9 @@ async fn a_configured_concurrency_holds_across_two_nodes() {
 #[actix_rt::test]
 async fn a_crashed_nodes_slots_come_back_at_their_expiry() {
     let env = TestEnv::new().await;
-    // A node died holding every slot; they lapse 1.5 s from now.
+    // A node died holding every slot; they lapse 1.5 s from now (taken
+    // before the statement: its lapse is no earlier than this).
+    let lapse = Instant::now() + Duration::from_millis(1500);
     env.execute(
         "INSERT INTO provider_slots (limit_key, holder, node, expires_at) \
          SELECT 'openai/test-model', 'job:gone-' || i || ':generate', 'dead-node', \
@@ -95,7 +97,6 @@ async fn a_crashed_nodes_slots_come_back_at_their_expiry() {
          FROM generate_series(1, 2) i",
     )
     .await;
-    let lapse = Instant::now() + Duration::from_millis(1500);
     let _a = env.start(
         registry(),
         node(&env, "node-a", r#"{"*": {"concurrency": 2}}"#),
@@ -251,13 +252,21 @@ async fn a_configured_tpm_holds_and_learns_each_calls_real_cost() {
 #[actix_rt::test]
 async fn a_higher_priority_call_takes_the_next_free_slot() {
     let env = TestEnv::new().await;
-    // Long enough that all four queue behind the blocker even on a loaded
-    // machine (at 400 ms a CI run with a build beside it saw the blocker
-    // finish before the fourth call queued).
-    env.provider.set_latency(Duration::from_millis(1500));
+    // The blocker's answer takes long enough that all four queue behind
+    // it even on a loaded machine (at 400 ms a CI run with a build beside
+    // it saw the blocker finish before the fourth call queued), within a
+    // timeout it never reaches (a timed-out call would free the slot).
+    env.provider.push(onceflow_engine::testkit::Behaviour::Slow(
+        Duration::from_secs(6),
+    ));
     let limits = r#"{"test-model": {"concurrency": 1}}"#;
-    let _a = env.start(registry(), node(&env, "node-a", limits));
-    let _b = env.start(registry(), node(&env, "node-b", limits));
+    let config = |name: &str| {
+        let mut config = node(&env, name, limits);
+        config.provider.timeout = Duration::from_secs(30);
+        config
+    };
+    let _a = env.start(registry(), config("node-a"));
+    let _b = env.start(registry(), config("node-b"));
     let waiting = |n: i64| {
         let env = &env;
         async move {
@@ -273,7 +282,7 @@ async fn a_higher_priority_call_takes_the_next_free_slot() {
             .await
         }
     };
-    // The blocker holds the one slot for 1.5 s.
+    // The blocker holds the one slot for 6 s.
     env.submit("blocker", "hi").await;
     assert!(
         wait_until(Duration::from_secs(10), || async {

@@ -432,8 +432,9 @@ async fn the_pinned_tool_list_wins_on_a_node_whose_server_lists_others() {
     first.shutdown();
     // The second node's "shop" is another server with other tools.
     let _second = env.start(registry(servers(&[("shop", &other)])), env.config());
-    // The pinned refund, asked of a server that lists no such tool: it ran
-    // nowhere, and the job is retried for a node that has it, to its budget.
+    // The pinned refund, asked of a server that lists no such tool: that
+    // server refuses it, and the job is retried for a node that has it, to
+    // its budget.
     let dead = env.wait_for("mcp-pin", JobState::Dead, WAIT).await;
     assert_eq!(dead.last_error.unwrap().code, "tool_unavailable");
     let lists = offered(&env);
@@ -449,10 +450,6 @@ async fn the_pinned_tool_list_wins_on_a_node_whose_server_lists_others() {
     assert!(
         !lists[1].iter().any(|n| n == "mcp__shop__echo"),
         "{lists:?}"
-    );
-    assert!(
-        shop.calls().await.is_empty(),
-        "the first node called nothing"
     );
     assert!(tool_answers(&env).is_empty(), "the model read no answer");
 }
@@ -887,4 +884,102 @@ async fn a_reused_tool_call_id_gives_each_mcp_call_its_own_key() {
         shop.keys_of("refund").await,
         ["job:reuse:tool:call_same", "job:reuse:tool:call_same#2"]
     );
+}
+
+/// A tool that may not run twice (no hints) and answers with an error may
+/// have run partway: even when a fresh `tools/list` shows it withdrawn
+/// meanwhile, it is not sent again (no `tool_unavailable` retry); the
+/// model reads its error, and the server heard one call.
+#[actix_rt::test]
+async fn a_tool_that_may_not_run_twice_and_errs_is_never_sent_again() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    script(
+        &env,
+        vec![(
+            "call_v",
+            "mcp__shop__void_invoice",
+            json!({ "invoice_id": "I-7" }),
+        )],
+    );
+    let _engine = env.start(registry(servers(&[("shop", &shop)])), env.config());
+    env.submit_job(job(&env, "void", json!({ "mcp": ["shop"] })))
+        .await;
+    env.wait_for("void", JobState::Acked, WAIT).await;
+    assert_eq!(shop.keys_of("void_invoice").await, ["job:void:tool:call_v"]);
+    let answers = tool_answers(&env);
+    assert_eq!(answers.len(), 1, "{answers:?}");
+    assert!(
+        answers[0].starts_with("The tool reported an error"),
+        "the model reads the tool's error: {answers:?}"
+    );
+}
+
+/// An id submitted again after its job was purged is a new incarnation,
+/// and its MCP calls carry that incarnation's keys (`job:{id}#2:…`): a
+/// server that drops repeats by key runs the second life's call. A `#` in
+/// the provider's call id is escaped, so it cannot pose as the n-th call
+/// of another id.
+#[actix_rt::test]
+async fn a_purged_ids_next_life_keys_its_mcp_calls_anew() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    script(
+        &env,
+        vec![(
+            "call#2",
+            "mcp__shop__refund",
+            json!({ "order_id": "P1", "amount": 3 }),
+        )],
+    );
+    let mut config = env.config();
+    config.retention = Duration::from_secs(3600);
+    let engine = env.start(registry(servers(&[("shop", &shop)])), config);
+    env.submit_job(job(&env, "life", json!({ "mcp": ["shop"] })))
+        .await;
+    env.wait_for("life", JobState::Acked, WAIT).await;
+    env.execute("UPDATE jobs SET finished_at = now() - interval '2 hours' WHERE id = 'life'")
+        .await;
+    engine.purge_now();
+    let purged = wait_until(WAIT, || async {
+        env.store.jobs().get("life").await.unwrap().is_none()
+    })
+    .await;
+    assert!(purged, "the job was purged");
+    let second = env
+        .submit_job(job(&env, "life", json!({ "mcp": ["shop"] })))
+        .await;
+    assert_eq!(second.incarnation, 2);
+    env.wait_for("life", JobState::Acked, WAIT).await;
+    assert_eq!(
+        shop.keys_of("refund").await,
+        ["job:life:tool:call%232", "job:life#2:tool:call%232"]
+    );
+}
+
+/// An approval list naming an MCP tool the job's servers do not list (a
+/// typo: intake cannot know a server's tools) ends the job before any tool
+/// runs, rather than letting the tool it meant run unasked.
+#[actix_rt::test]
+async fn an_approval_naming_no_pinned_mcp_tool_fails_closed() {
+    let env = TestEnv::new().await;
+    let shop = McpServer::counting().await;
+    script(
+        &env,
+        vec![(
+            "call_t",
+            "mcp__shop__refund",
+            json!({ "order_id": "T1", "amount": 9 }),
+        )],
+    );
+    let _engine = env.start(registry(servers(&[("shop", &shop)])), env.config());
+    let input = json!({ "mcp": ["shop"], "approval": ["mcp__shop__refnd"] });
+    env.submit_job(job(&env, "typo", input)).await;
+    let dead = env.wait_for("typo", JobState::Dead, WAIT).await;
+    assert_eq!(dead.last_error.unwrap().code, "invalid_input");
+    assert!(
+        shop.keys_of("refund").await.is_empty(),
+        "the refund never ran"
+    );
+    assert_eq!(env.provider.requests().len(), 0, "no model call was paid");
 }

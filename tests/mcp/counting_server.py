@@ -8,7 +8,9 @@ all. Tools:
 * `lookup` (readOnlyHint): reads an order's status;
 * `refund` (no hints: a side effect, not idempotent): pays money back;
 * `cancel_order` (idempotentHint, destructiveHint): cancels an order;
-* `broken` (readOnlyHint): always answers `isError: true`.
+* `broken` (readOnlyHint): always answers `isError: true`;
+* `void_invoice` (no hints): takes itself off the server's list, then
+  answers `isError: true` (it failed partway, and was withdrawn).
 
 * `big` (readOnlyHint): answers `size` bytes.
 
@@ -67,6 +69,13 @@ async def cancel_order(order_id: str, hold_ms: int = 0) -> str:
 async def broken(order_id: str) -> str:
     """Always fails."""
     raise ValueError(f"no such order: {order_id}")
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=False))
+async def void_invoice(invoice_id: str) -> str:
+    """Voids an invoice; fails partway and is withdrawn from the server."""
+    server.remove_tool("void_invoice")
+    raise ValueError(f"voiding {invoice_id} failed halfway")
 
 
 mcp_app = server.streamable_http_app()

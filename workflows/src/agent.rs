@@ -334,14 +334,12 @@ impl Workflow for Agent {
             Vec::new()
         } else {
             let (servers, wanted, timeout) = (&self.mcp, &input.mcp, ctx.tool_timeout());
-            let attempt = ctx.attempt().max(1) as u32;
             ctx.step(MCP_TOOLS_STEP, |step| async move {
                 let how = crate::mcp::Listing {
                     client: &step.client,
                     guard: &step.guard,
                     timeout,
                     response_limit: step.response_limit,
-                    attempt,
                 };
                 crate::mcp::list(servers, wanted, how).await
             })
@@ -416,7 +414,7 @@ impl Workflow for Agent {
                     continue;
                 }
                 if let Some(pinned) = mcp_tool {
-                    let key = crate::mcp::idempotency_key(ctx.job_id(), id, nth);
+                    let key = crate::mcp::idempotency_key(&ctx.job_key(), id, nth);
                     let result = self
                         .call_mcp(ctx, pinned, (turn, index), id, key, &arguments)
                         .await?;
@@ -432,17 +430,14 @@ impl Workflow for Agent {
                         .iter()
                         .any(|d| d["function"]["name"].as_str() == Some(name)) =>
                     {
-                        return Err(StepError::Retry {
-                            error: ErrorEnvelope {
-                                code: "tool_unavailable".to_owned(),
-                                message: format!(
-                                    "this job's agent has tool {name:?}, and this node's does not"
-                                ),
-                                retryable: true,
-                            },
-                            attempt: ctx.attempt().max(1) as u32,
-                            retry_after: None,
-                        })
+                        let error = ErrorEnvelope {
+                            code: "tool_unavailable".to_owned(),
+                            message: format!(
+                                "this job's agent has tool {name:?}, and this node's does not"
+                            ),
+                            retryable: true,
+                        };
+                        return Err(ctx.retry(&format!("tool-unavailable:{name}"), error).await);
                     }
                     None => {
                         return Err(StepError::permanent(
@@ -493,18 +488,16 @@ impl Agent {
         let Some(server) = self.mcp.get(&pinned.server).cloned() else {
             // Pinned for this job, unknown to this node's configuration:
             // another node (or this one after its deploy) may have it.
-            return Err(StepError::Retry {
-                error: ErrorEnvelope {
-                    code: "tool_unavailable".to_owned(),
-                    message: format!(
-                        "this job's agent uses MCP server {:?}, which this node does not have",
-                        pinned.server
-                    ),
-                    retryable: true,
-                },
-                attempt: ctx.attempt().max(1) as u32,
-                retry_after: None,
-            });
+            let error = ErrorEnvelope {
+                code: "tool_unavailable".to_owned(),
+                message: format!(
+                    "this job's agent uses MCP server {:?}, which this node does not have",
+                    pinned.server
+                ),
+                retryable: true,
+            };
+            let name = format!("mcp-server-unavailable:{}", pinned.server);
+            return Err(ctx.retry(&name, error).await);
         };
         let name = pinned.name();
         let call = onceflow_engine::ToolCall {

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use onceflow_engine::context::TOOL_OUTCOME_UNKNOWN;
 use onceflow_engine::error::ErrorEnvelope;
+use onceflow_engine::rules::keys::JobKey;
 use onceflow_engine::{SendMode, StepError, ToolInvocation, UrlGuard};
 use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock, RequestMetaObject};
 use rmcp::service::{RoleClient, RunningService};
@@ -256,18 +257,19 @@ pub const MAX_TOOLS_PER_SERVER: usize = 128;
 /// every turn).
 pub const MAX_DEFINITION_BYTES: usize = 1 << 20;
 
-/// A retryable `mcp_unavailable`, counted as the job's `attempt`-th try.
+/// A retryable `mcp_unavailable`, counted against a retry budget by the
+/// engine: the listing's step's, or the tool ledger's for a call.
 /// The message is fixed: the transport's own text names the URL (and may
 /// quote the server's answer), which are the operator's, not the job
 /// owner's; it goes to the node's log instead.
-fn unavailable(server: &str, what: &str, attempt: u32) -> StepError {
+fn unavailable(server: &str, what: &str) -> StepError {
     StepError::Retry {
         error: ErrorEnvelope {
             code: UNAVAILABLE.to_owned(),
             message: format!("MCP server {server:?} could not be reached ({what})"),
             retryable: true,
         },
-        attempt,
+        attempt: 1,
         retry_after: None,
     }
 }
@@ -305,7 +307,7 @@ async fn connect(
     let transport = StreamableHttpClientTransport::with_client(client, config);
     ().serve(transport).await.map_err(|e| {
         tracing::warn!(server = name, url = %server.shown(), error = %e, "could not open an MCP session");
-        unavailable(name, "no session", 1)
+        unavailable(name, "no session")
     })
 }
 
@@ -327,8 +329,6 @@ pub struct Listing<'a> {
     pub timeout: Duration,
     /// Largest answer read.
     pub response_limit: usize,
-    /// The job's attempt: a failure counts against its retry budget.
-    pub attempt: u32,
 }
 
 /// Whether `name` may be offered to a model: OpenAI's and Anthropic's
@@ -358,35 +358,24 @@ pub async fn list(
         guard,
         timeout,
         response_limit,
-        attempt,
     } = how;
     let mut pinned = Vec::new();
     for name in wanted {
         let Some(server) = servers.get(name) else {
-            return Err(unavailable(name, "this node has no such server", attempt));
+            return Err(unavailable(name, "this node has no such server"));
         };
         let listed = tokio::time::timeout(timeout, async {
             let limit = response_limit.max(MAX_DEFINITION_BYTES);
             let service = connect(name, server, client.clone(), guard, limit).await?;
             let tools = service.peer().list_all_tools().await.map_err(|e| {
                 tracing::warn!(server = name.as_str(), error = %e, "tools/list failed");
-                unavailable(name, "tools/list failed", attempt)
+                unavailable(name, "tools/list failed")
             });
             close(service);
             tools
         })
         .await
-        .map_err(|_| unavailable(name, "tools/list took too long", attempt))?
-        .map_err(|e| match e {
-            StepError::Retry {
-                error, retry_after, ..
-            } => StepError::Retry {
-                error,
-                attempt,
-                retry_after,
-            },
-            other => other,
-        })?;
+        .map_err(|_| unavailable(name, "tools/list took too long"))??;
         if listed.len() > MAX_TOOLS_PER_SERVER {
             return Err(too_large(name, format!("{} tools", listed.len())));
         }
@@ -426,14 +415,18 @@ fn too_large(server: &str, what: String) -> StepError {
     )
 }
 
-/// `job:{id}:tool:{tool_call_id}`, or `…#{n}` for the `n`-th call in the
+/// `job:{id}:tool:{tool_call_id}` (`job:{id}#{n}:…` for a later
+/// incarnation of the id), or `…#{n}` for the `n`-th call in the
 /// conversation under an id the provider used before (as a wait's key):
 /// the key every `tools/call` of this call carries in `params._meta`, the
-/// same on every attempt.
-pub fn idempotency_key(job_id: &str, tool_call_id: &str, nth: usize) -> String {
+/// same on every attempt. A `#` or `%` in the provider's id is escaped
+/// (`%23`, `%25`), so no id's key is another call's.
+pub fn idempotency_key(job: &JobKey, tool_call_id: &str, nth: usize) -> String {
+    let id = tool_call_id.replace('%', "%25").replace('#', "%23");
+    let job = job.as_str();
     match nth {
-        0 | 1 => format!("job:{job_id}:tool:{tool_call_id}"),
-        n => format!("job:{job_id}:tool:{tool_call_id}#{n}"),
+        0 | 1 => format!("{job}:tool:{id}"),
+        n => format!("{job}:tool:{id}#{n}"),
     }
 }
 
@@ -442,7 +435,11 @@ pub fn idempotency_key(job_id: &str, tool_call_id: &str, nth: usize) -> String {
 /// a refusal of the request itself (JSON-RPC invalid request or params,
 /// no such method), is a result the model reads — unless a fresh
 /// `tools/list` shows the server no longer has the tool: then it is
-/// `tool_unavailable`, retried (nothing ran). A server that cannot be
+/// `tool_unavailable`, retried (nothing ran). A tool that may not run
+/// twice is never retried on its own error (it may have run partway): its
+/// server is asked whether it still lists the tool before the call is
+/// sent (`tool_unavailable`, nothing sent), and its error answer is what
+/// the model reads. A server that cannot be
 /// reached before the call is sent is retried. A call sent whose answer is
 /// lost (a dropped connection, an internal error, past the node's tool
 /// timeout, counted from before the session opens) is retried under the
@@ -483,11 +480,33 @@ pub async fn call(
         ),
     )
     .await
-    .map_err(|_| unavailable(name, "no session in time", 1))??;
+    .map_err(|_| unavailable(name, "no session in time"))??;
+    if tool.mode() == SendMode::AtMostOnce {
+        // A tool that may not run twice is never retried on its own error
+        // (it may have run partway), so whether the server still has it is
+        // asked before the call, while nothing has been sent.
+        let listed = tokio::time::timeout_at(deadline, service.peer().list_all_tools()).await;
+        let absent = match listed {
+            Ok(Ok(tools)) => !tools.iter().any(|t| t.name == tool.tool),
+            _ => {
+                close(service);
+                return Err(unavailable(name, "tools/list failed before the call"));
+            }
+        };
+        if absent {
+            close(service);
+            return Err(withdrawn(tool));
+        }
+    }
     // From here the call may reach the server.
     let answered = tokio::time::timeout_at(deadline, service.peer().call_tool(params)).await;
     let read = match answered {
         Ok(Ok(result)) if result.is_error != Some(true) => {
+            Ok(read_result(tool, &result, invocation.response_limit))
+        }
+        // A tool that may not run twice and answered with an error may
+        // have run partway: the model reads it, it is never sent again.
+        Ok(Ok(result)) if tool.mode() == SendMode::AtMostOnce => {
             Ok(read_result(tool, &result, invocation.response_limit))
         }
         Ok(Ok(result)) => {
@@ -513,6 +532,23 @@ pub async fn call(
     read
 }
 
+/// A retryable `tool_unavailable`: the server no longer lists the tool
+/// (nothing ran; a node whose server has it may run it).
+fn withdrawn(tool: &PinnedTool) -> StepError {
+    StepError::Retry {
+        error: ErrorEnvelope {
+            code: "tool_unavailable".to_owned(),
+            message: format!(
+                "MCP server {:?} no longer has tool {:?}",
+                tool.server, tool.tool
+            ),
+            retryable: true,
+        },
+        attempt: 1,
+        retry_after: None,
+    }
+}
+
 /// An error answer is what the model reads, unless the server no longer
 /// lists the tool: then no node can run it here (`tool_unavailable`).
 async fn gone_or(
@@ -523,18 +559,7 @@ async fn gone_or(
 ) -> Result<String, StepError> {
     let listed = tokio::time::timeout_at(deadline, service.peer().list_all_tools()).await;
     match listed {
-        Ok(Ok(tools)) if !tools.iter().any(|t| t.name == tool.tool) => Err(StepError::Retry {
-            error: ErrorEnvelope {
-                code: "tool_unavailable".to_owned(),
-                message: format!(
-                    "MCP server {:?} no longer has tool {:?}",
-                    tool.server, tool.tool
-                ),
-                retryable: true,
-            },
-            attempt: 1,
-            retry_after: None,
-        }),
+        Ok(Ok(tools)) if !tools.iter().any(|t| t.name == tool.tool) => Err(withdrawn(tool)),
         _ => Ok(text),
     }
 }

@@ -228,6 +228,13 @@ impl Context {
         &self.fence.job_id
     }
 
+    /// The prefix of every key of this incarnation of the job (`job:{id}`,
+    /// `job:{id}#{n}` for an id submitted again after its job was purged):
+    /// build a side effect's own key on it, never on the bare id.
+    pub fn job_key(&self) -> crate::rules::keys::JobKey {
+        self.fence.key()
+    }
+
     /// This attempt's number (1 on the first run).
     pub fn attempt(&self) -> i32 {
         self.fence.attempt

@@ -72,6 +72,27 @@ impl Context {
         self.run_step(name, key, work).await
     }
 
+    /// A retryable failure of the body itself (not of a step's work), with
+    /// a retry budget of its own: counted in the journal under
+    /// `job:{id}:retry:{name}`, so the job runs again after a backoff until
+    /// `name` has failed the policy's number of times, then is dead
+    /// (`retry budget exhausted after N sends`). Waits, other steps and
+    /// other names spend none of it (unlike [`attempt`](Self::attempt),
+    /// which counts every lease of the job); a redrive gives a fresh one.
+    /// Return what it gives: `return Err(ctx.retry("tool-missing", error).await)`.
+    pub async fn retry(&self, name: &str, error: crate::ErrorEnvelope) -> StepError {
+        let key = keys::retry(&self.fence.key(), name);
+        match self.store.journal().fail_step(&self.fence, &key).await {
+            Ok(Some(failures)) => StepError::Retry {
+                error,
+                attempt: failures,
+                retry_after: None,
+            },
+            Ok(None) => StepError::LeaseLost,
+            Err(e) => StepError::Store(e),
+        }
+    }
+
     /// Runs several steps at once, each as [`step`](Self::step) runs one:
     /// fenced before its work, journaled under `job:{id}:step:{name}` when
     /// it succeeds, replayed on a rerun. Outputs come in the order given.

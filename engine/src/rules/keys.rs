@@ -70,6 +70,12 @@ pub fn step(job: &JobKey, name: &str) -> String {
     format!("{}:step:{name}", job.0)
 }
 
+/// The key a body's own retryable failure `name` is counted under
+/// (`job:{id}:retry:{name}`): its retry budget ([`Context::retry`](crate::Context::retry)).
+pub fn retry(job: &JobKey, name: &str) -> String {
+    format!("{}:retry:{name}", job.0)
+}
+
 /// The key of timer `name` (`job:{id}:sleep:{name}`).
 pub fn sleep(job: &JobKey, name: &str) -> String {
     format!("{}:sleep:{name}", job.0)
