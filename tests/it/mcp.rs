@@ -401,6 +401,8 @@ async fn a_server_down_at_tools_list_is_retried_then_a_clear_error() {
     let error = dead.last_error.expect("a recorded error");
     assert_eq!(error.code, "mcp_unavailable");
     assert!(error.message.contains("\"gone\""), "{}", error.message);
+    // The server's address is the operator's: the job's owner reads its name.
+    assert!(!error.message.contains("127.0.0.1"), "{}", error.message);
     assert_eq!(dead.attempts, 6, "retried to the budget of 6");
     assert_eq!(env.provider.requests().len(), 0, "no model call was paid");
 }
@@ -463,6 +465,16 @@ async fn approval_destructive_asks_before_a_tool_that_may_change_things() {
         vec![
             ("call_l", "mcp__shop__lookup", json!({ "order_id": "B2" })),
             (
+                "call_n",
+                "mcp__shop__annotate",
+                json!({ "order_id": "B2", "note": "called" }),
+            ),
+            (
+                "call_c",
+                "mcp__shop__cancel_order",
+                json!({ "order_id": "B2" }),
+            ),
+            (
                 "call_r",
                 "mcp__shop__refund",
                 json!({ "order_id": "B2", "amount": 9 }),
@@ -478,30 +490,59 @@ async fn approval_destructive_asks_before_a_tool_that_may_change_things() {
         json!({ "mcp": ["shop"], "approval": "destructive" }),
     ))
     .await;
-    // The read-only lookup ran unasked; the refund waits for a person.
-    let waiting = wait_until(WAIT, || async {
-        env.job("mcp-ap")
+    let waits_for = |name: &'static str| {
+        let env = &env;
+        async move {
+            wait_until(WAIT, || async {
+                env.job("mcp-ap")
+                    .await
+                    .waiting
+                    .is_some_and(|w| w["kind"] == "approval" && w["name"] == name)
+            })
             .await
-            .waiting
-            .is_some_and(|w| w["kind"] == "approval")
-    })
-    .await;
-    let job_now = env.job("mcp-ap").await;
-    assert!(waiting, "{job_now:?}");
-    assert_eq!(job_now.waiting.unwrap()["name"], "approval:call_r");
+        }
+    };
+    let approve = |name: &'static str| {
+        let base = base.clone();
+        async move {
+            let r = client()
+                .post(format!("{base}/v1/jobs/mcp-ap/signals/{name}"))
+                .json(&json!({ "id": format!("ok-{name}"), "payload": { "approved": true } }))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 202);
+        }
+    };
+    // The read-only lookup and the non-destructive note ran unasked; the
+    // idempotent but destructive cancel waits for a person.
+    assert!(
+        waits_for("approval:call_c").await,
+        "{:?}",
+        env.job("mcp-ap").await
+    );
     assert_eq!(shop.keys_of("lookup").await, ["job:mcp-ap:tool:call_l"]);
+    assert_eq!(shop.keys_of("annotate").await, ["job:mcp-ap:tool:call_n"]);
+    assert!(shop.keys_of("cancel_order").await.is_empty());
     assert!(shop.keys_of("refund").await.is_empty());
-
-    let r = client()
-        .post(format!("{base}/v1/jobs/mcp-ap/signals/approval:call_r"))
-        .json(&json!({ "id": "ok-1", "payload": { "approved": true } }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 202);
+    approve("approval:call_c").await;
+    // Then the refund (no hints) waits, the cancel done once.
+    assert!(
+        waits_for("approval:call_r").await,
+        "{:?}",
+        env.job("mcp-ap").await
+    );
+    assert_eq!(
+        shop.keys_of("cancel_order").await,
+        ["job:mcp-ap:tool:call_c"]
+    );
+    assert!(shop.keys_of("refund").await.is_empty());
+    approve("approval:call_r").await;
     env.wait_for("mcp-ap", JobState::Acked, WAIT).await;
     assert_eq!(shop.keys_of("refund").await, ["job:mcp-ap:tool:call_r"]);
     assert_eq!(shop.keys_of("lookup").await.len(), 1);
+    assert_eq!(shop.keys_of("annotate").await.len(), 1);
+    assert_eq!(shop.keys_of("cancel_order").await.len(), 1);
 }
 
 #[actix_rt::test]
@@ -590,7 +631,9 @@ async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
         "the read-only tool was called again, under the same key"
     );
     let dead = env.wait_for("kill-pay", JobState::Dead, WAIT).await;
-    assert_eq!(dead.last_error.unwrap().code, "tool_outcome_unknown");
+    let error = dead.last_error.unwrap();
+    assert_eq!(error.code, "tool_outcome_unknown");
+    assert!(!error.message.contains("127.0.0.1"), "{}", error.message);
     assert_eq!(
         shop.keys_of("refund").await,
         ["job:kill-pay:tool:call_k"],
@@ -626,6 +669,10 @@ async fn a_kill_9_mid_call_repeats_only_the_tool_that_says_it_is_safe() {
         (409, Some("tool_outcome_unknown")),
         "{body}"
     );
+    // Refused means nothing moved: a second later the job is still dead
+    // and the refund still sent once.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(env.job("kill-pay").await.state, JobState::Dead);
     assert_eq!(shop.keys_of("refund").await.len(), 1);
     let (status, body) = redrive(true).await;
     assert_eq!(status, 202, "{body}");
@@ -824,7 +871,9 @@ async fn a_call_timed_out_on_a_live_node_is_sent_again_only_when_safe() {
         ["job:t-look:tool:call_t", "job:t-look:tool:call_t"]
     );
     let dead = env.wait_for("t-pay", JobState::Dead, WAIT).await;
-    assert_eq!(dead.last_error.unwrap().code, "tool_outcome_unknown");
+    let error = dead.last_error.unwrap();
+    assert_eq!(error.code, "tool_outcome_unknown");
+    assert!(!error.message.contains("127.0.0.1"), "{}", error.message);
     assert_eq!(shop.keys_of("refund").await, ["job:t-pay:tool:call_t"]);
     let status = env
         .sql("SELECT status::text AS status FROM tool_calls WHERE job_id = 't-pay'")
@@ -860,7 +909,7 @@ async fn a_call_timed_out_on_a_live_node_is_sent_again_only_when_safe() {
 
 /// A provider that gives every call the same id: each MCP call still has a
 /// key of its own (`…#2` for the second), so a server that drops repeats
-/// by key runs both.
+/// by key runs both; a retry that replays them sends neither again.
 #[actix_rt::test]
 async fn a_reused_tool_call_id_gives_each_mcp_call_its_own_key() {
     let env = TestEnv::new().await;
@@ -876,10 +925,21 @@ async fn a_reused_tool_call_id_gives_each_mcp_call_its_own_key() {
         };
         crate::agent::chat_answer(request, n, message)
     });
+    // The last turn fails once: its retry replays both calls from the
+    // ledger, counting the reused id again as the first attempt did.
+    env.provider.push(onceflow_engine::testkit::Behaviour::Ok);
+    env.provider.push(onceflow_engine::testkit::Behaviour::Ok);
+    env.provider
+        .push(onceflow_engine::testkit::Behaviour::Status(500, None));
     let _engine = env.start(registry(servers(&[("shop", &shop)])), env.config());
     env.submit_job(job(&env, "reuse", json!({ "mcp": ["shop"] })))
         .await;
-    env.wait_for("reuse", JobState::Acked, WAIT).await;
+    let done = env.wait_for("reuse", JobState::Acked, WAIT).await;
+    assert!(
+        done.attempts >= 2,
+        "the last turn was retried: {}",
+        done.attempts
+    );
     assert_eq!(
         shop.keys_of("refund").await,
         ["job:reuse:tool:call_same", "job:reuse:tool:call_same#2"]

@@ -8,6 +8,7 @@ all. Tools:
 * `lookup` (readOnlyHint): reads an order's status;
 * `refund` (no hints: a side effect, not idempotent): pays money back;
 * `cancel_order` (idempotentHint, destructiveHint): cancels an order;
+* `annotate` (destructiveHint false): adds a note to an order;
 * `broken` (readOnlyHint): always answers `isError: true`;
 * `void_invoice` (no hints): takes itself off the server's list, then
   answers `isError: true` (it failed partway, and was withdrawn).
@@ -63,6 +64,12 @@ async def cancel_order(order_id: str, hold_ms: int = 0) -> str:
     """Cancels an order (cancelling it twice is cancelling it once)."""
     await asyncio.sleep(hold_ms / 1000)
     return f"order {order_id} is cancelled"
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False))
+async def annotate(order_id: str, note: str) -> str:
+    """Adds a note to an order (a change, never a destructive one)."""
+    return f"noted on order {order_id}: {note}"
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
