@@ -80,7 +80,7 @@ impl Context {
     /// other names spend none of it (unlike [`attempt`](Self::attempt),
     /// which counts every lease of the job); a redrive gives a fresh one.
     /// Return what it gives: `return Err(ctx.retry("tool-missing", error).await)`.
-    pub async fn retry(&self, name: &str, error: crate::ErrorEnvelope) -> StepError {
+    pub async fn retry(&self, name: &str, error: crate::error::ErrorEnvelope) -> StepError {
         let key = keys::retry(&self.fence.key(), name);
         match self.store.journal().fail_step(&self.fence, &key).await {
             Ok(Some(failures)) => StepError::Retry {

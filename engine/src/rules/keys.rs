@@ -71,7 +71,7 @@ pub fn step(job: &JobKey, name: &str) -> String {
 }
 
 /// The key a body's own retryable failure `name` is counted under
-/// (`job:{id}:retry:{name}`): its retry budget ([`Context::retry`](crate::Context::retry)).
+/// (`job:{id}:retry:{name}`): its retry budget (`Context::retry`).
 pub fn retry(job: &JobKey, name: &str) -> String {
     format!("{}:retry:{name}", job.0)
 }
