@@ -267,7 +267,9 @@ impl Workflow for Posting {
     type Output = String;
 
     async fn run(&self, ctx: &mut Context, _input: Value) -> Result<String, StepError> {
-        ctx.sleep("nap", Duration::from_millis(10)).await?;
+        // Long enough to be a wait of its own (one more lease), not over
+        // before its own statement returns.
+        ctx.sleep("nap", Duration::from_millis(150)).await?;
         let url = self.url.clone();
         let job = ctx.job_id().to_owned();
         ctx.step("post", |step| async move {
@@ -351,7 +353,7 @@ impl Workflow for Missing {
 
     async fn run(&self, ctx: &mut Context, _input: Value) -> Result<Value, StepError> {
         for i in 0..7 {
-            ctx.sleep(&format!("nap-{i}"), Duration::from_millis(5))
+            ctx.sleep(&format!("nap-{i}"), Duration::from_millis(100))
                 .await?;
         }
         self.failed.fetch_add(1, Ordering::SeqCst);

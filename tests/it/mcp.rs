@@ -949,23 +949,32 @@ async fn a_reused_tool_call_id_gives_each_mcp_call_its_own_key() {
 /// A tool that may not run twice (no hints) and answers with an error may
 /// have run partway: even when a fresh `tools/list` shows it withdrawn
 /// meanwhile, it is not sent again (no `tool_unavailable` retry); the
-/// model reads its error, and the server heard one call.
+/// model reads its error. The model's next call of it, now that the server
+/// no longer lists it, is not sent at all: `tool_unavailable`, retried to
+/// the budget. The server heard one call.
 #[actix_rt::test]
 async fn a_tool_that_may_not_run_twice_and_errs_is_never_sent_again() {
     let env = TestEnv::new().await;
     let shop = McpServer::counting().await;
-    script(
-        &env,
-        vec![(
-            "call_v",
-            "mcp__shop__void_invoice",
-            json!({ "invoice_id": "I-7" }),
-        )],
-    );
+    env.provider.respond_with(|request, n| {
+        let messages = request["messages"].as_array().cloned().unwrap_or_default();
+        let answers = messages.iter().filter(|m| m["role"] == "tool").count();
+        let id = ["call_v", "call_w"];
+        let message = match id.get(answers) {
+            Some(id) => crate::agent::tool_calls_message(&[(
+                id,
+                "mcp__shop__void_invoice",
+                json!({ "invoice_id": "I-7" }),
+            )]),
+            None => json!({ "role": "assistant", "content": format!("done #{n}") }),
+        };
+        crate::agent::chat_answer(request, n, message)
+    });
     let _engine = env.start(registry(servers(&[("shop", &shop)])), env.config());
     env.submit_job(job(&env, "void", json!({ "mcp": ["shop"] })))
         .await;
-    env.wait_for("void", JobState::Acked, WAIT).await;
+    let dead = env.wait_for("void", JobState::Dead, WAIT).await;
+    assert_eq!(dead.last_error.unwrap().code, "tool_unavailable");
     assert_eq!(shop.keys_of("void_invoice").await, ["job:void:tool:call_v"]);
     let answers = tool_answers(&env);
     assert_eq!(answers.len(), 1, "{answers:?}");

@@ -256,7 +256,8 @@ impl Context {
 /// drain or a crash ends the batch at once (the branches still running are
 /// dropped mid-way, as a killed process would leave them); otherwise every
 /// branch runs to its end, and the worst failure (a permanent one over a
-/// retry) is the batch's, or else every branch's output, in order.
+/// retry, and the retry with the most of its budget spent over another) is
+/// the batch's, or else every branch's output, in order.
 async fn gather<T>(
     n: usize,
     mut running: impl futures_util::Stream<Item = (usize, Result<T, StepError>)> + Unpin,
@@ -273,10 +274,17 @@ async fn gather<T>(
                 | StepError::Injected(crate::faults::Injected::Crash(_))),
             ) => return Err(e),
             Err(e) => {
-                let worse = matches!(
-                    (&failed, &e),
-                    (None, _) | (Some(StepError::Retry { .. }), StepError::Permanent { .. })
-                );
+                // A retry with more of its budget spent is worse too: the
+                // batch's verdict is that of its most spent branch.
+                let worse = match (&failed, &e) {
+                    (None, _) => true,
+                    (Some(StepError::Retry { .. }), StepError::Permanent { .. }) => true,
+                    (
+                        Some(StepError::Retry { attempt: was, .. }),
+                        StepError::Retry { attempt: now, .. },
+                    ) => now > was,
+                    _ => false,
+                };
                 if worse {
                     failed = Some(e);
                 }

@@ -200,17 +200,17 @@ impl Context {
             Err(StepError::Retry {
                 error, retry_after, ..
             }) => {
+                let failures = self.store.journal().fail_step(&self.fence, &key).await?;
+                let Some(failures) = failures else {
+                    span.end(OUTCOME_SUPPRESSED);
+                    return Err(StepError::LeaseLost);
+                };
                 span.end(OUTCOME_FAILED);
-                return Err(
-                    match self.store.journal().fail_step(&self.fence, &key).await? {
-                        Some(failures) => StepError::Retry {
-                            error,
-                            attempt: failures,
-                            retry_after,
-                        },
-                        None => StepError::LeaseLost,
-                    },
-                );
+                return Err(StepError::Retry {
+                    error,
+                    attempt: failures,
+                    retry_after,
+                });
             }
             Err(other) => {
                 span.end(OUTCOME_FAILED);
