@@ -439,13 +439,12 @@ pub fn idempotency_key(job: &JobKey, tool_call_id: &str, nth: usize) -> String {
 /// twice is never retried on its own error (it may have run partway): its
 /// server is asked whether it still lists the tool before the call is
 /// sent (`tool_unavailable`, nothing sent), and its error answer is what
-/// the model reads. A server that cannot be
-/// reached before the call is sent is retried. A call sent whose answer is
-/// lost (a dropped connection, an internal error, past the node's tool
-/// timeout, counted from before the session opens) is retried under the
-/// same key for a read-only or idempotent tool and is
-/// `tool_outcome_unknown` for any other. An answer over the node's bound
-/// is a result saying so.
+/// the model reads. A server that cannot be reached before the call is
+/// sent is retried. A call sent whose answer is lost (a dropped
+/// connection, an internal error, past the node's tool timeout, counted
+/// from before the session opens) is retried under the same key for a
+/// read-only or idempotent tool and is `tool_outcome_unknown` for any
+/// other. An answer over the node's bound is a result saying so.
 pub async fn call(
     server: &McpServer,
     tool: &PinnedTool,
@@ -485,17 +484,16 @@ pub async fn call(
         // A tool that may not run twice is never retried on its own error
         // (it may have run partway), so whether the server still has it is
         // asked before the call, while nothing has been sent.
-        let listed = tokio::time::timeout_at(deadline, service.peer().list_all_tools()).await;
-        let absent = match listed {
-            Ok(Ok(tools)) => !tools.iter().any(|t| t.name == tool.tool),
-            _ => {
+        match still_listed(&service, tool, deadline).await {
+            Some(true) => {}
+            Some(false) => {
+                close(service);
+                return Err(withdrawn(tool));
+            }
+            None => {
                 close(service);
                 return Err(unavailable(name, "tools/list failed before the call"));
             }
-        };
-        if absent {
-            close(service);
-            return Err(withdrawn(tool));
         }
     }
     // From here the call may reach the server.
@@ -557,10 +555,26 @@ async fn gone_or(
     deadline: tokio::time::Instant,
     text: String,
 ) -> Result<String, StepError> {
-    let listed = tokio::time::timeout_at(deadline, service.peer().list_all_tools()).await;
-    match listed {
-        Ok(Ok(tools)) if !tools.iter().any(|t| t.name == tool.tool) => Err(withdrawn(tool)),
+    match still_listed(service, tool, deadline).await {
+        Some(false) => Err(withdrawn(tool)),
         _ => Ok(text),
+    }
+}
+
+/// Whether the server lists `tool` now (a fresh `tools/list` within the
+/// call's deadline); `None` when it could not say.
+async fn still_listed(
+    service: &RunningService<RoleClient, ()>,
+    tool: &PinnedTool,
+    deadline: tokio::time::Instant,
+) -> Option<bool> {
+    match tokio::time::timeout_at(deadline, service.peer().list_all_tools()).await {
+        Ok(Ok(tools)) => Some(tools.iter().any(|t| t.name == tool.tool)),
+        Ok(Err(e)) => {
+            tracing::warn!(server = tool.server.as_str(), error = %e, "tools/list failed");
+            None
+        }
+        Err(_) => None,
     }
 }
 

@@ -82,7 +82,7 @@ impl Context {
     /// Return what it gives: `return Err(ctx.retry("tool-missing", error).await)`.
     pub async fn retry(&self, name: &str, error: crate::error::ErrorEnvelope) -> StepError {
         let key = keys::retry(&self.fence.key(), name);
-        match self.store.journal().fail_step(&self.fence, &key).await {
+        match self.store.journal().count_failure(&self.fence, &key).await {
             Ok(Some(failures)) => StepError::Retry {
                 error,
                 attempt: failures,
@@ -200,7 +200,11 @@ impl Context {
             Err(StepError::Retry {
                 error, retry_after, ..
             }) => {
-                let failures = self.store.journal().fail_step(&self.fence, &key).await?;
+                let failures = self
+                    .store
+                    .journal()
+                    .count_failure(&self.fence, &key)
+                    .await?;
                 let Some(failures) = failures else {
                     span.end(OUTCOME_SUPPRESSED);
                     return Err(StepError::LeaseLost);

@@ -360,17 +360,18 @@ impl Journal<'_> {
         .await
     }
 
-    /// Counts a retryable failure of step `key` under the attempt's fence:
-    /// how many times the step has now failed (its spent retry budget), or
-    /// `None` when the attempt no longer holds the job. Counted per step,
-    /// not per job attempt: waits and other steps spend none of it.
-    pub async fn fail_step(self, fence: &Fence, key: &str) -> Result<Option<u32>, StoreError> {
+    /// Counts a retryable failure under `key` (a step's, or a body's own
+    /// named by `ctx.retry`) under the attempt's fence: how many times it
+    /// has now failed (its spent retry budget), or `None` when the attempt
+    /// no longer holds the job. Counted per key, not per job attempt: waits
+    /// and other keys spend none of it.
+    pub async fn count_failure(self, fence: &Fence, key: &str) -> Result<Option<u32>, StoreError> {
         #[derive(QueryableByName)]
         struct Failures {
             #[diesel(sql_type = diesel::sql_types::Integer)]
             failures: i32,
         }
-        retrying!(self, "fail_step", async || {
+        retrying!(self, "count_failure", async || {
             let mut conn = self.db().conn().await?;
             conn.transaction::<_, StoreError, _>(async move |conn| {
                 if !Store::hold_fence(conn, fence).await? {
